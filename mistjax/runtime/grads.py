@@ -1,0 +1,189 @@
+"""The loss-and-gradient computation a plan prescribes, as one shard_map over the DP axes.
+
+Inside the shard_map every device holds its own micro-batches (manual ``replica`` / ``shard``
+axes) while ``tensor`` stays under GSPMD. Per micro-batch, the model runs with its layer scan
+replaced by the plan's layer loop (remat, per-layer ZeRO-3 gathers, sequence-parallel
+constraints); gradients are synchronised explicitly so the collectives are exactly the plan's:
+
+- ZeRO-3: parameters all-gathered per layer; autodiff turns the gather into a reduce-scatter
+  over the partition group for every micro-batch (hop 1).
+- ZeRO-2: gradients reduce-scattered over the partition group every micro-batch (hop 1).
+- ZeRO-1 / none: gradients accumulate locally; one reduce-scatter (ZeRO-1) or all-reduce at the
+  end of the step.
+- MiCS (partition group smaller than DP): the accumulated shards are all-reduced across
+  replicas once per step, as one bucket (hop 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from mistjax.plan import Plan, PlanError
+from mistjax.runtime.remat import make_layer_loop
+from mistjax.runtime.sharding import DP_AXES, PARAM, LeafLayout
+from mistjax.trace.split import evaluate, trace_loss
+
+MANUAL_AXES = frozenset({"stage", "replica", "shard"})
+
+
+@dataclass(frozen=True)
+class GradSpec:
+    """How one parameter leaf's gradient is reduced."""
+
+    layout: LeafLayout
+    zero: int  # ZeRO stage of the stage owning this leaf (0-3)
+
+    @property
+    def weights_sharded(self) -> bool:
+        return self.layout.sharded and self.layout.role == PARAM
+
+    @property
+    def scatter_each_microbatch(self) -> bool:  # ZeRO-2 without ZeRO-3 (ZeRO-3 scatters via autodiff)
+        return self.zero == 2 and self.layout.shard_dim is not None
+
+    @property
+    def out_sharded(self) -> bool:  # returned gradient is split over `shard` (ZeRO >= 1)
+        return self.zero >= 1 and self.layout.shard_dim is not None
+
+
+def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> list[jax.Array]:
+    """All-reduce several arrays as one flat bucket per dtype (one collective, not one per leaf)."""
+    out: list[jax.Array | None] = [None] * len(values)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, v in enumerate(values):
+        by_dtype.setdefault(v.dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = lax.psum(jnp.concatenate([values[i].reshape(-1) for i in idx]), axis)
+        offset = 0
+        for i in idx:
+            n = values[i].size
+            out[i] = flat[offset: offset + n].reshape(values[i].shape)
+            offset += n
+    return out  # type: ignore[return-value]
+
+
+def _split_microbatches(x: jax.Array, g: int) -> jax.Array:
+    """[B_local, ...] -> [G, B_local / G, ...] without moving rows across devices."""
+    if x.shape[0] % g:
+        raise PlanError(f"a local batch of {x.shape[0]} rows does not split into {g} micro-batches")
+    return x.reshape((x.shape[0] // g, g) + x.shape[1:]).swapaxes(0, 1)
+
+
+def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, rest: tuple[Any, ...], *,
+                           plan: Plan, mesh: Mesh, layouts: Sequence[LeafLayout], global_batch: int) -> Any:
+    """``jax.value_and_grad(fun, has_aux)(params, *rest)`` run the way `plan` says.
+
+    Args:
+      fun: the user's loss function.
+      params: differentiated argument (pytree); `layouts` gives each leaf's layout.
+      rest: other arguments; leaves whose leading dim equals `global_batch` are the batch.
+    """
+    if plan.num_stages > 1:
+        raise NotImplementedError("pipelined plans go through mistjax.runtime.pipeline")
+    stage = plan.stages[0]
+    p_leaves, p_tree = jax.tree.flatten(params)
+    r_leaves, r_tree = jax.tree.flatten(rest)
+    specs = [GradSpec(lay, stage.zero_stage if lay.role == PARAM else 0) for lay in layouts]
+    is_batch = [jnp.ndim(x) > 0 and x.shape[0] == global_batch for x in r_leaves]
+    G, dp, tp = plan.grad_accum, plan.dp, plan.tp
+    full_params = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves]
+
+    def gather(spec: GradSpec, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
+        if not spec.weights_sharded:
+            return None
+        axis = spec.layout.shard_dim - (1 if stacked_slice else 0)
+        return lambda x: lax.all_gather(x, "shard", axis=axis, tiled=True)
+
+    def sp_constraint(c: jax.Array) -> jax.Array:
+        if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
+            return lax.with_sharding_constraint(c, P(None, "tensor", None))
+        return c
+
+    def body(p_local: list[jax.Array], r_local: list[jax.Array]) -> Any:
+        mbs = [_split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
+        mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
+        traced = trace_loss(lambda p, *r: fun(p, *r), jax.tree.unflatten(p_tree, full_params),
+                            *jax.tree.unflatten(r_tree, mb0))
+        needs_stack = stage.remat_layers > 0 or any(s.weights_sharded and s.layout.stacked for s in specs)
+        layer_loop = None
+        if traced.stack is not None:
+            st = traced.stack
+            plan.check_layers(st.num_layers)
+            gathers = [None if i is None else gather(specs[i], True) for i in st.xs_leaf]
+            layer_loop = make_layer_loop(num_layers=st.num_layers, remat_layers=stage.remat_layers,
+                                         policy=stage.remat_policy, gather=gathers, carry_constraint=sp_constraint)
+        elif needs_stack:
+            traced.require_stack()
+        stacked = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
+
+        def read_param(i: int, v: jax.Array) -> jax.Array:
+            g = gather(specs[i], False) if i not in stacked else None
+            return v if g is None else g(v)
+
+        def mb_loss(pl: list[jax.Array], rl: list[jax.Array]) -> tuple[jax.Array, Any]:
+            outs = evaluate(traced, pl, rl, layer_loop=layer_loop, read_param=read_param)
+            out = jax.tree.unflatten(traced.out_tree, outs)
+            return (out[0], out[1]) if has_aux else (out, None)
+
+        def one(mb: list[jax.Array]) -> tuple[jax.Array, Any, list[jax.Array]]:
+            (loss, aux), g = jax.value_and_grad(mb_loss, has_aux=True)(p_local, mb)
+            g = [lax.psum_scatter(gi, "shard", scatter_dimension=s.layout.shard_dim, tiled=True)
+                 if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
+            return loss, aux, g
+
+        if G == 1:
+            loss, aux, acc = one(mb0)
+            loss_sum, aux_sum = loss, aux
+        else:
+            acc0 = [jnp.zeros(s.shape, s.dtype) for s in jax.eval_shape(one, mb0)[2]]
+
+            def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
+                mb = [x[i] if b else x for x, b in zip(mbs, is_batch)]
+                loss, aux, g = one(mb)
+                return [a + gi for a, gi in zip(acc, g)], (loss, aux)
+
+            acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
+            loss_sum = jnp.sum(losses)
+            aux_sum = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
+        grads = _finish_grads(acc, specs, plan)
+        scale = 1.0 / (dp * G)
+        grads = [g * jnp.asarray(scale, g.dtype) for g in grads]
+        loss = lax.psum(loss_sum, DP_AXES) * scale
+        aux = jax.tree.map(lambda a: lax.psum(a, DP_AXES) * scale if jnp.issubdtype(a.dtype, jnp.inexact)
+                           else lax.psum(a, DP_AXES), aux_sum)
+        return loss, grads, aux
+
+    in_specs = ([s.layout.manual_spec(sharded=s.weights_sharded) for s in specs],
+                [P(DP_AXES) if b else P() for b in is_batch])
+    out_specs = (P(), [s.layout.manual_spec(sharded=s.out_sharded) for s in specs], P())
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=MANUAL_AXES,
+                       check_vma=False)
+    loss, grads, aux = fn(p_leaves, r_leaves)
+    grads = jax.tree.unflatten(p_tree, grads)
+    return ((loss, aux), grads) if has_aux else (loss, grads)
+
+
+def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan) -> list[jax.Array]:
+    """End-of-step synchronisation: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter, MiCS hop 2."""
+    out = list(acc)
+    hop2: list[int] = []
+    for i, (g, s) in enumerate(zip(acc, specs)):
+        if s.zero >= 2 and s.layout.shard_dim is not None:
+            hop2.append(i)  # already reduced inside the partition group
+        elif s.zero == 1 and s.layout.shard_dim is not None:
+            out[i] = lax.psum_scatter(g, "shard", scatter_dimension=s.layout.shard_dim, tiled=True)
+            hop2.append(i)
+        else:
+            out[i] = lax.psum(g, DP_AXES)
+    if plan.replicas > 1 and hop2:
+        for i, v in zip(hop2, bucketed_psum([out[i] for i in hop2], "replica")):
+            out[i] = v
+    return out

@@ -1,0 +1,80 @@
+"""Remat (activation checkpointing) policies by name, and the layer loop that applies them.
+
+A stage with ``l`` layers and ``remat_layers = c`` runs its first ``l - c`` layers normally and
+checkpoints the last ``c`` (Mist's convention: the last blocks of a stage are recomputed, since
+their activations would be freed soonest anyway). ZeRO-3 weight gathers happen inside each
+layer and are tagged `GATHERED`, which no policy saves: the backward pass gathers again, so
+gathered weights never pile up as residuals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from mistjax.plan import PlanError
+
+GATHERED = "mistjax_gathered_weight"
+cp = jax.checkpoint_policies
+
+
+def remat_policy(name: str) -> Callable[..., Any]:
+    """The `jax.checkpoint` policy for a plan's remat policy name."""
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "dots":
+        return cp.dots_with_no_batch_dims_saveable
+    if name.startswith("names:"):
+        names = [n.strip() for n in name[len("names:"):].split(",") if n.strip()]
+        return cp.save_only_these_names(*names)
+    raise PlanError(f"unknown remat policy {name!r}; use full, dots or names:a,b")
+
+
+# Saves every residual except gathered weights: a non-checkpointed layer that gathers its
+# weights keeps its activations but re-gathers in the backward pass (ZeRO-3 semantics).
+SAVE_ALL_BUT_GATHERED = cp.save_anything_except_these_names(GATHERED)
+
+
+def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
+                    gather: Sequence[Callable[[Any], Any] | None],
+                    carry_constraint: Callable[[Any], Any] | None = None,
+                    ) -> Callable[..., tuple[list[Any], list[Any]]]:
+    """A layer loop for `mistjax.trace.split.evaluate`.
+
+    Args:
+      num_layers: layers in the stack this loop runs.
+      remat_layers: the last `remat_layers` layers are checkpointed with `policy`.
+      policy: remat policy name (full | dots | names:a,b).
+      gather: per scanned operand, a function that turns one layer's stored slice into the
+        slice used for compute (e.g. an all-gather over the ZeRO axis), or None.
+      carry_constraint: applied to the hidden state between layers (sequence parallelism).
+    """
+    n_plain = num_layers - remat_layers
+    any_gather = any(g is not None for g in gather)
+
+    def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any]
+             ) -> tuple[list[Any], list[Any]]:
+        def layer(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+            x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(gather, x)]
+            c, y = body(consts, c, x)
+            if carry_constraint is not None:
+                c = [carry_constraint(ci) for ci in c]
+            return c, y
+
+        plain = jax.checkpoint(layer, policy=SAVE_ALL_BUT_GATHERED) if any_gather else layer
+        segments = [(0, n_plain, plain), (n_plain, num_layers, jax.checkpoint(layer, policy=remat_policy(policy)))]
+        ys_parts = []
+        for start, end, fn in segments:
+            if end <= start:
+                continue
+            seg = xs if (start, end) == (0, num_layers) else [x[start:end] for x in xs]
+            carry, ys = jax.lax.scan(fn, carry, seg)
+            ys_parts.append(ys)
+        if len(ys_parts) == 1:
+            return carry, ys_parts[0]
+        return carry, [jax.numpy.concatenate(parts) for parts in zip(*ys_parts)]
+
+    return loop

@@ -1,0 +1,138 @@
+"""Map a plan onto the leaves of a train state: tensor-parallel dims, ZeRO/MiCS shard dims.
+
+Every array leaf of the state gets a `LeafLayout`: which dims are split over ``tensor``
+(Megatron column/row parallelism, read from the logical axis names the model attached to its
+parameters) and which dim, if any, is split over the ZeRO / MiCS ``shard`` axis. Storage
+sharding (how a leaf lives between steps) and compute sharding (how it is used inside a layer)
+differ, as in Levanter: a ZeRO-3 parameter is stored sharded and gathered per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mistjax.plan import Plan, PlanError
+
+# Logical axis names split over the `tensor` mesh axis (Megatron: attention heads, MLP hidden,
+# vocabulary); everything else (embed, head_dim, layers, ...) stays whole under TP.
+TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab")
+# Which non-tensor dim ZeRO prefers to split, in order (largest such dim wins a tie).
+SHARD_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim")
+DP_AXES = ("replica", "shard")
+
+PARAM, OPT, OTHER = "param", "opt", "other"
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """How one state leaf is laid out on the plan mesh."""
+
+    role: str  # "param", "opt" (optimizer state mirroring a param) or "other"
+    shape: tuple[int, ...]  # global shape
+    axes: tuple[str | None, ...] | None  # logical axis names, if the model provided them
+    tensor_dims: tuple[int, ...]  # dims split over the `tensor` axis
+    shard_dim: int | None  # dim split over `shard` when the plan shards this leaf (ZeRO / MiCS)
+    stacked: bool  # leading dim is the layer stack
+    sharded: bool  # stored sharded over `shard` (ZeRO-3 param or ZeRO-1 optimizer state)
+    host: bool = False  # stored in host memory (offloaded)
+
+    def spec(self, *, storage: bool = True) -> P:
+        """PartitionSpec: storage layout, or the compute layout (no ZeRO split) if not `storage`."""
+        entries: list[Any] = [None] * len(self.shape)
+        for d in self.tensor_dims:
+            entries[d] = "tensor"
+        if storage and self.sharded and self.shard_dim is not None:
+            entries[self.shard_dim] = "shard" if entries[self.shard_dim] is None else (
+                "shard", entries[self.shard_dim])
+        return P(*entries)
+
+    def manual_spec(self, *, sharded: bool | None = None) -> P:
+        """The part of the spec over the manual (data-parallel) axes, for shard_map in/out specs."""
+        sharded = self.sharded if sharded is None else sharded
+        if not sharded or self.shard_dim is None:
+            return P()
+        return P(*([None] * self.shard_dim + ["shard"]))
+
+    @property
+    def nbytes_elems(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def leaf_axes(tree: Any) -> list[tuple[str | None, ...] | None]:
+    """Logical axis names of each array leaf of `tree` (aligned with `jax.tree.leaves(tree)`)."""
+    out: list[tuple[str | None, ...] | None] = []
+    for node in jax.tree.leaves(tree, is_leaf=_is_variable):
+        if _is_variable(node):
+            names = node.get_metadata().get("out_sharding") or node.get_metadata().get("sharding")
+            n_leaves = len(jax.tree.leaves(node))
+            out.extend([tuple(names) if names else None] * n_leaves)
+        else:
+            out.append(None)
+    return out
+
+
+def choose_shard_dim(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, tensor_dims: tuple[int, ...],
+                     stacked: bool, group: int, tp: int) -> int | None:
+    """The dim ZeRO / MiCS splits `group` ways, or None if no dim divides evenly."""
+    if group <= 1:
+        return None
+    candidates = []
+    for d, size in enumerate(shape):
+        if stacked and d == 0:
+            continue
+        local = size // tp if d in tensor_dims else size
+        if d in tensor_dims or local % group:
+            continue
+        name = axes[d] if axes else None
+        rank = SHARD_PREFERENCE.index(name) if name in SHARD_PREFERENCE else len(SHARD_PREFERENCE)
+        candidates.append((rank, -size, d))
+    return min(candidates)[2] if candidates else None
+
+
+def plan_layouts(leaves: list[Any], roles: list[str], stacked_flags: list[bool], plan: Plan,
+                 axes: list[tuple[str | None, ...] | None]) -> list[LeafLayout]:
+    """Lay out every state leaf under `plan` (stage 0's ZeRO flags for now: DP is uniform)."""
+    stage = plan.stages[0]
+    layouts = []
+    for leaf, role, stacked, ax in zip(leaves, roles, stacked_flags, axes):
+        shape = tuple(np.shape(leaf))
+        tensor_dims: tuple[int, ...] = ()
+        if plan.tp > 1 and ax is not None and len(ax) == len(shape):
+            tensor_dims = tuple(d for d, name in enumerate(ax) if name in TENSOR_AXES)
+            for d in tensor_dims:
+                if shape[d] % plan.tp:
+                    raise PlanError(
+                        f"tensor parallelism {plan.tp} does not divide dim {d} ({ax[d]}={shape[d]}) of a "
+                        f"parameter of shape {shape}; choose tp dividing the number of heads, kv heads, "
+                        "MLP width and vocabulary")
+        sharded = (role == PARAM and stage.shard_weights) or (role == OPT and stage.shard_opt)
+        big = len(shape) > 0 and int(np.prod(shape)) > 1
+        shard_dim = choose_shard_dim(shape, ax, tensor_dims, stacked, plan.shard_group, plan.tp) if big else None
+        layouts.append(LeafLayout(role=role, shape=shape, axes=ax, tensor_dims=tensor_dims, shard_dim=shard_dim,
+                                  stacked=stacked, sharded=sharded and shard_dim is not None))
+    return layouts
+
+
+def state_shardings(layouts: list[LeafLayout], treedef: Any, mesh: Mesh) -> Any:
+    """Storage NamedShardings for the whole state (a pytree like the state)."""
+    shardings = [NamedSharding(mesh, lay.spec(), memory_kind="pinned_host" if lay.host else None)
+                 for lay in layouts]
+    return jax.tree.unflatten(treedef, shardings)
+
+
+def unsharded_fraction(layouts: list[LeafLayout], role: str = PARAM) -> float:
+    """Fraction of `role` elements that could not be split over `shard` (for the <= 2% check)."""
+    total = sum(lay.nbytes_elems for lay in layouts if lay.role == role)
+    whole = sum(lay.nbytes_elems for lay in layouts if lay.role == role and lay.shard_dim is None)
+    return whole / total if total else 0.0

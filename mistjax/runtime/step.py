@@ -1,0 +1,226 @@
+"""`ShardedStep`: the user's train step, compiled and run the way a plan says."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mistjax.plan import Plan, PlanError
+from mistjax.runtime.context import use_handler
+from mistjax.runtime.grads import sharded_value_and_grad
+from mistjax.runtime.mesh import build_plan_mesh
+from mistjax.runtime.sharding import DP_AXES, OPT, OTHER, PARAM, LeafLayout, leaf_axes, plan_layouts, state_shardings
+from mistjax.trace.split import trace_loss
+
+TrainStep = Callable[[Any, Any], tuple[Any, Any]]
+
+
+@dataclass
+class _Call:
+    fun: Callable[..., Any]
+    has_aux: bool
+    args: tuple[Any, ...]
+
+
+class _Probe:
+    """Records the `mistjax.value_and_grad` calls of a step while it is traced abstractly."""
+
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+
+    def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
+        self.calls.append(_Call(fun, has_aux, args))
+        return jax.value_and_grad(fun, has_aux=has_aux)(*args)
+
+
+@dataclass(frozen=True)
+class StepAnalysis:
+    """What tracing the step once abstractly tells the runtime."""
+
+    roles: tuple[str, ...]  # per state leaf: param / opt / other
+    stacked: tuple[bool, ...]  # per state leaf: holds the layer stack on its leading dim
+    num_layers: int | None  # layers in the model's stack, if it has one
+    uses_mistjax_grad: bool  # the step calls mistjax.value_and_grad / grad
+
+
+def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
+    """Trace `train_step` abstractly and classify every state leaf."""
+    s_leaves, s_tree = jax.tree.flatten(state)
+    b_leaves, b_tree = jax.tree.flatten(batch)
+    n = len(s_leaves)
+    probe = _Probe()
+    inputs: list[Any] = []
+
+    def flat(*leaves: Any) -> Any:
+        inputs.extend(leaves[:n])
+        with use_handler(probe):
+            out = train_step(jax.tree.unflatten(s_tree, leaves[:n]), jax.tree.unflatten(b_tree, leaves[n:]))
+        return jax.tree.leaves(out)
+
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in [*s_leaves, *b_leaves]]
+    jax.make_jaxpr(flat)(*abstract)
+    axes = leaf_axes(state)
+    roles = [OPT if ax is not None else OTHER for ax in axes]
+    stacked = [bool(ax) and ax[0] == "layers" for ax in axes]
+    num_layers = None
+    if probe.calls:
+        call = probe.calls[0]
+        param_leaves = jax.tree.leaves(call.args[0])
+        where = {id(x): i for i, x in enumerate(inputs)}
+        traced = trace_loss(call.fun, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args))
+        stack_leaves = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
+        num_layers = traced.stack.num_layers if traced.stack is not None else None
+        for j, leaf in enumerate(param_leaves):
+            i = where.get(id(leaf))
+            if i is not None:
+                roles[i] = PARAM
+                stacked[i] = j in stack_leaves
+    else:
+        # A step using plain jax.grad: parameters are the leaves under a `params` field.
+        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
+            if path and getattr(path[0], "name", getattr(path[0], "key", None)) == "params":
+                roles[i] = PARAM
+    return StepAnalysis(tuple(roles), tuple(stacked), num_layers, bool(probe.calls))
+
+
+class _Runtime:
+    """The grad handler active while the compiled step is traced."""
+
+    def __init__(self, step: ShardedStep, layouts: list[LeafLayout]) -> None:
+        self.step, self.layouts = step, layouts
+        self.by_id: dict[int, LeafLayout] = {}
+
+    def bind(self, state_leaves: list[Any]) -> None:
+        self.by_id = {id(x): lay for x, lay in zip(state_leaves, self.layouts)}
+
+    def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
+        params, rest = args[0], args[1:]
+        layouts = []
+        for leaf in jax.tree.leaves(params):
+            lay = self.by_id.get(id(leaf))
+            if lay is None or lay.role != PARAM:
+                raise PlanError("mistjax.value_and_grad must differentiate the parameters as they come "
+                                "from the train state (state.params), not a transformed copy")
+            layouts.append(lay)
+        return sharded_value_and_grad(fun, has_aux, params, rest, plan=self.step.plan, mesh=self.step.mesh,
+                                      layouts=layouts, global_batch=self.step.plan.global_batch)
+
+
+class ShardedStep:
+    """A train step bound to a plan and a mesh (see `mistjax.autoshard`)."""
+
+    def __init__(self, train_step: TrainStep, mesh: Mesh | Any, plan: Plan) -> None:
+        self.train_step = train_step
+        self.plan = plan
+        self.mesh = build_plan_mesh(mesh, plan)
+        self.layouts: list[LeafLayout] | None = None
+        self.analysis: StepAnalysis | None = None
+        self._jitted: Any = None
+        self._state_tree: Any = None
+
+    # ---------------------------------------------------------------- setup
+    def _setup(self, state: Any, batch: Any) -> None:
+        self.analysis = analyze_step(self.train_step, state, batch)
+        if self.analysis.num_layers is not None:
+            self.plan.check_layers(self.analysis.num_layers)
+        elif self.plan.num_stages > 1:
+            raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer "
+                            "parameters; use a plan with one stage")
+        needs_grad_hook = (self.plan.grad_accum > 1 or self.plan.num_stages > 1 or
+                           any(s.remat_layers for s in self.plan.stages))
+        if needs_grad_hook and not self.analysis.uses_mistjax_grad:
+            raise PlanError("this plan accumulates micro-batches, pipelines or checkpoints layers, which "
+                            "needs the step to compute gradients with mistjax.value_and_grad / mistjax.grad")
+        leaves, self._state_tree = jax.tree.flatten(state)
+        self.layouts = plan_layouts(leaves, list(self.analysis.roles), list(self.analysis.stacked), self.plan,
+                                    leaf_axes(state))
+        self._build()
+
+    def _batch_shardings(self, batch: Any) -> Any:
+        b = self.plan.global_batch
+
+        def one(x: Any) -> NamedSharding:
+            if np.ndim(x) and np.shape(x)[0] == b:
+                return NamedSharding(self.mesh, P(DP_AXES))
+            return NamedSharding(self.mesh, P())
+
+        return jax.tree.map(one, batch)
+
+    def _build(self) -> None:
+        assert self.layouts is not None
+        runtime = _Runtime(self, self.layouts)
+        st_sh = state_shardings(self.layouts, self._state_tree, self.mesh)
+        self._state_shardings = st_sh
+
+        def step_fn(state: Any, batch: Any) -> Any:
+            runtime.bind(jax.tree.leaves(state))
+            with use_handler(runtime):
+                new_state, metrics = self.train_step(state, batch)
+            return new_state, metrics
+
+        self._step_fn = step_fn
+        self._jitted = jax.jit(step_fn, out_shardings=(st_sh, NamedSharding(self.mesh, P())), donate_argnums=(0,))
+
+    def _ensure(self, state: Any, batch: Any) -> None:
+        if self._jitted is None:
+            self.plan.check_batch(_leading_dim(batch))
+            self._setup(state, batch)
+
+    # ---------------------------------------------------------------- public API
+    def place(self, state: Any, batch: Any | None = None) -> Any:
+        """Put `state` on the plan mesh with the plan's storage shardings (ZeRO, TP, offload).
+
+        The layout comes from tracing the step, which needs a batch (or its shapes); without one,
+        the layout is derived once the first batch arrives and `place` uses the state's `params`
+        field to find the parameters.
+        """
+        if self.layouts is None:
+            if batch is None:
+                leaves, tree = jax.tree.flatten(state)
+                analysis = StepAnalysis(*_path_roles(state), None, True)
+                layouts = plan_layouts(leaves, list(analysis.roles), list(analysis.stacked), self.plan,
+                                       leaf_axes(state))
+                return jax.device_put(state, state_shardings(layouts, tree, self.mesh))
+            self._ensure(state, batch)
+        return jax.device_put(state, self._state_shardings)
+
+    def place_batch(self, batch: Any) -> Any:
+        """Shard a global batch over the plan's data-parallel axes."""
+        return jax.device_put(batch, self._batch_shardings(batch))
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        """Lower the compiled step for inspection (``.compile().as_text()``, ``memory_analysis()``)."""
+        self._ensure(state, batch)
+        state_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state,
+                                self._state_shardings)
+        batch_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), batch,
+                                self._batch_shardings(batch))
+        return self._jitted.lower(state_in, batch_in)
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        self._ensure(state, batch)
+        state = jax.device_put(state, self._state_shardings)
+        return self._jitted(state, self.place_batch(batch))
+
+
+def _leading_dim(batch: Any) -> int:
+    dims = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
+    if not dims:
+        raise PlanError("the batch has no array with a leading batch dimension")
+    return max(dims)
+
+
+def _path_roles(state: Any) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    axes = leaf_axes(state)
+    roles, stacked = [], []
+    for (path, _), ax in zip(jax.tree_util.tree_flatten_with_path(state)[0], axes):
+        head = getattr(path[0], "name", getattr(path[0], "key", None)) if path else None
+        roles.append(PARAM if head == "params" else OPT if ax is not None else OTHER)
+        stacked.append(bool(ax) and ax[0] == "layers")
+    return tuple(roles), tuple(stacked)

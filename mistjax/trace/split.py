@@ -1,0 +1,199 @@
+"""Capture a loss function as a jaxpr and split it at its layer stack.
+
+A model that scans over stacked layer parameters (``nnx.scan``, ``nn.scan`` or ``lax.scan``)
+traces to a jaxpr with one top-level ``scan`` whose scanned operands are the stacked
+parameters. Everything before that scan is the *pre* part (embedding), the scan body is one
+*block*, and everything after is the *post* part (final norm, head, loss). The runtime
+re-evaluates the jaxpr with its own layer loop in place of the scan (to checkpoint, gather and
+offload per layer), and the pipeline runs pre / blocks / post on different stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex
+
+LayerLoop = Callable[[Callable[..., Any], list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+
+
+class NoLayerStackError(ValueError):
+    """The loss has no scan over stacked layer parameters, so it cannot be pipelined."""
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """The top-level scan that runs the model's layers."""
+
+    eqn_index: int  # position of the scan in the loss jaxpr's equations
+    num_layers: int  # scan length = number of stacked layers
+    num_consts: int  # scan operands broadcast to every layer (rotary tables, masks, ...)
+    num_carry: int  # scan carry operands (the hidden state)
+    xs_leaf: tuple[int | None, ...]  # per scanned operand: index of the param leaf it is, or None
+    body: jex.ClosedJaxpr  # one layer: (consts, carry, x slices) -> (carry, y slices)
+
+    @property
+    def stacked_leaves(self) -> tuple[int, ...]:
+        """Indices (into the flat params) of the stacked layer parameters."""
+        return tuple(i for i in self.xs_leaf if i is not None)
+
+
+@dataclass(frozen=True)
+class TracedLoss:
+    """A loss ``fun(params, *rest)`` captured as a jaxpr over flat leaves."""
+
+    closed: jex.ClosedJaxpr  # (param leaves..., other leaves...) -> (loss, aux leaves...)
+    num_param_leaves: int  # the first `num_param_leaves` invars are parameter leaves
+    param_tree: Any  # treedef of the differentiated params
+    out_tree: Any  # treedef of fun's output
+    stack: LayerStack | None  # the layer scan, or None for a model without one
+
+    def require_stack(self) -> LayerStack:
+        if self.stack is None:
+            raise NoLayerStackError(
+                "the loss has no scan over stacked layer parameters, so it cannot be split into "
+                "pipeline stages or checkpointed per layer; build the layers with nnx.scan / nn.scan / "
+                "lax.scan over stacked params, or use a plan with one stage and no remat")
+        return self.stack
+
+
+def trace_loss(fun: Callable[..., Any], params: Any, *rest: Any) -> TracedLoss:
+    """Trace ``fun(params, *rest)`` (arrays or ShapeDtypeStructs) and find its layer stack."""
+    param_leaves, param_tree = jax.tree.flatten(params)
+    rest_leaves, rest_tree = jax.tree.flatten(rest)
+    n = len(param_leaves)
+    out_tree_box: list[Any] = []
+
+    def flat_fun(*leaves: Any) -> list[Any]:
+        p = jax.tree.unflatten(param_tree, leaves[:n])
+        r = jax.tree.unflatten(rest_tree, leaves[n:])
+        out = fun(p, *r)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fun)(*param_leaves, *rest_leaves)
+    closed = inline_calls(closed)
+    return TracedLoss(closed=closed, num_param_leaves=n, param_tree=param_tree,
+                      out_tree=out_tree_box[0], stack=find_layer_stack(closed, n))
+
+
+def inline_calls(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+    """Inline top-level ``pjit`` / ``closed_call`` equations so a scan nested in them is visible."""
+    if not any(e.primitive.name in ("pjit", "jit", "closed_call") for e in closed.jaxpr.eqns):
+        return closed
+
+    def flat(*args: Any) -> list[Any]:
+        return _eval(closed.jaxpr, closed.consts, args, inline=True)
+
+    avals = [v.aval for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+
+
+def find_layer_stack(closed: jex.ClosedJaxpr, num_param_leaves: int) -> LayerStack | None:
+    """The top-level scan whose scanned operands hold the most parameter bytes, if any."""
+    invar_index = {v: i for i, v in enumerate(closed.jaxpr.invars[:num_param_leaves])}
+    best, best_bytes = None, 0
+    for k, eqn in enumerate(closed.jaxpr.eqns):
+        if eqn.primitive.name != "scan" or eqn.params["reverse"]:
+            continue
+        nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+        xs = eqn.invars[nc + ncar:]
+        xs_leaf = tuple(invar_index.get(v) if isinstance(v, jex.Var) else None for v in xs)
+        nbytes = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+                     for v, i in zip(xs, xs_leaf) if i is not None)
+        if nbytes > best_bytes:
+            best_bytes = nbytes
+            best = LayerStack(eqn_index=k, num_layers=int(eqn.params["length"]), num_consts=nc,
+                              num_carry=ncar, xs_leaf=xs_leaf, body=eqn.params["jaxpr"])
+    return best
+
+
+def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any]
+              ) -> tuple[list[Any], list[Any]]:
+    """Run one layer: the scan body on one slice of the scanned operands."""
+    out = _eval(stack.body.jaxpr, stack.body.consts, [*consts, *carry, *xs])
+    return out[: stack.num_carry], out[stack.num_carry:]
+
+
+def default_layer_loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any]
+                       ) -> tuple[list[Any], list[Any]]:
+    """Plain `lax.scan` over the layers (what the model itself would do)."""
+
+    def step(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        return body(consts, c, x)
+
+    return jax.lax.scan(step, carry, xs)
+
+
+def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any], *,
+             layer_loop: LayerLoop | None = None,
+             read_param: Callable[[int, Any], Any] | None = None) -> list[Any]:
+    """Evaluate the traced loss, optionally replacing its layer scan with `layer_loop`.
+
+    Args:
+      traced: the captured loss.
+      param_leaves / rest_leaves: flat inputs.
+      layer_loop: ``layer_loop(body, consts, carry, xs) -> (carry, ys)``, where
+        ``body(consts, carry, x_slices) -> (carry, y_slices)`` runs one layer.
+      read_param: called as ``read_param(leaf_index, value)`` the first time a non-stacked
+        parameter is used (e.g. to all-gather a ZeRO-3 shard right before its use).
+    Returns:
+      The flat outputs of the loss function.
+    """
+    stack = traced.stack
+    jaxpr = traced.closed.jaxpr
+    n = traced.num_param_leaves
+    stacked = set(stack.stacked_leaves) if stack is not None else set()
+    env: dict[Any, Any] = {}
+    lazy: dict[Any, int] = {}
+    for i, (v, x) in enumerate(zip(jaxpr.invars, [*param_leaves, *rest_leaves])):
+        env[v] = x
+        if read_param is not None and i < n and i not in stacked:
+            lazy[v] = i
+
+    def read(v: Any) -> Any:
+        if isinstance(v, jex.Literal):
+            return v.val
+        if v in lazy:
+            env[v] = read_param(lazy.pop(v), env[v])
+        return env[v]
+
+    for v, c in zip(jaxpr.constvars, traced.closed.consts):
+        env[v] = c
+    for k, eqn in enumerate(jaxpr.eqns):
+        if stack is not None and k == stack.eqn_index and layer_loop is not None:
+            vals = [read(v) for v in eqn.invars]
+            nc, ncar = stack.num_consts, stack.num_carry
+            body = lambda consts, carry, x: run_block(stack, consts, carry, x)  # noqa: E731
+            carry, ys = layer_loop(body, vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:])
+            outs = [*carry, *ys]
+        else:
+            outs = _bind(eqn, [read(v) for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn: Any, args: list[Any], inline: bool = False) -> list[Any]:
+    if inline and eqn.primitive.name in ("pjit", "jit", "closed_call"):
+        sub = eqn.params["jaxpr"]
+        return _eval(sub.jaxpr, sub.consts, args, inline=False)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*args, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], inline: bool = False) -> list[Any]:
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        outs = _bind(eqn, [read(v) for v in eqn.invars], inline)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
