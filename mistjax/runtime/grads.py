@@ -70,6 +70,13 @@ def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> l
     return out  # type: ignore[return-value]
 
 
+def psum_live(x: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:
+    """`lax.psum` over the axes of `axes` that have more than one device (XLA rejects the others
+    when every manual axis is trivial)."""
+    live = tuple(a for a in axes if mesh.shape[a] > 1)
+    return lax.psum(x, live) if live else x
+
+
 def _split_microbatches(x: jax.Array, g: int) -> jax.Array:
     """[B_local, ...] -> [G, B_local / G, ...] without moving rows across devices."""
     if x.shape[0] % g:
@@ -153,12 +160,12 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
             acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
             loss_sum = jnp.sum(losses)
             aux_sum = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
-        grads = _finish_grads(acc, specs, plan)
+        grads = _finish_grads(acc, specs, plan, mesh)
         scale = 1.0 / (dp * G)
         grads = [g * jnp.asarray(scale, g.dtype) for g in grads]
-        loss = lax.psum(loss_sum, DP_AXES) * scale
-        aux = jax.tree.map(lambda a: lax.psum(a, DP_AXES) * scale if jnp.issubdtype(a.dtype, jnp.inexact)
-                           else lax.psum(a, DP_AXES), aux_sum)
+        loss = psum_live(loss_sum, DP_AXES, mesh) * scale
+        aux = jax.tree.map(lambda a: psum_live(a, DP_AXES, mesh) * (scale if jnp.issubdtype(a.dtype, jnp.inexact)
+                                                                   else 1), aux_sum)
         return loss, grads, aux
 
     in_specs = ([s.layout.manual_spec(sharded=s.weights_sharded) for s in specs],
@@ -171,7 +178,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
-def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan) -> list[jax.Array]:
+def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh) -> list[jax.Array]:
     """End-of-step synchronisation: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter, MiCS hop 2."""
     out = list(acc)
     hop2: list[int] = []
@@ -182,7 +189,7 @@ def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan) -
             out[i] = lax.psum_scatter(g, "shard", scatter_dimension=s.layout.shard_dim, tiled=True)
             hop2.append(i)
         else:
-            out[i] = lax.psum(g, DP_AXES)
+            out[i] = psum_live(g, DP_AXES, mesh)
     if plan.replicas > 1 and hop2:
         for i, v in zip(hop2, bucketed_psum([out[i] for i in hop2], "replica")):
             out[i] = v

@@ -15,7 +15,16 @@ from mistjax.plan import Plan, PlanError
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import sharded_value_and_grad
 from mistjax.runtime.mesh import build_plan_mesh
-from mistjax.runtime.sharding import DP_AXES, OPT, OTHER, PARAM, LeafLayout, leaf_axes, plan_layouts, state_shardings
+from mistjax.runtime.sharding import (
+    DP_AXES,
+    OPT,
+    OTHER,
+    PARAM,
+    LeafLayout,
+    leaf_axes,
+    plan_layouts,
+    state_shardings,
+)
 from mistjax.trace.split import trace_loss
 
 TrainStep = Callable[[Any, Any], tuple[Any, Any]]

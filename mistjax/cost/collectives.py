@@ -1,0 +1,386 @@
+"""Alpha-beta cost of collectives, host copies and p2p sends, plus wire-byte helpers. Pure NumPy.
+
+Every function broadcasts its array arguments (scalars or ``np.ndarray`` of any shape) so the tuner
+can price thousands of strategies in one call. ``nbytes`` is always the size of the *full*
+(unsharded) buffer: the output of an all-gather, the input of a reduce-scatter or all-reduce.
+
+A link is a ``LinkModel`` (or anything with ``.bandwidth`` / ``.latency``) or a ``(bandwidth,
+latency)`` pair of arrays, in bytes/s and seconds. Two cost forms (``model=``):
+
+* ``"ring"`` (default): ``(P-1)*alpha + (P-1)/P * nbytes / bw``; all-reduce is twice that
+  (reduce-scatter + all-gather). ``latency`` is the per-step alpha. (Thakur et al. 2005; MiCS
+  digest section 9.)
+* ``"mist"``: Mist's fitted form ``phi_op * (nbytes/bw * (P-1)/P + b)`` with phi_AG = 1.0,
+  phi_RS = 1.1, phi_AR = 2.1; ``latency`` is then Mist's per-call constant b.
+
+A group of one device, or zero bytes, costs exactly 0: no collective is issued.
+
+Hierarchical (MiCS) collectives on a group of p = k*m devices, k per node on m nodes, with ranks
+node-contiguous: the inter-node link passed in is the *node-level* inter-node bandwidth available
+when k devices per node take part (this is what ``ClusterSpec.collective_link(k, m)`` returns for
+m > 1, and it is also the effective bus bandwidth of a flat ring over the same p devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+CostForm = Literal["ring", "mist"]
+LinkLike = Any  # LinkModel | tuple[ArrayLike, ArrayLike]; Any avoids importing mistjax.hardware
+
+COLLECTIVES: tuple[str, ...] = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+# HLO opcode spelling. Ring passes over the data: all-reduce = reduce-scatter + all-gather.
+_PASSES: Mapping[str, int] = MappingProxyType(
+    {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all": 1}
+)
+# Mist's fitted per-op multipliers (artifact templates). all-to-all is not in Mist; 1.0 assumed.
+MIST_PHI: Mapping[str, float] = MappingProxyType(
+    {"all-gather": 1.0, "reduce-scatter": 1.1, "all-reduce": 2.1, "all-to-all": 1.0}
+)
+
+
+def _f(x: ArrayLike) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _link(link: LinkLike) -> tuple[np.ndarray, np.ndarray]:
+    if hasattr(link, "bandwidth") and hasattr(link, "latency"):
+        return _f(link.bandwidth), _f(link.latency)
+    try:
+        bw, lat = link
+    except (TypeError, ValueError):
+        raise TypeError("link must be a LinkModel or a (bandwidth, latency) pair") from None
+    return _f(bw), _f(lat)
+
+
+def collective_time(
+    op: str, nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+) -> np.ndarray:
+    """Time of one flat collective.
+
+    Args:
+        op: one of ``COLLECTIVES`` (HLO spelling, e.g. ``"all-gather"``).
+        nbytes: full buffer size in bytes.
+        group_size: participants P.
+        link: the link of this group (bandwidth in bytes/s, latency in s).
+        model: ``"ring"`` alpha-beta or Mist's ``"mist"`` fitted form (module docstring).
+
+    Returns:
+        Seconds, broadcast over the inputs.
+    """
+    if op not in _PASSES:
+        raise ValueError(f"unknown collective {op!r}; expected one of {list(COLLECTIVES)}")
+    n, p = _f(nbytes), _f(group_size)
+    bw, lat = _link(link)
+    frac = np.where(p > 1, (p - 1) / np.maximum(p, 1), 0.0)
+    if model == "ring":
+        t = _PASSES[op] * ((p - 1) * lat + frac * n / bw)
+    elif model == "mist":
+        t = MIST_PHI[op] * (n / bw * frac + lat)
+    else:
+        raise ValueError(f"unknown cost model {model!r}; expected 'ring' or 'mist'")
+    return np.where((p > 1) & (n > 0), t, 0.0)[()]
+
+
+def all_gather_time(
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+) -> np.ndarray:
+    """Ring all-gather producing ``nbytes`` on each of ``group_size`` devices (seconds)."""
+    return collective_time("all-gather", nbytes, group_size, link, model=model)
+
+
+def reduce_scatter_time(
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+) -> np.ndarray:
+    """Ring reduce-scatter of an ``nbytes`` input (seconds)."""
+    return collective_time("reduce-scatter", nbytes, group_size, link, model=model)
+
+
+def all_reduce_time(
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+) -> np.ndarray:
+    """Ring all-reduce of ``nbytes`` = reduce-scatter + all-gather (seconds)."""
+    return collective_time("all-reduce", nbytes, group_size, link, model=model)
+
+
+def all_to_all_time(
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+) -> np.ndarray:
+    """All-to-all of an ``nbytes`` buffer per device (nccl-tests bus factor (P-1)/P)."""
+    return collective_time("all-to-all", nbytes, group_size, link, model=model)
+
+
+def hierarchical_all_gather_time(
+    nbytes: ArrayLike,
+    per_node: ArrayLike,
+    nodes: ArrayLike,
+    intra: LinkLike,
+    inter: LinkLike,
+    *,
+    model: CostForm = "ring",
+) -> np.ndarray:
+    """MiCS hierarchical all-gather over p = per_node * nodes devices: inter-node first, then intra.
+
+    Phase 1: ``per_node`` concurrent all-gathers of ``nodes`` participants move (m-1)/m of the
+    buffer out of every node, sharing the node's inter-node bandwidth. Phase 2: an intra-node
+    all-gather of the full buffer over ``per_node`` devices. In alpha-beta terms:
+    ``(m-1) a_e + (m-1)/m n/B_e + (k-1) a_i + (k-1)/k n/B_i`` (MiCS digest section 9 with the
+    per-device inter-node beta = k/B_e). With ``nodes == 1`` this is the flat intra-node all-gather.
+    """
+    return all_gather_time(nbytes, nodes, inter, model=model) + all_gather_time(
+        nbytes, per_node, intra, model=model
+    )
+
+
+def hierarchical_reduce_scatter_time(
+    nbytes: ArrayLike,
+    per_node: ArrayLike,
+    nodes: ArrayLike,
+    intra: LinkLike,
+    inter: LinkLike,
+    *,
+    model: CostForm = "ring",
+) -> np.ndarray:
+    """Mirror of ``hierarchical_all_gather_time``: intra-node reduce-scatter first, then inter-node.
+
+    After the intra phase each device holds a 1/k partial; the k concurrent inter-node
+    reduce-scatters over m nodes then move (m-1)/m of the buffer out of each node in total.
+    """
+    return reduce_scatter_time(nbytes, per_node, intra, model=model) + reduce_scatter_time(
+        nbytes, nodes, inter, model=model
+    )
+
+
+def mics_grad_sync_time(
+    grad_bytes: ArrayLike,
+    per_node: ArrayLike,
+    nodes: ArrayLike,
+    replicas: ArrayLike,
+    accum_steps: ArrayLike,
+    intra: LinkLike,
+    inter: LinkLike,
+    replica: LinkLike,
+    *,
+    model: CostForm = "ring",
+) -> np.ndarray:
+    """MiCS 2-hop gradient synchronisation per optimizer step.
+
+    Hop 1, every micro-step: hierarchical reduce-scatter of the full gradient inside the partition
+    group (k = ``per_node`` devices on m = ``nodes`` nodes). Hop 2, once per step: all-reduce of the
+    accumulated 1/p shard over the ``replicas`` (R) devices holding the same shard.
+
+    Args:
+        grad_bytes: full gradient size in bytes (one model replica).
+        per_node: partition-group devices per node (k).
+        nodes: partition-group nodes (m).
+        replicas: replication-group size R = world / p.
+        accum_steps: micro-steps per optimizer step (s).
+        intra: intra-node link for k devices.
+        inter: node-level inter-node link for (m, k).
+        replica: link of the replication group (``cluster.collective_link(...)`` of its layout).
+        model: cost form.
+
+    Returns:
+        ``s * RS_hier(G) + AR_R(G / p)`` in seconds.
+    """
+    p = _f(per_node) * _f(nodes)
+    hop1 = hierarchical_reduce_scatter_time(grad_bytes, per_node, nodes, intra, inter, model=model)
+    return _f(accum_steps) * hop1 + all_reduce_time(_f(grad_bytes) / p, replicas, replica, model=model)
+
+
+def zero3_step_comm_time(
+    param_bytes: ArrayLike,
+    grad_bytes: ArrayLike,
+    group_size: ArrayLike,
+    link: LinkLike,
+    accum_steps: ArrayLike,
+    gathers_per_step: ArrayLike = 2,
+    *,
+    model: CostForm = "ring",
+) -> np.ndarray:
+    """ZeRO-3/FSDP over one flat group: ``s * (g * AG(params) + RS(grads))`` seconds.
+
+    ``gathers_per_step`` = 2 when parameters are re-gathered for the backward pass (the usual
+    reshard-after-forward), 1 when the forward's gathered copy is kept.
+    """
+    ag = all_gather_time(param_bytes, group_size, link, model=model)
+    rs = reduce_scatter_time(grad_bytes, group_size, link, model=model)
+    return _f(accum_steps) * (_f(gathers_per_step) * ag + rs)
+
+
+def mics_step_comm_time(
+    param_bytes: ArrayLike,
+    grad_bytes: ArrayLike,
+    per_node: ArrayLike,
+    nodes: ArrayLike,
+    replicas: ArrayLike,
+    accum_steps: ArrayLike,
+    intra: LinkLike,
+    inter: LinkLike,
+    replica: LinkLike,
+    gathers_per_step: ArrayLike = 2,
+    *,
+    model: CostForm = "ring",
+) -> np.ndarray:
+    """MiCS per-step communication: ``s * g * AG_hier(params)`` plus ``mics_grad_sync_time``."""
+    ag = hierarchical_all_gather_time(param_bytes, per_node, nodes, intra, inter, model=model)
+    sync = mics_grad_sync_time(
+        grad_bytes, per_node, nodes, replicas, accum_steps, intra, inter, replica, model=model
+    )
+    return _f(accum_steps) * _f(gathers_per_step) * ag + sync
+
+
+def p2p_time(nbytes: ArrayLike, link: LinkLike) -> np.ndarray:
+    """Point-to-point send (pipeline activations): ``latency + nbytes / bandwidth``; 0 for 0 bytes."""
+    n = _f(nbytes)
+    bw, lat = _link(link)
+    return np.where(n > 0, lat + n / bw, 0.0)[()]
+
+
+def host_copy_time(nbytes: ArrayLike, link: LinkLike) -> np.ndarray:
+    """Host<->device copy (Mist: ``bytes/k + b``); exactly 0 for 0 bytes (nothing is offloaded)."""
+    return p2p_time(nbytes, link)
+
+
+# -- wire bytes (compare with the collectives found in compiled HLO) ---------------------------
+
+
+def wire_bytes(op: str, nbytes: ArrayLike, group_size: ArrayLike) -> np.ndarray:
+    """Bytes each device sends in a ring implementation of ``op`` on a full buffer of ``nbytes``.
+
+    all-gather, reduce-scatter, all-to-all: (P-1)/P * n; all-reduce: 2 (P-1)/P * n;
+    ``"collective-permute"`` (a p2p send): n. A group of one sends nothing.
+    """
+    n, p = _f(nbytes), _f(group_size)
+    if op == "collective-permute":
+        return n + 0.0 * p  # one send of the whole buffer; broadcast to the inputs' shape
+    if op not in _PASSES:
+        valid = [*COLLECTIVES, "collective-permute"]
+        raise ValueError(f"unknown collective {op!r}; expected one of {valid}")
+    return np.where(p > 1, _PASSES[op] * (p - 1) / np.maximum(p, 1) * n, 0.0)[()]
+
+
+def collective_buffer_bytes(
+    op: str, nbytes: ArrayLike, group_size: ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
+    """(operand, result) bytes per device of the HLO instruction for ``op`` on a full buffer.
+
+    all-gather: (n/P, n); reduce-scatter: (n, n/P); all-reduce and all-to-all: (n, n).
+    """
+    n, p = _f(nbytes), np.maximum(_f(group_size), 1)
+    if op == "all-gather":
+        return n / p, n
+    if op == "reduce-scatter":
+        return n, n / p
+    if op in ("all-reduce", "all-to-all"):
+        return n, n
+    raise ValueError(f"unknown collective {op!r}; expected one of {list(COLLECTIVES)}")
+
+
+def ring_node_egress_bytes(
+    op: str, nbytes: ArrayLike, group_size: ArrayLike, group_nodes: ArrayLike
+) -> np.ndarray:
+    """Bytes leaving each node for a flat ring over node-contiguous ranks.
+
+    A ring crosses each node boundary once per direction, so a node's egress equals one device's
+    ring traffic (``wire_bytes``) when the group spans > 1 node, else 0.
+    """
+    return np.where(_f(group_nodes) > 1, wire_bytes(op, nbytes, group_size), 0.0)[()]
+
+
+def hierarchical_node_egress_bytes(nbytes: ArrayLike, nodes: ArrayLike) -> np.ndarray:
+    """Bytes leaving each node in a hierarchical all-gather or reduce-scatter: (m-1)/m * n."""
+    m = _f(nodes)
+    return np.where(m > 1, (m - 1) / np.maximum(m, 1) * _f(nbytes), 0.0)[()]
+
+
+def zero3_node_egress_bytes(
+    param_bytes: ArrayLike,
+    grad_bytes: ArrayLike,
+    world_size: ArrayLike,
+    devices_per_node: ArrayLike,
+    accum_steps: ArrayLike,
+    gathers_per_step: ArrayLike = 2,
+) -> np.ndarray:
+    """Per-node network egress per optimizer step of ZeRO-3 sharded over all ``world_size`` devices.
+
+    ``s * [g * (N-1)/N * Pb + (N-1)/N * G]`` when the group spans nodes (MiCS digest section 4).
+    """
+    nodes = np.ceil(_f(world_size) / _f(devices_per_node))
+    ag = ring_node_egress_bytes("all-gather", param_bytes, world_size, nodes)
+    rs = ring_node_egress_bytes("reduce-scatter", grad_bytes, world_size, nodes)
+    return _f(accum_steps) * (_f(gathers_per_step) * ag + rs)
+
+
+def mics_node_egress_bytes(
+    param_bytes: ArrayLike,
+    grad_bytes: ArrayLike,
+    partition_size: ArrayLike,
+    world_size: ArrayLike,
+    devices_per_node: ArrayLike,
+    accum_steps: ArrayLike,
+    gathers_per_step: ArrayLike = 2,
+) -> np.ndarray:
+    """Per-node network egress per optimizer step of MiCS with partition groups of p devices.
+
+    Partition groups are node-aligned (p divides a node or is a multiple of it). Hop 1 (hierarchical
+    gathers and reduce-scatters) leaves the node only when p spans m = p/k > 1 nodes. Hop 2: each
+    node hosts min(k, p) replication rings, each all-reducing G/p over R = N/p devices, which
+    leaves the node when the ring spans more than one node (N > k).
+    """
+    p, n, k = _f(partition_size), _f(world_size), _f(devices_per_node)
+    m = np.maximum(p / k, 1.0)
+    hop1 = _f(gathers_per_step) * hierarchical_node_egress_bytes(param_bytes, m)
+    hop1 = hop1 + hierarchical_node_egress_bytes(grad_bytes, m)
+    r = n / p
+    hop2 = np.where(
+        (r > 1) & (n > k), np.minimum(k, p) * 2 * (r - 1) / np.maximum(r, 1) * _f(grad_bytes) / p, 0.0
+    )
+    return _f(accum_steps) * hop1 + hop2
+
+
+# -- rank layout (Mist): DP spreads across nodes first, TP is the inner (fastest) dimension ------
+
+
+def _intish(x: np.ndarray) -> Any:
+    return int(x) if x.ndim == 0 else x
+
+
+def dp_group_layout(
+    dp: ArrayLike, tp: ArrayLike, nodes_in_stage: ArrayLike, devices_per_node: ArrayLike
+) -> tuple[Any, Any]:
+    """(inter, intra) participants of one DP group in a stage mesh of n nodes x m devices.
+
+    Ranks are node-major with TP innermost, so a DP group takes every tp-th device: it spans
+    ``min(dp, n)`` nodes with ``dp / n`` members per node (or 1 when TP spans nodes). Mist's rule.
+
+    Args:
+        dp: data-parallel degree.
+        tp: tensor-parallel degree.
+        nodes_in_stage: nodes of the stage mesh (n).
+        devices_per_node: devices the stage uses on each of its nodes (m).
+
+    Raises:
+        ValueError: if dp * tp != n * m anywhere.
+    """
+    dp_, tp_, n, m = (np.asarray(v, dtype=np.int64) for v in (dp, tp, nodes_in_stage, devices_per_node))
+    if np.any(dp_ * tp_ != n * m) or np.any(dp_ < 1) or np.any(tp_ < 1):
+        raise ValueError(
+            "dp_group_layout: need dp >= 1, tp >= 1 and dp * tp == nodes_in_stage * devices_per_node"
+        )
+    inter = np.minimum(dp_, n)
+    intra = np.where(dp_ > n, dp_ // np.maximum(n, 1), 1)
+    return _intish(inter), _intish(intra)
+
+
+def tp_group_layout(tp: ArrayLike, devices_per_node: ArrayLike) -> tuple[Any, Any]:
+    """(inter, intra) participants of one TP group: ``intra = min(tp, m)``, ``inter = tp / m`` if tp > m."""
+    tp_, m = np.asarray(tp, dtype=np.int64), np.asarray(devices_per_node, dtype=np.int64)
+    intra = np.minimum(tp_, m)
+    inter = np.where(tp_ > m, tp_ // np.maximum(m, 1), 1)
+    return _intish(inter), _intish(intra)

@@ -1,0 +1,100 @@
+"""Read what a compiled program really does: collectives in its HLO, its memory analysis.
+
+Used by tests and benchmarks to verify that a plan took effect, and by the cost-model checks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", re.M)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled HLO module."""
+
+    op: str  # all-reduce | all-gather | reduce-scatter | collective-permute | all-to-all
+    result_bytes: int  # bytes of the result on one device
+    dtype: str  # element type of the result
+    group_size: int  # devices per replica group (2 for a permute pair)
+    groups: str  # the replica groups as printed
+    computation: str  # the HLO computation holding it (a while body runs once per iteration)
+
+
+def _shape_bytes(text: str) -> list[tuple[str, int]]:
+    out = []
+    for dtype, dims in _SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append((dtype, n * _DTYPE_BYTES.get(dtype, 4)))
+    return out
+
+
+def _group_size(groups: str | None) -> int:
+    if not groups:
+        return 2
+    if groups.startswith("{{"):
+        return len(groups[2:].split("}")[0].split(","))
+    return int(groups[1:].split("]")[0].split(",")[-1])
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled HLO text (``compiled.as_text()``)."""
+    # Map each instruction's offset to the computation it belongs to.
+    comps = [(m.start(), m.group(1)) for m in _COMPUTATION.finditer(hlo_text)]
+    out = []
+    for m in _INSTR.finditer(hlo_text):
+        shapes = _shape_bytes(m["type"])
+        if not shapes:
+            continue
+        dtype, nbytes = shapes[-1] if m["start"] else (shapes[0][0], sum(b for _, b in shapes))
+        g = _GROUPS.search(m["rest"])
+        groups = g.group(1) if g else ""
+        comp = ""
+        for start, name in comps:
+            if start > m.start():
+                break
+            comp = name
+        out.append(Collective(op=m["op"], result_bytes=nbytes, dtype=dtype, group_size=_group_size(groups),
+                              groups=groups, computation=comp))
+    return out
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Result bytes per device by collective kind (each instruction counted once)."""
+    totals: dict[str, int] = defaultdict(int)
+    for c in collectives(hlo_text):
+        totals[c.op] += c.result_bytes
+    return dict(totals)
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Per-device bytes from ``compiled.memory_analysis()``; ``peak`` = argument + output + temp - alias.
+
+    (On CPU ``peak_memory_in_bytes`` leaves temporaries out, so the sum is the honest figure.)
+    """
+    m = compiled.memory_analysis()
+    stats = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+             "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
+    stats["peak"] = stats["argument"] + stats["output"] + stats["temp"] - stats["alias"]
+    return stats
+
+
+def host_placed_params(hlo_text: str) -> int:
+    """How many entry parameters the compiled program keeps in host memory (layout ``S(5)``)."""
+    entry = hlo_text[hlo_text.find("ENTRY"):]
+    header = entry[: entry.find("{\n")] if "{\n" in entry else entry.splitlines()[0]
+    return header.count("S(5)")

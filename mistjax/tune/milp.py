@@ -1,0 +1,438 @@
+"""Inter-stage MILP: split the layers over pipeline stages and pick one Pareto candidate per stage.
+
+Given, for every stage slot ``i`` and every allowed layer count ``layer_options[j]``, a short list of
+``K`` intra-stage candidates ``(stable, delta)`` (from ``pareto.sample_pareto``), choose one layer count
+and one candidate per stage to minimise the 1F1B pipeline time with imbalance (Mist §3.5, §5.4):
+
+    T_iter = (G - 1) * max_i T_i + sum_i T_i + max(0, max_i (D_i - sum_{j<i} T_j))
+
+A stage's delta (the extra cost of its first/last micro-batch) can hide behind the fill/drain time of
+the stages before it. That is why the model carries ``D_max`` and not a plain sum.
+
+The MILP is built with cvxpy and solved with HiGHS. ``brute_force_inter_stage`` enumerates every
+assignment and exists for tests and tiny cases. Both score assignments with ``pipeline_objective``, so
+the formula lives in one place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import cvxpy as cp
+import numpy as np
+import scipy.sparse as sp
+
+from mistjax.tune.pareto import pareto_mask
+
+__all__ = [
+    "InterStageSolution",
+    "brute_force_inter_stage",
+    "default_layer_options",
+    "pipeline_objective",
+    "solve_inter_stage",
+]
+
+# cvxpy statuses under which HiGHS stopped early (time limit etc.) but may hold an incumbent.
+_EARLY_STOP_STATUSES = (cp.USER_LIMIT, cp.OPTIMAL_INACCURATE)
+# HighsInfo.primal_solution_status value meaning "feasible point available".
+_HIGHS_SOLUTION_FEASIBLE = 2
+
+# Per-stage cost table: CostTable[i][j] is a 1-D array over the K candidates of stage i with
+# layer_options[j] layers. Ragged K across (i, j) is allowed.
+CostTable = Sequence[Sequence[Sequence[float] | np.ndarray]] | np.ndarray
+
+
+@dataclass(frozen=True)
+class InterStageSolution:
+    """One pipeline partition and the per-stage candidates it uses.
+
+    Attributes:
+        layers: Layer count of each stage, ``sum(layers) == num_layers``.
+        option_indices: Index ``j`` into ``layer_options`` chosen for each stage.
+        candidates: Index ``k`` of the chosen candidate in ``stable[i][j]`` for each stage.
+        stable: ``T_i``, the chosen stable cost of each stage.
+        delta: ``D_i``, the chosen delta cost of each stage.
+        objective: ``pipeline_objective(stable, delta, G)`` of this assignment. It is recomputed in
+            float64 from the input tables, not read back from the solver.
+        status: cvxpy status string (``"optimal"``, ``"user_limit"``, ...), or ``"brute_force"``.
+        solve_time: Seconds inside the solver, as HiGHS reports it (enumeration time for brute force).
+        wall_time: Seconds for the whole call: model build, solve and decoding.
+        optimal: True when the solver proved optimality (within ``mip_rel_gap``), or for brute force.
+    """
+
+    layers: tuple[int, ...]
+    option_indices: tuple[int, ...]
+    candidates: tuple[int, ...]
+    stable: tuple[float, ...]
+    delta: tuple[float, ...]
+    objective: float
+    status: str
+    solve_time: float
+    wall_time: float
+    optimal: bool
+
+    @property
+    def num_stages(self) -> int:
+        """Number of pipeline stages S."""
+        return len(self.layers)
+
+    @property
+    def t_max(self) -> float:
+        """Bottleneck stable time ``max_i T_i``."""
+        return max(self.stable)
+
+    @property
+    def d_max(self) -> float:
+        """Exposed delta ``max(0, max_i D_i - sum_{j<i} T_j)``."""
+        return float(_exposed_delta(np.asarray(self.stable), np.asarray(self.delta)))
+
+
+def _exposed_delta(T: np.ndarray, D: np.ndarray) -> np.ndarray:
+    prefix = np.cumsum(T, axis=-1) - T  # sum_{j<i} T_j (fill time hiding stage i's delta)
+    return np.maximum(0.0, np.max(D - prefix, axis=-1))
+
+
+def pipeline_objective(
+    T: np.ndarray | Sequence[float], D: np.ndarray | Sequence[float], G: int
+) -> np.ndarray:
+    """1F1B iteration time with inter-micro-batch imbalance (Mist §3.5).
+
+    ``(G - 1) * max_i T_i + sum_i T_i + max(0, max_i (D_i - sum_{j<i} T_j))``. With one stage this
+    reduces to ``G * T + max(0, D)``.
+
+    Args:
+        T: ``[..., S]`` per-stage stable (steady-state per-micro-batch) time, stage 0 first.
+        D: ``[..., S]`` per-stage delta (first/last-micro-batch overhead).
+        G: Number of micro-batches.
+
+    Returns:
+        ``[...]`` iteration time (0-d array for unbatched input).
+    """
+    T = np.asarray(T, dtype=np.float64)
+    D = np.asarray(D, dtype=np.float64)
+    return (G - 1) * np.max(T, axis=-1) + np.sum(T, axis=-1) + _exposed_delta(T, D)
+
+
+def default_layer_options(num_layers: int, num_stages: int, G: int) -> tuple[int, ...]:
+    """Mist's per-stage layer-count window around an even split (§5.4).
+
+    ``[max(1, round(L/S) - 2), min(round(L/S) + 2, L - S + 1)]``, or only ``round(L/S)`` when ``G == 1``
+    (Mist's rule; with one micro-batch there is no steady state to balance).
+    """
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"need 1 <= num_stages <= num_layers, got S={num_stages}, L={num_layers}")
+    mid = math.floor(num_layers / num_stages + 0.5)
+    if G == 1:
+        return (mid,)
+    return tuple(range(max(1, mid - 2), min(mid + 2, num_layers - num_stages + 1) + 1))
+
+
+def _normalise_tables(
+    stable: CostTable, delta: CostTable, layer_options: Sequence[int]
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Per (stage, option) pair of float64 1-D cost arrays, with every non-finite pair set to inf."""
+    num_options = len(layer_options)
+    if num_options == 0 or any(int(x) != x or x < 0 for x in layer_options):
+        raise ValueError(f"layer_options must be non-empty non-negative integers, got {layer_options}")
+    if len(stable) != len(delta):
+        raise ValueError(f"stable has {len(stable)} stages but delta has {len(delta)}")
+    if len(stable) == 0:
+        raise ValueError("need at least one stage")
+    tables = []
+    for i, (s_row, d_row) in enumerate(zip(stable, delta, strict=True)):
+        if len(s_row) != num_options or len(d_row) != num_options:
+            raise ValueError(
+                f"stage {i}: expected {num_options} layer options, got {len(s_row)} (stable) / "
+                f"{len(d_row)} (delta)"
+            )
+        row = []
+        for j, (s_ij, d_ij) in enumerate(zip(s_row, d_row, strict=True)):
+            s = np.asarray(s_ij, dtype=np.float64).reshape(-1)
+            d = np.asarray(d_ij, dtype=np.float64).reshape(-1)
+            if s.shape != d.shape:
+                raise ValueError(f"stage {i}, option {j}: stable {s.shape} vs delta {d.shape}")
+            ok = np.isfinite(s) & np.isfinite(d)
+            row.append((np.where(ok, s, np.inf), np.where(ok, d, np.inf)))
+        tables.append(row)
+    return tables
+
+
+def _layer_split_possible(usable: list[list[bool]], layer_options: Sequence[int], num_layers: int) -> bool:
+    """Whether some choice of usable option per stage sums to ``num_layers`` (subset-sum DP)."""
+    reachable = {0}
+    for row in usable:
+        # Layer counts are non-negative, so partial sums above num_layers can never come back down.
+        reachable = {
+            r + layer_options[j]
+            for r in reachable
+            for j, ok in enumerate(row)
+            if ok and r + layer_options[j] <= num_layers
+        }
+        if not reachable:
+            return False
+    return num_layers in reachable
+
+
+def _cut_allows(s: np.ndarray, G: int, best_cost: float | None) -> np.ndarray:
+    """Candidates that can satisfy the pruning cut ``(G-1) * T_max <= best_cost`` (T_max >= own T)."""
+    if best_cost is None:
+        return np.ones(s.shape, dtype=bool)
+    with np.errstate(invalid="ignore"):  # 0 * inf for infeasible entries when G == 1
+        return (G - 1) * s <= best_cost
+
+
+def _run_solver(prob: cp.Problem, options: dict) -> str:
+    """Solve with HiGHS and return the cvxpy status (a seam that tests can patch)."""
+    with warnings.catch_warnings():
+        # cvxpy warns "Solution may be inaccurate" on a time limit. We issue our own, clearer warning.
+        warnings.filterwarnings("ignore", message="Solution may be inaccurate", category=UserWarning)
+        prob.solve(solver=cp.HIGHS, **options)
+    return prob.status
+
+
+def solve_inter_stage(
+    stable: CostTable,
+    delta: CostTable,
+    layer_options: Sequence[int],
+    num_layers: int,
+    G: int,
+    *,
+    time_limit: float = 10.0,
+    best_cost: float | None = None,
+    mip_rel_gap: float = 1e-6,
+    verbose: bool = False,
+    highs_options: dict | None = None,
+) -> InterStageSolution | None:
+    """Optimal layer split and per-stage candidate choice by MILP (cvxpy + HiGHS).
+
+    Model, over the usable (stage i, option j, candidate k) triples only:
+
+    * ``z_ijk`` binary: stage i runs ``layer_options[j]`` layers with candidate k.
+    * ``sum_{j,k} z_ijk = 1`` for each i, and ``sum_{i,j,k} layer_options[j] z_ijk = num_layers``.
+      Mist's separate layer binaries ``l_ij`` (with ``z_ijk <= l_ij``) are implied by these and left
+      out.
+    * ``T_i = sum s_ijk z_ijk``, ``D_i = sum d_ijk z_ijk`` as affine expressions (not variables).
+    * ``T_max >= T_i``, ``D_max >= D_i - sum_{j<i} T_j``, ``D_max >= 0``. Optionally
+      ``(G-1) T_max <= best_cost``.
+    * minimise ``(G-1) T_max + sum_i T_i + D_max``.
+
+    Two reductions shrink the model without losing the optimum:
+
+    * Infeasible (inf/NaN) candidates get no variable, and neither do candidates that alone break the
+      pruning cut.
+    * Within one (i, j) only the distinct non-dominated candidates are kept. The objective never
+      decreases when a ``D_i`` or a ``T_i`` grows: raising ``T_i`` by e adds e to the sum and lowers
+      ``D_max`` by at most e. So a dominated candidate can always be swapped for its dominator.
+
+    No stage-symmetry breaking is applied. Stage slots have their own tables, and the exposed-delta
+    term depends on stage order, so swapping stages is not a symmetry in general.
+
+    Args:
+        stable: ``stable[i][j]`` = 1-D array over candidates of stage slot i with ``layer_options[j]``
+            layers. ``inf``/NaN = infeasible. An ``[S, J, K]`` array also works.
+        delta: Same layout as ``stable``.
+        layer_options: Allowed per-stage layer counts, shared by all stages.
+        num_layers: Total number of layers L to distribute.
+        G: Number of micro-batches.
+        time_limit: HiGHS wall-clock limit in seconds.
+        best_cost: Pruning cut from the outer search: require ``(G-1) * T_max <= best_cost``.
+        mip_rel_gap: HiGHS relative optimality gap. The small default makes "optimal" mean optimal
+            for any practical purpose.
+        verbose: Print the HiGHS log.
+        highs_options: Extra HiGHS options passed through cvxpy (e.g. ``{"threads": 1}``).
+
+    Returns:
+        The best assignment found, or ``None`` when none exists: the problem is infeasible, the cut
+        excludes everything, or the time limit passed before any feasible point was found (this last
+        case also warns). When the time limit stops the solver after it found a feasible point, the
+        result has ``optimal=False`` and a ``RuntimeWarning`` is issued.
+    """
+    t_start = time.perf_counter()
+    if G < 1:
+        raise ValueError(f"G must be >= 1, got {G}")
+    tables = _normalise_tables(stable, delta, layer_options)
+    S = len(tables)
+    if best_cost is not None and G == 1 and best_cost < 0:
+        return None  # the cut reads 0 <= best_cost
+
+    # Collect the usable triples (i, j, k) with their costs, in flat arrays.
+    stage_of, opt_of, cand_of, s_val, d_val = [], [], [], [], []
+    usable = [[False] * len(layer_options) for _ in range(S)]
+    for i, row in enumerate(tables):
+        for j, (s, d) in enumerate(row):
+            keep = pareto_mask(s, d, keep_duplicates=False) & _cut_allows(s, G, best_cost)
+            ks = np.flatnonzero(keep)
+            if ks.size == 0:
+                continue
+            usable[i][j] = True
+            stage_of.append(np.full(ks.size, i))
+            opt_of.append(np.full(ks.size, j))
+            cand_of.append(ks)
+            s_val.append(s[ks])
+            d_val.append(d[ks])
+    if not _layer_split_possible(usable, layer_options, num_layers):
+        return None
+
+    stage_of = np.concatenate(stage_of)
+    opt_of = np.concatenate(opt_of)
+    cand_of = np.concatenate(cand_of)
+    s_val = np.concatenate(s_val)
+    d_val = np.concatenate(d_val)
+    n = s_val.size
+
+    # Rescale the costs to O(1) so that HiGHS's absolute tolerances mean the same thing whether the
+    # tables are in seconds or microseconds. The reported objective is recomputed unscaled.
+    scale = float(max(np.abs(s_val).max(), np.abs(d_val).max()))
+    scale = scale if scale > 0 else 1.0
+    s_sc, d_sc = s_val / scale, d_val / scale
+
+    cols = np.arange(n)
+    onehot = sp.csr_matrix((np.ones(n), (stage_of, cols)), shape=(S, n))
+    Ms = sp.csr_matrix((s_sc, (stage_of, cols)), shape=(S, n))  # T = Ms @ z
+    Md = sp.csr_matrix((d_sc, (stage_of, cols)), shape=(S, n))  # D = Md @ z
+    prefix = sp.csr_matrix(np.tril(np.ones((S, S)), k=-1))  # row i sums stages j < i
+    exposed = (Md - prefix @ Ms).tocsr()  # D_i - sum_{j<i} T_j
+    layer_row = np.asarray(layer_options, dtype=np.float64)[opt_of]
+
+    z = cp.Variable(n, boolean=True)
+    t_max = cp.Variable()
+    d_max = cp.Variable(nonneg=True)
+    constraints = [
+        onehot @ z == 1,
+        layer_row @ z == num_layers,
+        Ms @ z <= t_max,
+        exposed @ z <= d_max,
+    ]
+    if best_cost is not None and G > 1:
+        # Already implied by the candidate filter above (T_max can equal max_i T_i). It stays in the
+        # model so that the model states the cut.
+        constraints.append((G - 1) * t_max <= best_cost / scale)
+    prob = cp.Problem(cp.Minimize((G - 1) * t_max + s_sc @ z + d_max), constraints)
+
+    options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "verbose": verbose}
+    options.update(highs_options or {})
+    status = _run_solver(prob, options)
+    solve_time = float(prob.solver_stats.solve_time or 0.0) if prob.solver_stats else 0.0
+
+    if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
+        return None
+    if status != cp.OPTIMAL and status not in _EARLY_STOP_STATUSES:
+        raise RuntimeError(f"HiGHS failed on the inter-stage MILP: cvxpy status {status!r}")
+
+    chosen = _decode(z.value, prob, stage_of, S)
+    if chosen is None:
+        if status == cp.OPTIMAL:
+            raise RuntimeError("HiGHS reported optimal but returned no valid assignment")
+        warnings.warn(
+            f"inter-stage MILP stopped ({status}, time_limit={time_limit}s) before finding a feasible "
+            "assignment; returning None",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+    stages = stage_of[chosen]
+    sel = chosen[np.argsort(stages)]
+    layers = tuple(int(layer_options[j]) for j in opt_of[sel])
+    if sum(layers) != num_layers:
+        raise RuntimeError(f"decoded layer split {layers} does not sum to {num_layers}")
+    T, D = s_val[sel], d_val[sel]
+    optimal = status == cp.OPTIMAL
+    if not optimal:
+        warnings.warn(
+            f"inter-stage MILP hit its time limit ({time_limit}s, status {status}); returning the best "
+            "feasible assignment found, which may not be optimal",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return InterStageSolution(
+        layers=layers,
+        option_indices=tuple(int(j) for j in opt_of[sel]),
+        candidates=tuple(int(k) for k in cand_of[sel]),
+        stable=tuple(float(t) for t in T),
+        delta=tuple(float(x) for x in D),
+        objective=float(pipeline_objective(T, D, G)),
+        status=str(status),
+        solve_time=solve_time,
+        wall_time=time.perf_counter() - t_start,
+        optimal=optimal,
+    )
+
+
+def _decode(z_value: np.ndarray | None, prob: cp.Problem, stage_of: np.ndarray, S: int) -> np.ndarray | None:
+    """Flat indices of the chosen triples, one per stage, or None if the solver holds no valid point.
+
+    On an early stop HiGHS can hand back a point that is not feasible, even all zeros, so the
+    one-candidate-per-stage structure is checked here, not assumed.
+    """
+    info = getattr(prob.solver_stats, "extra_stats", None)
+    primal_status = getattr(info, "primal_solution_status", _HIGHS_SOLUTION_FEASIBLE)
+    if z_value is None or primal_status != _HIGHS_SOLUTION_FEASIBLE:
+        return None
+    z_value = np.asarray(z_value).reshape(-1)
+    if z_value.shape != stage_of.shape:
+        return None
+    chosen = np.flatnonzero(z_value > 0.5)
+    if chosen.size != S or np.bincount(stage_of[chosen], minlength=S).max() != 1:
+        return None
+    return chosen
+
+
+def brute_force_inter_stage(
+    stable: CostTable,
+    delta: CostTable,
+    layer_options: Sequence[int],
+    num_layers: int,
+    G: int,
+    *,
+    best_cost: float | None = None,
+) -> InterStageSolution | None:
+    """Exact reference for ``solve_inter_stage`` by full enumeration (tests and tiny cases only).
+
+    Cost grows as ``J^S * K^S``. Every layer split is enumerated, and for each split every candidate
+    combination is scored at once with ``pipeline_objective``. Dominated candidates are *not* pruned,
+    so this also checks the MILP's reductions.
+    """
+    t_start = time.perf_counter()
+    if G < 1:
+        raise ValueError(f"G must be >= 1, got {G}")
+    tables = _normalise_tables(stable, delta, layer_options)
+    S = len(tables)
+    best: tuple[float, tuple[int, ...], tuple[int, ...], np.ndarray, np.ndarray] | None = None
+    for split in itertools.product(range(len(layer_options)), repeat=S):
+        if sum(layer_options[j] for j in split) != num_layers:
+            continue
+        feas = [np.flatnonzero(np.isfinite(tables[i][j][0])) for i, j in enumerate(split)]
+        if any(f.size == 0 for f in feas):
+            continue
+        grids = np.meshgrid(*feas, indexing="ij")
+        combo = np.stack([g.reshape(-1) for g in grids], axis=-1)  # [N, S] candidate indices
+        T = np.stack([tables[i][j][0][combo[:, i]] for i, j in enumerate(split)], axis=-1)
+        D = np.stack([tables[i][j][1][combo[:, i]] for i, j in enumerate(split)], axis=-1)
+        obj = pipeline_objective(T, D, G)
+        if best_cost is not None:
+            obj = np.where((G - 1) * T.max(axis=-1) <= best_cost, obj, np.inf)
+        a = int(np.argmin(obj))
+        if np.isfinite(obj[a]) and (best is None or obj[a] < best[0]):
+            best = (float(obj[a]), split, tuple(int(k) for k in combo[a]), T[a], D[a])
+    if best is None:
+        return None
+    objective, split, cands, T, D = best
+    elapsed = time.perf_counter() - t_start
+    return InterStageSolution(
+        layers=tuple(int(layer_options[j]) for j in split),
+        option_indices=tuple(split),
+        candidates=cands,
+        stable=tuple(float(t) for t in T),
+        delta=tuple(float(x) for x in D),
+        objective=objective,
+        status="brute_force",
+        solve_time=elapsed,
+        wall_time=elapsed,
+        optimal=True,
+    )

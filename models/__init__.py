@@ -1,0 +1,77 @@
+"""mistjax model zoo: GPT-3, Llama and Falcon in Flax NNX with a scanned layer stack.
+
+Example::
+
+    from flax import nnx
+    import models
+    cfg = models.get_config("llama-tiny")
+    model = models.build(cfg, rngs=nnx.Rngs(0))
+    logits = model(tokens)                      # float32 [B, T, vocab]
+    axes = models.logical_axes(model)           # same tree as nnx.state(model, nnx.Param), tuple leaves
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from models import falcon, gpt3, llama
+from models.config import ModelConfig, human_count
+from models.falcon import Falcon
+from models.gpt3 import GPT3
+from models.llama import Llama
+from models.transformer import CausalLM
+
+__all__ = ["PRESETS", "CausalLM", "Falcon", "GPT3", "Llama", "ModelConfig", "build", "get_config",
+           "human_count", "logical_axes"]
+
+PRESETS: dict[str, ModelConfig] = {**gpt3.PRESETS, **llama.PRESETS, **falcon.PRESETS}
+
+_FAMILY_CLASSES: dict[str, type[CausalLM]] = {"gpt3": GPT3, "llama": Llama, "falcon": Falcon}
+
+
+def get_config(name: str) -> ModelConfig:
+    """Returns the preset called ``name``.
+
+    Raises:
+        ValueError: for an unknown name; the message lists the valid names.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; valid names: {', '.join(PRESETS)}") from None
+
+
+def build(config: ModelConfig, *, rngs: nnx.Rngs) -> CausalLM:
+    """Instantiates the model class of ``config.family`` (params in ``config.param_dtype``)."""
+    return _FAMILY_CLASSES[config.family](config, rngs=rngs)
+
+
+def logical_axes(state_or_model: nnx.Module | nnx.State) -> nnx.State:
+    """Logical axis names of every parameter.
+
+    Args:
+        state_or_model: a model (concrete or from ``nnx.eval_shape``) or a state of ``nnx.Variable`` leaves,
+            e.g. ``nnx.state(model, nnx.Param)``.
+
+    Returns:
+        An ``nnx.State`` with the same keys as ``nnx.state(model, nnx.Param)`` whose leaves are tuples of axis
+        names, one per array dimension (stacked block params start with ``"layers"``). Pair it with params via
+        ``jax.tree.map(f, params, axes, is_leaf=lambda x: isinstance(x, nnx.Variable))`` or compare
+        ``nnx.to_flat_state(params)`` with ``nnx.to_flat_state(axes)``.
+
+    Raises:
+        ValueError: if a leaf is not an ``nnx.Variable`` or carries no ``out_sharding`` metadata.
+    """
+    state = nnx.state(state_or_model, nnx.Param) if isinstance(state_or_model, nnx.Module) else state_or_model
+
+    def names(var):
+        if not isinstance(var, nnx.Variable):
+            raise ValueError(f"expected nnx.Variable leaves, got {type(var)}; "
+                             "pass nnx.state(model, nnx.Param)")
+        axes = var.get_metadata().get("out_sharding")
+        if axes is None:
+            raise ValueError(f"parameter of shape {var.shape} has no logical axis names")
+        return tuple(axes)
+
+    return jax.tree.map(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

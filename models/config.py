@@ -1,0 +1,151 @@
+"""Model configuration shared by every family in the zoo, with analytic parameter counts.
+
+The analytic counts mirror the modules in :mod:`models.layers` exactly (the tests check this), so the
+cost model can size parameters, gradients and optimizer states without building a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+FAMILIES = ("gpt3", "llama", "falcon")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTIONS = ("xla", "reference")
+
+# Mist evaluation sizes (paper section 6.2): size -> (hidden, layers, heads). Vocab is 50304 everywhere.
+MIST_SIZES: dict[str, tuple[int, int, int]] = {
+    "1.3b": (2048, 24, 16),
+    "2.7b": (2560, 32, 32),
+    "7b": (4096, 32, 32),
+    "13b": (5120, 40, 40),
+    "22b": (6144, 48, 64),
+}
+MIST_VOCAB = 50304
+# Covers both paper settings (seq 2048 on L4, 4096 on A100); only GPT-3 pays for it (learned positions).
+MIST_MAX_SEQ_LEN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one decoder-only language model.
+
+    Raises:
+        ValueError: from ``__post_init__`` when a field is invalid; the message names the field and the fix.
+    """
+
+    name: str  # preset name, e.g. "llama-7b"; informational only
+    family: str  # "gpt3" | "llama" | "falcon": selects block layout, norm and MLP kind
+    vocab_size: int  # rows of the (untied) embedding and columns of the LM head
+    hidden_size: int  # model width h (the "embed" logical axis)
+    num_layers: int  # transformer blocks, stacked along the leading "layers" axis
+    num_heads: int  # query heads; must divide hidden_size
+    num_kv_heads: int  # key/value heads (GQA when < num_heads); must divide num_heads
+    ffn_size: int  # MLP inner width (the "mlp" logical axis)
+    max_seq_len: int  # longest sequence accepted; sizes GPT-3's learned position table
+    rotary_pct: float = 0.0  # fraction of head_dim rotated by RoPE; 0 for gpt3 (learned positions)
+    norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm
+    dtype: str = "float32"  # compute dtype name ("float32" | "bfloat16" | "float16")
+    param_dtype: str = "float32"  # storage dtype of the master weights
+    attention: str = "xla"  # "xla": jax.nn.dot_product_attention | "reference": einsum + fp32 softmax
+
+    def __post_init__(self) -> None:
+        def bad(field: str, msg: str) -> ValueError:
+            return ValueError(f"ModelConfig({self.name!r}).{field}: {msg}")
+
+        if self.family not in FAMILIES:
+            raise bad("family", f"unknown family {self.family!r}; use one of {FAMILIES}")
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
+                      "max_seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+                raise bad(field, f"must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise bad("num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}; "
+                                   "choose num_heads among the divisors of hidden_size")
+        if self.num_heads % self.num_kv_heads:
+            raise bad("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}; "
+                                      "choose num_kv_heads among the divisors of num_heads")
+        if not 0.0 <= self.rotary_pct <= 1.0:
+            raise bad("rotary_pct", f"{self.rotary_pct} is outside [0, 1]; it is a fraction of head_dim")
+        rot = self.head_dim * self.rotary_pct
+        if abs(rot - round(rot)) > 1e-9 or round(rot) % 2:
+            raise bad("rotary_pct", f"head_dim*rotary_pct = {self.head_dim}*{self.rotary_pct} = {rot:g} "
+                                    "must be an even integer (RoPE rotates pairs of dims); adjust rotary_pct")
+        if self.family == "gpt3" and self.rotary_pct != 0.0:
+            raise bad("rotary_pct", "gpt3 uses learned positions; set rotary_pct=0")
+        if not self.norm_eps > 0:
+            raise bad("norm_eps", f"must be positive, got {self.norm_eps!r}")
+        for field in ("dtype", "param_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise bad(field, f"unknown dtype {getattr(self, field)!r}; use one of {DTYPES}")
+        if self.attention not in ATTENTIONS:
+            raise bad("attention", f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head (hidden_size // num_heads)."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        """Number of leading head dimensions rotated by RoPE (even; 0 disables RoPE)."""
+        return round(self.head_dim * self.rotary_pct)
+
+    def replace(self, **changes) -> ModelConfig:
+        """Returns a copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- analytic parameter counts (must match the modules in models.layers) ----
+
+    def _norm_params(self) -> int:
+        # LayerNorm has scale + bias; Llama's RMSNorm only a scale.
+        return self.hidden_size if self.family == "llama" else 2 * self.hidden_size
+
+    def attention_params(self) -> int:
+        """Parameters of one attention sub-layer (q, k, v, out kernels; no biases)."""
+        h, d = self.hidden_size, self.head_dim
+        return 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
+
+    def mlp_params(self) -> int:
+        """Parameters of one MLP sub-layer (SwiGLU has gate, up and down kernels; GELU in and out)."""
+        n_mats = 3 if self.family == "llama" else 2
+        return n_mats * self.hidden_size * self.ffn_size
+
+    def params_per_layer(self) -> int:
+        """Parameters of one transformer block (Falcon's parallel block has a single norm)."""
+        n_norms = 1 if self.family == "falcon" else 2
+        return n_norms * self._norm_params() + self.attention_params() + self.mlp_params()
+
+    def embedding_params(self) -> int:
+        """Token embedding, plus GPT-3's learned position table."""
+        positions = self.max_seq_len * self.hidden_size if self.family == "gpt3" else 0
+        return self.vocab_size * self.hidden_size + positions
+
+    def head_params(self) -> int:
+        """Final norm plus the untied LM head."""
+        return self._norm_params() + self.hidden_size * self.vocab_size
+
+    def num_params(self) -> int:
+        """Total parameter count of the model built from this config."""
+        return self.embedding_params() + self.num_layers * self.params_per_layer() + self.head_params()
+
+
+def human_count(n: int) -> str:
+    """Formats a parameter count, e.g. 1316110336 -> '1.32B', 204800 -> '204.8K'."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.{2 if suffix in 'TB' else 1}f}{suffix}"
+    return str(n)
+
+
+def tiny_and_small(family: str, *, tiny_ffn: int, small_ffn: int, kv_heads: int, rotary_pct: float
+                   ) -> dict[str, ModelConfig]:
+    """Test-sized presets; heads (8) and kv heads (4 or 8) divide TP degrees up to 8 and 4."""
+    tiny = ModelConfig(name=f"{family}-tiny", family=family, vocab_size=256, hidden_size=64, num_layers=4,
+                       num_heads=8, num_kv_heads=kv_heads, ffn_size=tiny_ffn, max_seq_len=64,
+                       rotary_pct=rotary_pct)
+    small = tiny.replace(name=f"{family}-small", vocab_size=2048, hidden_size=256, ffn_size=small_ffn,
+                         max_seq_len=256)
+    return {tiny.name: tiny, small.name: small}
+

@@ -1,0 +1,226 @@
+"""Layers shared by the GPT-3, Llama and Falcon families (Flax NNX).
+
+Conventions:
+
+* No biases in linear layers (Mist's models have none); norms have a scale, LayerNorm also a bias.
+* Every ``nnx.Param`` carries logical axis names in its ``out_sharding`` metadata (set through
+  ``nnx.with_partitioning``). Names used: ``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
+  ``mlp``, ``position`` (rows of GPT-3's learned position table) and ``layers`` (leading axis of the
+  scanned stack, added by ``nnx.vmap``'s ``transform_metadata``).
+* Mixed precision: params are stored in ``param_dtype`` and cast to the compute ``dtype`` where they are used;
+  norms, rotary angles and softmax run in float32; logits come back as float32.
+* Activations the runtime may want to save or offload are tagged with ``checkpoint_name``: ``layer_input``,
+  ``qkv_proj``, ``attn_out``, ``mlp_in``, ``mlp_out``. Nothing here applies remat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import spmd as core_spmd
+from jax.ad_checkpoint import checkpoint_name
+
+from models.config import ModelConfig
+
+INIT_STD = 0.02  # Megatron's init_method_std
+ROPE_BASE = 10000.0
+
+_ones = nnx.initializers.ones
+_zeros = nnx.initializers.zeros
+
+
+def compute_dtype(config: ModelConfig) -> jnp.dtype:
+    """The compute dtype of ``config`` as a numpy dtype."""
+    return jnp.dtype(config.dtype)
+
+
+def _eager_sharding() -> bool:
+    # Flax shards a Variable at creation by default, which fails outside a mesh (our names are logical, not
+    # mesh axes). Shard eagerly only when both a mesh and logical-axis rules are active, so a model can be
+    # created anywhere and, under `jax.set_mesh(...)` + `nnx.logical_axis_rules(...)`, born sharded.
+    return not jax.sharding.get_abstract_mesh().empty and bool(core_spmd.get_logical_axis_rules())
+
+
+def partitioned(init: nnx.Initializer, names: Sequence[str]) -> nnx.Initializer:
+    """``nnx.with_partitioning`` with the eager-sharding choice above."""
+    return nnx.with_partitioning(init, tuple(names), eager_sharding=_eager_sharding())
+
+
+def make_param(rngs: nnx.Rngs, init: nnx.Initializer, shape: Sequence[int], names: Sequence[str],
+               config: ModelConfig) -> nnx.Param:
+    """Creates an ``nnx.Param`` in ``config.param_dtype`` annotated with logical axis ``names``."""
+    assert len(names) == len(shape), (names, shape)
+    return nnx.Param(partitioned(init, names)(rngs.params(), tuple(shape), jnp.dtype(config.param_dtype)))
+
+
+def out_proj_std(config: ModelConfig) -> float:
+    """Init std of projections that write into the residual stream (GPT-2/Megatron: 0.02 / sqrt(2L))."""
+    return INIT_STD / math.sqrt(2 * config.num_layers)
+
+
+class Norm(nnx.Module):
+    """LayerNorm (``kind="layernorm"``: scale + bias) or RMSNorm (``kind="rmsnorm"``: scale only).
+
+    Statistics are computed in float32 whatever the compute dtype; the output is cast back to it.
+    """
+
+    def __init__(self, config: ModelConfig, kind: str, *, rngs: nnx.Rngs):
+        if kind not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"Norm kind must be 'layernorm' or 'rmsnorm', got {kind!r}")
+        self.kind = kind
+        self.eps = config.norm_eps
+        self.dtype = compute_dtype(config)
+        self.scale = make_param(rngs, _ones, (config.hidden_size,), ("embed",), config)
+        self.bias = (make_param(rngs, _zeros, (config.hidden_size,), ("embed",), config)
+                     if kind == "layernorm" else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x = x - jnp.mean(x, axis=-1, keepdims=True)
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        y = y * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+def apply_rotary(x: jax.Array, rotary_dims: int) -> jax.Array:
+    """Rotates the first ``rotary_dims`` dims of each head (GPT-NeoX / Megatron ``rotary_percent`` style).
+
+    Args:
+        x: ``[batch, seq, heads, head_dim]``; positions are ``0..seq-1``.
+        rotary_dims: even number of leading head dims to rotate; 0 returns ``x`` unchanged.
+
+    Returns:
+        Array of the same shape and dtype; angles and the rotation are computed in float32.
+    """
+    if rotary_dims == 0:
+        return x
+    half = rotary_dims // 2
+    inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / rotary_dims))
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [seq, half]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    rot = x[..., :rotary_dims].astype(jnp.float32)
+    x1, x2 = rot[..., :half], rot[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([rotated, x[..., rotary_dims:]], axis=-1)
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention as plain einsums with a masked float32 softmax.
+
+    Args:
+        q: ``[batch, seq, heads, head_dim]``.
+        k: ``[batch, seq, kv_heads, head_dim]``; kv heads are repeated to ``heads`` (query head ``n`` reads kv
+            head ``n // (heads // kv_heads)``, the grouping ``jax.nn.dot_product_attention`` uses).
+        v: same shape as ``k``.
+
+    Returns:
+        ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
+    """
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(q.shape[-1])
+    seq = q.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bnts,bsnd->btnd", probs, v)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention through ``jax.nn.dot_product_attention`` (handles GQA itself; fp32 softmax)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with grouped-query heads and optional partial rotary embedding.
+
+    Kernels: q ``[embed, heads, head_dim]``, k/v ``[embed, kv_heads, head_dim]``, out
+    ``[heads, head_dim, embed]``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        h, n, kv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        std = nnx.initializers.normal(INIT_STD)
+        self.wq = make_param(rngs, std, (h, n, d), ("embed", "heads", "head_dim"), config)
+        self.wk = make_param(rngs, std, (h, kv, d), ("embed", "kv_heads", "head_dim"), config)
+        self.wv = make_param(rngs, std, (h, kv, d), ("embed", "kv_heads", "head_dim"), config)
+        self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (n, d, h),
+                             ("heads", "head_dim", "embed"), config)
+        self.rotary_dims = config.rotary_dims
+        self.attention = config.attention
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        q = checkpoint_name(jnp.einsum("bte,end->btnd", x, self.wq[...].astype(dt)), "qkv_proj")
+        k = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt)), "qkv_proj")
+        v = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt)), "qkv_proj")
+        q, k = apply_rotary(q, self.rotary_dims), apply_rotary(k, self.rotary_dims)
+        attend = xla_attention if self.attention == "xla" else reference_attention
+        out = checkpoint_name(attend(q, k, v), "attn_out")
+        return jnp.einsum("btnd,nde->bte", out, self.wo[...].astype(dt))
+
+
+class GeluMLP(nnx.Module):
+    """``gelu(x @ wi) @ wo`` with kernels ``[embed, mlp]`` and ``[mlp, embed]`` (GPT-3, Falcon)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        h, f = config.hidden_size, config.ffn_size
+        self.wi = make_param(rngs, nnx.initializers.normal(INIT_STD), (h, f), ("embed", "mlp"), config)
+        self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (f, h), ("mlp", "embed"),
+                             config)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        hidden = checkpoint_name(x @ self.wi[...].astype(dt), "mlp_in")
+        return checkpoint_name(jax.nn.gelu(hidden) @ self.wo[...].astype(dt), "mlp_out")
+
+
+class SwiGLU(nnx.Module):
+    """``(silu(x @ w_gate) * (x @ w_up)) @ wo`` (Llama)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        h, f = config.hidden_size, config.ffn_size
+        std = nnx.initializers.normal(INIT_STD)
+        self.w_gate = make_param(rngs, std, (h, f), ("embed", "mlp"), config)
+        self.w_up = make_param(rngs, std, (h, f), ("embed", "mlp"), config)
+        self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (f, h), ("mlp", "embed"),
+                             config)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_in")
+        up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_in")
+        return checkpoint_name((jax.nn.silu(gate) * up) @ self.wo[...].astype(dt), "mlp_out")
+
+
+class Embed(nnx.Module):
+    """Token embedding table ``[vocab, embed]``; the lookup is cast to the compute dtype."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = make_param(rngs, nnx.initializers.normal(INIT_STD),
+                                    (config.vocab_size, config.hidden_size), ("vocab", "embed"), config)
+        self.dtype = compute_dtype(config)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+
+class LMHead(nnx.Module):
+    """Untied output projection ``[embed, vocab]``; matmul in the compute dtype, logits in float32."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.kernel = make_param(rngs, nnx.initializers.normal(INIT_STD),
+                                 (config.hidden_size, config.vocab_size), ("embed", "vocab"), config)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("bte,ev->btv", x, self.kernel[...].astype(x.dtype),
+                          preferred_element_type=jnp.float32)

@@ -1,0 +1,218 @@
+"""Tests for mistjax.tune.milp: inter-stage MILP against brute force, cuts, limits and imbalance."""
+
+from __future__ import annotations
+
+import warnings
+
+import cvxpy as cp
+import numpy as np
+import pytest
+
+from mistjax.tune import milp
+from mistjax.tune.milp import (
+    InterStageSolution,
+    brute_force_inter_stage,
+    default_layer_options,
+    pipeline_objective,
+    solve_inter_stage,
+)
+from mistjax.tune.pareto import sample_pareto
+
+RTOL = 1e-6
+
+
+def _random_case(seed: int) -> dict:
+    """Small random instance: S <= 4 stages, <= 3 layer options, K <= 4 candidates, some infeasible."""
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 5))
+    J = int(rng.integers(1, 4))
+    K = int(rng.integers(1, 5))
+    G = int(rng.choice([1, 4, 16]))
+    options = sorted(rng.choice(np.arange(1, 6), size=J, replace=False).tolist())
+    per_layer = rng.uniform(0.5, 1.5, (S, 1, 1))
+    stable = per_layer * np.asarray(options, float)[None, :, None] * rng.uniform(1.0, 2.0, (S, J, K))
+    delta = rng.uniform(0.0, 3.0, (S, J, K)) * np.asarray(options, float)[None, :, None]
+    stable[rng.random((S, J, K)) < 0.2] = np.inf
+    delta[rng.random((S, J, K)) < 0.05] = np.nan  # NaN counts as infeasible too
+    # Mostly reachable totals; the occasional +1 makes some cases infeasible.
+    num_layers = int(sum(rng.choice(options) for _ in range(S)) + (rng.random() < 0.1))
+    return dict(stable=stable, delta=delta, layer_options=options, num_layers=num_layers, G=G)
+
+
+def _check_consistent(sol: InterStageSolution, case: dict) -> None:
+    stable, delta = case["stable"], case["delta"]
+    assert sum(sol.layers) == case["num_layers"]
+    for i, (j, k, layers) in enumerate(zip(sol.option_indices, sol.candidates, sol.layers, strict=True)):
+        assert case["layer_options"][j] == layers
+        assert sol.stable[i] == stable[i][j][k] and sol.delta[i] == delta[i][j][k]
+    assert sol.objective == pytest.approx(float(pipeline_objective(sol.stable, sol.delta, case["G"])))
+
+
+def test_milp_matches_brute_force_on_random_cases() -> None:
+    feasible = 0
+    for seed in range(40):
+        case = _random_case(seed)
+        ref = brute_force_inter_stage(**case)
+        sol = solve_inter_stage(**case)
+        assert (ref is None) == (sol is None), f"seed {seed}: feasibility disagrees"
+        if ref is None:
+            continue
+        feasible += 1
+        assert sol.optimal and sol.status == cp.OPTIMAL
+        assert sol.objective == pytest.approx(ref.objective, rel=RTOL), f"seed {seed}"
+        _check_consistent(sol, case)
+        _check_consistent(ref, case)
+    assert feasible >= 20
+
+
+def test_ragged_candidate_lists() -> None:
+    # K differs per (stage, option); nested lists instead of an array.
+    stable = [[[1.0, 2.0], [3.0]], [[1.5], [2.5, 2.0, np.inf]]]
+    delta = [[[4.0, 0.5], [0.0]], [[2.0], [0.0, 3.0, 0.0]]]
+    case = dict(stable=stable, delta=delta, layer_options=[1, 2], num_layers=3, G=4)
+    sol = solve_inter_stage(**case)
+    ref = brute_force_inter_stage(**case)
+    assert sol.objective == pytest.approx(ref.objective, rel=RTOL)
+    _check_consistent(sol, case)
+
+
+def test_infeasible_problems_return_none() -> None:
+    s = np.ones((2, 2, 3))
+    d = np.zeros((2, 2, 3))
+    # No split of 7 layers into two stages from {1, 2}.
+    assert solve_inter_stage(s, d, [1, 2], 7, 4) is None
+    assert brute_force_inter_stage(s, d, [1, 2], 7, 4) is None
+    # Stage 1 has no feasible candidate at all.
+    s_bad = s.copy()
+    s_bad[1] = np.inf
+    assert solve_inter_stage(s_bad, d, [1, 2], 3, 4) is None
+    assert brute_force_inter_stage(s_bad, d, [1, 2], 3, 4) is None
+    # Only option 2 is feasible for stage 0 and only option 2 for stage 1 -> 4 layers, not 3.
+    s_mix = s.copy()
+    s_mix[:, 0] = np.inf
+    assert solve_inter_stage(s_mix, d, [1, 2], 3, 4) is None
+    assert brute_force_inter_stage(s_mix, d, [1, 2], 3, 4) is None
+
+
+def test_pruning_cut_is_respected() -> None:
+    checked = 0
+    for seed in range(40):
+        case = _random_case(seed)
+        if case["G"] == 1:
+            continue
+        free = brute_force_inter_stage(**case)
+        if free is None or free.num_stages < 2:
+            continue
+        # Just below the unconstrained optimum's bottleneck term: the optimum itself is cut off.
+        cut = (case["G"] - 1) * free.t_max * (1 - 1e-9)
+        sol = solve_inter_stage(**case, best_cost=cut)
+        ref = brute_force_inter_stage(**case, best_cost=cut)
+        assert (sol is None) == (ref is None), f"seed {seed}"
+        if ref is not None:
+            assert (case["G"] - 1) * sol.t_max <= cut
+            assert sol.objective == pytest.approx(ref.objective, rel=RTOL)
+            assert sol.objective >= free.objective * (1 - RTOL)
+        checked += 1
+        # A cut below every candidate prunes everything.
+        assert solve_inter_stage(**case, best_cost=0.0) is None
+    assert checked >= 5
+    # G == 1: the cut is 0 <= best_cost.
+    s, d = np.ones((1, 1, 1)), np.zeros((1, 1, 1))
+    assert solve_inter_stage(s, d, [2], 2, 1, best_cost=-1.0) is None
+    assert solve_inter_stage(s, d, [2], 2, 1, best_cost=0.0) is not None
+
+
+def test_imbalance_awareness_changes_the_layer_split() -> None:
+    # Stage 1's delta appears with 2+ layers. It is only partly hidden behind stage 0's fill time.
+    opts = [1, 2, 3]
+    stable = np.array([[[1.0], [2.0], [3.0]], [[1.0], [2.0], [3.0]]])
+    delta = np.array([[[0.0], [0.0], [0.0]], [[0.0], [8.0], [8.0]]])
+    aware = solve_inter_stage(stable, delta, opts, 4, 4)
+    unaware = solve_inter_stage(stable, np.zeros_like(delta), opts, 4, 4)
+    assert unaware.layers == (2, 2)
+    assert aware.layers == (3, 1)
+    assert aware.objective == pytest.approx(13.0)
+    assert float(pipeline_objective(unaware.stable, delta[[0, 1], [1, 1], 0], 4)) == pytest.approx(16.0)
+
+
+def test_delta_hidden_by_fill_picks_different_candidates_per_stage() -> None:
+    # Identical tables for both stages. Candidate 0 is fast with a large delta, candidate 1 is slow
+    # with no delta. The last stage's delta hides behind stage 0's fill, so the optimum mixes them,
+    # and beats the imbalance-unaware choice (K=1: argmin stable + delta/G) for both stages.
+    G = 4
+    s_cands, d_cands = np.array([1.0, 1.2]), np.array([1.0, 0.0])
+    stable = np.broadcast_to(s_cands, (2, 1, 2))
+    delta = np.broadcast_to(d_cands, (2, 1, 2))
+    sol = solve_inter_stage(stable, delta, [1], 2, G)
+    assert sol.candidates == (1, 0)
+    assert sol.objective == pytest.approx(3 * 1.2 + 2.2)
+
+    k1 = int(sample_pareto(s_cands, d_cands, G, 1).indices[0])
+    assert k1 == 1
+    unaware = float(pipeline_objective([s_cands[k1]] * 2, [d_cands[k1]] * 2, G))
+    assert sol.objective < unaware
+
+
+def test_cost_scale_does_not_change_the_choice() -> None:
+    for seed in range(8):
+        case = _random_case(seed)
+        base = solve_inter_stage(**case)
+        if base is None:
+            continue
+        tiny = solve_inter_stage(**{**case, "stable": case["stable"] * 1e-6, "delta": case["delta"] * 1e-6})
+        assert tiny.objective == pytest.approx(base.objective * 1e-6, rel=1e-5)
+
+
+def test_time_limit_returns_incumbent_with_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = milp._run_solver
+
+    def stopped_early(prob: cp.Problem, options: dict) -> str:
+        real(prob, options)
+        return cp.USER_LIMIT
+
+    monkeypatch.setattr(milp, "_run_solver", stopped_early)
+    case = _random_case(4)  # a feasible 3-stage case
+    with pytest.warns(RuntimeWarning, match="time limit"):
+        sol = solve_inter_stage(**case)
+    assert sol is not None and not sol.optimal and sol.status == cp.USER_LIMIT
+    _check_consistent(sol, case)
+
+
+def test_time_limit_without_incumbent_returns_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(milp, "_run_solver", lambda prob, options: cp.USER_LIMIT)  # never solves
+    with pytest.warns(RuntimeWarning, match="before finding a feasible"):
+        assert solve_inter_stage(**_random_case(4)) is None
+
+
+def test_real_zero_time_limit_is_handled() -> None:
+    rng = np.random.default_rng(0)
+    S, opts, K = 8, [4, 5, 6, 7, 8], 30
+    stable = rng.uniform(1, 2, (S, len(opts), K)) * np.asarray(opts, float)[None, :, None]
+    delta = rng.uniform(0, 10, (S, len(opts), K))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sol = solve_inter_stage(stable, delta, opts, 48, 16, time_limit=0.0)
+    if sol is None or not sol.optimal:
+        assert any(issubclass(w.category, RuntimeWarning) for w in caught)
+    if sol is not None:
+        assert sum(sol.layers) == 48
+
+
+def test_pipeline_objective_formula() -> None:
+    # One stage: G * T + D.
+    assert float(pipeline_objective([2.0], [3.0], 5)) == pytest.approx(13.0)
+    # T = (1, 2, 3), D = (0.5, 4, 1): exposed = max(0.5, 4 - 1, 1 - 3) = 3.
+    assert float(pipeline_objective([1.0, 2.0, 3.0], [0.5, 4.0, 1.0], 4)) == pytest.approx(3 * 3 + 6 + 3)
+    # Negative deltas never make the exposed term negative.
+    assert float(pipeline_objective([1.0, 1.0], [-5.0, -5.0], 2)) == pytest.approx(3.0)
+    batched = pipeline_objective(np.ones((4, 3, 2)), np.zeros((4, 3, 2)), 3)
+    assert batched.shape == (4, 3) and np.allclose(batched, 4.0)
+
+
+def test_default_layer_options() -> None:
+    assert default_layer_options(32, 4, 8) == (6, 7, 8, 9, 10)
+    assert default_layer_options(32, 4, 1) == (8,)
+    assert default_layer_options(4, 4, 8) == (1,)
+    assert default_layer_options(5, 2, 8) == (1, 2, 3, 4)
+    with pytest.raises(ValueError):
+        default_layer_options(2, 3, 4)
