@@ -27,9 +27,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mistjax.plan import Plan, PlanError
-from mistjax.runtime.remat import make_layer_loop
-from mistjax.runtime.sharding import DP_AXES, PARAM, LeafLayout
-from mistjax.trace.split import evaluate, trace_loss
+from mistjax.runtime.remat import make_layer_loop, offloaded_layers
+from mistjax.runtime.sharding import DP_AXES, PARAM, LeafLayout, select_offload
+from mistjax.trace.split import checkpoint_names, evaluate, trace_loss
 
 MANUAL_AXES = frozenset({"stage", "replica", "shard"})
 
@@ -70,6 +70,14 @@ def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> l
     return out  # type: ignore[return-value]
 
 
+def _to_host(x: jax.Array, host: bool) -> jax.Array:
+    return jax.device_put(x, jax.memory.Space.Host) if host else x
+
+
+def _to_device(x: jax.Array, host: bool) -> jax.Array:
+    return jax.device_put(x, jax.memory.Space.Device) if host else x
+
+
 def psum_live(x: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:
     """`lax.psum` over the axes of `axes` that have more than one device (XLA rejects the others
     when every manual axis is trivial)."""
@@ -102,12 +110,23 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     is_batch = [jnp.ndim(x) > 0 and x.shape[0] == global_batch for x in r_leaves]
     G, dp, tp = plan.grad_accum, plan.dp, plan.tp
     full_params = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves]
+    # Gradient accumulators kept in host memory between micro-batches (only worth it when G > 1).
+    grad_sizes = [s.layout.nbytes_elems if s.layout.stacked else 0 for s in specs]
+    acc_host = [h and n > 0 for h, n in zip(select_offload(grad_sizes, stage.offload_grads), grad_sizes)]
 
     def gather(spec: GradSpec, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
-        if not spec.weights_sharded:
+        """Turn a stored (maybe host-resident, maybe ZeRO-3-sharded) weight into its compute copy."""
+        host, sharded = spec.layout.host, spec.weights_sharded
+        if not (host or sharded):
             return None
-        axis = spec.layout.shard_dim - (1 if stacked_slice else 0)
-        return lambda x: lax.all_gather(x, "shard", axis=axis, tiled=True)
+        axis = spec.layout.shard_dim - (1 if stacked_slice else 0) if sharded else 0
+
+        def fetch(x: jax.Array) -> jax.Array:
+            if host:
+                x = jax.device_put(x, jax.memory.Space.Device)
+            return lax.all_gather(x, "shard", axis=axis, tiled=True) if sharded else x
+
+        return fetch
 
     def sp_constraint(c: jax.Array) -> jax.Array:
         if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
@@ -119,15 +138,19 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
         traced = trace_loss(lambda p, *r: fun(p, *r), jax.tree.unflatten(p_tree, full_params),
                             *jax.tree.unflatten(r_tree, mb0))
-        needs_stack = stage.remat_layers > 0 or any(s.weights_sharded and s.layout.stacked for s in specs)
+        needs_stack = stage.remat_layers > 0 or any(
+            (s.weights_sharded or s.layout.host) and s.layout.stacked for s in specs)
         layer_loop = None
         if traced.stack is not None:
             st = traced.stack
             plan.check_layers(st.num_layers)
             gathers = [None if i is None else gather(specs[i], True) for i in st.xs_leaf]
-            layer_loop = make_layer_loop(num_layers=st.num_layers, remat_layers=stage.remat_layers,
-                                         policy=stage.remat_policy, gather=gathers, carry_constraint=sp_constraint)
-        elif needs_stack:
+            layer_loop = make_layer_loop(
+                num_layers=st.num_layers, remat_layers=stage.remat_layers, policy=stage.remat_policy,
+                gather=gathers, carry_constraint=sp_constraint,
+                offload_layers=offloaded_layers(st.num_layers, stage.remat_layers, stage.offload_acts),
+                offload_names=checkpoint_names(st.body))
+        elif needs_stack or stage.offload_acts > 0:
             traced.require_stack()
         stacked = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
 
@@ -142,6 +165,8 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
 
         def one(mb: list[jax.Array]) -> tuple[jax.Array, Any, list[jax.Array]]:
             (loss, aux), g = jax.value_and_grad(mb_loss, has_aux=True)(p_local, mb)
+            # The gradient of a host-streamed weight arrives in host memory (transpose of the fetch).
+            g = [_to_device(gi, s.layout.host) for gi, s in zip(g, specs)]
             g = [lax.psum_scatter(gi, "shard", scatter_dimension=s.layout.shard_dim, tiled=True)
                  if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
             return loss, aux, g
@@ -150,14 +175,17 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
             loss, aux, acc = one(mb0)
             loss_sum, aux_sum = loss, aux
         else:
-            acc0 = [jnp.zeros(s.shape, s.dtype) for s in jax.eval_shape(one, mb0)[2]]
+            acc0 = [_to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(jax.eval_shape(one, mb0)[2], acc_host)]
 
             def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
                 mb = [x[i] if b else x for x, b in zip(mbs, is_batch)]
                 loss, aux, g = one(mb)
-                return [a + gi for a, gi in zip(acc, g)], (loss, aux)
+                # Offloaded accumulators come in, take this micro-batch's gradient and go back out.
+                acc = [_to_host(_to_device(a, h) + gi, h) for a, gi, h in zip(acc, g, acc_host)]
+                return acc, (loss, aux)
 
             acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
+            acc = [_to_device(a, h) for a, h in zip(acc, acc_host)]
             loss_sum = jnp.sum(losses)
             aux_sum = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
         grads = _finish_grads(acc, specs, plan, mesh)

@@ -95,6 +95,9 @@ def memory_stats(compiled: Any) -> dict[str, int]:
 
 def host_placed_params(hlo_text: str) -> int:
     """How many entry parameters the compiled program keeps in host memory (layout ``S(5)``)."""
-    entry = hlo_text[hlo_text.find("ENTRY"):]
-    header = entry[: entry.find("{\n")] if "{\n" in entry else entry.splitlines()[0]
-    return header.count("S(5)")
+    header = hlo_text.splitlines()[0] if hlo_text else ""
+    start = header.find("entry_computation_layout={(")
+    if start < 0:
+        return 0
+    inputs = header[start: header.find(")->", start)]
+    return inputs.count("S(5)")

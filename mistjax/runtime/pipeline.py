@@ -55,6 +55,9 @@ Collectives and ``cond`` (XLA:CPU, 8 simulated devices, jax 0.10.2)
   mean; the executor ``pmean``s loss and grads once after the loop, which equals the global mean for
   equal local batches). Use it for plain DP / the MiCS ``replica`` axis; keep an axis with GSPMD when
   weights are sharded over it (ZeRO-3 / MiCS ``shard``), since ``block`` must see whole weights.
+* Collectives over a *manual non-stage* axis issued by ``block`` itself (e.g. a ``pmean`` or per-layer
+  ZeRO-3 ``all_gather`` over ``replica`` / ``shard``) also work inside the branches, for the same
+  reason (tested). Callers that own the shard_map and the gradient sync use `pipeline_local`.
 
 Overlap
 -------
@@ -184,12 +187,12 @@ class _Residuals:
 
     num_leaves: int
     stored: tuple[int, ...]  # leaf indices saved in the pools (first occurrence of each value)
-    avals: tuple[tuple[tuple[int, ...], np.dtype], ...]  # (shape, dtype) of each stored leaf
+    avals: tuple[tuple[tuple[int, ...], np.dtype, frozenset], ...]  # (shape, dtype, varying axes) per leaf
     aliases: tuple[tuple[int, int], ...]  # (leaf, stored leaf) pairs that are the same value
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in self.avals)
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _ in self.avals)
 
 
 def _classify(fn: Callable[[PyTree, PyTree], PyTree], w: PyTree, h: PyTree) -> _Residuals:
@@ -204,7 +207,8 @@ def _classify(fn: Callable[[PyTree, PyTree], PyTree], w: PyTree, h: PyTree) -> _
         elif d:
             first[var] = j
             stored.append(j)
-    avals = tuple((tuple(closed.out_avals[j].shape), np.dtype(closed.out_avals[j].dtype)) for j in stored)
+    out = [closed.out_avals[j] for j in stored]
+    avals = tuple((tuple(a.shape), np.dtype(a.dtype), a.manual_axis_type.varying) for a in out)
     return _Residuals(len(closed.jaxpr.outvars), tuple(stored), avals, tuple(aliases))
 
 
@@ -264,6 +268,228 @@ def _acc_dtype(dtype: Any) -> np.dtype:
 
 
 # ------------------------------------------------------------------------------------------- executor
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """Everything static about one pipeline call: sizes, stage kinds and the compiled tick table."""
+
+    num_stages: int
+    num_microbatches: int
+    kinds: tuple[_StageKind, ...]  # per stage
+    unique: tuple[_StageKind, ...]  # distinct kinds; branch k + 1 runs unique[k]
+    ticks: sch.TickProgram
+    table: np.ndarray  # ticks.table plus the _F_BRANCH / _B_BRANCH columns
+
+
+def _make_program(stage_layers: Sequence[Sequence[int]], num_mb: int, schedule: str,
+                  remat_layers: Sequence[int] | None, remat_policy: str | Sequence[str]) -> _Program:
+    bounds = _check_stage_layers(stage_layers)
+    S = len(bounds)
+    sizes = [b - a for a, b in bounds]
+    remat = [0] * S if remat_layers is None else [int(r) for r in remat_layers]
+    policies = [remat_policy] * S if isinstance(remat_policy, str) else list(remat_policy)
+    if len(remat) != S or len(policies) != S:
+        raise ValueError(f"remat_layers and remat_policy need one entry per stage ({S})")
+    for s in range(S):
+        if not 0 <= remat[s] <= sizes[s]:
+            raise ValueError(f"stage {s}: remat_layers={remat[s]} is outside [0, {sizes[s]}]")
+        if remat[s]:
+            remat_policy_fn(policies[s])  # validate early, with a clear message
+    ticks = sch.tick_program(sch.make_schedule(schedule, S, num_mb))
+    kinds = tuple(_StageKind(s == 0, s == S - 1, sizes[s] - remat[s], remat[s],
+                             policies[s] if remat[s] else None) for s in range(S))
+    unique = tuple(dict.fromkeys(kinds))
+    branch = np.array([unique.index(k) + 1 for k in kinds], np.int32)
+    t = ticks.table
+    extra = np.stack([np.where(t[..., sch.F_MB] >= 0, branch, 0),
+                      np.where(t[..., sch.B_MB] >= 0, branch, 0)], -1)
+    return _Program(S, num_mb, kinds, unique, ticks, np.concatenate([t, extra.astype(np.int32)], -1))
+
+
+def pipeline_local(
+    pre: Callable[[PyTree, PyTree], PyTree],
+    block: Callable[[PyTree, PyTree], PyTree],
+    post: Callable[[PyTree, PyTree, PyTree], jax.Array],
+    pre_params: PyTree,
+    stage_params: PyTree,
+    post_params: PyTree,
+    microbatches: PyTree,
+    *,
+    stage_layers: Sequence[Sequence[int]],
+    schedule: str = "1f1b",
+    remat_layers: Sequence[int] | None = None,
+    remat_policy: str | Sequence[str] = "full",
+    loss_scale: float | None = None,
+    stage_axis: str = "stage",
+) -> tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]:
+    """The schedule loop, for use inside a ``jax.shard_map`` that is manual over `stage_axis`.
+
+    For callers that own the shard_map and the gradient synchronisation (ZeRO / MiCS): `block` may use
+    collectives over the caller's other manual axes (e.g. per-layer all-gathers over ``shard``; their
+    groups never span stages, so they are safe inside the varying branches). Arguments are as in
+    `pipeline_value_and_grad`, except that `stage_params` leaves are this stage's ``[Lmax, ...]``.
+
+    Returns:
+        Unreduced per-device ``(loss, (acc_pre, acc_stage, acc_post))``: the scaled loss sum (nonzero on
+        the last stage only), fp32 gradient sums of this device's micro-batch shares (``acc_pre``
+        nonzero on the first stage only, ``acc_post`` on the last). Sum over `stage_axis`, then reduce
+        over the data-parallel axes as the caller's ZeRO scheme requires.
+    """
+    counts = {leaf.shape[0] for leaf in jax.tree.leaves(microbatches)}
+    if len(counts) != 1:
+        raise ValueError(f"microbatches leaves must share the leading [G] axis, got sizes {sorted(counts)}")
+    prog = _make_program(stage_layers, counts.pop(), schedule, remat_layers, remat_policy)
+    S = prog.num_stages
+    if lax.axis_size(stage_axis) != S:
+        raise ValueError(f"axis {stage_axis!r} has {lax.axis_size(stage_axis)} devices, stage_layers gives "
+                         f"{S} stages")
+    lmax = max(k.num_plain + k.num_remat for k in prog.kinds)
+    for leaf in jax.tree.leaves(stage_params):
+        if leaf.ndim < 1 or leaf.shape[0] < lmax:
+            raise ValueError(f"local stage_params leaves must be [Lmax>={lmax}, ...], got {leaf.shape}")
+    scale = 1.0 / prog.num_microbatches if loss_scale is None else float(loss_scale)
+    vary = functools.partial(_vary, axes=tuple(jax.sharding.get_abstract_mesh().manual_axes))
+    pre_p, stage_p, post_p, mbs = vary((pre_params, stage_params, post_params, microbatches))
+    s_idx = lax.axis_index(stage_axis)
+    h_aval = jax.eval_shape(pre, pre_p, _take(mbs, 0))
+    zero_h = vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval))
+
+    # Residual layout: classify each (un)checkpointed layer's vjp leaves once, then give every stage
+    # kind its rows in pools keyed by (shape, dtype, varying axes).
+    layer_fns: dict[str | None, Callable] = {None: block}
+    for k in prog.unique:
+        if k.policy is not None:
+            layer_fns[k.policy] = jax.checkpoint(block, policy=remat_policy_fn(k.policy))
+    w0 = jax.tree.map(lambda a: a[0], stage_p)
+    residuals = {pol: _classify(fn, w0, zero_h) for pol, fn in layer_fns.items()}
+    pool_keys: list[tuple] = []
+    layouts = {}  # kind -> (rows per micro-batch per pool, per segment [(leaf, pool, first row)])
+    for k in prog.unique:
+        rows: dict[int, int] = {}
+        segs = []
+        for lo, hi, pol in k.segments():
+            entries = []
+            for j, key in zip(residuals[pol].stored, residuals[pol].avals):
+                if key not in pool_keys:
+                    pool_keys.append(key)
+                p = pool_keys.index(key)
+                entries.append((j, p, rows.get(p, 0)))
+                rows[p] = rows.get(p, 0) + (hi - lo)
+            segs.append(entries)
+        layouts[k] = (rows, segs)
+    slots = prog.ticks.residual_slots
+    pools = tuple(_vary(jnp.zeros((max(int(slots[s]) * layouts[prog.kinds[s]][0].get(p, 0) for s in range(S)),
+                                   *shape), dt), vma)
+                  for p, (shape, dt, vma) in enumerate(pool_keys))
+
+    def run_forward(kind: _StageKind, h: PyTree, pools: tuple, slot: jax.Array) -> tuple[PyTree, tuple]:
+        rows, segs = layouts[kind]
+        for (lo, hi, pol), entries in zip(kind.segments(), segs):
+            fn, res = layer_fns[pol], residuals[pol]
+
+            def layer(carry, xs, fn=fn, res=res, entries=entries):
+                h, pools = carry
+                w, li = xs
+                h, vjp = jax.vjp(fn, w, h)
+                leaves = jax.tree.leaves(vjp)
+                if len(leaves) != res.num_leaves:
+                    raise RuntimeError("block's vjp changed structure since it was classified; is block a "
+                                       "pure function of (layer_params, h)?")
+                pools = list(pools)
+                for j, p, base in entries:  # in place: the pools only pass through two-way conds
+                    row = slot * rows[p] + base + li
+                    pools[p] = lax.dynamic_update_index_in_dim(pools[p], leaves[j], row, 0)
+                return (h, tuple(pools)), None
+
+            ws = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stage_p)
+            (h, pools), _ = lax.scan(layer, (h, pools), (ws, jnp.arange(hi - lo)))
+        return h, pools
+
+    def run_backward(kind: _StageKind, ct: PyTree, acc: PyTree, pools: tuple, slot: jax.Array
+                     ) -> tuple[PyTree, PyTree]:
+        rows, segs = layouts[kind]
+        for (lo, hi, pol), entries in reversed(list(zip(kind.segments(), segs))):
+            fn, res = layer_fns[pol], residuals[pol]
+
+            def layer(carry, xs, fn=fn, res=res, entries=entries, lo=lo):
+                ct, acc = carry
+                w, li = xs
+                # A fresh vjp at a zero activation supplies the treedef and the weight-only leaves; its
+                # activation-dependent part is dead code, replaced by the stored leaves.
+                leaves, treedef = jax.tree.flatten(jax.vjp(fn, w, zero_h)[1])
+                for j, p, base in entries:
+                    row = slot * rows[p] + base + li
+                    leaves[j] = lax.dynamic_index_in_dim(pools[p], row, 0, keepdims=False)
+                for j, first in res.aliases:
+                    leaves[j] = leaves[first]
+                g_w, ct = jax.tree.unflatten(treedef, leaves)(ct)
+                row = lo + li
+                acc = _put(acc, row, jax.tree.map(lambda a, g: a + g.astype(a.dtype), _take(acc, row), g_w))
+                return (ct, acc), None
+
+            ws = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stage_p)
+            (ct, acc), _ = lax.scan(layer, (ct, acc), (ws, jnp.arange(hi - lo)), reverse=True)
+        return ct, acc
+
+    def f_branch(kind: _StageKind, r: jax.Array, y: PyTree, st: dict) -> tuple[PyTree, dict]:
+        mb = _take(mbs, r[sch.F_MB])
+        h = pre(pre_p, mb) if kind.first else _take(st["xq"], r[sch.F_XSLOT])
+        h, pools = run_forward(kind, h, st["pools"], r[sch.F_RSLOT])
+        st = dict(st, pools=pools)
+        if not kind.last:
+            return h, st
+        # Last stage: loss and d(loss)/dh now, so the head's residuals never outlive the tick.
+        loss, (g_post, dh) = jax.value_and_grad(post, argnums=(0, 1))(post_p, h, mb)
+        st["loss"] = st["loss"] + scale * loss.astype(jnp.float32)
+        st["acc_post"] = jax.tree.map(lambda a, g: a + scale * g.astype(a.dtype), st["acc_post"], g_post)
+        st["cq"] = _put(st["cq"], r[sch.F_SEED], jax.tree.map(lambda d: scale * d, dh))
+        return y, st
+
+    def b_branch(kind: _StageKind, r: jax.Array, dx: PyTree, st: dict) -> tuple[PyTree, dict]:
+        ct = _take(st["cq"], r[sch.B_CSLOT])
+        ct, acc = run_backward(kind, ct, st["acc_stage"], st["pools"], r[sch.B_RSLOT])
+        st = dict(st, acc_stage=acc)
+        if not kind.first:
+            return ct, st
+        mb = _take(mbs, r[sch.B_MB])
+        (g_pre,) = jax.vjp(lambda p: pre(p, mb), pre_p)[1](ct)  # recompute pre: nothing of it is kept
+        st["acc_pre"] = jax.tree.map(lambda a, g: a + g.astype(a.dtype), st["acc_pre"], g_pre)
+        return dx, st
+
+    def dispatch(branch_fn: Callable, index: jax.Array, r: jax.Array, out: PyTree, st: dict
+                 ) -> tuple[PyTree, dict]:
+        # One two-way cond per stage kind with the pass-through as the false branch, not one lax.switch:
+        # XLA:CPU then updates the carried buffers in place (a >2-way switch copies every pool per tick).
+        for k, kind in enumerate(prog.unique, start=1):
+            run = functools.partial(branch_fn, kind, r)
+            out, st = lax.cond(index == k, run, lambda o, s: (o, s), out, st)
+        return out, st
+
+    fwd_pairs = [(i, i + 1) for i in range(S - 1)]
+    bwd_pairs = [(i + 1, i) for i in range(S - 1)]
+
+    def tick(st: dict, rows: jax.Array) -> tuple[dict, None]:
+        r = lax.dynamic_index_in_dim(rows, s_idx, 0, keepdims=False)
+        y, st = dispatch(f_branch, r[_F_BRANCH], r, zero_h, st)
+        if S > 1:  # unconditional: a collective inside a device-varying branch deadlocks
+            st["xq"] = _put_if(st["xq"], r[sch.RX_SLOT], lax.ppermute(y, stage_axis, fwd_pairs))
+        dx, st = dispatch(b_branch, r[_B_BRANCH], r, zero_h, st)
+        if S > 1:
+            st["cq"] = _put_if(st["cq"], r[sch.RC_SLOT], lax.ppermute(dx, stage_axis, bwd_pairs))
+        return st, None
+
+    def queue(depth: int) -> PyTree:
+        return vary(jax.tree.map(lambda a: jnp.zeros((depth, *a.shape), a.dtype), h_aval))
+
+    def accumulator(tree: PyTree) -> PyTree:
+        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), tree))
+
+    state = dict(xq=queue(prog.ticks.input_slots), cq=queue(prog.ticks.cotangent_slots), pools=pools,
+                 acc_pre=accumulator(pre_p), acc_stage=accumulator(stage_p), acc_post=accumulator(post_p),
+                 loss=vary(jnp.zeros((), jnp.float32)))
+    state, _ = lax.scan(tick, state, jnp.asarray(prog.table))
+    return state["loss"], (state["acc_pre"], state["acc_stage"], state["acc_post"])
+
+
 def pipeline_value_and_grad(
     pre: Callable[[PyTree, PyTree], PyTree],
     block: Callable[[PyTree, PyTree], PyTree],
@@ -296,24 +522,22 @@ def pipeline_value_and_grad(
         stage_params: stacked layers, leaves ``[S, Lmax, ...]`` sharded ``P(stage_axis)``
             (`to_stage_layout`).
         post_params: final norm / head, replicated over `stage_axis`.
-        microbatches: leaves ``[G, ...]``; leaf dim 1 is the batch (sharded over `dp_axes` if given).
+        microbatches: leaves ``[G, ...]``; leaf dim 1 is the batch (split over `dp_axes` if given).
         mesh: the device mesh; `stage_axis` must have ``S`` devices.
         stage_layers: ``[a_s, b_s)`` per stage (contiguous from 0; uneven allowed).
         schedule: "1f1b" (default), "gpipe" or "1f1b-eager" (see `mistjax.runtime.schedules`).
         remat_layers: per stage, how many of its *last* layers are checkpointed (default none).
         remat_policy: per stage (or one for all): "full" | "dots" | "names:a,b".
         loss_scale: weight of each micro-batch loss (default ``1 / G``).
-        dp_axes: mesh axes to make manual as data parallelism (batch split, grads ``pmean``'ed once
-            after the loop) instead of leaving them to GSPMD; see the module docstring.
+        dp_axes: mesh axes made manual as data parallelism (batch split, loss and grads ``pmean``'ed
+            once after the loop) instead of being left to GSPMD; see the module docstring.
         stage_axis: name of the pipeline axis.
 
     Returns:
         ``(loss, (g_pre, g_stage, g_post))``; `g_stage` is ``[S, Lmax, ...]`` sharded like
-        `stage_params` with exact zeros in padding rows.
+        `stage_params`, with exact zeros in padding rows.
     """
-    bounds = _check_stage_layers(stage_layers)
-    S = len(bounds)
-    sizes = [b - a for a, b in bounds]
+    S = len(_check_stage_layers(stage_layers))
     if mesh.shape.get(stage_axis) != S:
         raise ValueError(f"mesh axis {stage_axis!r} has {mesh.shape.get(stage_axis)} devices but "
                          f"stage_layers gives {S} stages")
@@ -322,184 +546,18 @@ def pipeline_value_and_grad(
         if ax not in mesh.shape or ax == stage_axis:
             raise ValueError(f"dp_axes entry {ax!r} is not a non-stage axis of the mesh {dict(mesh.shape)}")
     for leaf in jax.tree.leaves(stage_params):
-        if leaf.ndim < 2 or leaf.shape[0] != S or leaf.shape[1] < max(sizes):
-            raise ValueError(f"stage_params leaves must be [S={S}, Lmax>={max(sizes)}, ...], got "
-                             f"{leaf.shape}; build them with to_stage_layout")
-    counts = {leaf.shape[0] for leaf in jax.tree.leaves(microbatches)}
-    if len(counts) != 1:
-        raise ValueError(f"microbatches leaves must share the leading [G] axis, got sizes {sorted(counts)}")
-    G = counts.pop()
-    remat = [0] * S if remat_layers is None else [int(r) for r in remat_layers]
-    policies = [remat_policy] * S if isinstance(remat_policy, str) else list(remat_policy)
-    if len(remat) != S or len(policies) != S:
-        raise ValueError(f"remat_layers and remat_policy need one entry per stage ({S})")
-    for s in range(S):
-        if not 0 <= remat[s] <= sizes[s]:
-            raise ValueError(f"stage {s}: remat_layers={remat[s]} is outside [0, {sizes[s]}]")
-        if remat[s]:
-            remat_policy_fn(policies[s])  # validate early, with a clear message
-    scale = 1.0 / G if loss_scale is None else float(loss_scale)
-
-    # Static program: schedule -> slots, stage -> kind -> switch branch.
-    program = sch.tick_program(sch.make_schedule(schedule, S, G))
-    kinds = [_StageKind(s == 0, s == S - 1, sizes[s] - remat[s], remat[s], policies[s] if remat[s] else None)
-             for s in range(S)]
-    unique = list(dict.fromkeys(kinds))
-    branch = np.array([unique.index(k) + 1 for k in kinds], np.int32)
-    table = program.table
-    extra = np.stack([np.where(table[..., sch.F_MB] >= 0, branch, 0),
-                      np.where(table[..., sch.B_MB] >= 0, branch, 0)], axis=-1).astype(np.int32)
-    table = np.concatenate([table, extra], axis=-1)
-    manual = (stage_axis, *dp_axes)
-    fwd_pairs = [(i, i + 1) for i in range(S - 1)]
-    bwd_pairs = [(i + 1, i) for i in range(S - 1)]
+        if leaf.ndim < 2 or leaf.shape[0] != S:
+            raise ValueError(f"stage_params leaves must be [S={S}, Lmax, ...], got {leaf.shape}; build them "
+                             "with to_stage_layout")
+    _make_program(stage_layers, 1, schedule, remat_layers, remat_policy)  # validate before tracing
 
     def body(pre_p: PyTree, stage_p: PyTree, post_p: PyTree, mbs: PyTree):
-        vary = functools.partial(_vary, axes=manual)
-        pre_p, post_p, mbs = vary((pre_p, post_p, mbs))  # no implicit pvary (=> psum) inside branches
-        stage_p = vary(jax.tree.map(lambda a: a[0], stage_p))  # local [Lmax, ...]
-        s_idx = lax.axis_index(stage_axis)
-        h_aval = jax.eval_shape(pre, pre_p, _take(mbs, 0))
-        zero_h = vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), h_aval))
-        w0 = jax.tree.map(lambda a: a[0], stage_p)
-
-        # Residual layout: classify each (un)checkpointed layer's vjp leaves once, then give every
-        # stage kind its rows in pools keyed by (shape, dtype).
-        layer_fns = {None: block}
-        for k in unique:
-            if k.policy is not None:
-                layer_fns[k.policy] = jax.checkpoint(block, policy=remat_policy_fn(k.policy))
-        residuals = {pol: _classify(fn, w0, zero_h) for pol, fn in layer_fns.items()}
-        pool_keys: list[tuple[tuple[int, ...], np.dtype]] = []
-        layouts = {}  # kind -> (rows per micro-batch per pool, per segment [(leaf, pool, base)])
-        for k in unique:
-            rows: dict[int, int] = {}
-            segs = []
-            for lo, hi, pol in k.segments():
-                entries = []
-                for j, aval in zip(residuals[pol].stored, residuals[pol].avals):
-                    if aval not in pool_keys:
-                        pool_keys.append(aval)
-                    p = pool_keys.index(aval)
-                    entries.append((j, p, rows.get(p, 0)))
-                    rows[p] = rows.get(p, 0) + (hi - lo)
-                segs.append(entries)
-            layouts[k] = (rows, segs)
-        pool_rows = [max(int(program.residual_slots[s]) * layouts[kinds[s]][0].get(p, 0) for s in range(S))
-                     for p in range(len(pool_keys))]
-        pools = tuple(vary(jnp.zeros((n, *shape), dt)) for n, (shape, dt) in zip(pool_rows, pool_keys))
-
-        def run_forward(kind: _StageKind, h: PyTree, pools: tuple, slot: jax.Array) -> tuple[PyTree, tuple]:
-            rows, segs = layouts[kind]
-            for (lo, hi, pol), entries in zip(kind.segments(), segs):
-                fn, res = layer_fns[pol], residuals[pol]
-
-                def layer(carry, xs, fn=fn, res=res, entries=entries):
-                    h, pools = carry
-                    w, li = xs
-                    h, vjp = jax.vjp(fn, w, h)
-                    leaves = jax.tree.leaves(vjp)
-                    if len(leaves) != res.num_leaves:
-                        raise RuntimeError("block's vjp has a different structure than when it was "
-                                           "classified; is block a pure function of (params, h)?")
-                    pools = list(pools)
-                    for j, p, base in entries:
-                        pools[p] = lax.dynamic_update_index_in_dim(pools[p], leaves[j],
-                                                                   slot * rows[p] + base + li, 0)
-                    return (h, tuple(pools)), None
-
-                ws = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stage_p)
-                (h, pools), _ = lax.scan(layer, (h, pools), (ws, jnp.arange(hi - lo)))
-            return h, pools
-
-        def run_backward(kind: _StageKind, ct: PyTree, acc: PyTree, pools: tuple, slot: jax.Array
-                         ) -> tuple[PyTree, PyTree]:
-            rows, segs = layouts[kind]
-            for (lo, hi, pol), entries in reversed(list(zip(kind.segments(), segs))):
-                fn, res = layer_fns[pol], residuals[pol]
-
-                def layer(carry, xs, fn=fn, res=res, entries=entries, lo=lo):
-                    ct, acc = carry
-                    w, li = xs
-                    # Fresh vjp at a zero activation: supplies the treedef and the weight-only leaves;
-                    # its activation-dependent part is dead code (replaced by the stored leaves).
-                    leaves, treedef = jax.tree.flatten(jax.vjp(fn, w, zero_h)[1])
-                    for j, p, base in entries:
-                        leaves[j] = lax.dynamic_index_in_dim(pools[p], slot * rows[p] + base + li, 0,
-                                                             keepdims=False)
-                    for j, first in res.aliases:
-                        leaves[j] = leaves[first]
-                    g_w, ct = jax.tree.unflatten(treedef, leaves)(ct)
-                    acc = jax.tree.map(
-                        lambda a, g: lax.dynamic_update_index_in_dim(
-                            a, lax.dynamic_index_in_dim(a, lo + li, 0, keepdims=False) + g.astype(a.dtype),
-                            lo + li, 0), acc, g_w)
-                    return (ct, acc), None
-
-                ws = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stage_p)
-                (ct, acc), _ = lax.scan(layer, (ct, acc), (ws, jnp.arange(hi - lo)), reverse=True)
-            return ct, acc
-
-        def f_branch(kind: _StageKind, r: jax.Array, y: PyTree, st: dict) -> tuple[PyTree, dict]:
-            mb = _take(mbs, r[sch.F_MB])
-            h = pre(pre_p, mb) if kind.first else _take(st["xq"], r[sch.F_XSLOT])
-            h, pools = run_forward(kind, h, st["pools"], r[sch.F_RSLOT])
-            st = dict(st, pools=pools)
-            if not kind.last:
-                return h, st
-            # Last stage: loss and d(loss)/dh now, so the head's residuals never outlive the tick.
-            loss, (g_post, dh) = jax.value_and_grad(post, argnums=(0, 1))(post_p, h, mb)
-            st["loss"] = st["loss"] + scale * loss.astype(jnp.float32)
-            st["acc_post"] = jax.tree.map(lambda a, g: a + scale * g.astype(a.dtype), st["acc_post"], g_post)
-            st["cq"] = _put(st["cq"], r[sch.F_SEED], jax.tree.map(lambda d: scale * d, dh))
-            return y, st
-
-        def b_branch(kind: _StageKind, r: jax.Array, dx: PyTree, st: dict) -> tuple[PyTree, dict]:
-            ct = _take(st["cq"], r[sch.B_CSLOT])
-            ct, acc = run_backward(kind, ct, st["acc_stage"], st["pools"], r[sch.B_RSLOT])
-            st = dict(st, acc_stage=acc)
-            if not kind.first:
-                return ct, st
-            mb = _take(mbs, r[sch.B_MB])
-            (g_pre,) = jax.vjp(lambda p: pre(p, mb), pre_p)[1](ct)  # recompute pre: nothing kept
-            st["acc_pre"] = jax.tree.map(lambda a, g: a + g.astype(a.dtype), st["acc_pre"], g_pre)
-            return dx, st
-
-        def dispatch(branch_fn: Callable, index: jax.Array, r: jax.Array, out: PyTree, st: dict
-                     ) -> tuple[PyTree, dict]:
-            # One two-way cond per stage kind, pass-through as the false branch, instead of one
-            # lax.switch: XLA:CPU then updates the carried buffers in place, while a >2-way switch
-            # (or the pass-through as the true branch) makes it copy every pool once per tick.
-            for k, kind in enumerate(unique, start=1):
-                out, st = lax.cond(index == k, functools.partial(branch_fn, kind, r), lambda o, s: (o, s),
-                                   out, st)
-            return out, st
-
-        def tick(st: dict, rows: jax.Array) -> tuple[dict, None]:
-            r = lax.dynamic_index_in_dim(rows, s_idx, 0, keepdims=False)
-            y, st = dispatch(f_branch, r[_F_BRANCH], r, zero_h, st)
-            if S > 1:  # unconditional: a collective inside a device-varying branch deadlocks
-                st["xq"] = _put_if(st["xq"], r[sch.RX_SLOT], lax.ppermute(y, stage_axis, fwd_pairs))
-            dx, st = dispatch(b_branch, r[_B_BRANCH], r, zero_h, st)
-            if S > 1:
-                st["cq"] = _put_if(st["cq"], r[sch.RC_SLOT], lax.ppermute(dx, stage_axis, bwd_pairs))
-            return st, None
-
-        def queue(depth: int) -> PyTree:
-            return vary(jax.tree.map(lambda a: jnp.zeros((depth, *a.shape), a.dtype), h_aval))
-
-        def accumulator(tree: PyTree) -> PyTree:
-            return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, _acc_dtype(a.dtype)), tree))
-
-        state = dict(xq=queue(program.input_slots), cq=queue(program.cotangent_slots), pools=pools,
-                     acc_pre=accumulator(pre_p), acc_stage=accumulator(stage_p), acc_post=accumulator(post_p),
-                     loss=vary(jnp.zeros((), jnp.float32)))
-        state, _ = lax.scan(tick, state, jnp.asarray(table))
-
-        loss = lax.psum(state["loss"], stage_axis)
-        g_pre = lax.psum(state["acc_pre"], stage_axis)  # nonzero on the first stage only
-        g_post = lax.psum(state["acc_post"], stage_axis)  # nonzero on the last stage only
-        g_stage = state["acc_stage"]
+        loss, (g_pre, g_stage, g_post) = pipeline_local(
+            pre, block, post, pre_p, jax.tree.map(lambda a: a[0], stage_p), post_p, mbs,
+            stage_layers=stage_layers, schedule=schedule, remat_layers=remat_layers,
+            remat_policy=remat_policy, loss_scale=loss_scale, stage_axis=stage_axis)
+        # Embedding / head grads live on one stage each; the loss on the last.
+        loss, g_pre, g_post = lax.psum((loss, g_pre, g_post), stage_axis)
         if dp_axes:  # one reduction per step, after the loop
             loss, g_pre, g_stage, g_post = lax.pmean((loss, g_pre, g_stage, g_post), dp_axes)
         cast = lambda g, p: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p)
@@ -508,10 +566,10 @@ def pipeline_value_and_grad(
 
     mb_spec = P(None, dp_axes if len(dp_axes) > 1 else dp_axes[0]) if dp_axes else P()
     run = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(stage_axis), P(), mb_spec),
-                        out_specs=(P(), (P(), P(stage_axis), P())), axis_names=frozenset(manual),
-                        check_vma=True)
+                        out_specs=(P(), (P(), P(stage_axis), P())),
+                        axis_names=frozenset((stage_axis, *dp_axes)), check_vma=True)
     return run(pre_params, stage_params, post_params, microbatches)
 
 
-__all__ = ["from_stage_layout", "layer_residual_bytes", "pipeline_value_and_grad", "remat_policy_fn",
-           "to_stage_layout"]
+__all__ = ["from_stage_layout", "layer_residual_bytes", "pipeline_local", "pipeline_value_and_grad",
+           "remat_policy_fn", "to_stage_layout"]

@@ -38,9 +38,35 @@ def remat_policy(name: str) -> Callable[..., Any]:
 SAVE_ALL_BUT_GATHERED = cp.save_anything_except_these_names(GATHERED)
 
 
+def offload_policy(names: Sequence[str]) -> Callable[..., Any]:
+    """Offload the tagged activations of a layer to host memory and recompute the rest in backward."""
+    return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[n for n in names if n != GATHERED],
+        offload_src="device", offload_dst="pinned_host")
+
+
+def layer_segments(num_layers: int, remat_layers: int, offload_layers: int) -> list[tuple[int, int, str]]:
+    """Split a stage's layers into (start, end, kind) runs: offloaded, plain, checkpointed.
+
+    The first layers offload their activations (their activations wait longest for the backward
+    pass), the last `remat_layers` are recomputed, the rest keep their activations on device.
+    """
+    n_remat = min(remat_layers, num_layers)
+    n_off = min(offload_layers, num_layers - n_remat)
+    n_plain_end = num_layers - n_remat
+    bounds = [(0, n_off, "offload"), (n_off, n_plain_end, "plain"), (n_plain_end, num_layers, "remat")]
+    return [b for b in bounds if b[1] > b[0]]
+
+
+def offloaded_layers(num_layers: int, remat_layers: int, ratio: float) -> int:
+    """Layers whose activations go to host for an activation offload `ratio` (of the non-remat layers)."""
+    return int(round(ratio * (num_layers - min(remat_layers, num_layers))))
+
+
 def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                     gather: Sequence[Callable[[Any], Any] | None],
                     carry_constraint: Callable[[Any], Any] | None = None,
+                    offload_layers: int = 0, offload_names: Sequence[str] = (),
                     ) -> Callable[..., tuple[list[Any], list[Any]]]:
     """A layer loop for `mistjax.trace.split.evaluate`.
 
@@ -51,8 +77,9 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
       gather: per scanned operand, a function that turns one layer's stored slice into the
         slice used for compute (e.g. an all-gather over the ZeRO axis), or None.
       carry_constraint: applied to the hidden state between layers (sequence parallelism).
+      offload_layers: the first `offload_layers` layers offload their tagged activations to host.
+      offload_names: the checkpoint_name tags of a layer (what offloading moves).
     """
-    n_plain = num_layers - remat_layers
     any_gather = any(g is not None for g in gather)
 
     def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any]
@@ -64,14 +91,17 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                 c = [carry_constraint(ci) for ci in c]
             return c, y
 
-        plain = jax.checkpoint(layer, policy=SAVE_ALL_BUT_GATHERED) if any_gather else layer
-        segments = [(0, n_plain, plain), (n_plain, num_layers, jax.checkpoint(layer, policy=remat_policy(policy)))]
+        fns = {"plain": jax.checkpoint(layer, policy=SAVE_ALL_BUT_GATHERED) if any_gather else layer,
+               "remat": jax.checkpoint(layer, policy=remat_policy(policy)),
+               "offload": jax.checkpoint(layer, policy=offload_policy(offload_names))}
         ys_parts = []
-        for start, end, fn in segments:
-            if end <= start:
-                continue
+        for start, end, kind in layer_segments(num_layers, remat_layers, offload_layers):
+            fn = fns[kind]
             seg = xs if (start, end) == (0, num_layers) else [x[start:end] for x in xs]
-            carry, ys = jax.lax.scan(fn, carry, seg)
+            # With per-layer fetches (ZeRO-3 gathers, host->device weight copies), two layers per loop
+            # iteration let the scheduler fetch layer i+1 while layer i computes (a double buffer; the
+            # cost model charges two layers of fetched weights).
+            carry, ys = jax.lax.scan(fn, carry, seg, unroll=2 if any_gather and end - start > 1 else 1)
             ys_parts.append(ys)
         if len(ys_parts) == 1:
             return carry, ys_parts[0]

@@ -9,6 +9,7 @@ differ, as in Levanter: a ZeRO-3 parameter is stored sharded and gathered per la
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,26 @@ def choose_shard_dim(shape: tuple[int, ...], axes: tuple[str | None, ...] | None
     return min(candidates)[2] if candidates else None
 
 
+def select_offload(sizes: list[int], ratio: float) -> list[bool]:
+    """Which leaves to keep in host memory so that about `ratio` of the bytes are offloaded.
+
+    Whole leaves move (a stacked leaf holds every layer's copy of one weight), largest first, while
+    the offloaded total stays within ``ratio`` of all bytes (plus half the smallest leaf, so that
+    ratio 1 takes everything). The cost model uses this same selection, so it charges exactly the
+    fraction the runtime achieves.
+    """
+    chosen = [False] * len(sizes)
+    if ratio <= 0 or not sizes:
+        return chosen
+    budget = ratio * sum(sizes) + 0.5 * min(sizes)
+    used = 0
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if used + sizes[i] <= budget:
+            chosen[i] = True
+            used += sizes[i]
+    return chosen
+
+
 def plan_layouts(leaves: list[Any], roles: list[str], stacked_flags: list[bool], plan: Plan,
                  axes: list[tuple[str | None, ...] | None]) -> list[LeafLayout]:
     """Lay out every state leaf under `plan` (stage 0's ZeRO flags for now: DP is uniform)."""
@@ -121,6 +142,13 @@ def plan_layouts(leaves: list[Any], roles: list[str], stacked_flags: list[bool],
         shard_dim = choose_shard_dim(shape, ax, tensor_dims, stacked, plan.shard_group, plan.tp) if big else None
         layouts.append(LeafLayout(role=role, shape=shape, axes=ax, tensor_dims=tensor_dims, shard_dim=shard_dim,
                                   stacked=stacked, sharded=sharded and shard_dim is not None))
+    # Offload: optimizer state by `offload_opt`, stacked (per-layer streamed) weights by `offload_weights`.
+    for role, ratio, want in ((OPT, stage.offload_opt, lambda lay: True),
+                              (PARAM, stage.offload_weights, lambda lay: lay.stacked)):
+        idx = [i for i, lay in enumerate(layouts) if lay.role == role and want(lay) and lay.nbytes_elems > 1]
+        for i, host in zip(idx, select_offload([layouts[i].nbytes_elems for i in idx], ratio)):
+            if host:
+                layouts[i] = dataclasses.replace(layouts[i], host=True)
     return layouts
 
 

@@ -103,20 +103,23 @@ class _Runtime:
 
     def __init__(self, step: ShardedStep, layouts: list[LeafLayout]) -> None:
         self.step, self.layouts = step, layouts
-        self.by_id: dict[int, LeafLayout] = {}
+        self.by_id: dict[int, tuple[LeafLayout, Any]] = {}
 
-    def bind(self, state_leaves: list[Any]) -> None:
-        self.by_id = {id(x): lay for x, lay in zip(state_leaves, self.layouts)}
+    def bind(self, leaves: list[Any], host_originals: list[Any]) -> None:
+        """Map the leaves the step sees to their layouts (and host-resident originals, if offloaded)."""
+        self.by_id = {id(x): (lay, orig) for x, lay, orig in zip(leaves, self.layouts, host_originals)}
 
     def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
         params, rest = args[0], args[1:]
-        layouts = []
+        layouts, leaves = [], []
         for leaf in jax.tree.leaves(params):
-            lay = self.by_id.get(id(leaf))
+            lay, orig = self.by_id.get(id(leaf), (None, None))
             if lay is None or lay.role != PARAM:
                 raise PlanError("mistjax.value_and_grad must differentiate the parameters as they come "
                                 "from the train state (state.params), not a transformed copy")
             layouts.append(lay)
+            leaves.append(leaf if orig is None else orig)  # offloaded weights stream in per layer
+        params = jax.tree.unflatten(jax.tree.structure(params), leaves)
         return sharded_value_and_grad(fun, has_aux, params, rest, plan=self.step.plan, mesh=self.step.mesh,
                                       layouts=layouts, global_batch=self.step.plan.global_batch)
 
@@ -168,9 +171,14 @@ class ShardedStep:
         self._state_shardings = st_sh
 
         def step_fn(state: Any, batch: Any) -> Any:
-            runtime.bind(jax.tree.leaves(state))
+            # Host-resident (offloaded) leaves get a device copy for the optimizer update; XLA moves it
+            # in where the update needs it. The layer loop streams offloaded weights from the host copy.
+            leaves, tree = jax.tree.flatten(state)
+            device_leaves = [jax.device_put(x, jax.memory.Space.Device) if lay.host else x
+                             for x, lay in zip(leaves, self.layouts)]
+            runtime.bind(device_leaves, [x if lay.host else None for x, lay in zip(leaves, self.layouts)])
             with use_handler(runtime):
-                new_state, metrics = self.train_step(state, batch)
+                new_state, metrics = self.train_step(jax.tree.unflatten(tree, device_leaves), batch)
             return new_state, metrics
 
         self._step_fn = step_fn
@@ -198,6 +206,10 @@ class ShardedStep:
                 return jax.device_put(state, state_shardings(layouts, tree, self.mesh))
             self._ensure(state, batch)
         return jax.device_put(state, self._state_shardings)
+
+    def batch_shardings(self, batch: Any) -> Any:
+        """The shardings `__call__` expects for `batch` (for building global arrays per process)."""
+        return self._batch_shardings(batch)
 
     def place_batch(self, batch: Any) -> Any:
         """Shard a global batch over the plan's data-parallel axes."""

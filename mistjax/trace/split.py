@@ -113,6 +113,21 @@ def find_layer_stack(closed: jex.ClosedJaxpr, num_param_leaves: int) -> LayerSta
     return best
 
 
+def checkpoint_names(closed: jex.ClosedJaxpr) -> tuple[str, ...]:
+    """The `checkpoint_name` tags used in a jaxpr (recursing into sub-jaxprs), in order of appearance."""
+    seen: dict[str, None] = {}
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                seen.setdefault(eqn.params["name"], None)
+            for sub in jex.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return tuple(seen)
+
+
 def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any]
               ) -> tuple[list[Any], list[Any]]:
     """Run one layer: the scan body on one slice of the scanned operands."""
