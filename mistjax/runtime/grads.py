@@ -70,6 +70,21 @@ def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> l
     return out  # type: ignore[return-value]
 
 
+def make_fetch(spec: GradSpec, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
+    """Turn a stored (maybe host-resident, maybe ZeRO-3-sharded) weight into its compute copy."""
+    host, sharded = spec.layout.host, spec.weights_sharded
+    if not (host or sharded):
+        return None
+    axis = spec.layout.shard_dim - (1 if stacked_slice else 0) if sharded else 0
+
+    def fetch(x: jax.Array) -> jax.Array:
+        if host:
+            x = jax.device_put(x, jax.memory.Space.Device)
+        return lax.all_gather(x, "shard", axis=axis, tiled=True) if sharded else x
+
+    return fetch
+
+
 def _to_host(x: jax.Array, host: bool) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Host) if host else x
 
@@ -101,9 +116,16 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
       params: differentiated argument (pytree); `layouts` gives each leaf's layout.
       rest: other arguments; leaves whose leading dim equals `global_batch` are the batch.
     """
-    if plan.num_stages > 1:
-        raise NotImplementedError("pipelined plans go through mistjax.runtime.pipeline")
     stage = plan.stages[0]
+    if plan.num_stages > 1:
+        from mistjax.runtime.pipelined import pipelined_value_and_grad
+
+        # The schedule accumulates full-size gradients per stage, so ZeRO-2 reduce-scatters once per step.
+        zero = stage.zero_stage if stage.zero_stage != 2 else 1
+        specs = [GradSpec(lay, zero if lay.role == PARAM else 0) for lay in layouts]
+        return pipelined_value_and_grad(
+            fun, has_aux, params, rest, plan=plan, mesh=mesh, layouts=layouts, global_batch=global_batch,
+            specs=specs, finish=lambda acc: _finish_grads(acc, specs, plan, mesh), fetch=make_fetch)
     p_leaves, p_tree = jax.tree.flatten(params)
     r_leaves, r_tree = jax.tree.flatten(rest)
     specs = [GradSpec(lay, stage.zero_stage if lay.role == PARAM else 0) for lay in layouts]
@@ -114,20 +136,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     grad_sizes = [s.layout.nbytes_elems if s.layout.stacked else 0 for s in specs]
     acc_host = [h and n > 0 for h, n in zip(select_offload(grad_sizes, stage.offload_grads), grad_sizes)]
 
-    def gather(spec: GradSpec, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
-        """Turn a stored (maybe host-resident, maybe ZeRO-3-sharded) weight into its compute copy."""
-        host, sharded = spec.layout.host, spec.weights_sharded
-        if not (host or sharded):
-            return None
-        axis = spec.layout.shard_dim - (1 if stacked_slice else 0) if sharded else 0
-
-        def fetch(x: jax.Array) -> jax.Array:
-            if host:
-                x = jax.device_put(x, jax.memory.Space.Device)
-            return lax.all_gather(x, "shard", axis=axis, tiled=True) if sharded else x
-
-        return fetch
-
+    gather = make_fetch
     def sp_constraint(c: jax.Array) -> jax.Array:
         if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
             return lax.with_sharding_constraint(c, P(None, "tensor", None))

@@ -43,12 +43,15 @@ class LeafLayout:
     stacked: bool  # leading dim is the layer stack
     sharded: bool  # stored sharded over `shard` (ZeRO-3 param or ZeRO-1 optimizer state)
     host: bool = False  # stored in host memory (offloaded)
+    stage_split: bool = False  # the layer dim is split over `stage` (pipelined plans, even layer blocks)
 
     def spec(self, *, storage: bool = True) -> P:
         """PartitionSpec: storage layout, or the compute layout (no ZeRO split) if not `storage`."""
         entries: list[Any] = [None] * len(self.shape)
         for d in self.tensor_dims:
             entries[d] = "tensor"
+        if storage and self.stage_split:
+            entries[0] = "stage"
         if storage and self.sharded and self.shard_dim is not None:
             entries[self.shard_dim] = "shard" if entries[self.shard_dim] is None else (
                 "shard", entries[self.shard_dim])
@@ -141,7 +144,8 @@ def plan_layouts(leaves: list[Any], roles: list[str], stacked_flags: list[bool],
         big = len(shape) > 0 and int(np.prod(shape)) > 1
         shard_dim = choose_shard_dim(shape, ax, tensor_dims, stacked, plan.shard_group, plan.tp) if big else None
         layouts.append(LeafLayout(role=role, shape=shape, axes=ax, tensor_dims=tensor_dims, shard_dim=shard_dim,
-                                  stacked=stacked, sharded=sharded and shard_dim is not None))
+                                  stacked=stacked, sharded=sharded and shard_dim is not None,
+                                  stage_split=stacked and plan.num_stages > 1 and shape[0] % plan.num_stages == 0))
     # Offload: optimizer state by `offload_opt`, stacked (per-layer streamed) weights by `offload_weights`.
     for role, ratio, want in ((OPT, stage.offload_opt, lambda lay: True),
                               (PARAM, stage.offload_weights, lambda lay: lay.stacked)):

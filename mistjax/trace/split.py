@@ -194,6 +194,78 @@ def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Seque
     return [read(v) for v in jaxpr.outvars]
 
 
+def pre_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any]
+             ) -> tuple[list[Any], list[Any]]:
+    """Run everything the layer scan needs: returns the scan's (consts, initial carry)."""
+    stack = traced.require_stack()
+    jaxpr = traced.closed.jaxpr
+    scan = jaxpr.eqns[stack.eqn_index]
+    env = _inputs_env(traced, param_leaves, rest_leaves)
+    _run_needed(jaxpr, range(stack.eqn_index), scan.invars[:stack.num_consts + stack.num_carry], env)
+    vals = [_read(env, v) for v in scan.invars[:stack.num_consts + stack.num_carry]]
+    return vals[:stack.num_consts], vals[stack.num_consts:]
+
+
+def post_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any],
+              carry: Sequence[Any]) -> list[Any]:
+    """Run everything after the layer scan from its final carry (recomputing any pre values it needs)."""
+    stack = traced.require_stack()
+    jaxpr = traced.closed.jaxpr
+    scan = jaxpr.eqns[stack.eqn_index]
+    if len(scan.outvars) > stack.num_carry:
+        raise NoLayerStackError("the layer scan returns per-layer outputs besides its carry, which a pipeline "
+                                "cannot pass between stages; return only the hidden state from the scan")
+    env = _inputs_env(traced, param_leaves, rest_leaves)
+    env.update(zip(scan.outvars, carry))
+    after = range(stack.eqn_index + 1, len(jaxpr.eqns))
+    needed_before = _free_vars([jaxpr.eqns[k] for k in after], jaxpr.outvars, defined=set(scan.outvars))
+    _run_needed(jaxpr, range(stack.eqn_index), needed_before, env)
+    for k in after:
+        eqn = jaxpr.eqns[k]
+        env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _inputs_env(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any]) -> dict[Any, Any]:
+    jaxpr = traced.closed.jaxpr
+    env = dict(zip(jaxpr.constvars, traced.closed.consts))
+    env.update(zip(jaxpr.invars, [*param_leaves, *rest_leaves]))
+    return env
+
+
+def _read(env: dict[Any, Any], v: Any) -> Any:
+    return v.val if isinstance(v, jex.Literal) else env[v]
+
+
+def _free_vars(eqns: Sequence[Any], outvars: Sequence[Any], defined: set[Any]) -> list[Any]:
+    """Variables that `eqns` (and `outvars`) read but do not define themselves."""
+    defined = set(defined)
+    free: dict[Any, None] = {}
+    for eqn in eqns:
+        for v in eqn.invars:
+            if isinstance(v, jex.Var) and v not in defined:
+                free.setdefault(v, None)
+        defined.update(eqn.outvars)
+    for v in outvars:
+        if isinstance(v, jex.Var) and v not in defined:
+            free.setdefault(v, None)
+    return list(free)
+
+
+def _run_needed(jaxpr: Any, indices: Sequence[int], targets: Sequence[Any], env: dict[Any, Any]) -> None:
+    """Evaluate only the equations among `indices` that `targets` depend on (in order)."""
+    needed = {v for v in targets if isinstance(v, jex.Var)}
+    chosen = []
+    for k in reversed(list(indices)):
+        eqn = jaxpr.eqns[k]
+        if any(v in needed for v in eqn.outvars):
+            chosen.append(k)
+            needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    for k in reversed(chosen):
+        eqn = jaxpr.eqns[k]
+        env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+
+
 def _bind(eqn: Any, args: list[Any], inline: bool = False) -> list[Any]:
     if inline and eqn.primitive.name in ("pjit", "jit", "closed_call"):
         sub = eqn.params["jaxpr"]
