@@ -18,6 +18,7 @@ _INSTR = re.compile(
     r"(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", re.M)
 
 
@@ -54,6 +55,8 @@ def _group_size(groups: str | None) -> int:
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled HLO text (``compiled.as_text()``)."""
     # Map each instruction's offset to the computation it belongs to.
+    # Long tuple types carry `/*index=N*/` comments; drop them so a tuple type is one token.
+    hlo_text = _INDEX_COMMENT.sub("", hlo_text)
     comps = [(m.start(), m.group(1)) for m in _COMPUTATION.finditer(hlo_text)]
     out = []
     for m in _INSTR.finditer(hlo_text):
