@@ -192,6 +192,13 @@ class Plan:
                 f"grad_accum {self.grad_accum} = {self.global_batch}; pick a batch divisible by "
                 f"dp x grad_accum or re-plan for batch {global_batch}")
 
+    def check_model(self, fingerprint: str) -> None:
+        """Raise `PlanError` if the plan records a different model fingerprint."""
+        made_for = self.fingerprints.get("model")
+        if made_for and made_for != fingerprint:
+            raise PlanError(f"the plan was made for another model (parameter fingerprint {made_for}, this model "
+                            f"has {fingerprint}); re-run the tuner for this model or pass a plan made for it")
+
     def check_layers(self, num_layers: int) -> None:
         """Raise `PlanError` unless the stages cover exactly `num_layers` layers."""
         if self.num_layers != num_layers:
@@ -296,6 +303,18 @@ class Plan:
         return "\n".join(lines)
 
 
+def params_fingerprint(params: Any) -> str:
+    """A short hash of a parameter pytree's structure, shapes and dtypes (what a plan was made for)."""
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    text = ";".join(f"{jax.tree_util.keystr(p)}:{tuple(np.shape(x))}:{np.dtype(x.dtype).name}" for p, x in leaves)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int = 1, micro_batch: int = 1,
                  grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b",
                  **stage_fields: Any) -> Plan:
@@ -316,5 +335,5 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
                 shard_group=shard_group, schedule=schedule)
 
 
-__all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "uniform_plan", "PLAN_MESH_AXES",
+__all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "uniform_plan", "params_fingerprint", "PLAN_MESH_AXES",
            "SCHEMA_VERSION", "REMAT_POLICIES"]

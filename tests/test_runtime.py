@@ -268,3 +268,15 @@ def test_offload_selection_fraction():
     assert select_offload(sizes, 1.0) == [True] * 4
     chosen = select_offload(sizes, 0.5)
     assert sum(s for s, c in zip(sizes, chosen) if c) == 100
+
+
+def test_plan_for_other_model_fingerprint_refused():
+    from mistjax.plan import params_fingerprint
+
+    cfg, state, batch, train_step, *_ = setup("llama-tiny")
+    other = setup("gpt3-tiny")[1]
+    plan = make_plan(cfg).replace(fingerprints={"model": params_fingerprint(other.params)})
+    with pytest.raises(PlanError, match="made for another model"):
+        mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
+    ok = make_plan(cfg).replace(fingerprints={"model": params_fingerprint(state.params)})
+    mistjax.autoshard(train_step, jax.devices(), plan=ok).lower(state, batch)

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.plan import Plan, PlanError
+from mistjax.plan import Plan, PlanError, params_fingerprint
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import sharded_value_and_grad
 from mistjax.runtime.mesh import build_plan_mesh
@@ -56,6 +56,7 @@ class StepAnalysis:
     stacked: tuple[bool, ...]  # per state leaf: holds the layer stack on its leading dim
     num_layers: int | None  # layers in the model's stack, if it has one
     uses_mistjax_grad: bool  # the step calls mistjax.value_and_grad / grad
+    params_fingerprint: str = ""  # `mistjax.plan.params_fingerprint` of the differentiated parameters
 
 
 def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
@@ -78,8 +79,10 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
     roles = [OPT if ax is not None else OTHER for ax in axes]
     stacked = [bool(ax) and ax[0] == "layers" for ax in axes]
     num_layers = None
+    fingerprint = ""
     if probe.calls:
         call = probe.calls[0]
+        fingerprint = params_fingerprint(call.args[0])
         param_leaves = jax.tree.leaves(call.args[0])
         where = {id(x): i for i, x in enumerate(inputs)}
         traced = trace_loss(call.fun, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args))
@@ -95,7 +98,7 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
         for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
             if path and getattr(path[0], "name", getattr(path[0], "key", None)) == "params":
                 roles[i] = PARAM
-    return StepAnalysis(tuple(roles), tuple(stacked), num_layers, bool(probe.calls))
+    return StepAnalysis(tuple(roles), tuple(stacked), num_layers, bool(probe.calls), fingerprint)
 
 
 class _Runtime:
@@ -139,6 +142,8 @@ class ShardedStep:
     # ---------------------------------------------------------------- setup
     def _setup(self, state: Any, batch: Any) -> None:
         self.analysis = analyze_step(self.train_step, state, batch)
+        if self.analysis.params_fingerprint:
+            self.plan.check_model(self.analysis.params_fingerprint)
         if self.analysis.num_layers is not None:
             self.plan.check_layers(self.analysis.num_layers)
         elif self.plan.num_stages > 1:
