@@ -1,0 +1,161 @@
+"""Plots of plans and predictions (matplotlib, PNG files)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from mistjax.runtime.schedules import make_schedule  # noqa: E402
+
+MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
+                  "buffers": "#8172b3"}
+CHANNEL_COLOURS = {"compute": "#4c72b0", "d2d": "#8172b3", "h2d": "#55a868", "d2h": "#c44e52"}
+GiB = 2.0**30
+
+
+def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_microbatches: int, path: str | Path, *,
+                  schedule: str = "1f1b", first_extra: Sequence[float] | None = None,
+                  last_extra: Sequence[float] | None = None,
+                  channels: Sequence[Mapping[str, float]] | None = None, title: str = "pipeline timeline") -> Path:
+    """The schedule as the runtime runs it: lock-step ticks, each as long as its slowest stage.
+
+    Args:
+      stage_fwd / stage_bwd: per stage, seconds of one micro-batch's forward / backward.
+      first_extra / last_extra: per stage, extra seconds of the first forward / last backward (the
+        once-per-step work: gathers after the optimizer step, final gradient sync); drawn hatched.
+      channels: per stage, seconds per micro-batch on the device<->device (``d2d``), host->device
+        (``h2d``) and device->host (``d2h``) channels, drawn as thin bars under each stage's row.
+    """
+    S = len(stage_fwd)
+    sched = make_schedule(schedule, S, num_microbatches)
+    fwd, bwd = np.asarray(sched.fwd), np.asarray(sched.bwd)
+    f = np.asarray(stage_fwd, float)
+    b = np.asarray(stage_bwd, float)
+    fx = np.zeros(S) if first_extra is None else np.asarray(first_extra, float)
+    lx = np.zeros(S) if last_extra is None else np.asarray(last_extra, float)
+    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.75 * S), dpi=120)
+    t = 0.0
+    for tick in range(fwd.shape[0]):
+        spans = []
+        for s in range(S):
+            start = t
+            if fwd[tick, s] >= 0:
+                dur = f[s] + (fx[s] if fwd[tick, s] == 0 else 0.0)
+                ax.barh(s, dur, left=start, height=0.6, color="#4c72b0", edgecolor="white", linewidth=0.4,
+                        hatch="//" if fwd[tick, s] == 0 and fx[s] > 0 else None)
+                if num_microbatches <= 16:
+                    ax.text(start + dur / 2, s, str(fwd[tick, s]), ha="center", va="center", fontsize=6, color="white")
+                start += dur
+            if bwd[tick, s] >= 0:
+                last = bwd[tick, s] == num_microbatches - 1
+                dur = b[s] + (lx[s] if last else 0.0)
+                ax.barh(s, dur, left=start, height=0.6, color="#dd8452", edgecolor="white", linewidth=0.4,
+                        hatch="//" if last and lx[s] > 0 else None)
+                start += dur
+            spans.append(start - t)
+            if channels is not None and (fwd[tick, s] >= 0 or bwd[tick, s] >= 0):
+                for j, ch in enumerate(("d2d", "h2d", "d2h")):
+                    dur = channels[s].get(ch, 0.0)
+                    if dur > 0:
+                        ax.barh(s + 0.36 + 0.09 * j, dur, left=t, height=0.08, color=CHANNEL_COLOURS[ch])
+        t += max(spans)
+        ax.axvline(t, color="0.85", lw=0.3, zorder=0)
+    ax.set_yticks(range(S), [f"stage {s}" for s in range(S)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (lock-step ticks: each lasts as long as its slowest stage)")
+    ax.set_title(f"{title} — {schedule}, {num_microbatches} micro-batches, step {t:.3g} s")
+    legend = [Patch(color="#4c72b0", label="forward"), Patch(color="#dd8452", label="backward"),
+              Patch(facecolor="white", edgecolor="black", hatch="//", label="first/last micro-batch extra")]
+    if channels is not None:
+        legend += [Patch(color=CHANNEL_COLOURS[c], label=n) for c, n in
+                   (("d2d", "device<->device"), ("h2d", "host->device"), ("d2h", "device->host"))]
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * (4 - min(S, 4))),
+              ncol=len(legend), fontsize=7, frameon=False)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_memory(stage_memory: Sequence[Mapping[str, float]], path: str | Path, *, limit: float | None = None,
+                title: str = "memory per device, by stage") -> Path:
+    """Stacked bars of per-device bytes by category for each stage, with the memory limit as a line."""
+    cats = [c for c in MEMORY_COLOURS if any(m.get(c, 0) for m in stage_memory)]
+    cats += sorted({c for m in stage_memory for c in m} - set(cats) - set(MEMORY_COLOURS))
+    fig, ax = plt.subplots(figsize=(3.2 + 1.1 * len(stage_memory), 4), dpi=120)
+    x = np.arange(len(stage_memory))
+    bottom = np.zeros(len(stage_memory))
+    for c in cats:
+        vals = np.array([m.get(c, 0.0) for m in stage_memory]) / GiB
+        ax.bar(x, vals, bottom=bottom, color=MEMORY_COLOURS.get(c, "0.6"), label=c, width=0.6)
+        bottom += vals
+    top = bottom.max(initial=0.0)
+    if limit:
+        ax.axhline(limit / GiB, color="black", ls="--", lw=1)
+        ax.text(len(stage_memory) - 0.55, limit / GiB, f"limit {limit / GiB:.1f} GiB", va="bottom", ha="right",
+                fontsize=8)
+        top = max(top, limit / GiB)
+    ax.set_ylim(0, top * 1.12 or 1.0)
+    ax.set_xticks(x, [f"stage {i}" for i in x])
+    ax.set_ylabel("GiB per device")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_pareto(stable: np.ndarray, delta: np.ndarray, path: str | Path, *, chosen: Sequence[int] = (),
+                num_microbatches: int = 1, title: str = "intra-stage strategies") -> Path:
+    """Every feasible strategy of one stage (stable vs delta / G), the frontier and the sampled points."""
+    stable, delta = np.asarray(stable, float), np.asarray(delta, float) / num_microbatches
+    ok = np.isfinite(stable) & np.isfinite(delta)
+    fig, ax = plt.subplots(figsize=(5.5, 4), dpi=120)
+    ax.scatter(stable[ok], delta[ok], s=4, color="0.75", label="feasible strategies")
+    order = np.argsort(stable[ok])
+    front_s, front_d, best = [], [], np.inf
+    for i in order:
+        if delta[ok][i] < best:
+            best = delta[ok][i]
+            front_s.append(stable[ok][i])
+            front_d.append(best)
+    ax.step(front_s, front_d, where="post", color="#c44e52", lw=1.2, label="Pareto frontier")
+    if len(chosen):
+        idx = np.asarray([i for i in chosen if i >= 0])
+        ax.scatter(stable[idx], delta[idx], s=28, color="#4c72b0", zorder=3, label="sampled for the MILP")
+    ax.set_xlabel("stable time per micro-batch (s)")
+    ax.set_ylabel(f"delta / G (s), G = {num_microbatches}")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_speedups(labels: Sequence[str], speedups: Mapping[str, Sequence[float]], path: str | Path, *,
+                  title: str = "predicted speedup over Megatron-LM") -> Path:
+    """Grouped bars: for each grid cell (label), the speedup of each system over the reference."""
+    names = list(speedups)
+    x = np.arange(len(labels))
+    w = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(labels) * max(len(names), 1) / 2 + 2), 4), dpi=120)
+    for j, n in enumerate(names):
+        ax.bar(x + (j - (len(names) - 1) / 2) * w, speedups[n], width=w, label=n)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speedup (x)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=min(len(names), 4))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig: plt.Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
