@@ -3,10 +3,31 @@
 Reimplements Mist (EuroSys'25) and MiCS (VLDB'22) on JAX/Flax. See README.md and docs/.
 """
 
+from typing import Any
+
 from mistjax.api import autoshard, grad, value_and_grad
 from mistjax.plan import Plan, PlanError, Prediction, StagePlan, uniform_plan
 
 __version__ = "0.1.0"
 
 __all__ = ["autoshard", "grad", "value_and_grad", "Plan", "PlanError", "Prediction", "StagePlan",
-           "uniform_plan"]
+           "uniform_plan", "tune", "SearchSpace", "TuneResult", "analyze", "Workload", "Cluster"]
+
+
+def __getattr__(name: str) -> Any:
+    # The tuner pulls in cvxpy: import it on first use. `mistjax.tune` is the callable package
+    # (`mistjax.tune(workload, cluster)` tunes; `mistjax.tune.space` etc. stay reachable).
+    if name in ("tune", "SearchSpace", "TuneResult"):
+        import mistjax.tune as tune_pkg
+
+        return tune_pkg if name == "tune" else getattr(tune_pkg, name)
+    # The cost model pulls in sympy (symbolic analysis): also imported on first use.
+    if name in ("analyze", "Workload"):
+        import mistjax.cost as cost_pkg
+
+        return getattr(cost_pkg, name)
+    if name == "Cluster":
+        from mistjax.hardware import Cluster
+
+        return Cluster
+    raise AttributeError(f"module 'mistjax' has no attribute {name!r}")

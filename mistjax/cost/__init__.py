@@ -1,7 +1,9 @@
 """mistjax.cost: numeric building blocks of the cost model (pure NumPy, vectorised).
 
 Collectives (alpha-beta, Mist's fitted form, MiCS hierarchical and 2-hop), the four-channel
-interference model, pipeline iteration time, and the roofline op-time model.
+interference model, pipeline iteration time, and the roofline op-time model; on top of them the
+cost model of plans: `Workload`, the vectorised `stage_cost` over `StageStrategies`, and
+`predict` / `analyze` of a whole `Plan` (see docs/cost_model.md).
 """
 
 from mistjax.cost.collectives import (
@@ -28,7 +30,9 @@ from mistjax.cost.collectives import (
     zero3_node_egress_bytes,
     zero3_step_comm_time,
 )
+from mistjax.cost.hlo_count import HloCollective, collective_totals, computation_trips, hlo_collectives
 from mistjax.cost.interference import CHANNELS, MASKS, InterferenceParams, mask_name, overlap_time
+from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, StageStrategies, stage_cost
 from mistjax.cost.ops import (
     DEFAULT_OP_OVERHEAD,
     OpTimeTable,
@@ -45,8 +49,25 @@ from mistjax.cost.pipeline_time import (
     pipeline_gpipe_time,
     pipeline_time,
 )
+from mistjax.cost.predict import Analysis, analyze, plan_strategies, predict
+from mistjax.cost.workload import OPTIMIZERS, ParamLeaf, Workload
 
 __all__ = [
+    "Analysis",
+    "HloCollective",
+    "MEMORY_CATEGORIES",
+    "OPTIMIZERS",
+    "ParamLeaf",
+    "StageCost",
+    "StageStrategies",
+    "Workload",
+    "analyze",
+    "collective_totals",
+    "computation_trips",
+    "hlo_collectives",
+    "plan_strategies",
+    "predict",
+    "stage_cost",
     "CHANNELS",
     "COLLECTIVES",
     "DEFAULT_OP_OVERHEAD",

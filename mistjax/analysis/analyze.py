@@ -1,0 +1,392 @@
+"""`analyze_model`: trace a loss at a few sizes and derive its symbolic per-part profile.
+
+How the expressions are obtained (and why this way):
+
+1. The loss is traced with `mistjax.trace.split.trace_loss` at six concrete ``(b, s)`` points
+   plus a check point (default ``b in {2, 3}`` x ``s in {8, 16, 24}``, check ``(4, 32)``).
+   Symbolic-shape tracing (``jax.export.symbolic_shape``) was rejected: the models compare the
+   sequence length with ``max_seq_len``, slice position tables and build masks from it, which
+   symbolic dims handle only in part. Concrete traces always work.
+2. Each trace is split into pre / block / post (`parts.split_parts`) and every part's training
+   forward and backward are traced with ``jax.vjp`` (under ``jax.checkpoint`` for each remat
+   policy). The traces at the seven points are aligned equation by equation and every
+   variable's dims are fitted exactly (`graph.build_graph`), so each value has a polynomial
+   shape in ``b, s``. A size that is not a polynomial of degree <= 1 in b and <= 2 in s, or
+   traces that differ in structure, raise an error rather than give a wrong fit.
+3. Tensor parallelism: the layouts of all values follow from the parameters' logical axes
+   (`tp.propagate`); a value split over ``tensor`` has ``1/t`` of its elements per device, and
+   the collectives needed between layouts are recorded. ``t`` enters only as that divisor.
+4. FLOPs (`flops`), residual bytes and liveness peaks (`memory`) are then sums / maxima of
+   these polynomials, converted to sympy at the end.
+
+What is exact and what is not (for b, s, t where t divides the split sizes, `tp_divisors`):
+
+* Exact w.r.t. the traced program: FLOPs under the conventions of `mistjax.analysis.flops`
+  (equal to a direct trace at any size); weight and output bytes; saved bytes per policy (equal
+  to the residuals ``jax.vjp`` keeps, minus weights, batch inputs and input-independent constants
+  such as masks that XLA folds); Megatron collective bytes and counts (equal to the HLO when the
+  layouts are imposed with `constrain_graph`).
+* Approximate: liveness peaks (unfused-program liveness with view/broadcast aliasing; XLA's
+  fused programs differ by tens of percent either way); XLA:CPU counts 0.1-2.3% more FLOPs
+  (fusion duplicates elementwise producers); ``cond`` costs its costlier branch, ``while`` one
+  trip; under TP a partial sum is held whole on every device until reduced and a gathered copy
+  lives until the value's last use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import sympy as sp
+from jax.extend import core as jex
+
+from mistjax.analysis.flops import FlopCount, count_graph
+from mistjax.analysis.graph import Graph, build_graph
+from mistjax.analysis.memory import alias_roots, nbytes_fn, peak_candidates
+from mistjax.analysis.parts import WEIGHT, PartFn, split_parts, vjp_jaxprs
+from mistjax.analysis.poly import PS, ZERO, Poly, T, max_expr, prune_dominated, total
+from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
+from mistjax.analysis.tp import REP, Shard, State, TPResult, propagate
+from mistjax.runtime.sharding import TENSOR_AXES, leaf_axes
+from mistjax.trace.split import trace_loss
+
+DEFAULT_POINTS: tuple[tuple[int, int], ...] = ((2, 8), (3, 8), (2, 16), (3, 16), (2, 24), (3, 24), (4, 32))
+BASE_POLICIES = ("none", "full", "dots")
+Axes = tuple[str | None, ...] | None
+
+
+def token_batch(b: int, s: int) -> tuple[dict[str, jax.ShapeDtypeStruct]]:
+    """``(batch,)`` for `mistjax.train.loss.make_loss_fn`: int32 ``inputs`` / ``targets`` of ``[b, s]``."""
+    tok = jax.ShapeDtypeStruct((b, s), jnp.int32)
+    return ({"inputs": tok, "targets": tok},)
+
+
+def _flat_axes(params: Any, param_axes: Any) -> list[Axes]:
+    n = len(jax.tree.leaves(params))
+    if param_axes is None:
+        axes = leaf_axes(params)
+    elif (
+        isinstance(param_axes, list | tuple)
+        and all(a is None or isinstance(a, tuple) for a in param_axes)
+        and len(param_axes) == n
+    ):
+        axes = list(param_axes)
+    else:
+        axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, tuple))
+    if len(axes) != n:
+        raise ValueError(f"param_axes has {len(axes)} entries for {n} parameter leaves")
+    return list(axes)
+
+
+def _weight_state(ax: Axes, rank: int, tensor_axes: Sequence[str]) -> State:
+    if ax is None:
+        return REP
+    if len(ax) == rank + 1:  # a layer slice of a stacked leaf: drop the "layers" axis
+        ax = ax[1:]
+    return next((Shard(d) for d, name in enumerate(ax) if name in tensor_axes), REP)
+
+
+_FINAL = object()  # "the layout a value ends in" (a partial output resolved), for local_bytes
+
+
+@dataclass(frozen=True)
+class PassAnalysis:
+    """One traced pass (forward or backward) of a part: the graph and its tensor-parallel layouts.
+
+    Attributes:
+      g: the flattened graph with fitted dims.
+      res: the propagated layouts and collectives.
+    """
+
+    g: Graph
+    res: TPResult
+
+    @cached_property
+    def final(self) -> dict[Any, State]:
+        """Layout of every value, outputs after their resolution (a partial output reduced)."""
+        final = dict(self.res.states)
+        final.update({v: s for v, s in zip(self.g.outvars, self.res.out_states) if isinstance(v, jex.Var)})
+        return final
+
+    def local_bytes(self, v: Any, state: Any = _FINAL) -> Poly:
+        """Bytes of ``v`` on one device in layout ``state`` (default: its final layout)."""
+        st = self.final.get(v, REP) if state is _FINAL else state
+        return nbytes_fn(self.g, lambda u: self.res.local_dims(self.g, u, st))(v)
+
+    def flops(self) -> FlopCount:
+        def shapes(n: Any) -> tuple[list, list]:
+            ins, outs = self.res.node_states[n]
+            return (
+                [self.res.local_dims(self.g, v, s) for v, s in zip(n.ins, ins)],
+                [self.res.local_dims(self.g, v, s) for v, s in zip(n.outs, outs)],
+            )
+
+        return count_graph(self.g, shapes)
+
+    def peak(self, exclude: Sequence[Any] = ()) -> sp.Expr:
+        tp = peak_candidates(
+            self.g,
+            lambda v: self.local_bytes(v, self.res.states.get(v, REP)),
+            exclude=exclude,
+            extra=self.res.extra,
+        )
+        one = peak_candidates(self.g, nbytes_fn(self.g), exclude=exclude)
+        if set(prune_dominated([c.at_t1() for c in tp])) == set(one):
+            return max_expr(tp)
+        return sp.Piecewise((max_expr(one), sp.Eq(T, 1)), (max_expr(tp), True))
+
+    def collectives(self, phase: str) -> list[Collective]:
+        return [
+            Collective(
+                kind=c.kind,
+                phase=phase,
+                nbytes=c.nbytes.to_sympy(),
+                count=c.count.to_sympy(),
+                dtype=c.dtype,
+                shape=tuple(d.to_sympy() for d in c.shape),
+                where=c.where,
+                summands=c.summands,
+            )
+            for c in self.res.collectives
+        ]
+
+
+def _part_passes(
+    traces: Sequence[Any],
+    points: Sequence[tuple[int, int]],
+    part: PartFn,
+    axes: list[Axes],
+    *,
+    sp_on: bool,
+    tensor_axes: Sequence[str],
+) -> tuple[PassAnalysis, PassAnalysis]:
+    fwd_g = build_graph(traces[0].fwd, [t.fwd for t in traces[1:]], points)
+    bwd_g = build_graph(traces[0].bwd, [t.bwd for t in traces[1:]], points)
+    nd, no = len(part.diff), part.num_outputs
+
+    def act_state(g: Graph, v: Any) -> State:
+        if not sp_on or isinstance(v, jex.Literal):
+            return REP
+        d = next((k for k, x in enumerate(g.shape(v)) if x == PS), None)
+        return REP if d is None else Shard(d, seq=True)
+
+    w_states = [
+        _weight_state(axes[i], len(a.shape), tensor_axes) if k == WEIGHT else None
+        for a, k, i in zip(part.diff, part.diff_kind, part.diff_leaf)
+    ]
+    in_states: dict[Any, State] = {}
+    for v, k, ws in zip(fwd_g.invars[:nd], part.diff_kind, w_states):
+        in_states[v] = ws if k == WEIGHT else act_state(fwd_g, v)
+    model_sizes = [fwd_g.shape(v)[s.dim] for v, s in in_states.items() if isinstance(s, Shard) and not s.seq]
+    weights = [v for v, k in zip(fwd_g.invars[:nd], part.diff_kind) if k == WEIGHT]
+    out_targets: list[State | None] = [act_state(fwd_g, v) for v in fwd_g.outvars[:no]]
+    out_targets += [None] * (len(fwd_g.outvars) - no)
+    fres = propagate(
+        fwd_g, in_states, out_targets, sequence_parallel=sp_on, param_vars=weights, model_sizes=model_sizes
+    )
+    fwd = PassAnalysis(fwd_g, fres)
+
+    res_vars = fwd_g.outvars[no:]
+    b_in: dict[Any, State] = {}
+    b_params = []
+    for bv, fv in zip(bwd_g.invars, res_vars):
+        b_in[bv] = REP if isinstance(fv, jex.Literal) else fwd.final.get(fv, REP)
+        if isinstance(fv, jex.Var) and fv in fres.params:
+            b_params.append(bv)
+    for bv, st in zip(bwd_g.invars[len(res_vars) :], fres.out_states[:no]):
+        b_in[bv] = st
+    b_targets = [
+        ws if k == WEIGHT else in_states[v] for v, k, ws in zip(fwd_g.invars[:nd], part.diff_kind, w_states)
+    ]
+    bres = propagate(
+        bwd_g, b_in, b_targets, sequence_parallel=sp_on, param_vars=b_params, model_sizes=model_sizes
+    )
+    return fwd, PassAnalysis(bwd_g, bres)
+
+
+def trace_part(
+    fun: Callable[..., Any],
+    params: Any,
+    batch_fn: Callable[[int, int], tuple[Any, ...]] = token_batch,
+    *,
+    part: str = "block",
+    policy: str = "none",
+    param_axes: Any = None,
+    points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
+    sequence_parallel: bool = True,
+    tensor_axes: Sequence[str] = TENSOR_AXES,
+) -> tuple[PassAnalysis, PassAnalysis]:
+    """The analysed forward and backward passes of one part (graphs with fitted dims + layouts).
+
+    The graphs are those traced at ``points[0]``, so they can be evaluated at that size, e.g.
+    with `mistjax.analysis.layout.constrain_graph` (``pass.g``, ``pass.res``) to run the part under
+    exactly the propagated tensor-parallel layouts.
+    """
+    axes = _flat_axes(params, param_axes)
+    parts = [split_parts(trace_loss(fun, params, *batch_fn(b, s)))[part] for b, s in points]
+    traces = [vjp_jaxprs(p, policy) for p in parts]
+    return _part_passes(
+        traces, [tuple(p) for p in points], parts[0], axes, sp_on=sequence_parallel, tensor_axes=tensor_axes
+    )
+
+
+def _saved(fwd: PassAnalysis, part: PartFn) -> Poly:
+    nd, no = len(part.diff), part.num_outputs
+    skip = {v for v, k in zip(fwd.g.invars[:nd], part.diff_kind) if k == WEIGHT}
+    skip |= set(fwd.g.invars[nd:]) | set(fwd.g.constvars)
+    root = alias_roots(fwd.g)
+    by_root: dict[Any, Any] = {}  # distinct buffers: aliases of one value are kept once
+    for v in fwd.g.outvars[no:]:
+        if isinstance(v, jex.Var) and root.get(v, v) is not None:  # None: a folded constant
+            by_root.setdefault(root.get(v, v), v)
+    return total(fwd.local_bytes(v) for r, v in by_root.items() if r not in skip)
+
+
+def _analyze_part(
+    name: str,
+    parts: Sequence[PartFn],
+    points: Sequence[tuple[int, int]],
+    axes: list[Axes],
+    policies: Sequence[str],
+    *,
+    sp_on: bool,
+    tensor_axes: Sequence[str],
+) -> tuple[PartProfile, dict[str, tuple[PassAnalysis, PassAnalysis]]]:
+    part = parts[0]
+    passes = {}
+    for pol in policies:
+        traces = [vjp_jaxprs(p, pol) for p in parts]
+        passes[pol] = _part_passes(traces, points, part, axes, sp_on=sp_on, tensor_axes=tensor_axes)
+    fwd0, bwd0 = passes["none"]
+    f0, b0 = fwd0.flops(), bwd0.flops()
+    nd, no = len(part.diff), part.num_outputs
+    weights = [v for v, k in zip(fwd0.g.invars[:nd], part.diff_kind) if k == WEIGHT]
+    w_bytes = total(fwd0.local_bytes(v) for v in weights)
+    w_params = total(_elems(fwd0, v) for v in weights)
+    base_coll = {}
+    for c in fwd0.res.collectives + bwd0.res.collectives:
+        base_coll[c.kind] = base_coll.get(c.kind, ZERO) + c.nbytes * c.count
+    saved, fpk, bpk, recompute, tp_re = {}, {}, {}, {}, {}
+    for pol, (fp, bp) in passes.items():
+        saved[pol] = _saved(fp, part).to_sympy()
+        fpk[pol] = fp.peak()
+        wg = [v for v, k in zip(bp.g.outvars, part.diff_kind) if k == WEIGHT]
+        bpk[pol] = bp.peak(exclude=wg)
+        fl = fp.flops() + bp.flops() - f0 - b0
+        recompute[pol] = fl.total.to_sympy()
+        kinds = {}
+        for c in fp.res.collectives + bp.res.collectives:
+            kinds[c.kind] = kinds.get(c.kind, ZERO) + c.nbytes * c.count
+        tp_re[pol] = {
+            k: (kinds.get(k, ZERO) - base_coll.get(k, ZERO)).to_sympy() for k in set(kinds) | set(base_coll)
+        }
+    out_bytes = total(fwd0.local_bytes(v) for v in fwd0.g.outvars[:no] if isinstance(v, jex.Var))
+    divisors = set()
+    notes: list[str] = []
+    for fp, bp in passes.values():
+        divisors |= fp.res.divisors | bp.res.divisors
+        notes += [n for n in fp.res.notes + bp.res.notes if n not in notes]
+    return PartProfile(
+        name=name,
+        fwd_flops=f0.total.to_sympy(),
+        bwd_flops=b0.total.to_sympy(),
+        fwd_matmul_flops=f0.matmul.to_sympy(),
+        bwd_matmul_flops=b0.matmul.to_sympy(),
+        recompute_flops=recompute,
+        weight_bytes=w_bytes.to_sympy(),
+        weight_params=w_params.to_sympy(),
+        saved_bytes=saved,
+        fwd_peak_bytes=fpk,
+        bwd_peak_bytes=bpk,
+        output_bytes=out_bytes.to_sympy(),
+        tp_collectives=tuple(fwd0.collectives("fwd") + bwd0.collectives("bwd")),
+        tp_recompute=tp_re,
+        tp_divisors=tuple(sorted((d.to_sympy() for d in divisors if d != Poly.const(1)), key=str)),
+        notes=tuple(notes),
+    ), passes
+
+
+def _elems(p: PassAnalysis, v: Any) -> Poly:
+    n = Poly.const(1)
+    for d in p.res.local_dims(p.g, v, p.final.get(v, REP)):
+        n = n * d
+    return n
+
+
+def block_tags(part: PartFn) -> tuple[str, ...]:
+    """The ``checkpoint_name`` tags used in a part, in order of first use."""
+    closed = jax.make_jaxpr(lambda d, nd: part.fn(d, nd))(list(part.diff), list(part.nondiff))
+    g = build_graph(closed)
+    return tuple(dict.fromkeys(n.params["name"] for n in g.walk() if n.prim == "name"))
+
+
+def analyze_model(
+    fun: Callable[..., Any],
+    params: Any,
+    batch_fn: Callable[[int, int], tuple[Any, ...]] = token_batch,
+    *,
+    param_axes: Any = None,
+    policies: Sequence[str] | None = None,
+    points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
+    sequence_parallel: bool = True,
+    tensor_axes: Sequence[str] = TENSOR_AXES,
+) -> ModelProfile:
+    """Symbolic per-device profile of the loss ``fun(params, *batch_fn(b, s))``.
+
+    Args:
+      fun: the loss, e.g. ``mistjax.train.loss.make_loss_fn(graphdef)``; its first output is
+        differentiated. It must run its layers as a scan over stacked parameters.
+      params: parameter pytree (arrays, ShapeDtypeStructs or an ``nnx.State``).
+      batch_fn: ``(b, s) -> rest`` the other arguments of ``fun`` at micro-batch ``b`` and
+        sequence length ``s`` (ShapeDtypeStructs are enough); default `token_batch`.
+      param_axes: logical axis names per parameter leaf (a list aligned with the leaves, or a
+        pytree of tuples such as ``models.logical_axes(model)``); default: read from
+        ``nnx.Variable`` metadata in ``params``. Leaves without names stay replicated.
+      policies: remat policies to analyse for the block (``none`` is always included); default
+        ``none, full, dots``, one ``names:<tag>`` per checkpoint name in the block, and
+        ``names:<all tags>``.
+      points: seven ``(b, s)`` sizes: six to fit (two b values x three s values), one to check.
+      sequence_parallel: Megatron sequence parallelism for ``t > 1`` (the hidden state between
+        layers split along the sequence).
+      tensor_axes: logical axis names split over the ``tensor`` mesh axis.
+
+    Returns:
+      A `ModelProfile`; `compile_profile` turns it into vectorised NumPy functions.
+    """
+    points = [tuple(p) for p in points]
+    axes = _flat_axes(params, param_axes)
+    traced = [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points]
+    parts = [split_parts(t) for t in traced]
+    tags = block_tags(parts[0]["block"])
+    if policies is None:
+        policies = list(BASE_POLICIES) + [f"names:{t}" for t in tags]
+        if len(tags) > 1:
+            policies.append("names:" + ",".join(tags))
+    policies = ["none"] + [p for p in dict.fromkeys(policies) if p != "none"]
+    out, passes = {}, {}
+    for name in ("pre", "block", "post"):
+        pols = policies if name == "block" else ["none"]
+        out[name], passes[name] = _analyze_part(
+            name,
+            [p[name] for p in parts],
+            points,
+            axes,
+            pols,
+            sp_on=sequence_parallel,
+            tensor_axes=tensor_axes,
+        )
+    return ModelProfile(
+        pre=out["pre"],
+        block=out["block"],
+        post=out["post"],
+        num_layers=traced[0].stack.num_layers,
+        points=tuple(points),
+        sequence_parallel=sequence_parallel,
+        tags=tags,
+        passes=passes,
+    )

@@ -1,0 +1,151 @@
+"""Liveness-based transient memory of a flattened graph (Mist section 4.2, on jaxprs).
+
+Every value is allocated by the node that defines it and freed after its last use; graph
+outputs live to the end. The peak is the maximum, over program points, of the bytes allocated
+*by the graph itself*: inputs (weights, the layer input, residuals, cotangents) are accounted
+for by the caller and are not counted. Values in ``exclude`` (weight gradients, which the cost
+model holds as gradient state) are not counted either.
+
+Adjustments for XLA, which fuses the jaxpr's elementwise chains:
+
+* no-op primitives (``name``, ``reduce_precision``, same-dtype converts, ``reshape``, ``squeeze``,
+  ``expand_dims``, ``copy``) alias their input's buffer;
+* ``broadcast_in_dim`` and ``iota`` are fused into their consumers and take no memory (unless
+  they are graph outputs), and so are values computed from constants only (causal masks,
+  rotary tables), which XLA folds;
+* every other result is materialised. This is still an upper bound for fused chains: the
+  transient peak is that of the unfused program.
+
+Sizes are polynomials; the peak is a sympy ``Max`` over the program points whose live-set size
+is not dominated term by term by another point's (`poly.max_expr`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jex
+
+from mistjax.analysis.graph import Graph, constant_nodes, names
+from mistjax.analysis.poly import ZERO, Poly, prune_dominated
+
+ALIAS = names(
+    "name reduce_precision reshape squeeze expand_dims copy copy_p optimization_barrier stop_gradient"
+)
+FUSED = frozenset({"broadcast_in_dim", "iota"})
+
+SizeFn = Callable[[Any], Poly]
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, jex.Var) and not isinstance(v, jex.DropVar)
+
+
+def alias_roots(graph: Graph) -> dict[Any, Any]:
+    """var -> the var whose buffer it shares (itself when it owns one; None when it has none)."""
+    root: dict[Any, Any] = {}
+    outs = {v for v in graph.outvars if _is_var(v)}
+    const = constant_nodes(graph)
+    for n in graph.nodes:
+        if n in const:  # folded or fused by XLA
+            root.update((v, None) for v in n.outs)
+            continue
+        src = n.ins[0] if n.ins and _is_var(n.ins[0]) else None
+        same_dtype_convert = (
+            n.prim == "convert_element_type" and src is not None and src.aval.dtype == n.outs[0].aval.dtype
+        )
+        for v in n.outs:
+            if src is not None and (n.prim in ALIAS or same_dtype_convert) and len(n.outs) == 1:
+                root[v] = root.get(src, src)
+            elif n.prim in FUSED and v not in outs:
+                root[v] = None  # fused into its consumers: no buffer of its own
+            else:
+                root[v] = v
+    return root
+
+
+def nbytes_fn(graph: Graph, local_dims: Callable[[Any], tuple[Poly, ...]] | None = None) -> SizeFn:
+    """Bytes of a var (per device when ``local_dims`` gives per-device dims)."""
+    dims = local_dims or graph.shape
+
+    def size(v: Any) -> Poly:
+        n = Poly.const(1)
+        for d in dims(v):
+            n = n * d
+        return n * int(np.dtype(v.aval.dtype).itemsize)
+
+    return size
+
+
+def peak_candidates(
+    graph: Graph, size: SizeFn, *, exclude: Iterable[Any] = (), extra: Sequence[tuple[int, Any, Poly]] = ()
+) -> list[Poly]:
+    """Live bytes at each program point of ``graph`` (pruned to the non-dominated ones).
+
+    Args:
+      graph: the flattened computation.
+      size: bytes of a var.
+      exclude: vars (or alias roots) never counted (e.g. weight gradients).
+      extra: ``(node index, var, bytes)`` buffers created right before a node (collective
+        copies: a gathered input, a reduce-scattered partial sum) living until the var's last
+        use.
+    """
+    root = alias_roots(graph)
+    excluded = {root.get(v, v) for v in exclude if _is_var(v)}
+    last: dict[Any, int] = {}
+    for i, n in enumerate(graph.nodes):
+        for v in n.ins:
+            if _is_var(v):
+                r = root.get(v, v)
+                if r is not None:
+                    last[r] = i
+        for v in n.outs:  # an unused result dies where it is born
+            r = root.get(v, v)
+            if r is not None:
+                last.setdefault(r, i)
+    end = len(graph.nodes)
+    for v in graph.outvars:
+        if _is_var(v) and root.get(v, v) is not None:
+            last[root.get(v, v)] = end
+    inputs = set(graph.invars) | set(graph.constvars)
+    extra_at: dict[int, list[tuple[Any, Poly]]] = {}
+    for i, v, b in extra:
+        extra_at.setdefault(i, []).append((v, b))
+    frees: dict[int, list[Poly]] = {}
+    live = ZERO
+    cands: list[Poly] = [ZERO]
+    for i, n in enumerate(graph.nodes):
+        for v, b in extra_at.get(i, ()):
+            live = live + b
+            frees.setdefault(max(last.get(root.get(v, v), i), i), []).append(b)
+        for v in n.outs:
+            if not (_is_var(v) or isinstance(v, jex.DropVar)) or v in inputs:
+                continue
+            r = root.get(v, v)
+            if r is not v or r in excluded:
+                continue
+            b = size(v)
+            live = live + b
+            frees.setdefault(last.get(r, i), []).append(b)
+        inner: list[Poly] = [ZERO]
+        for g in n.subs:
+            inner.extend(peak_candidates(g, size))
+        cands.extend(live + c for c in prune_dominated(inner))
+        for b in frees.pop(i, ()):
+            live = live - b
+    for _v, b in extra_at.get(end, ()):
+        cands.append(live + b)
+    return prune_dominated(cands)
+
+
+def residual_roots(graph: Graph, residuals: Sequence[Any]) -> list[Any]:
+    """The distinct buffers behind ``residuals`` (aliases of one buffer count once)."""
+    root = alias_roots(graph)
+    seen: dict[Any, None] = {}
+    for v in residuals:
+        if _is_var(v):
+            r = root.get(v, v)
+            seen.setdefault(v if r is None else r, None)
+    return list(seen)

@@ -1,0 +1,205 @@
+"""Time of one stage: per-layer phases with Mist's overlap model, and the once-per-step extras.
+
+Per layer and phase (forward / backward) the four channels are priced standalone and combined with
+`overlap_time` (Mist section 3.2); tensor-parallel collectives are added serially (they sit on the
+critical path between matmuls). Layer kinds follow `runtime.remat`: plain, checkpointed (recompute
+in backward, re-fetch of fetched weights), activation-offloaded (tagged activations D2H in forward,
+H2D in backward, the rest recomputed). Collective group layouts follow the plan mesh
+``(stage, replica, shard, tensor)`` with ``tensor`` fastest: a TP group is ``t`` consecutive devices,
+a ZeRO/MiCS group ``p`` devices with stride ``t``, spanning ``ceil(p t / per_node)`` nodes; a group
+spanning nodes uses the hierarchical (MiCS) gather / reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mistjax.cost.collectives import (
+    collective_time,
+    hierarchical_all_gather_time,
+    hierarchical_reduce_scatter_time,
+    host_copy_time,
+    p2p_time,
+)
+from mistjax.cost.interference import overlap_time
+from mistjax.cost.layout import unique_rows
+from mistjax.cost.workload import OPTIMIZERS, Workload
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def _fp32(workload: Workload) -> bool:
+    cfg = workload.config
+    return cfg is None or getattr(cfg, "dtype", "float32") == "float32"
+
+
+def compute_time(cluster: Any, flops: np.ndarray, matmul: np.ndarray, fp32: bool, itemsize: float) -> np.ndarray:
+    """Roofline time: matmul FLOPs at the (efficiency-scaled) peak, the rest memory-bound.
+
+    The profile gives FLOPs, not bytes per op; elementwise work is charged one element read and one
+    written per FLOP (an upper bound for fused chains, a fair one for XLA's unfused CPU kernels).
+    """
+    dev = cluster.device
+    peak = (dev.peak_flops_fp32 if fp32 else dev.peak_flops) * dev.matmul_efficiency
+    other = np.maximum(flops - matmul, 0.0)
+    return matmul / peak + other * 2.0 * itemsize / (dev.hbm_bandwidth * dev.memory_efficiency)
+
+
+def _group_link(cluster: Any, group: np.ndarray, stride: np.ndarray, per_node: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, tuple[Any, Any], tuple[Any, Any]]:
+    """(devices per node k, nodes m, intra link, inter link) of a group of ``group`` devices ``stride`` apart."""
+    span = group * stride
+    m = np.maximum(np.ceil(span / np.maximum(per_node, 1)), 1.0)
+    k = np.maximum(group / m, 1.0)
+    intra = _links(cluster, k, np.ones_like(k))
+    inter = _links(cluster, k, np.maximum(m, 2))
+    return k, m, intra, inter
+
+
+def _links(cluster: Any, k: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorised ``cluster.collective_link(k, m)`` (a lookup per distinct layout, 1-D sorts only)."""
+    k, m = np.broadcast_arrays(np.asarray(k, dtype=np.int64), np.asarray(m, dtype=np.int64))
+    rows, inv = unique_rows([k.ravel(), m.ravel()])
+    links = [cluster.collective_link(int(a), int(b)) for a, b in rows]
+    bw = np.array([x.bandwidth for x in links])[inv].reshape(k.shape)
+    lat = np.array([x.latency for x in links])[inv].reshape(k.shape)
+    return bw, lat
+
+
+def _ag(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any) -> np.ndarray:
+    return hierarchical_all_gather_time(nbytes, k, m, intra, inter)
+
+
+def _rs(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any) -> np.ndarray:
+    return hierarchical_reduce_scatter_time(nbytes, k, m, intra, inter)
+
+
+def layer_times(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: dict[str, np.ndarray],
+                lt: dict[str, np.ndarray], *, n_plain: np.ndarray, n_off: np.ndarray, c: np.ndarray,
+                saved_off_host: np.ndarray) -> dict[str, np.ndarray]:
+    """Forward and backward seconds of one micro-batch on the stage (layers + pre/post + p2p)."""
+    fp32 = _fp32(workload)
+    item = 4.0 if fp32 else 2.0
+    t, per_node = A["tp"].astype(np.float64), A["per_node"].astype(np.float64)
+    zero, G = A["zero"], A["G"].astype(np.float64)
+    p = np.where(A["shard_group"] <= 0, A["dp"], A["shard_group"]).astype(np.float64)
+    pols = workload.policies
+    pol = A["policy"].astype(np.int64)
+
+    def pick(key: str) -> np.ndarray:
+        stack = np.stack([v[f"{key}[{q}]"] for q in pols])
+        return np.take_along_axis(stack, np.broadcast_to(pol, stack.shape[1:])[None], axis=0)[0]
+
+    f_c = compute_time(cluster, v["block.fwd_flops"], v["block.fwd_matmul_flops"], fp32, item)
+    b_c = compute_time(cluster, v["block.bwd_flops"], v["block.bwd_matmul_flops"], fp32, item)
+    mm_ratio = v["block.fwd_matmul_flops"] / np.maximum(v["block.fwd_flops"], 1.0)
+    rec = pick("block.recompute_flops")
+    off_pol = workload.offload_policy() or "full"
+    r_c = compute_time(cluster, rec, rec * mm_ratio, fp32, item)
+    r_off = compute_time(cluster, v[f"block.recompute_flops[{off_pol}]"],
+                         v[f"block.recompute_flops[{off_pol}]"] * mm_ratio, fp32, item)
+
+    # Tensor-parallel collectives: serial, over t consecutive devices.
+    tk, tm, tintra, tinter = _group_link(cluster, t, np.ones_like(t), per_node)
+    tlink_bw = np.where(tm > 1, tinter[0], tintra[0])
+    tlink = (tlink_bw, np.where(tm > 1, tinter[1], tintra[1]))
+    tp_f = sum(collective_time(kd, v[f"block.tp.{kd}.fwd"], t, tlink) for kd in KINDS)
+    tp_b = sum(collective_time(kd, v[f"block.tp.{kd}.bwd"], t, tlink) for kd in KINDS)
+    tp_rec = 0.0
+    for kd in KINDS:
+        stack = np.stack([v[f"block.tp_recompute[{q}].{kd}"] for q in pols])
+        nb = np.take_along_axis(stack, np.broadcast_to(pol, stack.shape[1:])[None], axis=0)[0]
+        tp_rec = tp_rec + collective_time(kd, np.maximum(nb, 0.0), t, tlink)
+
+    # ZeRO / MiCS group: p devices, stride t.
+    k, m, intra, inter = _group_link(cluster, p, t, per_node)
+    host_w = lt["w_layer_host"] > 0
+    fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], k, m, intra, inter), 0.0)
+    h2d_link, d2h_link = cluster.device.host_to_device, cluster.device.device_to_host
+    fetch_h2d = np.where(host_w, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
+    full_layer = v["block.weight_bytes"]
+    pipelined = A["stages"] > 1
+    rs_each = ((zero >= 3) | ((zero == 2) & ~pipelined)) & (p > 1)
+    grad_rs = np.where(rs_each, _rs(full_layer, k, m, intra, inter), 0.0)
+    acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
+    acc_bytes = np.where(zero >= 2, lt["g_layer_shard"], full_layer) * acc_frac
+    acc_in, acc_out = host_copy_time(acc_bytes, h2d_link), host_copy_time(acc_bytes, d2h_link)
+    act_out = host_copy_time(saved_off_host, d2h_link)
+    act_in = host_copy_time(saved_off_host, h2d_link)
+    ovl = cluster.interference
+
+    f_plain = overlap_time(f_c, fetch_ag, fetch_h2d, 0.0, ovl) + tp_f
+    b_plain = overlap_time(b_c, grad_rs, acc_in, acc_out, ovl) + tp_b
+    f_off = overlap_time(f_c, fetch_ag, fetch_h2d, act_out, ovl) + tp_f
+    b_off = overlap_time(b_c + r_off, grad_rs, acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
+    b_rem = overlap_time(b_c + r_c, fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
+    fwd = (n_plain + c) * f_plain + n_off * f_off
+    bwd = n_plain * b_plain + n_off * b_off + c * b_rem
+
+    # pre / post, and the ZeRO-3 gather of non-stacked weights once per micro-batch (serial).
+    first, last = A["first"].astype(bool), A["last"].astype(bool)
+    for part, on in (("pre", first), ("post", last)):
+        pf = compute_time(cluster, v[f"{part}.fwd_flops"], v[f"{part}.fwd_matmul_flops"], fp32, item)
+        pb = compute_time(cluster, v[f"{part}.bwd_flops"], v[f"{part}.bwd_matmul_flops"], fp32, item)
+        pf = pf + sum(collective_time(kd, v[f"{part}.tp.{kd}.fwd"], t, tlink) for kd in KINDS)
+        pb = pb + sum(collective_time(kd, v[f"{part}.tp.{kd}.bwd"], t, tlink) for kd in KINDS)
+        fwd, bwd = fwd + np.where(on, pf, 0.0), bwd + np.where(on, pb, 0.0)
+    other_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_other_fetch"], k, m, intra, inter), 0.0)
+    fwd = fwd + np.where(G > 1, 0.0, other_ag)  # with G > 1 XLA hoists it out of the loop: once per step
+    bwd = bwd + np.where((zero >= 3) & (p > 1), _rs(lt["w_other_fetch"], k, m, intra, inter), 0.0)
+    # Pipeline sends: the activation forward, its cotangent backward (ppermute each tick).
+    send = np.where(pipelined, p2p_time(v["block.output_bytes"], cluster.p2p_link(False)), 0.0)
+    return {"fwd": fwd + send, "bwd": bwd + send}
+
+
+def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: dict[str, np.ndarray],
+                lt: dict[str, np.ndarray], *, grad_full: np.ndarray, grad_shard: np.ndarray, p: np.ndarray,
+                dp: np.ndarray) -> dict[str, np.ndarray]:
+    """Once-per-step work (delta), FLOPs outside the layers, and collective bytes per step."""
+    zero, G, t = A["zero"], A["G"].astype(np.float64), A["tp"].astype(np.float64)
+    per_node = A["per_node"].astype(np.float64)
+    pipelined = A["stages"] > 1
+    nl = A["layers"].astype(np.float64)
+    c = np.minimum(A["remat"], A["layers"]).astype(np.float64)
+    k, m, intra, inter = _group_link(cluster, p, t, per_node)
+    R = dp / p
+    rk, rm, rintra, rinter = _group_link(cluster, R, p * t, per_node)
+    rlink = (np.where(rm > 1, rinter[0], rintra[0]), np.where(rm > 1, rinter[1], rintra[1]))
+    dk, dm, dintra, dinter = _group_link(cluster, dp, t, per_node)
+    dlink = (np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1]))
+    z_eff = np.where(pipelined & (zero == 2), 1, zero)
+    sync = np.where(z_eff == 0, collective_time("all-reduce", grad_full, dp, dlink), 0.0)
+    sync = sync + np.where(z_eff == 1, _rs(grad_full, k, m, intra, inter), 0.0)
+    sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
+    regather = np.where((zero >= 1) & (zero <= 2), _ag(grad_full, k, m, intra, inter), 0.0)
+    copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
+    upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
+    dev = cluster.device
+    update = upd_bytes * (3 + 2 * copies) / (dev.hbm_bandwidth * dev.memory_efficiency)
+    host_state = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
+    swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
+    z3 = (zero >= 3) & (p > 1)
+    hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], k, m, intra, inter), 0.0)
+    delta = sync + regather + update + swap + hoisted
+    # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
+    elems_upd = upd_bytes / 4.0
+    elems_full = grad_full / 4.0
+    acc_elems = np.where(zero >= 2, grad_shard, grad_full) / 4.0
+    flops = elems_upd * (opt_flops + opt_trans) + elems_full + np.where(G > 1, G * acc_elems, 0.0)
+    flops_xla = elems_upd * (opt_flops + opt_trans) + elems_full + np.where(G > 1, acc_elems, 0.0)
+    # Collective result bytes per step (per device, fp32 as computed), excluding tensor parallelism.
+    fetch, other = lt["w_layer_fetch"], lt["w_other_fetch"]
+    # XLA hoists the loop-invariant gather of the non-stacked weights out of the micro-batch scan.
+    ag = np.where(z3, G * (nl * fetch + c * fetch) + other, 0.0)
+    ag = ag + np.where((zero >= 1) & (zero <= 2) & (p > 1), grad_full, 0.0)
+    rs = np.where(z3, G * (grad_shard), 0.0)
+    rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
+    ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
+    return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
+            "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "regather": regather,
+            "update": update, "swap": swap}
+
+
+__all__ = ["compute_time", "layer_times", "step_extras"]
