@@ -54,8 +54,9 @@ def _xla_total_compiled(compiled) -> float:
 
 
 def _setup(name: str, **changes):
+    """(config, graphdef, abstract state, loss): nothing is initialised (tracing needs shapes only)."""
     cfg = models.get_config(name).replace(**changes)
-    model = models.build(cfg, rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     return cfg, graphdef, state, make_loss_fn(graphdef)
 
