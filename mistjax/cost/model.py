@@ -216,4 +216,11 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
                      comm={k: ext[f"comm.{k}"] for k in ("all-gather", "reduce-scatter", "all-reduce")})
 
 
-__all__ = ["MEMORY_CATEGORIES", "StageCost", "StageStrategies", "stage_cost"]
+def predict(workload: Workload, plan: object, cluster: object) -> object:
+    """The plan's `Prediction` as the runtime runs it (lock-step pipeline); see `mistjax.cost.predict`."""
+    from mistjax.cost.predict import predict as predict_plan  # predict.py builds on this module
+
+    return predict_plan(workload, plan, cluster)
+
+
+__all__ = ["MEMORY_CATEGORIES", "StageCost", "StageStrategies", "predict", "stage_cost"]

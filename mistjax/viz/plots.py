@@ -110,8 +110,15 @@ def plot_memory(stage_memory: Sequence[Mapping[str, float]], path: str | Path, *
 
 
 def plot_pareto(stable: np.ndarray, delta: np.ndarray, path: str | Path, *, chosen: Sequence[int] = (),
-                num_microbatches: int = 1, title: str = "intra-stage strategies") -> Path:
-    """Every feasible strategy of one stage (stable vs delta / G), the frontier and the sampled points."""
+                num_microbatches: int = 1, picked: tuple[float, float] | None = None,
+                title: str = "intra-stage strategies") -> Path:
+    """Strategies of one stage (stable vs delta / G), their frontier, sampled points and the MILP's pick.
+
+    Args:
+      stable / delta: per strategy, seconds (delta is divided by `num_microbatches` for display).
+      chosen: indices of the points sampled for the MILP.
+      picked: the (stable, delta) the inter-stage MILP chose for this stage.
+    """
     stable, delta = np.asarray(stable, float), np.asarray(delta, float) / num_microbatches
     ok = np.isfinite(stable) & np.isfinite(delta)
     fig, ax = plt.subplots(figsize=(5.5, 4), dpi=120)
@@ -127,6 +134,9 @@ def plot_pareto(stable: np.ndarray, delta: np.ndarray, path: str | Path, *, chos
     if len(chosen):
         idx = np.asarray([i for i in chosen if i >= 0])
         ax.scatter(stable[idx], delta[idx], s=28, color="#4c72b0", zorder=3, label="sampled for the MILP")
+    if picked is not None:
+        ax.scatter([picked[0]], [picked[1] / num_microbatches], marker="*", s=160, color="#dd8452", zorder=4,
+                   label="chosen by the MILP")
     ax.set_xlabel("stable time per micro-batch (s)")
     ax.set_ylabel(f"delta / G (s), G = {num_microbatches}")
     ax.set_title(title, fontsize=10)

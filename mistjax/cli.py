@@ -1,0 +1,200 @@
+"""The `mistjax` command: plan, explain, calibrate.
+
+Examples:
+  mistjax plan --model gpt3-22b --cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096
+  mistjax plan --model llama-7b --cluster l4:1x8 --global-batch 128 --seq-len 2048 --json plan.json --plot plots/
+  mistjax explain plan.json --model llama-7b --cluster l4:1x8 --seq-len 2048
+  mistjax calibrate --out profile.json          # then: mistjax plan --cluster profile.json ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mistjax.plan import Plan, PlanError
+
+
+class CliError(Exception):
+    """A user-facing error: printed without a traceback."""
+
+
+def load_model_config(spec: str) -> Any:
+    """A preset name (`python -m models --list`) or a JSON file of `models.ModelConfig` fields."""
+    import models
+    from models.config import ModelConfig
+
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise CliError(f"model config file {spec!r} does not exist")
+        try:
+            fields = json.loads(path.read_text())
+            return ModelConfig(**fields)
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise CliError(f"model config file {spec!r} is not a valid ModelConfig JSON: {e}") from e
+    try:
+        return models.get_config(spec)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def load_cluster(spec: str, memory_gib: float | None = None) -> Any:
+    """A preset like ``a100-40gb:4x8`` or a calibration profile JSON file."""
+    from mistjax.hardware.presets import ClusterSpec
+
+    path = Path(spec)
+    try:
+        if path.suffix == ".json" or path.is_file():
+            if not path.is_file():
+                raise CliError(f"cluster profile {spec!r} does not exist; run `mistjax calibrate --out {spec}`")
+            cluster = ClusterSpec.from_json(path.read_text())
+        else:
+            cluster = ClusterSpec.parse(spec)
+    except ValueError as e:
+        raise CliError(f"bad cluster {spec!r}: {e}") from e
+    return cluster.with_memory(memory_gib * 2**30) if memory_gib else cluster
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    from mistjax.cost.workload import Workload
+
+    cfg = load_model_config(args.model).replace(dtype=args.dtype)
+    if args.seq_len > cfg.max_seq_len:
+        raise CliError(f"--seq-len {args.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
+    return Workload.from_model(cfg, args.seq_len, args.global_batch)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import mistjax
+
+    cluster = load_cluster(args.cluster, args.memory_gib)
+    workload = _workload(args)
+    print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
+          f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
+    try:
+        result = mistjax.tune(workload, cluster, time_limit=args.time_limit,
+                              baselines=() if args.no_baselines else None)
+    except RuntimeError as e:
+        raise CliError(str(e)) from e
+    print(result.summary())
+    plan = result.plan.as_plan() if hasattr(result.plan, "as_plan") else result.plan
+    if args.json:
+        plan.save(args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plots(workload, plan, cluster, Path(args.plot), result)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from mistjax.cost.predict import analyze
+
+    try:
+        plan = Plan.load(args.plan)
+    except PlanError as e:
+        raise CliError(str(e)) from e
+    print(plan.summary())
+    if args.model is None:
+        print("(pass --model, --cluster, --seq-len and --global-batch for the predicted time and memory)")
+        return 0
+    cluster = load_cluster(args.cluster, args.memory_gib)
+    if args.global_batch is None:
+        args.global_batch = plan.global_batch
+    workload = _workload(args)
+    try:
+        plan.check_devices(cluster.num_devices)
+        plan.check_batch(args.global_batch)
+        plan.check_layers(workload.num_layers)
+    except PlanError as e:
+        raise CliError(str(e)) from e
+    report = analyze(workload, plan, cluster)
+    print(report.summary())
+    for note in report.notes:
+        print(f"  note: {note}")
+    if args.plot:
+        _plots(workload, plan, cluster, Path(args.plot))
+    return 0
+
+
+def _plots(workload: Any, plan: Plan, cluster: Any, out: Path, result: Any = None) -> None:
+    from mistjax.cost.predict import analyze
+    from mistjax.viz import plot_memory, plot_pareto, plot_timeline
+
+    report = analyze(workload, plan, cluster)
+    files = [plot_memory(report.stage_memory, out / "memory.png", limit=cluster.memory_budget()),
+             plot_timeline(report.stage_fwd, report.stage_bwd, plan.grad_accum, out / "timeline.png",
+                           schedule=plan.schedule if plan.num_stages > 1 else "gpipe",
+                           first_extra=[d / 2 for d in report.prediction.stage_delta],
+                           last_extra=[d / 2 for d in report.prediction.stage_delta])]
+    for rec in result.pareto if result is not None else ():
+        picked = rec.get("chosen")
+        files.append(plot_pareto(rec["stable"], rec["delta"], out / f"pareto_stage{rec['stage']}.png",
+                                 num_microbatches=plan.grad_accum, picked=tuple(picked) if picked else None,
+                                 title=f"stage {rec['stage']} ({rec['layers']} layers): sampled Pareto points"))
+    print("wrote " + ", ".join(str(f) for f in files))
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from mistjax.hardware.calibrate import calibrate
+
+    cluster = calibrate(name=args.name, quick=args.quick)
+    Path(args.out).write_text(cluster.to_json())
+    print(f"wrote {args.out}: {cluster.devices_per_node} x {cluster.device.name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mistjax", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def workload_args(q: argparse.ArgumentParser, required: bool) -> None:
+        q.add_argument("--model", required=required, help="model preset (python -m models --list) or config JSON")
+        q.add_argument("--cluster", default="a100-40gb:1x8", help="preset NAME:NODESxPER_NODE or profile JSON")
+        q.add_argument("--global-batch", type=int, default=None if not required else 64, help="sequences per step")
+        q.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+        q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
+        q.add_argument("--memory-gib", type=float, default=None, help="override device memory (emulate smaller cards)")
+        q.add_argument("--plot", default=None, help="write PNG plots into this folder")
+
+    q = sub.add_parser("plan", help="tune a plan and compare it with the baselines",
+                       description="Tune a plan for a model on a cluster. Example: mistjax plan --model gpt3-22b "
+                                   "--cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096")
+    workload_args(q, True)
+    q.add_argument("--time-limit", type=float, default=60.0, help="seconds for the search")
+    q.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    q.add_argument("--json", default=None, help="save the plan as JSON")
+    q.set_defaults(fn=cmd_plan)
+
+    q = sub.add_parser("explain", help="show a saved plan and its predicted time and memory",
+                       description="Explain a plan JSON. Example: mistjax explain plan.json --model llama-7b "
+                                   "--cluster l4:1x8 --seq-len 2048")
+    q.add_argument("plan", help="plan JSON file")
+    workload_args(q, False)
+    q.set_defaults(fn=cmd_explain)
+
+    q = sub.add_parser("calibrate", help="measure this machine's devices into a cluster profile",
+                       description="Measure matmul throughput, memory and collective bandwidth, host links and "
+                                   "interference of the visible devices. Example: mistjax calibrate --out prof.json")
+    q.add_argument("--out", default="cluster_profile.json", help="where to write the profile JSON")
+    q.add_argument("--name", default="calibrated", help="label stored in the profile")
+    q.add_argument("--quick", action="store_true", help="smaller, faster measurements")
+    q.set_defaults(fn=cmd_calibrate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (CliError, PlanError) as e:
+        print(f"mistjax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The mistjax command line: plan, explain, calibrate, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+from mistjax.cli import main
+
+TINY = ["--model", "gpt3-tiny", "--cluster", "cpu:1x8", "--global-batch", "16", "--seq-len", "32",
+        "--dtype", "float32"]
+
+
+def test_plan_explain_round_trip(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", *TINY, "--time-limit", "20", "--json", str(plan), "--plot", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "predicted:" in out and "megatron" in out
+    assert json.loads(plan.read_text())["schema_version"] == 1
+    assert (tmp_path / "plots" / "memory.png").stat().st_size > 5000
+    assert main(["explain", str(plan), *TINY]) == 0
+    assert "step" in capsys.readouterr().out
+
+
+def test_unknown_preset_is_a_clear_error(capsys):
+    assert main(["plan", "--model", "gpt3-tiny", "--cluster", "a200:1x8"]) == 2
+    err = capsys.readouterr().err
+    assert "a200" in err and "a100-40gb" in err
+
+
+def test_malformed_calibration_file(tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"name": "x", "device": {}}')
+    assert main(["plan", "--model", "gpt3-tiny", "--cluster", str(bad)]) == 2
+    assert "bad cluster" in capsys.readouterr().err
+
+
+def test_corrupt_plan_file(tmp_path, capsys):
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"stages": [')
+    assert main(["explain", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
