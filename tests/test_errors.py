@@ -1,0 +1,51 @@
+"""Misuse of autoshard gets a clear, actionable error (the rest of docs/errors.md is tested elsewhere)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from test_runtime import BATCH, DEVICES, setup
+
+import mistjax
+from mistjax.plan import PlanError, uniform_plan
+from mistjax.train.loss import make_loss_fn
+
+
+def test_plain_jax_grad_with_a_plan_that_needs_mistjax_grad():
+    cfg, state, batch, *_ = setup("gpt3-tiny")
+    loss_fn = make_loss_fn(state.graphdef)
+
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES // 2, grad_accum=2)
+    with pytest.raises(PlanError, match="needs the step to compute gradients with mistjax.value_and_grad"):
+        mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
+
+
+def test_value_and_grad_of_a_transformed_copy():
+    cfg, state, batch, *_ = setup("gpt3-tiny")
+    loss_fn = make_loss_fn(state.graphdef)
+
+    def train_step(state, batch):
+        params = jax.tree.map(lambda p: p * 1.0, state.params)
+        loss, grads = mistjax.value_and_grad(loss_fn)(params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES)
+    with pytest.raises(PlanError, match="as they come from the train state"):
+        mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
+
+
+def test_value_and_grad_other_argnums_inside_autoshard():
+    cfg, state, batch, *_ = setup("gpt3-tiny")
+
+    def train_step(state, batch):
+        loss, g = mistjax.value_and_grad(lambda b, p: jnp.sum(b["inputs"]) * 0.0 + 1.0, argnums=1)(batch, 1.0)
+        return state, {"loss": loss}
+
+    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES)
+    with pytest.raises(ValueError, match="differentiates the first argument"):
+        mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
