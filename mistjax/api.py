@@ -1,16 +1,27 @@
-"""The public entry points: `autoshard`, `value_and_grad`, `grad`."""
+"""The public entry points: `autoshard`, `tune`, `value_and_grad`, `grad`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from mistjax.plan import Plan
 from mistjax.runtime.context import active_handler
 from mistjax.runtime.step import ShardedStep, TrainStep
+
+if TYPE_CHECKING:  # the tuner imports cvxpy; keep `import mistjax` light until a plan is tuned
+    from mistjax.tune.space import SearchSpace
+    from mistjax.tune.tuner import TuneResult
+
+
+def tune(workload: Any, cluster: Any, **options: Any) -> TuneResult:
+    """Tune a plan offline (no devices needed); see `mistjax.tune.tuner.tune` for the options."""
+    from mistjax.tune.tuner import tune as run
+
+    return run(workload, cluster, **options)
 
 
 def value_and_grad(fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False) -> Callable[..., Any]:
@@ -46,8 +57,15 @@ def grad(fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False) -> Ca
 
 
 def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Path | None = None,
-              **tune_options: Any) -> ShardedStep:
+              hardware: Any = None, global_batch: int | None = None, memory_budget: float | None = None,
+              cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
+              workload: Any = None, baselines: tuple[str, ...] | None = None, cost: Any = None) -> Any:
     """Run `train_step(state, batch) -> (state, metrics)` with a distributed-training plan.
+
+    With ``plan`` the plan is applied as is. Without one, the first ``step.place(state, batch)`` or
+    ``step(state, batch)`` traces the step, builds the workload, tunes a plan for the mesh (or
+    loads it from ``cache_dir``), then compiles and runs it; ``step.plan.summary()`` shows the plan
+    and its prediction next to the best baseline's, ``step.result`` the whole `TuneResult`.
 
     Args:
       train_step: an ordinary JAX train step; compute gradients with `mistjax.value_and_grad`
@@ -55,12 +73,30 @@ def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Pat
       mesh: the devices mistjax may use (a `jax.sharding.Mesh`, whose axis names may describe the
         topology such as ``("node", "gpu")``, or a list of devices). Defaults to all devices.
       plan: a `Plan` or the path of a saved plan to apply as is.
-      **tune_options: options for the tuner when no plan is given.
+      hardware: what to tune for: a preset name (``"a100-40gb"``), a spec (``"a100-40gb:4x8"``),
+        a `ClusterSpec`, or None to detect it from the devices (``cpu`` on the host platform).
+      global_batch: sequences per step (default: the leading dimension of the first batch).
+      memory_budget: bytes a device may use (default: the preset's / device's budget).
+      cache_dir: directory of tuned plans (JSON, keyed by model, mesh, hardware, batch and space
+        fingerprints); a hit skips the search.
+      space: the search space (default: mistjax's full space).
+      time_limit: seconds for the search.
+      workload: the cost model's `Workload`, if the step's model cannot be recognised.
+      baselines: baselines to compare with (default: all).
+      cost: the cost-model module (default `mistjax.cost.model`).
     Returns:
-      A `ShardedStep` with ``place(state)``, ``__call__(state, batch)``, ``lower(...)`` and ``plan``.
+      A `ShardedStep` (with ``plan``) or, without a plan, an `AutoShardedStep` with the same
+      methods: ``place(state, batch)``, ``__call__(state, batch)``, ``lower(...)`` and ``plan``.
     """
     if plan is None:
-        raise NotImplementedError("autoshard without a plan needs the tuner; pass plan=... for now")
+        from mistjax.tune.autoshard import AutoShardedStep  # deferred: pulls in the tuner and cost model
+
+        return AutoShardedStep(train_step, mesh, hardware=hardware, global_batch=global_batch,
+                               memory_budget=memory_budget, cache_dir=cache_dir, space=space, time_limit=time_limit,
+                               workload=workload, baselines=baselines, cost=cost)
     if isinstance(plan, str | Path):
         plan = Plan.load(plan)
     return ShardedStep(train_step, mesh, plan)
+
+
+__all__ = ["autoshard", "grad", "tune", "value_and_grad"]

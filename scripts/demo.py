@@ -1,4 +1,4 @@
-"""`make demo`: train a small GPT on 8 simulated CPU devices and plot the loss.
+"""`make demo`: tune a plan for a small GPT on 8 simulated CPU devices, train it and plot the loss.
 
 Run: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/demo.py --out demo_out
 """
@@ -36,7 +36,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
-    cfg = TrainConfig(model=args.model, steps=args.steps, global_batch=16, seq_len=32,
+    # plan="auto": mistjax.autoshard traces the step, tunes a plan for the 8 devices (cpu preset) and runs it.
+    cfg = TrainConfig(model=args.model, steps=args.steps, global_batch=16, seq_len=32, plan="auto",
                       metrics=str(out / "metrics.jsonl"))
     (out / "metrics.jsonl").unlink(missing_ok=True)
     result = run_training(cfg)

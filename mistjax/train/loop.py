@@ -1,25 +1,45 @@
-"""The training loop shared by `make demo` and `scripts/pretrain.py`."""
+"""The training loop shared by `make demo` and `scripts/pretrain.py`.
+
+A run is fully determined by its `TrainConfig`: parameters come from ``seed``, and the data
+source returns the batch of step ``s`` from ``seed + s`` alone. Resuming therefore only needs
+the train state (parameters, optimizer state, step) from a checkpoint: the steps after it see
+exactly the batches an uninterrupted run would have seen, and produce bit-identical losses.
+"""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import models
 from mistjax.api import autoshard, value_and_grad
+from mistjax.distributed import DistributedError, is_primary, peer_failure
 from mistjax.plan import Plan, PlanError, uniform_plan
+from mistjax.runtime.step import ShardedStep
+from mistjax.train.checkpoint import Checkpointer, CheckpointError
 from mistjax.train.data import MemmapTokens, SyntheticTokens
 from mistjax.train.loss import make_loss_fn
+from mistjax.train.metrics import MetricsLog, mfu, peak_flops
 from mistjax.train.state import TrainState, make_optimizer
+
+# Config fields whose change on resume makes the continuation differ from an uninterrupted run.
+_RESUME_SENSITIVE = ("steps", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",
+                     "compute_dtype")
+
+
+class TrainingDivergedError(FloatingPointError):
+    """The loss or the parameters became NaN or infinite."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +47,7 @@ class TrainConfig:
     """One training run (all flags of scripts/pretrain.py)."""
 
     model: str = "gpt3-tiny"  # preset name (python -m models --list)
-    steps: int = 50  # optimizer steps to run
+    steps: int = 50  # optimizer steps to run (in total, counting steps before a resume)
     global_batch: int = 16  # sequences per optimizer step
     seq_len: int = 32  # tokens per sequence
     learning_rate: float = 3e-3  # peak AdamW learning rate
@@ -35,20 +55,29 @@ class TrainConfig:
     seed: int = 0  # parameter init and data order
     data: str | None = None  # flat uint16/uint32 token file; None = synthetic repeating data
     token_dtype: str = "uint16"  # dtype of the token file
-    plan: str | None = None  # plan JSON file; None = data parallelism over all devices
+    plan: str | None = None  # plan JSON file; None = data parallelism over all devices; "auto" = tune
     compute_dtype: str = "float32"  # bfloat16 for mixed precision (fp32 master weights)
     metrics: str | None = None  # JSON-lines file, one record per step
     log_every: int = 1  # progress-bar refresh interval in steps
+    ckpt_dir: str | None = None  # checkpoint directory; None = no checkpoints
+    ckpt_every: int = 100  # save every this many steps (and after the last step)
+    keep: int = 3  # newest checkpoints kept; older ones are deleted
+    resume: bool = False  # continue from the newest usable checkpoint in ckpt_dir, if any
+    async_ckpt: bool = True  # write checkpoints in the background
+    hardware: str | None = None  # mistjax.hardware preset for MFU (e.g. "h100"); None = no MFU
 
 
 @dataclass
 class TrainResult:
-    """What a run produced."""
+    """What a run produced (the steps this process ran, not those before a resume)."""
 
     losses: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     plan: Plan | None = None
     state: Any = None
+    start_step: int = 0  # first step run here (> 0 after a resume)
+    mfu: list[float] = field(default_factory=list)  # per step, when the hardware is known
+    checkpoints: list[int] = field(default_factory=list)  # steps saved by this run
 
 
 def make_train_step(loss_fn: Callable[..., Any]) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
@@ -77,67 +106,244 @@ def resolve_plan(cfg: TrainConfig, num_layers: int, num_devices: int) -> Plan:
     return uniform_plan(num_layers, num_devices, micro_batch=cfg.global_batch // num_devices)
 
 
-def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -> TrainResult:
-    """Train `cfg.model` for `cfg.steps` steps and return the loss curve."""
+def make_global_batch(step: ShardedStep, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """The host batch as global arrays on the shardings the sharded step expects.
+
+    Every process computes the same global batch (the data source is seeded by step), and each
+    copies only the rows of its own devices. `jax.device_put` of a host array onto a sharding
+    spanning several processes would also work, but it all-gathers the whole batch every step
+    to check that all processes passed the same value.
+    """
+    shardings = step.batch_shardings(batch)
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
+                        batch, shardings)
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                              if jnp.issubdtype(x.dtype, jnp.inexact)]))
+
+
+def _run_meta(cfg: TrainConfig, plan: Plan) -> dict[str, Any]:
+    """What a checkpoint records about the run, besides the arrays."""
+    return {"model": cfg.model, "plan": plan.to_dict(), "data_seed": cfg.seed, "config": dataclasses.asdict(cfg),
+            "process_count": jax.process_count(), "device_count": jax.device_count()}
+
+
+def _plan_layout(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan fields that shape the run, flattened (``stages[0].shard_grads``) for readable diffs.
+
+    The cost model's prediction and the fingerprints describe a plan but change nothing in the run.
+    """
+    out: dict[str, Any] = {}
+    for key, value in plan.items():
+        if key in ("prediction", "fingerprints"):
+            continue
+        if key == "stages":
+            out["num_stages"] = len(value)
+            for i, stage in enumerate(value):
+                out.update({f"stages[{i}].{k}": list(v) if isinstance(v, tuple) else v for k, v in stage.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, plan: Plan, directory: Path) -> None:
+    """Refuse a checkpoint of another model or plan; warn about settings that change the run."""
+    where = f"{str(directory)!r} (step {meta['step']})"
+    if meta.get("model") != cfg.model:
+        raise CheckpointError(f"cannot resume: the checkpoint in {where} was written by model {meta.get('model')!r}, "
+                              f"but this run uses model {cfg.model!r}; pass --model {meta.get('model')} or use "
+                              "another --ckpt-dir")
+    old, new = _plan_layout(meta.get("plan") or {}), _plan_layout(plan.to_dict())
+    if old != new:
+        diff = ", ".join(f"{k}: {old.get(k)!r} in the checkpoint vs {new.get(k)!r} now"
+                         for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+        raise CheckpointError(f"cannot resume: the checkpoint in {where} was written with another plan ({diff}); "
+                              "resume with the checkpoint's --plan and --global-batch, or use another --ckpt-dir")
+    config = meta.get("config", {})
+    changed = [f"{k} {config[k]!r} -> {getattr(cfg, k)!r}" for k in _RESUME_SENSITIVE
+               if k in config and config[k] != getattr(cfg, k)]
+    if changed:
+        warnings.warn(f"resuming with changed settings ({'; '.join(changed)}): the continuation will differ "
+                      "from an uninterrupted run", RuntimeWarning, stacklevel=3)
+
+
+def _log(message: str) -> None:
+    if is_primary():
+        print(message, flush=True)
+
+
+@dataclass
+class _Setup:
+    """Everything a run needs before its first step."""
+
+    plan: Plan
+    step: ShardedStep
+    state: Any
+    data: SyntheticTokens | MemmapTokens
+    num_devices: int
+    start: int
+
+
+def _prepare(cfg: TrainConfig, mesh: Any, ckpt: Checkpointer | None) -> _Setup:
+    """Model, plan, sharded step and placed (or restored) state; cheap checks first."""
     model_cfg = models.get_config(cfg.model).replace(dtype=cfg.compute_dtype)
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    data = build_data(cfg, model_cfg.vocab_size)
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
+    auto = cfg.plan == "auto"  # mistjax.autoshard tunes the plan on the first batch
+    plan = None if auto else resolve_plan(cfg, model_cfg.num_layers, len(devices))
+    if plan is not None and ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
+        _check_compatible(newest, cfg, plan, ckpt.directory)  # before the (slow) model build
     model = models.build(model_cfg, rngs=nnx.Rngs(cfg.seed))
     tx = make_optimizer(cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     state = TrainState.create(model, tx)
-    data = build_data(cfg, model_cfg.vocab_size)
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
-    plan = resolve_plan(cfg, model_cfg.num_layers, len(devices))
     step = autoshard(make_train_step(make_loss_fn(state.graphdef)), mesh if mesh is not None else devices,
-                     plan=plan)
+                     plan=plan, **({"global_batch": cfg.global_batch} if auto else {}))
     state = step.place(state, data.batch(0))
-    result = TrainResult(plan=plan)
-    metrics_file = open(cfg.metrics, "a") if cfg.metrics else None  # noqa: SIM115
-    tokens = cfg.global_batch * cfg.seq_len
-    bar = _progress(cfg.steps, progress)
+    if auto:
+        plan = step.plan
+        if ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
+            _check_compatible(newest, cfg, plan, ckpt.directory)
+    start = 0
+    if ckpt is not None and cfg.resume:
+        restored = ckpt.restore_latest(state)
+        if restored is None:
+            _log(f"no checkpoint in {str(ckpt.directory)!r} yet; starting from step 0")
+        else:
+            state, meta = restored
+            start = int(meta["step"])
+            _log(f"resumed from step {start} ({ckpt.directory / str(start)})")
+    return _Setup(plan, step, state, data, len(devices), start)
+
+
+def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -> TrainResult:
+    """Train `cfg.model` up to step `cfg.steps` and return what this run produced.
+
+    Raises:
+      CheckpointError: unwritable ``ckpt_dir`` (before any work), or an incompatible or
+        unreadable checkpoint on resume.
+      DataError, PlanError: unusable data or plan.
+      TrainingDivergedError: NaN/inf loss or parameters; the last good checkpoint is kept.
+      DistributedError: a peer process died during a multi-process run.
+    """
+    if cfg.steps < 1 or cfg.ckpt_every < 1:
+        raise ValueError(f"steps ({cfg.steps}) and ckpt_every ({cfg.ckpt_every}) must be positive")
+    if cfg.resume and not cfg.ckpt_dir:
+        raise CheckpointError("--resume needs --ckpt-dir (the directory to resume from)")
+    peak = peak_flops(cfg.hardware, cfg.compute_dtype) if cfg.hardware else None
+    # Settings that can be checked without the model go first, so mistakes fail in seconds.
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, async_save=cfg.async_ckpt) if cfg.ckpt_dir else None
     try:
-        for i in range(cfg.steps):
+        if ckpt is not None and not cfg.resume and ckpt.latest_step() is not None:
+            raise CheckpointError(f"{str(ckpt.directory)!r} already holds checkpoints (newest: step "
+                                  f"{ckpt.latest_step()}); pass --resume to continue that run, or choose an "
+                                  "empty --ckpt-dir")
+        setup = _prepare(cfg, mesh, ckpt)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
+    step, state, start = setup.step, setup.state, setup.start
+    result = TrainResult(plan=setup.plan, start_step=start)
+    meta = _run_meta(cfg, setup.plan)
+    tokens = cfg.global_batch * cfg.seq_len
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    log = MetricsLog(cfg.metrics, start, enabled=is_primary())
+    bar = _progress(cfg.steps, start, progress and is_primary())
+    failed_peer = False
+    try:
+        for i in range(start, cfg.steps):
             t0 = time.perf_counter()
-            state, metrics = step(state, data.batch(i))
-            loss = float(metrics["loss"])
+            try:
+                state, metrics = step(state, make_global_batch(step, setup.data.batch(i)))
+                loss = float(metrics["loss"])  # waits for the step: the timing below is the real one
+            except jax.errors.JaxRuntimeError as e:
+                lost = peer_failure(e, i)
+                if lost is None:
+                    raise
+                failed_peer = True
+                raise lost from e
             dt = time.perf_counter() - t0
             if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {i}; lower --lr or check the data")
+                raise TrainingDivergedError(_diverged(f"the loss is {loss} at step {i}", cfg, ckpt))
+            record: dict[str, Any] = {"step": i, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt}
+            if peak is not None:
+                record["mfu"] = mfu(tokens / dt, num_params, setup.num_devices, peak)
+                result.mfu.append(record["mfu"])
+            log.write(record)
             result.losses.append(loss)
             result.tokens_per_s.append(tokens / dt)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps({"step": i, "loss": loss, "tokens_per_s": tokens / dt}) + "\n")
-                metrics_file.flush()
-            if bar is not None and (i % cfg.log_every == 0 or i == cfg.steps - 1):
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / dt:,.0f}")
             if bar is not None:
+                if i % cfg.log_every == 0 or i == cfg.steps - 1:
+                    bar.set_postfix(_postfix(record), refresh=False)
                 bar.update(1)
+            done = i + 1
+            if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
+                if not bool(_all_finite(state)):  # never let a checkpoint hold NaN/inf
+                    raise TrainingDivergedError(_diverged(f"the parameters became NaN/inf in step {i}", cfg, ckpt))
+                ckpt.save(done, state, meta)
+                result.checkpoints.append(done)
+    except DistributedError:
+        failed_peer = True
+        raise
     finally:
         if bar is not None:
             bar.close()
-        if metrics_file is not None:
-            metrics_file.close()
+        log.close()
+        # After a lost peer, finishing a save would wait on the dead process: leave it unfinished
+        # (orbax never publishes a half-written checkpoint).
+        if ckpt is not None and not failed_peer:
+            ckpt.close()
     result.state = state
     return result
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _diverged(what: str, cfg: TrainConfig, ckpt: Checkpointer | None) -> str:
+    if ckpt is not None:
+        ckpt.wait()  # a save in flight holds a finite state: let it land before reporting
+        last = ckpt.latest_step()
+        kept = (f"the last checkpoint (step {last}) in {str(ckpt.directory)!r} is kept"
+                if last is not None else "no checkpoint was written yet")
+    else:
+        kept = "there is no checkpoint (no --ckpt-dir)"
+    fixes = [f"lower --lr (now {cfg.learning_rate:g})", f"lengthen --warmup (now {cfg.warmup_steps})"]
+    if cfg.compute_dtype != "float32":
+        fixes.append("use --dtype float32")
+    if cfg.data is not None:
+        fixes.append("check the token file")
+    return (f"training diverged: {what}; {kept}. To fix: {', '.join(fixes)}, then restart"
+            + (" (with --resume to continue from the checkpoint)" if ckpt is not None else ""))
+
+
+def _postfix(record: dict[str, Any]) -> dict[str, str]:
+    out = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if "mfu" in record:
+        out["MFU"] = f"{100 * record['mfu']:.3g}%"
+    return out
+
+
+def _progress(total: int, start: int, enabled: bool) -> Any:
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
-def save_loss_plot(losses: list[float], path: str | Path, title: str = "training loss") -> None:
-    """Write the loss curve as a PNG."""
+def save_loss_plot(losses: list[float], path: str | Path, title: str = "training loss", first_step: int = 0
+                   ) -> None:
+    """Write the loss curve as a PNG (`first_step`: the step of ``losses[0]``, e.g. after a resume)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(np.arange(len(losses)), losses, lw=1.8, color="#1f77b4")
+    ax.plot(first_step + np.arange(len(losses)), losses, lw=1.8, color="#1f77b4")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title(title)

@@ -1,0 +1,258 @@
+"""`autoshard` without a plan: trace the step, tune for the mesh (or load a cached plan), then run.
+
+The workload comes from the step's model: the train state's static graph definition carries the
+model's `models.ModelConfig` (``CausalLM.config``), which `Workload.from_model` turns into the cost
+model's workload with the batch's sequence length and the global batch. A step whose model is not
+from `models/` needs ``workload=`` (or a cost model offering ``Workload.from_train_step``).
+
+Plans are cached as JSON (never pickle) under ``cache_dir``, named by a hash of the fingerprints
+of model, mesh, hardware, batch and search space.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from mistjax.hardware.presets import ClusterSpec
+from mistjax.plan import Plan, PlanError, Prediction
+from mistjax.runtime.step import ShardedStep, TrainStep, analyze_step
+from mistjax.tune.space import SearchSpace
+from mistjax.tune.tuner import TunedPlan, TuneResult, default_cost_model, fingerprints, tune
+
+__all__ = ["AutoShardedStep", "detect_cluster", "find_model_config"]
+
+_CACHE_FORMAT = "mistjax.tuned-plan"
+# device_kind substrings -> preset, most specific first.
+_GPU_PRESETS = (("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100-80gb"), ("H200", "h200"), ("H100", "h100"),
+                ("L4", "l4"))
+
+
+def _devices(mesh: Any) -> list[Any]:
+    if mesh is None:
+        return list(jax.devices())
+    if hasattr(mesh, "devices"):
+        return list(np.asarray(mesh.devices).flat)
+    return list(mesh)
+
+
+def detect_cluster(devices: list[Any], hardware: Any = None, memory_budget: float | None = None) -> ClusterSpec:
+    """The `ClusterSpec` to tune for on ``devices``.
+
+    Args:
+        devices: the devices of the mesh.
+        hardware: None (detect from the platform: ``cpu`` on the host, the GPU's preset by its
+            device kind), a preset name, a ``NAME:NODESxPER_NODE`` spec or a `ClusterSpec`.
+        memory_budget: bytes a plan may use per device (overrides the preset's budget).
+    """
+    n = len(devices)
+    per_node = min(n, max(1, sum(1 for d in devices if d.process_index == devices[0].process_index)))
+    if isinstance(hardware, ClusterSpec):
+        cluster = hardware
+    elif isinstance(hardware, str) and ":" in hardware:
+        cluster = ClusterSpec.parse(hardware)
+    else:
+        name = hardware
+        if name is None:
+            d = devices[0]
+            name = "cpu" if d.platform == "cpu" else None
+            kind = str(getattr(d, "device_kind", ""))
+            for pattern, preset in _GPU_PRESETS:
+                if name is None and pattern.lower() in kind.lower():
+                    name = preset
+            if name is None and d.platform == "tpu":
+                name = "tpu-v5p" if "v5p" in kind.lower() else "tpu-v5e"
+            if name is None:
+                raise PlanError(f"cannot tell which hardware preset fits device kind {kind!r}; pass hardware=<preset> "
+                                "(mistjax.hardware.PRESET_NAMES) or a ClusterSpec")
+        cluster = ClusterSpec.preset(name, nodes=max(1, n // per_node), per_node=per_node)
+    if cluster.num_devices != n:
+        per_node = min(cluster.devices_per_node, n)
+        if n % per_node:
+            raise PlanError(f"hardware {cluster.name!r} has {cluster.devices_per_node} devices per node, which does "
+                            f"not tile the mesh's {n} devices")
+        cluster = cluster.with_shape(n // per_node, per_node)
+    if memory_budget is None and hardware is None and devices[0].platform != "cpu":
+        stats = devices[0].memory_stats() or {}
+        if stats.get("bytes_limit"):
+            cluster = cluster.with_memory(float(stats["bytes_limit"]))
+    if memory_budget is not None:
+        cluster = cluster.with_memory(float(memory_budget) / cluster.device.usable_memory_fraction)
+    return cluster
+
+
+def find_model_config(tree: Any, depth: int = 0, seen: set[int] | None = None) -> Any:
+    """The first `models.ModelConfig` reachable from ``tree`` (e.g. a train state's graphdef), or None."""
+    import models
+
+    seen = set() if seen is None else seen
+    if isinstance(tree, models.ModelConfig):
+        return tree
+    if depth > 12 or id(tree) in seen or isinstance(tree, str | bytes | int | float | np.ndarray | jax.Array):
+        return None
+    seen.add(id(tree))
+    if isinstance(tree, dict):
+        children = list(tree.values())
+    elif isinstance(tree, list | tuple):
+        children = list(tree)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        children = [getattr(tree, f.name, None) for f in dataclasses.fields(tree)]
+    elif hasattr(tree, "__dict__"):
+        children = list(vars(tree).values())
+    elif hasattr(tree, "__slots__"):
+        children = [getattr(tree, s, None) for s in tree.__slots__]
+    else:
+        return None
+    for child in children:
+        found = find_model_config(child, depth + 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _seq_len(batch: Any, global_batch: int) -> int:
+    for x in jax.tree.leaves(batch):
+        if np.ndim(x) >= 2 and np.shape(x)[0] == global_batch:
+            return int(np.shape(x)[1])
+    raise PlanError("cannot find the sequence length: no batch array is shaped [global_batch, seq_len, ...]; "
+                    "pass workload=...")
+
+
+def _cache_key(fps: dict[str, str], space: SearchSpace, cost: Any) -> str:
+    doc = {"fingerprints": fps, "space": space.to_dict(), "cost": getattr(cost, "__name__", str(cost))}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _load_cached(path: Path, fps: dict[str, str]) -> TunedPlan | None:
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != _CACHE_FORMAT or doc.get("fingerprints") != fps:
+            return None
+        plan = Plan.from_dict(doc["plan"])
+        base = doc.get("baseline") or {}
+        pred = Prediction(**{**base["prediction"], "stage_stable": tuple(base["prediction"]["stage_stable"]),
+                             "stage_delta": tuple(base["prediction"]["stage_delta"]),
+                             "stage_memory": tuple(base["prediction"]["stage_memory"])}) if base else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"ignoring unreadable plan cache {str(path)!r} ({e}); tuning again", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return TunedPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},
+                     baseline_name=base.get("name", ""), baseline_prediction=pred)
+
+
+def _save_cached(path: Path, plan: TunedPlan, fps: dict[str, str]) -> None:
+    base = None
+    if plan.baseline_prediction is not None:
+        base = {"name": plan.baseline_name, "prediction": dataclasses.asdict(plan.baseline_prediction)}
+    doc = {"format": _CACHE_FORMAT, "fingerprints": fps, "plan": plan.to_dict(), "baseline": base}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+class AutoShardedStep:
+    """A train step whose plan is tuned on first use (see `mistjax.autoshard`)."""
+
+    def __init__(self, train_step: TrainStep, mesh: Any = None, *, hardware: Any = None,
+                 global_batch: int | None = None, memory_budget: float | None = None,
+                 cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
+                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: Any = None) -> None:
+        self.train_step, self.user_mesh = train_step, mesh
+        self.hardware, self.global_batch, self.memory_budget = hardware, global_batch, memory_budget
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.space, self.time_limit, self.workload, self.baselines = space, time_limit, workload, baselines
+        self.cost = cost
+        self.result: TuneResult | None = None  # the tuner's full result (None when the plan came from the cache)
+        self.cache_hit = False
+        self._inner: ShardedStep | None = None
+
+    # ---------------------------------------------------------------- tuning
+    def _workload(self, state: Any, batch: Any, global_batch: int, cost: Any) -> Any:
+        if self.workload is not None:
+            return self.workload
+        seq = _seq_len(batch, global_batch)
+        config = find_model_config(state)
+        if config is not None:
+            return cost.Workload.from_model(config, seq, global_batch)
+        from_step = getattr(cost.Workload, "from_train_step", None)
+        if from_step is not None:
+            return from_step(self.train_step, state, batch)
+        raise PlanError("autoshard without a plan could not recognise the model (no models.ModelConfig in the "
+                        "train state); pass workload=Workload(...) or plan=...")
+
+    def _space(self, analysis: Any, global_batch: int, num_devices: int) -> SearchSpace:
+        space = self.space or SearchSpace()
+        if analysis.num_layers is None:
+            # No scan over stacked layers: no pipeline and no per-layer remat.
+            space = space.replace(pipeline=False, remat="none")
+        if not analysis.uses_mistjax_grad:
+            # jax.grad cannot be split into micro-batches or checkpointed per layer: one micro-batch per
+            # step, every per-device batch size that makes it.
+            sizes = {global_batch // d for d in range(1, num_devices + 1)
+                     if num_devices % d == 0 and global_batch % d == 0}
+            space = space.replace(pipeline=False, remat="none", max_grad_accum=1, micro_batches=tuple(sorted(sizes)))
+        return space
+
+    def _tune(self, state: Any, batch: Any) -> None:
+        devices = _devices(self.user_mesh)
+        B = self.global_batch or max(int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x))
+        cost = self.cost or default_cost_model()
+        analysis = analyze_step(self.train_step, state, batch)
+        workload = self._workload(state, batch, B, cost)
+        cluster = detect_cluster(devices, self.hardware, self.memory_budget)
+        space = self._space(analysis, B, len(devices))
+        fps = fingerprints(workload, cluster, getattr(analysis, "params_fingerprint", ""))
+        path = self.cache_dir / f"plan-{_cache_key(fps, space, cost)}.json" if self.cache_dir else None
+        plan = _load_cached(path, fps) if path is not None and path.is_file() else None
+        self.cache_hit = plan is not None
+        if plan is None:
+            self.result = tune(workload, cluster, space=space, time_limit=self.time_limit, baselines=self.baselines,
+                               cost=cost)
+            plan = self.result.plan.replace(fingerprints=fps)
+            if path is not None:
+                _save_cached(path, plan, fps)
+        self._inner = ShardedStep(self.train_step, self.user_mesh if self.user_mesh is not None else devices, plan)
+
+    def _ready(self, state: Any, batch: Any | None, what: str) -> ShardedStep:
+        if self._inner is None:
+            if batch is None:
+                raise PlanError(f"autoshard without a plan tunes on the first batch: call {what} with an example "
+                                "batch (e.g. step.place(state, batch)) or pass plan=...")
+            self._tune(state, batch)
+        assert self._inner is not None
+        return self._inner
+
+    # ---------------------------------------------------------------- ShardedStep API
+    @property
+    def plan(self) -> Plan:
+        if self._inner is None:
+            raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
+        return self._inner.plan
+
+    @property
+    def mesh(self) -> Any:
+        return self._inner.mesh if self._inner is not None else None
+
+    def place(self, state: Any, batch: Any | None = None) -> Any:
+        return self._ready(state, batch, "step.place(state, batch)").place(state, batch)
+
+    def batch_shardings(self, batch: Any) -> Any:
+        return self._ready(None, None, "step.place(state, batch)").batch_shardings(batch)
+
+    def place_batch(self, batch: Any) -> Any:
+        return self._ready(None, None, "step.place(state, batch)").place_batch(batch)
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        return self._ready(state, batch, "step.lower(state, batch)").lower(state, batch)
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        return self._ready(state, batch, "step(state, batch)")(state, batch)

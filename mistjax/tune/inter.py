@@ -1,0 +1,251 @@
+"""Inter-stage tuning of one outer key: the layer split and one candidate per stage, with pruning.
+
+One stage needs no MILP: the best strategy minimises ``G * stable + delta`` directly (the MILP
+objective with S = 1). Several stages go through `solve_inter_stage` (cvxpy + HiGHS) on the sampled
+Pareto tables (Mist §5.4). When the runtime needs the stages to share their ZeRO / offload setting,
+each shared strategy is its own MILP; strategies are tried in the order of a lower bound and skipped
+once the bound reaches the best cost so far, or when an already visited strategy dominates them;
+every MILP carries the cut ``(G-1) T_max <= best`` (Mist's outer-loop pruning).
+
+`tune_key` interleaves pricing (`intra`) and solving: bounds from the zero-offload strategies of a
+family (ZeRO level x MiCS group) decide whether its offloaded strategies are priced at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mistjax.tune.intra import StageTables, prepare_key, price, price_pairs, sample_stage_tables
+from mistjax.tune.milp import solve_inter_stage
+from mistjax.tune.space import OuterKey, RematOptions, SearchSpace, layer_options, strategy_grid
+
+__all__ = ["KeyChoice", "key_bound", "lower_bounds", "solve_key", "tune_key"]
+
+# A single MILP may use at most this share of the time left, so one slow solve cannot starve the
+# remaining outer keys. HiGHS returns its incumbent when stopped.
+_MILP_SHARE = 0.5
+_PAIR_CHUNK = 64  # (remat, family) pairs whose offloaded children are priced per call (one stage)
+
+
+@dataclass(frozen=True)
+class KeyChoice:
+    """The best plan of one outer key.
+
+    Attributes:
+        objective: predicted step time (the pipeline objective).
+        layers: layers per stage.
+        remat: per stage, index r into ``tables.remat``.
+        strategy: per stage, index x into ``tables.grid``.
+        stable / delta: per-stage costs of the choice.
+        optimal: False when a MILP stopped at its time limit.
+        milps: MILPs solved for this key.
+    """
+
+    objective: float
+    layers: tuple[int, ...]
+    remat: tuple[int, ...]
+    strategy: tuple[int, ...]
+    stable: tuple[float, ...]
+    delta: tuple[float, ...]
+    optimal: bool = True
+    milps: int = 0
+
+
+def lower_bounds(s: np.ndarray, d: np.ndarray, G: int, layer_opts: tuple[int, ...], num_layers: int) -> np.ndarray:
+    """A lower bound of the pipeline objective per group of ``[groups, S, J, K]`` candidates.
+
+    With ``m_ij`` the smallest stable time of stage i with ``layer_opts[j]`` layers, two small
+    dynamic programmes over the layer splits that add up to L give ``min sum_i m_i`` and
+    ``min max_i m_i``; each bounds its term of the objective from below. The exposed delta is at
+    least ``D_i - sum_{j<i} T_j`` with every ``T_j`` at its largest finite value. ``inf`` when no
+    layer split has candidates in every stage.
+    """
+    n_groups, S = s.shape[:2]
+    m = s.min(axis=3)  # [groups, S, J]
+    total = np.full((n_groups, num_layers + 1), np.inf)
+    worst = np.full((n_groups, num_layers + 1), np.inf)
+    total[:, 0] = worst[:, 0] = 0.0
+    for i in range(S):  # S x J vectorised shifts over (groups, layers used so far)
+        new_total, new_worst = np.full_like(total, np.inf), np.full_like(worst, np.inf)
+        for j, n in enumerate(layer_opts):
+            if n > num_layers:
+                continue
+            new_total[:, n:] = np.minimum(new_total[:, n:], total[:, :num_layers + 1 - n] + m[:, i, j, None])
+            new_worst[:, n:] = np.minimum(new_worst[:, n:], np.maximum(worst[:, :num_layers + 1 - n], m[:, i, j, None]))
+        total, worst = new_total, new_worst
+    d_min = d.min(axis=(2, 3))
+    t_hi = np.where(np.isfinite(s), s, 0.0).max(axis=(2, 3))
+    before = np.cumsum(t_hi, axis=1) - t_hi
+    exposed = np.maximum(0.0, np.where(np.isfinite(d_min), d_min - before, 0.0).max(axis=1))
+    with np.errstate(invalid="ignore"):
+        lb = (G - 1) * worst[:, num_layers] + total[:, num_layers] + exposed
+    return np.where(np.isfinite(total[:, num_layers]), lb, np.inf)
+
+
+def _dominated(tables: StageTables, g: int, seen: list[int]) -> bool:
+    """Whether an already visited shared strategy is at least as good as strategy ``g`` everywhere.
+
+    The objective never decreases when a stage's stable or delta grows, so if strategy h has
+    ``stable <=`` and ``delta <=`` those of g for every (stage, layers, remat) where g is
+    feasible, any plan with g can switch to h without getting worse. h was either solved (its
+    optimum is kept) or pruned by a bound that then also holds for g.
+    """
+    if not seen:
+        return False
+    h = np.asarray(seen)
+    sg, dg = tables.stable[..., g], tables.delta[..., g]
+    ok = np.isfinite(sg)
+    sh, dh = tables.stable[..., h][ok], tables.delta[..., h][ok]  # [n_feasible, H]
+    return bool(((sh <= sg[ok][:, None]) & (dh <= dg[ok][:, None])).all(axis=0).any())
+
+
+def _single_stage(tables: StageTables) -> KeyChoice | None:
+    G = tables.key.grad_accum
+    obj = G * tables.stable[0, 0] + tables.delta[0, 0]  # [R, X]
+    if not np.isfinite(obj).any():
+        return None
+    r, x = np.unravel_index(int(np.argmin(obj)), obj.shape)
+    return KeyChoice(float(obj[r, x]), (tables.layer_options[0],), (int(r),), (int(x),),
+                     (float(tables.stable[0, 0, r, x]),), (float(tables.delta[0, 0, r, x]),))
+
+
+def _solve_groups(tables: StageTables, k: int, shared: bool, best: KeyChoice | None, best_cost: float | None,
+                  deadline: float, num_layers: int, xs: np.ndarray | None = None) -> tuple[KeyChoice | None, int, bool]:
+    """MILPs over the strategy groups (all, or the strategies ``xs``), best-bound first."""
+    G, S = tables.key.grad_accum, tables.key.stages
+    sampled = sample_stage_tables(tables, k, shared, xs)
+    lbs = lower_bounds(sampled.stable, sampled.delta, G, tables.layer_options, num_layers)
+    milps, optimal, seen = 0, True, []
+    for g in np.argsort(lbs, kind="stable"):
+        cut = best.objective if best is not None else best_cost
+        if not np.isfinite(lbs[g]) or (cut is not None and lbs[g] >= cut):
+            break
+        x_of_group = int(sampled.strategy[g][sampled.strategy[g] >= 0].flat[0]) if shared else -1
+        if shared and _dominated(tables, x_of_group, seen):
+            continue
+        if shared:
+            seen.append(x_of_group)
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            optimal = False
+            break
+        sol = solve_inter_stage(sampled.stable[g], sampled.delta[g], tables.layer_options, num_layers, G,
+                                time_limit=max(0.05, _MILP_SHARE * left), best_cost=cut,
+                                highs_options={"threads": 1, "random_seed": 0})
+        milps += 1
+        if sol is None:
+            continue
+        optimal &= sol.optimal
+        if cut is not None and sol.objective >= cut:
+            continue
+        r = tuple(int(sampled.remat[g, i, sol.option_indices[i], sol.candidates[i]]) for i in range(S))
+        x = tuple(int(sampled.strategy[g, i, sol.option_indices[i], sol.candidates[i]]) for i in range(S))
+        best = KeyChoice(sol.objective, sol.layers, r, x, sol.stable, sol.delta, True, 0)
+    return best, milps, optimal
+
+
+def solve_key(tables: StageTables, k: int, shared: bool, best_cost: float | None, deadline: float,
+              num_layers: int) -> KeyChoice | None:
+    """The best choice of fully priced ``tables`` that beats ``best_cost`` (None if none does)."""
+    if tables.key.stages == 1:
+        best = _single_stage(tables)
+        return best if best is not None and (best_cost is None or best.objective < best_cost) else None
+    best, milps, optimal = _solve_groups(tables, k, shared, None, best_cost, deadline, num_layers)
+    return None if best is None else _with_stats(best, optimal, milps)
+
+
+def _with_stats(c: KeyChoice, optimal: bool, milps: int) -> KeyChoice:
+    return KeyChoice(c.objective, c.layers, c.remat, c.strategy, c.stable, c.delta, optimal, milps)
+
+
+def _base_strategies(grid: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Per family: the strategy with the smallest offload ratios, and the one with the largest."""
+    F = int(grid.family.max()) + 1
+    ratios = (grid.wo, grid.go, grid.oo, grid.ao)
+    lo = np.logical_and.reduce([r == r.min() for r in ratios])
+    hi = np.logical_and.reduce([r == r.max() for r in ratios])
+    base = np.array([np.flatnonzero(lo & (grid.family == f))[0] for f in range(F)])
+    top = np.array([np.flatnonzero(hi & (grid.family == f))[0] for f in range(F)])
+    return base, top
+
+
+def key_bound(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace) -> float:
+    """A lower bound of a key's best objective, from its families' least-offloaded strategies
+    without remat and without the memory limit (an offload or a checkpointed layer never saves time)."""
+    L = int(workload.num_layers)
+    opts = layer_options(space, L, key.stages, key.grad_accum)
+    grid = strategy_grid(space, key.dp, key.tp, cluster.devices_per_node, pipelined=key.stages > 1)
+    base, _ = _base_strategies(grid)
+    none = tuple(workload.policies).index("none") if "none" in tuple(workload.policies) else 0
+    probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),
+                        grid, np.empty(0), np.empty(0))
+    s, d, _ = price_pairs(workload, cluster, cost, probe, np.zeros(len(base), np.int64), base)  # [S, J, F]
+    if key.stages == 1:
+        return float(np.min(key.grad_accum * s[0, 0] + d[0, 0]))
+    lb = lower_bounds(np.moveaxis(s, 2, 0)[..., None], np.moveaxis(d, 2, 0)[..., None], key.grad_accum, opts, L)
+    return float(lb.min())
+
+
+def tune_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace,
+             best_cost: float | None, deadline: float, prune: bool = True) -> tuple[StageTables, KeyChoice | None]:
+    """Price and solve one outer key; the choice is None unless it beats ``best_cost``.
+
+    Args:
+        prune: price offloaded strategies only where bounds from the zero-offload ones allow a
+            better plan (exact when time never falls and feasibility never shrinks as offload
+            ratios grow); False prices everything, as Mist does.
+    """
+    L = int(workload.num_layers)
+    tables = prepare_key(workload, cluster, cost, key, space)
+    grid, G, S = tables.grid, key.grad_accum, key.stages
+    shared = space.executable
+    if not prune or not shared:
+        price(workload, cluster, cost, tables, np.arange(len(grid)))
+        return tables, solve_key(tables, space.pareto_k, shared, best_cost, deadline, L)
+    base, top = _base_strategies(grid)
+    s0, d0, ok0 = price(workload, cluster, cost, tables, base)  # [S, J, R, F]
+    best_obj = np.inf if best_cost is None else best_cost
+    if S == 1:
+        f0 = G * s0[0, 0] + d0[0, 0]  # [R, F]: a bound for every offloaded child of (r, family)
+        best_obj = min(best_obj, float(np.min(np.where(ok0[0, 0], f0, np.inf))))
+        children = {f: np.setdiff1d(np.flatnonzero(grid.family == f), [base[f]]) for f in range(len(base))}
+        if sum(c.size for c in children.values()):
+            R = f0.shape[0]
+            rr, ff = np.meshgrid(np.arange(R), np.arange(len(base)), indexing="ij")
+            _, _, okt = price_pairs(workload, cluster, cost, tables, rr.ravel(), top[ff.ravel()])
+            cand = ~ok0[0, 0] & okt[0, 0].reshape(R, -1) & (f0 < best_obj)
+            order = np.argsort(np.where(cand, f0, np.inf), axis=None, kind="stable")[:int(cand.sum())]
+            for lo in range(0, order.size, _PAIR_CHUNK):
+                pairs = [(int(r), int(f)) for r, f in zip(*np.unravel_index(order[lo:lo + _PAIR_CHUNK], f0.shape))
+                         if f0[r, f] < best_obj]
+                if not pairs:
+                    break
+                r = np.concatenate([np.full(children[f].size, r) for r, f in pairs])
+                x = np.concatenate([children[f] for _, f in pairs])
+                s, d, ok = price_pairs(workload, cluster, cost, tables, r, x)
+                tables.store(r, x, s, d, ok)
+                best_obj = min(best_obj, float(np.min(np.where(ok[0, 0], G * s[0, 0] + d[0, 0], np.inf))))
+        choice = _single_stage(tables)
+        return tables, choice if choice is not None and (best_cost is None or choice.objective < best_cost) else None
+    # Several stages: families in the order of their bound; price a family's offloaded strategies
+    # and solve its MILPs only while the bound can beat the best plan.
+    fam_lb = lower_bounds(np.moveaxis(s0, 3, 0), np.moveaxis(d0, 3, 0), G, tables.layer_options, L)
+    best: KeyChoice | None = None
+    milps, optimal = 0, True
+    for f in np.argsort(fam_lb, kind="stable"):
+        cut = best.objective if best is not None else best_cost
+        if not np.isfinite(fam_lb[f]) or (cut is not None and fam_lb[f] >= cut) or time.perf_counter() >= deadline:
+            optimal &= time.perf_counter() < deadline or not np.isfinite(fam_lb[f])
+            break
+        xs = np.flatnonzero(grid.family == f)
+        rest = np.setdiff1d(xs, [base[f]])
+        if rest.size:
+            price(workload, cluster, cost, tables, rest)
+        best, n, ok = _solve_groups(tables, space.pareto_k, True, best, best_cost, deadline, L, xs)
+        milps, optimal = milps + n, optimal and ok
+    return tables, None if best is None else _with_stats(best, optimal, milps)

@@ -1,0 +1,261 @@
+"""Intra-stage tuning: price stage strategies of one outer key with vectorised cost-model calls.
+
+For an outer key (TP, stage count S, micro-batch b, hence dp and G, and the uniform stage mesh), the
+candidates are all combinations of
+
+* stage slot i (slot 0 holds the embedding, slot S-1 the head; one stage holds both; every slot is
+  priced with the first stage's ``min(S, G)`` micro-batches in flight, because the SPMD pipeline
+  sizes all stages' activation pools alike),
+* layer count l (Mist's window around L/S),
+* remat option r = (checkpointed layers c <= l, policy),
+* strategy x = (ZeRO level, MiCS group, weight / grad / optimizer / activation offload ratios),
+
+laid out as ``[S, J, R, X]`` tables of stable time, delta and feasibility under the memory limit
+(Mist's DOCO, §5.2; two objectives, stable and delta). Every call prices whole arrays; the only
+Python loops run over chunks of strategies (bounding the memory of the model's temporaries), over
+the handful of strategy families (ZeRO level x MiCS group) and over outer keys.
+
+Pricing everything is what Mist does, but our cost model costs ~10 us per strategy, and the full
+space of a 22B model on 32 GPUs has ~10^8 strategies. The tuner therefore prices in layers
+(`mistjax.tune.inter.tune_key`): a family's zero-offload strategies first, their cheapest remat
+option as a lower bound, and offloaded strategies only where that bound can still beat the best
+plan. `family_bounds` gives those bounds. They are exact when time never falls and memory never
+rises as an offload ratio or the checkpointed-layer count grows (checked in the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mistjax.tune.pareto import sample_pareto
+from mistjax.tune.space import (
+    OuterKey,
+    RematOptions,
+    SearchSpace,
+    StrategyGrid,
+    layer_options,
+    remat_options,
+    strategy_grid,
+)
+
+__all__ = ["SampledTables", "StageTables", "prepare_key", "price", "price_pairs", "sample_stage_tables"]
+
+# Elements per cost-model call: big enough to amortise NumPy's per-op overhead, small enough that the
+# model's few dozen float64 temporaries stay in the low hundreds of MB.
+_CHUNK_ELEMENTS = 1 << 19
+
+
+@dataclass
+class StageTables:
+    """Costs of the (slot, layers, remat, strategy) candidates of one outer key; ``inf`` where
+    infeasible or not priced (pruned).
+
+    Attributes:
+        key: the outer key.
+        layer_options: J per-stage layer counts.
+        remat: the R remat options (``count == -1`` means every layer of the stage).
+        grid: the X strategies (family-major).
+        stable / delta: ``[S, J, R, X]`` seconds per micro-batch and per step.
+        evaluated: strategies priced so far (for the timing report).
+    """
+
+    key: OuterKey
+    layer_options: tuple[int, ...]
+    remat: RematOptions
+    grid: StrategyGrid
+    stable: np.ndarray
+    delta: np.ndarray
+    evaluated: int = 0
+
+    def remat_count(self, j: int, r: int) -> int:
+        """Checkpointed layers of option r for a stage of ``layer_options[j]`` layers."""
+        c = int(self.remat.count[r])
+        return self.layer_options[j] if c < 0 else c
+
+    def store(self, r: np.ndarray, x: np.ndarray, stable: np.ndarray, delta: np.ndarray, ok: np.ndarray) -> None:
+        """Write priced ``[S, J, n]`` entries at remat options ``r[n]`` and strategies ``x[n]``."""
+        self.stable[:, :, r, x] = np.where(ok, stable, np.inf)
+        self.delta[:, :, r, x] = np.where(ok, np.maximum(delta, 0.0), np.inf)
+
+
+def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables, r: np.ndarray,
+                x: np.ndarray, slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw (stable, delta, feasible) ``[S', J, n]`` of (remat option ``r[n]``, strategy ``x[n]``) pairs.
+
+    Raw means the costs are returned even where the memory limit is exceeded (lower bounds need
+    them); ``feasible`` says where they fit. Pairs whose checkpointed count exceeds a layer option
+    are infeasible.
+    """
+    key, grid = tables.key, tables.grid
+    S, G = key.stages, key.grad_accum
+    slot = (np.arange(S) if slots is None else np.asarray(slots)).reshape(-1, 1, 1)
+    layers = np.asarray(tables.layer_options, np.int64).reshape(1, -1, 1)
+    count = tables.remat.count[r].reshape(1, 1, -1)
+    c = np.where(count < 0, layers, count)
+    valid = c <= layers
+    # The pipelined runtime is one SPMD program: every stage's activation pool has the size of the
+    # largest one, which is the first stage's (min(S, G) micro-batches in flight under 1F1B). Pricing
+    # every stage with that many keeps the per-stage memory check honest (see cost.predict).
+    inflight = np.asarray(min(S, G))
+    shape = (slot.shape[0], layers.shape[1], len(r))
+    stable, delta = np.empty(shape), np.empty(shape)
+    feasible = np.empty(shape, dtype=bool)
+    step = max(1, _CHUNK_ELEMENTS // max(1, shape[0] * shape[1]))
+    for lo in range(0, len(r), step):
+        sl = slice(lo, lo + step)
+        xs = x[sl]
+
+        def col(a: np.ndarray, xs: np.ndarray = xs) -> np.ndarray:
+            return a[xs].reshape(1, 1, -1)
+
+        st = cost.StageStrategies(
+            b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
+            shard_group=col(grid.shard_group), zero=col(grid.zero), layers=layers,
+            remat=np.minimum(c[..., sl], layers), policy=tables.remat.policy[r[sl]].reshape(1, 1, -1),
+            wo=col(grid.wo), go=col(grid.go), oo=col(grid.oo), ao=col(grid.ao), inflight=inflight,
+            G=np.asarray(G), first=slot == 0, last=slot == S - 1, stages=np.asarray(S), nodes=np.asarray(key.nodes),
+            per_node=np.asarray(key.per_node))
+        out = cost.stage_cost(workload, cluster, st)
+        sub = (shape[0], shape[1], xs.size)
+        steady = out.stable
+        if S > 1 and hasattr(out, "fwd") and hasattr(out, "bwd"):
+            # The SPMD pipeline runs in lock-step: in 1F1B's steady state a micro-batch takes a forward
+            # tick and a backward tick on every stage, each as long as the slowest stage's, so a stage
+            # costs 2 max(fwd, bwd) per micro-batch rather than fwd + bwd (`runtime.schedules.lockstep_time`,
+            # what `cost.predict` charges). Pricing it so keeps the MILP's ranking that of the prediction.
+            steady = 2.0 * np.maximum(out.fwd, out.bwd)
+        stable[..., sl] = np.broadcast_to(steady, sub)
+        delta[..., sl] = np.broadcast_to(out.delta, sub)
+        ok = np.broadcast_to(np.asarray(out.feasible, bool) & valid[..., sl], sub)
+        feasible[..., sl] = ok & np.isfinite(stable[..., sl]) & np.isfinite(delta[..., sl])
+    tables.evaluated += int(np.prod(shape))
+    return stable, delta, feasible
+
+
+def price(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables, xs: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Price every remat option of strategies ``xs`` into the tables.
+
+    Returns:
+        Raw stable, delta and feasible, each ``[S, J, R, len(xs)]``.
+    """
+    R, xs = tables.remat.count.size, np.asarray(xs)
+    r = np.repeat(np.arange(R), len(xs))
+    x = np.tile(xs, R)
+    s, d, ok = price_pairs(workload, cluster, cost, tables, r, x)
+    tables.store(r, x, s, d, ok)
+    shape = (ok.shape[0], ok.shape[1], R, len(xs))
+    return s.reshape(shape), d.reshape(shape), ok.reshape(shape)
+
+
+def _prune_policies(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables) -> RematOptions:
+    """Drop remat policies that a probe shows to be dominated (no faster, no smaller, no cheaper).
+
+    A policy only changes what a checkpointed layer saves and recomputes, the same per layer for
+    every other choice, so it is compared once per key: the first stage slot checkpointing all its
+    layers, on the first zero-offload strategy.
+    """
+    rem = tables.remat
+    pols = np.unique(rem.policy[rem.count != 0])
+    if pols.size <= 1:
+        return rem
+    r = np.array([int(np.flatnonzero((rem.policy == p) & (rem.count != 0))[-1]) for p in pols])
+    x0 = np.zeros(len(r), dtype=np.int64)
+    probe = StageTables(tables.key, tables.layer_options[-1:], rem, tables.grid, tables.stable, tables.delta)
+    s, d, _ = price_pairs(workload, cluster, cost, probe, r, x0, slots=np.array([0]))
+    tables.evaluated += probe.evaluated
+    peak = _probe_peak(workload, cluster, cost, probe, r)
+    s, d = s[0, 0], d[0, 0]
+    keep = []
+    for a in range(len(pols)):
+        worse = (s <= s[a]) & (d <= d[a]) & (peak <= peak[a])
+        strict = (s < s[a]) | (d < d[a]) | (peak < peak[a])
+        earlier_equal = worse & ~strict & (np.arange(len(pols)) < a)
+        if not (worse & strict).any() and not earlier_equal.any():
+            keep.append(pols[a])
+    sel = (rem.count == 0) | np.isin(rem.policy, keep)
+    return RematOptions(rem.count[sel], rem.policy[sel], rem.names)
+
+
+def _probe_peak(workload: Any, cluster: Any, cost: ModuleType, probe: StageTables, r: np.ndarray) -> np.ndarray:
+    key = probe.key
+    layers = probe.layer_options[0]
+    st = cost.StageStrategies(
+        b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
+        shard_group=np.asarray(probe.grid.shard_group[0]), zero=np.asarray(probe.grid.zero[0]),
+        layers=np.asarray(layers), remat=np.full(len(r), layers), policy=probe.remat.policy[r],
+        wo=np.asarray(0.0), go=np.asarray(0.0), oo=np.asarray(0.0), ao=np.asarray(0.0),
+        inflight=np.asarray(min(key.stages, key.grad_accum)), G=np.asarray(key.grad_accum), first=np.asarray(True),
+        last=np.asarray(key.stages == 1), stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
+        per_node=np.asarray(key.per_node))
+    return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))
+
+
+def prepare_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace) -> StageTables:
+    """Empty (all ``inf``) tables of one outer key, with dominated remat policies removed."""
+    L = int(workload.num_layers)
+    opts = layer_options(space, L, key.stages, key.grad_accum)
+    remat = remat_options(space, max(opts), tuple(workload.policies))
+    grid = strategy_grid(space, key.dp, key.tp, cluster.devices_per_node, pipelined=key.stages > 1)
+    tables = StageTables(key, opts, remat, grid, np.empty(0), np.empty(0))
+    if space.policies is None:
+        tables.remat = _prune_policies(workload, cluster, cost, tables)
+    shape = (key.stages, len(opts), tables.remat.count.size, len(grid))
+    tables.stable, tables.delta = np.full(shape, np.inf), np.full(shape, np.inf)
+    return tables
+
+
+@dataclass(frozen=True)
+class SampledTables:
+    """K Pareto points per (group, slot, layer option) for the inter-stage MILP.
+
+    A group is a set of strategies the stages must share (one strategy each when the runtime needs
+    equal ZeRO / offload settings over stages; all strategies of one MiCS group size otherwise).
+
+    Attributes:
+        stable / delta: ``[groups, S, J, K]`` (``inf`` in empty slots).
+        remat: ``[groups, S, J, K]`` index r of the remat option.
+        strategy: ``[groups, S, J, K]`` index x of the strategy.
+    """
+
+    stable: np.ndarray
+    delta: np.ndarray
+    remat: np.ndarray
+    strategy: np.ndarray
+
+
+def sample_stage_tables(tables: StageTables, k: int, shared: bool, xs: np.ndarray | None = None) -> SampledTables:
+    """Sample K Pareto points of (stable, delta / G) per stage key and strategy group (Mist §5.3).
+
+    Args:
+        tables: the evaluated key.
+        k: points per key (1 = the imbalance-unaware ablation: argmin stable + delta / G).
+        shared: one group per strategy (the stages share it: the runtime's pipeline restriction).
+            Otherwise stages choose strategies freely (Mist), except for the MiCS group, which a
+            plan holds once: one group per group size.
+        xs: with ``shared``, only these strategies (default: all).
+    """
+    S, J, R, X = tables.stable.shape
+    G = tables.key.grad_accum
+    if shared:
+        xs = np.arange(X) if xs is None else np.asarray(xs)
+        # [S, J, R, X] -> [X, S, J, R]: the candidates of a stage key are its remat options.
+        s = np.moveaxis(tables.stable[..., xs], 3, 0)
+        d = np.moveaxis(tables.delta[..., xs], 3, 0)
+        pick = sample_pareto(s, d, G, min(k, R))
+        r_idx = pick.indices
+        x_idx = np.broadcast_to(xs.reshape(-1, 1, 1, 1), r_idx.shape)
+    else:
+        groups = np.unique(tables.grid.shard_group)
+        member = tables.grid.shard_group[None, :] == groups[:, None]  # [groups, X]
+        mask = member[:, None, None, None, :]
+        s = np.where(mask, tables.stable[None], np.inf).reshape(len(groups), S, J, R * X)
+        d = np.where(mask, tables.delta[None], np.inf).reshape(len(groups), S, J, R * X)
+        pick = sample_pareto(s, d, G, min(k, R * X))
+        r_idx, x_idx = np.divmod(pick.indices, X)
+    empty = pick.indices < 0
+    return SampledTables(pick.stable, pick.delta, np.where(empty, -1, r_idx), np.where(empty, -1, x_idx))

@@ -1,0 +1,329 @@
+"""The search space: Mist's knobs plus MiCS partition groups and named remat policies.
+
+A `SearchSpace` is a frozen description of which values each knob may take; every dimension can be
+switched off, which is how the baselines (Megatron-LM, ZeRO-3/FSDP, MiCS, Mist's own space) and the
+ablation steps are expressed on the same tuner and cost model. The helpers below turn a space into
+the concrete candidates of one outer key (TP degree, stage count, micro-batch size): the stage mesh,
+the per-stage strategy grid (ZeRO level, MiCS group, offload ratios) and the remat options
+(checkpointed-layer count, policy), all as flat NumPy arrays so the intra-stage tuner can evaluate
+them in one vectorised call.
+
+Values follow the Mist artifact (digest section 2): micro-batch {1, 2, 4}; TP {1, 2, 4, 8} up to
+a node; ZeRO-1 always on, ZeRO-2/3 optional when dp > 1; weight / grad offload
+{0, .25, .375, .5, .75, 1} without (wo > 0, go = 0) pairs; optimizer / activation offload in
+eighths {0, .25, .375, ..., 1}; checkpointed layers 0..l; layers per stage round(L/S) +- 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "MIST_OFFLOAD",
+    "MIST_SPARSE_OFFLOAD",
+    "OuterKey",
+    "RematOptions",
+    "SearchSpace",
+    "StrategyGrid",
+    "outer_keys",
+    "remat_options",
+    "shard_groups",
+    "stage_mesh",
+    "strategy_grid",
+]
+
+MIST_SPARSE_OFFLOAD = (0.0, 0.25, 0.375, 0.5, 0.75, 1.0)  # weights and grads (SPARSE_OFFLOADING_RATIO_CANDIDATES)
+MIST_OFFLOAD = (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # optimizer state and activations
+REMAT_MODES = ("tune", "all", "all_or_none", "none")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which values each tuning knob may take. The default is mistjax's full space.
+
+    Attributes:
+        name: label used in reports.
+        micro_batches: per-device micro-batch sizes b.
+        tp_degrees: tensor-parallel degrees (capped at the devices of one node; must divide the heads).
+        pipeline: allow more than one pipeline stage.
+        max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
+            computes gradients with plain ``jax.grad``, which the runtime cannot split).
+        max_stages: largest stage count (None: up to the layer count).
+        power_of_two: Megatron's grid: dp, tp and pp powers of two.
+        zero_levels: ZeRO levels tried when dp > 1 (1: optimizer state, 2: + gradients, 3: + weights).
+            With dp == 1 there is nothing to shard and level 1 is used.
+        mics: also try MiCS partition groups smaller than dp (powers of two with group x tp inside a
+            node); False shards over the whole data-parallel group (plain ZeRO).
+        remat: ``tune`` (checkpoint any 0..l layers per stage), ``all`` (every layer, Megatron's full
+            uniform recompute), ``all_or_none`` or ``none``.
+        policies: remat policies to try (None: every policy the workload's profile knows except
+            ``none``; ``("full",)`` is Mist's full-layer recompute).
+        weight_offload / grad_offload / opt_offload / act_offload: offload ratios; ``(0.0,)`` turns a
+            dimension off.
+        weight_needs_grad_offload: Mist's rule dropping (wo > 0, go = 0) pairs; not applied where
+            gradient offload is unavailable (pipelines), so weights can still be offloaded there.
+        uniform_layers: every stage gets L/S layers (Megatron; S must divide L).
+        layer_window: per-stage layer counts searched around round(L/S) (Mist: 2).
+        pareto_k: Pareto points sampled per stage key for the MILP (Mist: 30; 1 = imbalance-unaware).
+        executable: only plans the runtime can run: pipelined plans share ZeRO and offload settings
+            over stages and do not offload activations or gradients (`check_pipelined_plan`).
+            False gives Mist's per-stage freedom, for analysis only.
+    """
+
+    name: str = "mistjax"
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    pipeline: bool = True
+    max_grad_accum: int | None = None
+    max_stages: int | None = None
+    power_of_two: bool = False
+    zero_levels: tuple[int, ...] = (1, 2, 3)
+    mics: bool = True
+    remat: str = "tune"
+    policies: tuple[str, ...] | None = None
+    weight_offload: tuple[float, ...] = MIST_SPARSE_OFFLOAD
+    grad_offload: tuple[float, ...] = MIST_SPARSE_OFFLOAD
+    opt_offload: tuple[float, ...] = MIST_OFFLOAD
+    act_offload: tuple[float, ...] = MIST_OFFLOAD
+    weight_needs_grad_offload: bool = True
+    uniform_layers: bool = False
+    layer_window: int = 2
+    pareto_k: int = 30
+    executable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"SearchSpace.remat={self.remat!r}: use one of {REMAT_MODES}")
+        for name in ("micro_batches", "tp_degrees", "zero_levels"):
+            vals = getattr(self, name)
+            if not vals or any(int(v) != v or v < 0 for v in vals):
+                raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of non-negative integers")
+        if any(z not in (0, 1, 2, 3) for z in self.zero_levels):
+            raise ValueError(f"SearchSpace.zero_levels={self.zero_levels!r}: ZeRO levels are 0..3")
+        for name in ("weight_offload", "grad_offload", "opt_offload", "act_offload"):
+            vals = getattr(self, name)
+            if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
+                raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of ratios in [0, 1]")
+        if self.pareto_k < 1 or self.layer_window < 0:
+            raise ValueError("SearchSpace: pareto_k must be >= 1 and layer_window >= 0")
+
+    def replace(self, **changes: Any) -> SearchSpace:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---------------------------------------------------------------- named spaces
+    @classmethod
+    def full(cls) -> SearchSpace:
+        """mistjax: Mist's space + MiCS partition groups + named remat policies."""
+        return cls()
+
+    @classmethod
+    def mist(cls) -> SearchSpace:
+        """Mist's own space, without our additions (no MiCS groups, full-layer recompute only)."""
+        return cls(name="mist", mics=False, policies=("full",))
+
+    @classmethod
+    def megatron(cls) -> SearchSpace:
+        """Megatron-LM: power-of-two dp x tp x pp, b in {1,2,4}, full recompute, distributed optimizer."""
+        return cls(name="megatron", power_of_two=True, zero_levels=(1,), mics=False, remat="all",
+                   policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
+                   act_offload=(0.0,), uniform_layers=True, pareto_k=1)
+
+    @classmethod
+    def fsdp(cls) -> SearchSpace:
+        """ZeRO-3 / FSDP over all devices with (or without) full activation checkpointing."""
+        return cls(name="zero3-fsdp", tp_degrees=(1,), pipeline=False, zero_levels=(3,), mics=False,
+                   remat="all_or_none", policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,),
+                   opt_offload=(0.0,), act_offload=(0.0,), pareto_k=1)
+
+    @classmethod
+    def mics_only(cls) -> SearchSpace:
+        """MiCS alone: ZeRO-3 within partition groups, replicated across them, with or without remat."""
+        return cls.fsdp().replace(name="mics", mics=True)
+
+
+@dataclass(frozen=True)
+class OuterKey:
+    """One outer-loop point: the values shared by every stage."""
+
+    tp: int
+    stages: int
+    micro_batch: int
+    dp: int
+    grad_accum: int
+    nodes: int  # nodes of one stage's mesh
+    per_node: int  # devices of one stage on each of its nodes
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def stage_mesh(num_devices: int, stages: int, nodes: int, per_node: int) -> tuple[int, int] | None:
+    """Mist's uniform stage mesh: (1, m) with m a power of two <= a node, or (n, per_node) whole nodes."""
+    if num_devices % stages:
+        return None
+    k = num_devices // stages
+    if k <= per_node:
+        return (1, k) if _pow2(k) or k == per_node else None
+    if k % per_node or (k // per_node) > nodes:
+        return None
+    return (k // per_node, per_node)
+
+
+def tp_divides(config: Any, tp: int) -> bool:
+    """Whether the model's heads, kv heads and MLP width split evenly over ``tp`` devices."""
+    if config is None:
+        return tp == 1
+    dims = [getattr(config, n, None) for n in ("num_heads", "num_kv_heads", "ffn_size", "hidden_size")]
+    return all(d is None or d % tp == 0 for d in dims)
+
+
+def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: int, per_node: int,
+               config: Any = None) -> list[OuterKey]:
+    """Every (tp, stages, micro-batch) point of the space on ``nodes x per_node`` devices.
+
+    Ordered by stage count first (one stage is evaluated without a MILP and gives an early incumbent
+    for pruning), then TP, then micro-batch size.
+    """
+    num_devices = nodes * per_node
+    max_s = num_layers if space.max_stages is None else min(space.max_stages, num_layers)
+    if not space.pipeline:
+        max_s = 1
+    keys = []
+    for S in range(1, max_s + 1):
+        if space.power_of_two and not _pow2(S):
+            continue
+        if space.uniform_layers and num_layers % S:
+            continue
+        mesh = stage_mesh(num_devices, S, nodes, per_node)
+        if mesh is None:
+            continue
+        for tp in sorted(set(space.tp_degrees)):
+            if tp > per_node or (num_devices // S) % tp or not tp_divides(config, tp):
+                continue
+            dp = num_devices // S // tp
+            if space.power_of_two and not _pow2(dp):
+                continue
+            for b in sorted(set(space.micro_batches)):
+                if global_batch % (b * dp):
+                    continue
+                if space.max_grad_accum is not None and global_batch // (b * dp) > space.max_grad_accum:
+                    continue
+                keys.append(OuterKey(tp, S, b, dp, global_batch // (b * dp), *mesh))
+    return keys
+
+
+def shard_groups(dp: int, tp: int, per_node: int, mics: bool) -> tuple[int, ...]:
+    """MiCS partition-group sizes p for a stage: dp itself, plus (with ``mics``) powers of two that
+    divide dp and keep a group's p x tp devices inside one node (intra-node sharding collectives)."""
+    groups = {dp}
+    if mics:
+        groups.update(p for p in (2**i for i in range(1, dp.bit_length())) if dp % p == 0 and p * tp <= per_node)
+    return tuple(sorted(groups))
+
+
+@dataclass(frozen=True)
+class StrategyGrid:
+    """Flat arrays (length X) of the per-stage strategies of one outer key."""
+
+    zero: np.ndarray
+    shard_group: np.ndarray
+    family: np.ndarray  # index of the (zero, shard_group) pair; strategies are family-major
+    wo: np.ndarray
+    go: np.ndarray
+    oo: np.ndarray
+    ao: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.zero.size)
+
+    def take(self, index: Any) -> StrategyGrid:
+        return StrategyGrid(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
+
+
+def strategy_grid(space: SearchSpace, dp: int, tp: int, per_node: int, pipelined: bool) -> StrategyGrid:
+    """The ZeRO x MiCS x offload grid of one stage (``pipelined``: the runtime's pipeline limits)."""
+    restrict = pipelined and space.executable
+    zero_groups = []
+    for z in sorted(set(space.zero_levels)) if dp > 1 else [1]:
+        for p in shard_groups(dp, tp, per_node, space.mics) if z > 0 and dp > 1 else [dp]:
+            zero_groups.append((z, p))
+    go_vals = (0.0,) if restrict else tuple(sorted(set(space.grad_offload)))
+    ao_vals = (0.0,) if restrict else tuple(sorted(set(space.act_offload)))
+    wo_vals = tuple(sorted(set(space.weight_offload)))
+    oo_vals = tuple(sorted(set(space.opt_offload)))
+    wo, go = (a.ravel() for a in np.meshgrid(wo_vals, go_vals, indexing="ij"))
+    if space.weight_needs_grad_offload and not restrict:
+        keep = ~((wo > 0) & (go == 0))
+        wo, go = wo[keep], go[keep]
+    zg = np.asarray(zero_groups, dtype=np.int64)
+    # Cartesian product of (zero, group) x (wo, go) x oo x ao as flat index arrays.
+    i_zg, i_wg, i_o, i_a = (a.ravel() for a in np.meshgrid(np.arange(len(zg)), np.arange(wo.size),
+                                                            np.arange(len(oo_vals)), np.arange(len(ao_vals)),
+                                                            indexing="ij"))
+    return StrategyGrid(zg[i_zg, 0], zg[i_zg, 1], i_zg, wo[i_wg], go[i_wg], np.asarray(oo_vals)[i_o],
+                        np.asarray(ao_vals)[i_a])
+
+
+@dataclass(frozen=True)
+class RematOptions:
+    """Flat arrays (length R) of (checkpointed layers c, policy index) pairs, c = 0 listed once."""
+
+    count: np.ndarray  # c
+    policy: np.ndarray  # index into the workload's policy names
+    names: tuple[str, ...]  # the workload's policy names
+
+
+def space_policies(space: SearchSpace, workload_policies: tuple[str, ...]) -> list[int]:
+    """Indices (into the workload's policies) of the remat policies the space tries."""
+    names = list(workload_policies)
+    wanted = [p for p in names if p != "none"] if space.policies is None else list(space.policies)
+    missing = [p for p in wanted if p not in names]
+    if missing:
+        raise ValueError(f"remat policies {missing} are not in the workload's profile {names}")
+    return [names.index(p) for p in wanted]
+
+
+def remat_options(space: SearchSpace, max_layers: int, workload_policies: tuple[str, ...]) -> RematOptions:
+    """All (c, policy) options for stages of up to ``max_layers`` layers; c <= l is checked later.
+
+    With ``remat="all"`` the option c = max_layers stands for "every layer of the stage" and is
+    mapped to each stage's own layer count by the intra-stage tuner (``count == -1`` marks it).
+    """
+    pols = space_policies(space, tuple(workload_policies)) if space.remat != "none" else []
+    if space.remat == "tune":
+        counts = [0] + [c for c in range(1, max_layers + 1) for _ in pols]
+        policy = [pols[0]] + [p for _ in range(1, max_layers + 1) for p in pols]
+    elif space.remat == "all":
+        counts, policy = [-1] * len(pols), pols
+    elif space.remat == "all_or_none":
+        counts, policy = [0] + [-1] * len(pols), [pols[0], *pols]
+    else:  # none
+        counts, policy = [0], [pols[0] if pols else 0]
+    return RematOptions(np.asarray(counts, np.int64), np.asarray(policy, np.int64), tuple(workload_policies))
+
+
+def layer_options(space: SearchSpace, num_layers: int, stages: int, grad_accum: int) -> tuple[int, ...]:
+    """Per-stage layer counts searched (Mist's window; exactly L/S for uniform spaces)."""
+    if stages == 1:
+        return (num_layers,)
+    if space.uniform_layers:
+        return (num_layers // stages,)
+    mid = math.floor(num_layers / stages + 0.5)
+    if grad_accum == 1:
+        lo = hi = mid
+    else:
+        lo, hi = max(1, mid - space.layer_window), min(mid + space.layer_window, num_layers - stages + 1)
+    opts = tuple(range(lo, hi + 1))
+    # round(L/S) alone cannot always add up to L (e.g. L=4, S=3); widen to what can.
+    if stages * max(opts) < num_layers or stages * min(opts) > num_layers:
+        opts = tuple(range(max(1, num_layers // stages), -(-num_layers // stages) + 1))
+    return opts

@@ -1,0 +1,379 @@
+"""`mistjax.tune`: outer loops over TP, stage count and micro-batch, then Plan construction.
+
+``search`` runs one search space: for every outer key (`space.outer_keys`) it prices all stage
+strategies (`intra.evaluate_key`), solves the stage assignment (`inter.solve_key`, pruned by the
+best cost so far) and keeps the best; a global time limit stops the loops and returns the best
+feasible plan found, with a warning. ``tune`` runs mistjax's space plus the baselines (and,
+optionally, the ablation steps) on the same workload and cost model and returns a `TuneResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from mistjax.plan import Plan, Prediction, StagePlan
+from mistjax.tune.baselines import ablation_spaces, baseline_spaces
+from mistjax.tune.inter import KeyChoice, key_bound, tune_key
+from mistjax.tune.intra import StageTables, sample_stage_tables
+from mistjax.tune.space import OuterKey, SearchSpace, outer_keys
+
+__all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "default_cost_model", "fingerprints", "search",
+           "tune"]
+
+
+def default_cost_model() -> ModuleType:
+    """The project's cost model module (`mistjax.cost.model`)."""
+    try:
+        return importlib.import_module("mistjax.cost.model")
+    except ImportError as e:
+        raise ImportError("mistjax.tune needs the cost model (mistjax.cost.model); pass cost=<module with "
+                          "StageStrategies, stage_cost and predict> to use another one") from e
+
+
+@dataclass(frozen=True)
+class TunedPlan(Plan):
+    """A `Plan` from the tuner that also remembers the best baseline's prediction for `summary`.
+
+    The extra fields are not part of the plan's JSON (a saved tuned plan loads as a plain `Plan`).
+    """
+
+    baseline_name: str = ""
+    baseline_prediction: Prediction | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.pop("baseline_name", None)
+        out.pop("baseline_prediction", None)
+        return out
+
+    def as_plan(self) -> Plan:
+        """The plain `Plan` (what the runtime and the JSON file see)."""
+        return Plan.from_dict(self.to_dict())
+
+    def summary(self) -> str:
+        lines = [super().summary()]
+        base, mine = self.baseline_prediction, self.prediction
+        if base is not None and mine is not None and base.step_time > 0:
+            lines.append(f"  best baseline ({self.baseline_name}): {base.step_time:.4g} s/step, "
+                         f"{base.tokens_per_s:,.0f} tokens/s, peak {base.peak_memory / 2**30:.2f} GiB/device; "
+                         f"mistjax speedup {base.step_time / mine.step_time:.2f}x")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The outcome of searching one space.
+
+    Attributes:
+        space: the space searched.
+        plan: the best plan (with prediction and fingerprints), or None if nothing fits.
+        objective: the tuner's objective of that plan (seconds per step; inf if none).
+        keys: outer keys in the space; ``keys_done`` of them were searched before the time limit.
+        evaluated: stage strategies priced by the cost model.
+        milps: inter-stage MILPs solved.
+        seconds: wall time.
+        timed_out: the time limit stopped the search (the plan is the best found until then).
+        frontier: per searched outer key: its parameters and best objective (None: nothing fits or
+            pruned).
+        pareto: per stage of the chosen plan: the sampled (stable, delta) Pareto points of its layer
+            count and the chosen point.
+    """
+
+    space: SearchSpace
+    plan: Plan | None
+    objective: float
+    keys: int
+    keys_done: int
+    evaluated: int
+    milps: int
+    seconds: float
+    timed_out: bool
+    frontier: tuple[dict[str, Any], ...] = ()
+    pareto: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def prediction(self) -> Prediction | None:
+        return self.plan.prediction if self.plan is not None else None
+
+    @property
+    def step_time(self) -> float:
+        p = self.prediction
+        return p.step_time if p is not None else math.inf
+
+
+def fingerprints(workload: Any, cluster: Any, params_fingerprint: str = "") -> dict[str, str]:
+    """What a plan was tuned for: workload (model profile), mesh, hardware and batch.
+
+    ``model`` (the runtime's `mistjax.plan.params_fingerprint`, checked when the plan is applied) is
+    recorded only when the parameters are known, i.e. when `autoshard` tunes.
+    """
+    seq = getattr(workload, "seq_len", None)
+    batch = getattr(workload, "global_batch", None)
+    out = {"workload": str(workload.fingerprint()), "mesh": f"{cluster.nodes}x{cluster.devices_per_node}",
+           "hardware": str(cluster.fingerprint()), "batch": f"{batch}x{seq}"}
+    if params_fingerprint:
+        out["model"] = params_fingerprint
+    return out
+
+
+def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
+    """The `Plan` of an inter-stage choice (no prediction yet)."""
+    key = tables.key
+    stages, start = [], 0
+    group = int(tables.grid.shard_group[choice.strategy[0]])
+    for i, (n, r, x) in enumerate(zip(choice.layers, choice.remat, choice.strategy)):
+        j = tables.layer_options.index(n)
+        c = tables.remat_count(j, r)
+        zero = int(tables.grid.zero[x])
+        if int(tables.grid.shard_group[x]) != group:
+            raise AssertionError(f"stage {i} uses MiCS group {tables.grid.shard_group[x]} != {group}")
+        stages.append(StagePlan(
+            layers=(start, start + n), shard_weights=zero >= 3, shard_grads=zero >= 2, shard_opt=zero >= 1,
+            remat_layers=c, remat_policy=tables.remat.names[int(tables.remat.policy[r])] if c else "full",
+            offload_weights=float(tables.grid.wo[x]), offload_grads=float(tables.grid.go[x]),
+            offload_opt=float(tables.grid.oo[x]), offload_acts=float(tables.grid.ao[x])))
+        start += n
+    return Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
+                shard_group=group, schedule="1f1b")
+
+
+def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -> tuple[dict[str, Any], ...]:
+    if tables.key.stages == 1:
+        G = tables.key.grad_accum
+        s, d = tables.stable[0, 0].ravel(), tables.delta[0, 0].ravel()
+        from mistjax.tune.pareto import sample_pareto  # local: only the S = 1 report needs it here
+        pick = sample_pareto(s, d, G, k)
+        ok = pick.indices >= 0
+        return ({"stage": 0, "layers": choice.layers[0], "stable": pick.stable[ok].tolist(),
+                 "delta": pick.delta[ok].tolist(), "chosen": [choice.stable[0], choice.delta[0]]},)
+    sampled = sample_stage_tables(tables, k, shared)
+    g = choice.strategy[0] if shared else int(np.searchsorted(np.unique(tables.grid.shard_group),
+                                                              tables.grid.shard_group[choice.strategy[0]]))
+    out = []
+    for i, n in enumerate(choice.layers):
+        j = tables.layer_options.index(n)
+        ok = np.isfinite(sampled.stable[g, i, j])
+        out.append({"stage": i, "layers": n, "stable": sampled.stable[g, i, j][ok].tolist(),
+                    "delta": sampled.delta[g, i, j][ok].tolist(), "chosen": [choice.stable[i], choice.delta[i]]})
+    return tuple(out)
+
+
+def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: str) -> dict[str, Any]:
+    rec = dataclasses.asdict(key)
+    rec["objective"] = choice.objective if choice is not None else None
+    rec["bound"] = bound if math.isfinite(bound) else None
+    rec["status"] = status
+    return rec
+
+
+def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, time_limit: float = 60.0,
+           cost: ModuleType | None = None, best_cost: float | None = None, prune: bool = True) -> SearchResult:
+    """Search one space for the plan with the lowest predicted step time.
+
+    Outer keys are visited best-bound first (`inter.key_bound`: each key's fastest strategies
+    without remat, offload or memory limit), and a key whose bound cannot beat the best plan so far
+    is skipped unpriced.
+
+    Args:
+        workload: the cost model's `Workload` (model, sequence length, global batch).
+        cluster: a `ClusterSpec`; its nodes x devices_per_node are the devices to plan for, and
+            ``memory_budget()`` the per-device memory limit.
+        space: the space (default: mistjax's full space).
+        time_limit: seconds; when they run out the best plan so far is returned with a warning.
+        cost: the cost-model module (default `mistjax.cost.model`).
+        best_cost: an objective to beat from elsewhere (keys that cannot beat it report None).
+        prune: skip strategies that bounds prove useless (see `inter.tune_key`); False prices
+            every strategy of every key (Mist's exhaustive evaluation; slow).
+    """
+    space = space or SearchSpace()
+    cost = cost or default_cost_model()
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    L = int(workload.num_layers)
+    keys = outer_keys(space, L, int(workload.global_batch), cluster.nodes, cluster.devices_per_node,
+                      getattr(workload, "config", None))
+    bounds = [key_bound(workload, cluster, cost, k, space) if prune else 0.0 for k in keys]
+    order = sorted(range(len(keys)), key=lambda i: (bounds[i], i))
+    best: tuple[StageTables, KeyChoice] | None = None
+    found: list[tuple[float, Plan, tuple[dict[str, Any], ...]]] = []  # every improvement, best last
+    evaluated = milps = done = 0
+    frontier, timed_out = [], False
+    for i in order:
+        key = keys[i]
+        cut = best[1].objective if best is not None else best_cost
+        if cut is not None and bounds[i] >= cut:
+            frontier.append(_key_record(key, None, bounds[i], "pruned"))
+            continue
+        if time.perf_counter() >= deadline:
+            timed_out = True
+            break
+        tables, choice = tune_key(workload, cluster, cost, key, space, cut, deadline, prune)
+        evaluated += tables.evaluated
+        done += 1
+        if choice is not None:
+            milps += choice.milps
+            timed_out |= not choice.optimal
+        frontier.append(_key_record(key, choice, bounds[i], "searched"))
+        if choice is not None and (best is None or choice.objective < best[1].objective):
+            best = (tables, choice)
+            found.append((choice.objective, build_plan(tables, choice),
+                          _pareto_data(tables, choice, space.pareto_k, space.executable)))
+    seconds = time.perf_counter() - t0
+    if timed_out:
+        warnings.warn(f"tuning space {space.name!r} hit its time limit ({time_limit:g} s) after {done} of "
+                      f"{len(keys)} outer keys; returning the best feasible plan found so far",
+                      RuntimeWarning, stacklevel=2)
+    if best is None:
+        return SearchResult(space, None, math.inf, len(keys), done, evaluated, milps, seconds, timed_out,
+                            tuple(frontier))
+    # Check the winner with the full prediction (the runtime's memory view, e.g. the pipeline's
+    # shared activation pools); fall back to earlier improvements if it does not fit.
+    budget = cluster.memory_budget()
+    for rank in range(len(found)):
+        objective, plan, pareto = found[-1 - rank]
+        pred = predict_plan(workload, plan, cluster, cost)
+        if pred.peak_memory <= budget * (1 + 1e-9):
+            break
+    else:
+        warnings.warn(f"space {space.name!r}: every plan found exceeds the memory budget under the full prediction; "
+                      "no plan returned", RuntimeWarning, stacklevel=2)
+        return SearchResult(space, None, math.inf, len(keys), done, evaluated, milps, time.perf_counter() - t0,
+                            timed_out, tuple(frontier))
+    if rank:
+        warnings.warn(f"space {space.name!r}: the best {rank} plan(s) exceed the memory budget under the full "
+                      "prediction; returning the next best", RuntimeWarning, stacklevel=2)
+    plan = plan.replace(prediction=pred, fingerprints=fingerprints(workload, cluster))
+    return SearchResult(space, plan, objective, len(keys), done, evaluated, milps,
+                        time.perf_counter() - t0, timed_out, tuple(frontier), pareto)
+
+
+def predict_plan(workload: Any, plan: Plan, cluster: Any, cost: ModuleType) -> Prediction:
+    """``cost.predict`` if the cost model has it, else the stage costs in the 1F1B formula."""
+    if hasattr(cost, "predict"):
+        return cost.predict(workload, plan, cluster)
+    S = plan.num_stages
+    k = plan.num_devices // S
+    per_node = min(cluster.devices_per_node, k)
+    T, D, mem = [], [], []
+    for i, sp in enumerate(plan.stages):
+        pol = tuple(workload.policies).index(sp.remat_policy) if sp.remat_layers else 0
+        st = cost.StageStrategies(*(np.asarray(v) for v in (
+            plan.micro_batch, plan.dp, plan.tp, plan.shard_group, sp.zero_stage, sp.num_layers, sp.remat_layers, pol,
+            sp.offload_weights, sp.offload_grads, sp.offload_opt, sp.offload_acts, min(S - i, plan.grad_accum),
+            plan.grad_accum, i == 0, i == S - 1, S, max(1, k // per_node), per_node)))
+        out = cost.stage_cost(workload, cluster, st)
+        T.append(float(out.stable))
+        D.append(float(out.delta))
+        mem.append({name: float(v) for name, v in out.memory.items()})
+    G = plan.grad_accum
+    step = (G - 1) * max(T) + sum(T) + max(0.0, max(d - sum(T[:i]) for i, d in enumerate(D)))
+    tokens = getattr(workload, "global_batch", plan.global_batch) * getattr(workload, "seq_len", 0)
+    return Prediction(step, tuple(T), tuple(D), tuple(mem), tokens / step if step > 0 else 0.0)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """What `tune` found.
+
+    Attributes:
+        plan: the best plan (a `TunedPlan`: its summary shows the best baseline next to it).
+        prediction: its prediction.
+        baselines: per baseline name, the best plan of that space (`SearchResult`).
+        ablations: per ablation step, the best plan of that space (empty unless asked for).
+        search: the mistjax search itself (frontier, Pareto data, counts).
+        timing: seconds: ``tune`` (mistjax's search), ``baselines``, ``ablations``, ``total``.
+        note: how the plan was chosen when it is not the search's own (see `tune`).
+    """
+
+    plan: TunedPlan
+    prediction: Prediction
+    baselines: dict[str, SearchResult] = field(default_factory=dict)
+    ablations: dict[str, SearchResult] = field(default_factory=dict)
+    search: SearchResult | None = None
+    timing: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def pareto(self) -> tuple[dict[str, Any], ...]:
+        return self.search.pareto if self.search is not None else ()
+
+    def best_baseline(self) -> tuple[str, SearchResult] | None:
+        found = [(n, r) for n, r in self.baselines.items() if r.plan is not None]
+        return min(found, key=lambda nr: nr[1].step_time) if found else None
+
+    def speedup(self, baseline: str = "megatron") -> float:
+        """Predicted step-time ratio baseline / mistjax (inf if the baseline has no feasible plan)."""
+        r = self.baselines.get(baseline)
+        return (r.step_time / self.prediction.step_time) if r is not None else math.nan
+
+    def summary(self) -> str:
+        lines = [self.plan.summary(), f"  tuned in {self.timing.get('tune', 0):.2f} s "
+                 f"({self.search.keys_done if self.search else 0} outer keys, "
+                 f"{self.search.evaluated if self.search else 0:,} stage strategies, "
+                 f"{self.search.milps if self.search else 0} MILPs)"]
+        for name, r in {**self.baselines, **self.ablations}.items():
+            ratio = r.step_time / self.prediction.step_time if self.prediction.step_time else math.nan
+            t = f"{r.step_time:.4g} s/step ({ratio:.2f}x)" if r.plan is not None else "no feasible plan"
+            lines.append(f"  {name:>16}: {t}")
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+
+def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_limit: float = 60.0,
+         baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: ModuleType | None = None,
+         baseline_time_limit: float = 60.0) -> TuneResult:
+    """Tune a plan for ``workload`` on ``cluster`` and compare it with the baselines.
+
+    Every space searched here is contained in mistjax's full space, so when a baseline's plan is
+    predicted faster than the search's own (possible only where `predict` prices something the
+    search objective leaves out), that plan is adopted and ``note`` says so.
+
+    Args:
+        workload: the cost model's `Workload`.
+        cluster: the `ClusterSpec` to plan for (its memory budget is the limit).
+        space: mistjax's space (default: the full space).
+        time_limit: seconds for mistjax's search.
+        baselines: baseline names (default: all of `mistjax.tune.baselines.BASELINES`; ``()``: none).
+        ablations: also search the ablation steps.
+        cost: the cost-model module (default `mistjax.cost.model`).
+        baseline_time_limit: seconds for each baseline / ablation search.
+
+    Raises:
+        RuntimeError: no plan of the space fits in memory.
+    """
+    cost = cost or default_cost_model()
+    t0 = time.perf_counter()
+    main = search(workload, cluster, space, time_limit=time_limit, cost=cost)
+    t1 = time.perf_counter()
+    base = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost)
+            for name, sp in baseline_spaces(baselines).items()}
+    t2 = time.perf_counter()
+    abl = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost)
+           for name, sp in ablation_spaces().items()} if ablations else {}
+    t3 = time.perf_counter()
+    plan, note = main.plan, ""
+    contained = {n: r for n, r in base.items() if r.plan is not None}
+    if contained:
+        name, r = min(contained.items(), key=lambda nr: nr[1].step_time)
+        if plan is None or r.step_time < main.step_time:
+            plan, note = r.plan, f"adopted the {name} baseline's plan (predicted faster than the search's own)"
+    if plan is None:
+        raise RuntimeError(f"no plan fits: every strategy of the space exceeds the memory budget of "
+                           f"{cluster.memory_budget() / 2**30:.2f} GiB per device on {cluster.nodes}x"
+                           f"{cluster.devices_per_node} devices; use more devices, a smaller model or batch")
+    found = [(n, r) for n, r in base.items() if r.plan is not None]
+    bname, bres = min(found, key=lambda nr: nr[1].step_time) if found else ("", None)
+    tuned = TunedPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},
+                      baseline_name=bname, baseline_prediction=bres.prediction if bres is not None else None)
+    timing = {"tune": t1 - t0, "baselines": t2 - t1, "ablations": t3 - t2, "total": t3 - t0}
+    return TuneResult(tuned, tuned.prediction, base, abl, main, timing, note)

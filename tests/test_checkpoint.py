@@ -1,0 +1,211 @@
+"""Checkpoints: exact resume after SIGKILL, corrupt-checkpoint fallback, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from mistjax.plan import uniform_plan
+from mistjax.train.checkpoint import Checkpointer, CheckpointError, check_writable, checksums
+from mistjax.train.loop import TrainConfig, run_training
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = REPO / "scripts" / "pretrain.py"
+BASE = TrainConfig(model="gpt3-tiny", steps=6, global_batch=8, seq_len=16, warmup_steps=2, ckpt_every=2, keep=3)
+
+
+# ------------------------------------------------------------------------------ helpers
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A persistent XLA compilation cache shared by the subprocesses of this session.
+
+    The first subprocess compiles; the later ones (the killed run, the resumed run) load the
+    same executables, which keeps the test fast.
+    """
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+def pretrain_env(cache: Path, devices: int = 8) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_NUM_CPU_DEVICES=str(devices),
+               JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def garble(path: Path) -> None:
+    """Flip bytes in the middle of `path` and cut its tail off (a torn, corrupted write)."""
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 4, len(data) // 2, 3):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data[: max(1, len(data) * 3 // 4)]))
+
+
+def largest_array_file(step_dir: Path) -> Path:
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory: pytest.TempPathFactory):
+    """Six steps with checkpoints at 2, 4 and 6; tests work on copies of its directory."""
+    directory = tmp_path_factory.mktemp("base") / "ckpt"
+    cfg = TrainConfig(**{**BASE.__dict__, "ckpt_dir": str(directory)})
+    return cfg, run_training(cfg, progress=False)
+
+
+def copy_of(base_run, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(base_run[0].ckpt_dir, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------------ exact resume
+def test_resume_after_sigkill_matches_uninterrupted(tmp_path: Path, compile_cache: Path) -> None:
+    steps = 12
+    args = [sys.executable, str(PRETRAIN), "--model", "gpt3-tiny", "--steps", str(steps), "--global-batch", "8",
+            "--seq-len", "16", "--warmup", "3", "--ckpt-every", "2", "--keep", "2", "--no-progress"]
+    env = pretrain_env(compile_cache)
+    ref = subprocess.run(args + ["--ckpt-dir", str(tmp_path / "ref"), "--metrics", str(tmp_path / "ref.jsonl")],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    run_args = args + ["--ckpt-dir", str(ckpt), "--metrics", str(metrics)]
+    proc = subprocess.Popen(run_args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        # Kill once a checkpoint exists and training has moved past it: the metrics file then
+        # holds steps the resumed run must redo (and must not duplicate).
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = len(read_metrics_safe(metrics))
+            if done >= 5 and any(p.name.isdigit() for p in ckpt.glob("*")):
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended on its own before the kill: {proc.stderr.read()}"
+    killed_at = len(read_metrics_safe(metrics))
+    assert 5 <= killed_at < steps
+
+    resumed = subprocess.run(run_args + ["--resume"], env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step" in resumed.stdout
+    got, want = read_metrics(metrics), read_metrics(tmp_path / "ref.jsonl")
+    assert [r["step"] for r in got] == list(range(steps))  # every step exactly once, in order
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=0, atol=1e-6)
+    assert [r["loss"] for r in got] == [r["loss"] for r in want], "resume is close but not bit-identical"
+
+
+def read_metrics_safe(path: Path) -> list[str]:
+    """Complete lines of a metrics file being written by another process."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [line for line in text.split("\n")[:-1] if line]
+
+
+# ------------------------------------------------------------------------------ corruption
+def test_corrupt_latest_falls_back_to_previous(base_run, tmp_path: Path) -> None:
+    cfg = base_run[0]
+    directory = copy_of(base_run, tmp_path)
+    garble(largest_array_file(directory / "6"))
+    manager = Checkpointer(directory)
+    try:
+        template = base_run[1].state
+        with pytest.warns(RuntimeWarning, match=r"checkpoint step 6 .* is corrupt: unreadable arrays"):
+            state, meta = manager.restore_latest(template)
+        assert meta["step"] == 4 and int(state.step) == 4
+        assert manager.steps() == [2, 4], "the bad step is moved aside so that step 6 can be saved again"
+        assert list(directory.glob("6.corrupt-*"))
+        for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(template)):
+            assert got.sharding == want.sharding  # restored onto the plan's shardings
+        manager.save(6, template, {"model": cfg.model})  # the resumed run can write step 6 again
+        manager.wait()
+        assert manager.steps() == [2, 4, 6]
+    finally:
+        manager.close()
+
+
+def test_no_usable_checkpoint_is_a_clear_error(base_run, tmp_path: Path) -> None:
+    cfg, _ = base_run
+    directory = copy_of(base_run, tmp_path)
+    garble(largest_array_file(directory / "6"))
+    (directory / "4" / "meta" / "metadata").write_text("{not json")
+    shutil.rmtree(directory / "2" / "state")
+    with pytest.warns(RuntimeWarning, match="corrupt"), \
+            pytest.raises(CheckpointError, match=r"no usable checkpoint.*step 6.*step 4.*step 2"):
+        run_training(TrainConfig(**{**cfg.__dict__, "ckpt_dir": str(directory), "resume": True}), progress=False)
+
+
+def test_checksums_detect_silent_changes(base_run) -> None:
+    state = base_run[1].state
+    sums = checksums(state)
+    leaf = jax.tree.leaves(state.params)[0]
+    changed = jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(1e-3) if x is leaf else x, state)
+    name = next(k for k in sums if k.startswith("params/"))
+    assert checksums(changed)[name] != sums[name]
+
+
+def test_metadata_records_the_run(base_run) -> None:
+    cfg, _ = base_run
+    manager = Checkpointer(cfg.ckpt_dir)
+    try:
+        assert manager.steps() == [2, 4, 6]
+        meta = manager.read_meta(6)
+    finally:
+        manager.close()
+    assert meta["step"] == 6 and meta["model"] == "gpt3-tiny" and meta["data_seed"] == cfg.seed
+    assert meta["plan"]["dp"] == 8 and meta["config"]["global_batch"] == 8
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_resume_with_other_model_or_plan_is_refused(base_run, tmp_path: Path) -> None:
+    cfg, _ = base_run
+    directory = copy_of(base_run, tmp_path)
+    other_model = TrainConfig(**{**cfg.__dict__, "model": "llama-tiny", "ckpt_dir": str(directory), "resume": True})
+    with pytest.raises(CheckpointError, match=r"model 'gpt3-tiny'.*this run uses model 'llama-tiny'"):
+        run_training(other_model, progress=False)
+    plan_file = tmp_path / "tp2.json"
+    uniform_plan(4, 8, tp=2, micro_batch=2).save(plan_file)
+    other_plan = TrainConfig(**{**cfg.__dict__, "plan": str(plan_file), "ckpt_dir": str(directory), "resume": True})
+    with pytest.raises(CheckpointError, match=r"another plan .*tp: 1 in the checkpoint vs 2 now"):
+        run_training(other_plan, progress=False)
+
+
+def test_unwritable_directory_fails_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    target = blocker / "ckpt"
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoints to .*a-file/ckpt.*choose a writable"):
+        run_training(TrainConfig(**{**BASE.__dict__, "ckpt_dir": str(target)}), progress=False)
+    assert time.perf_counter() - t0 < 5, "the check must come before the model is built"
+    if os.geteuid() != 0:  # root ignores permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(CheckpointError, match="cannot write checkpoints"):
+            check_writable(locked)
+
+
+def test_fresh_run_into_used_directory_is_refused(base_run) -> None:
+    cfg, _ = base_run
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest: step 6\); pass --resume"):
+        run_training(cfg, progress=False)

@@ -1,0 +1,132 @@
+"""scripts/pretrain.py as a user runs it: metrics, MFU, divergence and data errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+import models
+from mistjax.hardware import ClusterSpec
+from mistjax.train.data import DataError, MemmapTokens, write_token_file
+from mistjax.train.metrics import MetricsLog, mfu, peak_flops
+
+PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
+SMALL = ["--model", "gpt3-tiny", "--global-batch", "8", "--seq-len", "16", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def pretrain() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mistjax_pretrain_script", PRETRAIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def cli(pretrain: ModuleType, capsys: pytest.CaptureFixture[str]):
+    """Run the script's main() in this process; returns (exit code, stdout, stderr)."""
+    saved = warnings.formatwarning
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            pretrain.main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = int(e.code) if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    yield run
+    warnings.formatwarning = saved
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_metrics_one_record_per_step_with_mfu(cli, tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 0, "loss": 9.9}\n')  # a stale file from an earlier run is replaced
+    code, out, err = cli(*SMALL, "--steps", 3, "--metrics", metrics, "--hardware", "h100")
+    assert code == 0, err
+    got = records(metrics)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    n_params = models.get_config("gpt3-tiny").num_params()
+    peak = ClusterSpec.preset("h100").device.peak_flops_fp32  # --dtype float32 is measured against fp32 peak
+    for r in got:
+        assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+        assert r["mfu"] == pytest.approx(6 * n_params * r["tokens_per_s"] / (8 * peak), rel=1e-9)
+    assert "final loss" in out and "MFU" in out
+
+
+def test_mfu_formula_and_peaks() -> None:
+    device = ClusterSpec.preset("a100-80gb").device
+    assert peak_flops("a100-80gb", "bfloat16") == device.peak_flops
+    assert peak_flops("a100-80gb", "float32") == device.peak_flops_fp32
+    assert mfu(1000.0, 10**9, 8, 1e15) == pytest.approx(6e12 / 8e15)
+    with pytest.raises(ValueError, match="unknown hardware preset 'tpu-v9'.*valid names"):
+        peak_flops("tpu-v9", "bfloat16")
+
+
+def test_metrics_log_continues_after_resume(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": i, "loss": float(i)}) + "\n" for i in range(10)) + '{"step": 10, "lo')
+    log = MetricsLog(path, start_step=6)
+    log.write({"step": 6, "loss": -1.0})
+    log.close()
+    assert [r["step"] for r in records(path)] == [0, 1, 2, 3, 4, 5, 6]
+    assert records(path)[-1]["loss"] == -1.0
+    MetricsLog(path, start_step=3, enabled=False).close()  # a non-primary process leaves the file alone
+    assert len(records(path)) == 7
+
+
+def test_nan_loss_stops_with_clear_error_and_keeps_checkpoint(cli, tmp_path: Path) -> None:
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    # lr 1e30 without warm-up: step 0 is fine, its update blows the weights up, step 1's loss is NaN.
+    code, _, err = cli(*SMALL, "--steps", 5, "--lr", "1e30", "--warmup", 0, "--ckpt-dir", ckpt, "--ckpt-every", 1,
+                       "--metrics", metrics)
+    assert code == 1
+    assert "error: training diverged: the loss is nan at step 1" in err
+    assert "the last checkpoint (step 1)" in err and "lower --lr (now 1e+30)" in err
+    assert "Traceback" not in err
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [1]
+    assert [r["step"] for r in records(metrics)] == [0]  # the NaN step is not logged
+
+
+def test_missing_and_truncated_token_files(cli, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.bin"
+    with pytest.raises(DataError, match="does not exist"):
+        MemmapTokens(missing, seq_len=16, batch_size=8)
+    code, _, err = cli(*SMALL, "--steps", 1, "--data", missing)
+    assert code == 1 and "error: token file" in err and "does not exist" in err
+
+    truncated = tmp_path / "cut.bin"
+    write_token_file(truncated, np.arange(1000) % 256)
+    truncated.write_bytes(truncated.read_bytes()[:-1])  # half a uint16 token at the end
+    with pytest.raises(DataError, match="not a multiple of 2"):
+        MemmapTokens(truncated, seq_len=16, batch_size=8)
+    code, _, err = cli(*SMALL, "--steps", 1, "--data", truncated)
+    assert code == 1 and "truncated or has another dtype" in err and "Traceback" not in err
+
+    short = tmp_path / "short.bin"
+    write_token_file(short, np.arange(5))
+    code, _, err = cli(*SMALL, "--steps", 1, "--data", short)
+    assert code == 1 and "fewer than one sequence" in err
+
+
+def test_flag_mistakes_are_one_line_errors(cli, tmp_path: Path) -> None:
+    code, _, err = cli(*SMALL, "--resume")
+    assert code == 1 and "--resume needs --ckpt-dir" in err
+    code, _, err = cli(*SMALL, "--hardware", "nonesuch")
+    assert code == 1 and "unknown hardware preset 'nonesuch'" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = cli(*SMALL, "--ckpt-dir", blocker / "ckpt")
+    assert code == 1 and "cannot write checkpoints to" in err and "choose a writable --ckpt-dir" in err

@@ -1,0 +1,252 @@
+"""The tuner: search space, pruned search = exhaustive search, MILP = brute force through the
+inter-stage layer, determinism, baselines never better, and tuned plans that run under autoshard.
+
+Most search tests use the analytic stub in ``tests/cost_stub.py`` (fast, easy numbers); the
+feasibility and end-to-end tests use the project's cost model (`mistjax.cost.model`).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import cost_stub as stub
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mistjax
+import models
+from mistjax.hardware.presets import ClusterSpec
+from mistjax.tune import SearchSpace, baseline_spaces, search, tune
+from mistjax.tune.inter import tune_key
+from mistjax.tune.intra import sample_stage_tables
+from mistjax.tune.milp import brute_force_inter_stage
+from mistjax.tune.space import OuterKey, outer_keys, shard_groups, strategy_grid
+
+warnings.filterwarnings("ignore", message=".*time limit.*", category=RuntimeWarning)
+
+
+def _cpu(budget: float, nodes: int = 1, per_node: int = 8) -> ClusterSpec:
+    cl = ClusterSpec.preset("cpu", nodes=nodes, per_node=per_node)
+    return cl.with_memory(budget / cl.device.usable_memory_fraction)
+
+
+# ---------------------------------------------------------------------------------------------- space
+def test_mist_space_has_5952_strategies_per_stage():
+    grid = strategy_grid(SearchSpace.mist(), dp=4, tp=1, per_node=8, pipelined=False)
+    assert len(grid) == 3 * 31 * 8 * 8  # ZeRO choices x (wo, go) pairs x oo x ao (Mist digest §2)
+    assert not ((grid.wo > 0) & (grid.go == 0)).any()
+
+
+def test_pipelined_grid_respects_runtime_limits():
+    grid = strategy_grid(SearchSpace(), dp=4, tp=1, per_node=8, pipelined=True)
+    assert (grid.go == 0).all() and (grid.ao == 0).all() and (grid.wo > 0).any()
+
+
+def test_mics_groups_are_powers_of_two_inside_a_node():
+    assert shard_groups(32, 1, 8, mics=True) == (2, 4, 8, 32)
+    assert shard_groups(32, 2, 8, mics=True) == (2, 4, 32)
+    assert shard_groups(16, 1, 8, mics=False) == (16,)
+
+
+def test_megatron_keys_are_power_of_two_uniform():
+    keys = outer_keys(SearchSpace.megatron(), 24, 64, nodes=1, per_node=8)
+    assert keys and all((k.dp & (k.dp - 1)) == 0 and (k.stages & (k.stages - 1)) == 0 for k in keys)
+    assert all(24 % k.stages == 0 and k.micro_batch in (1, 2, 4) for k in keys)
+    assert all(k.micro_batch * k.dp * k.grad_accum == 64 for k in keys)
+
+
+# ---------------------------------------------------------------------------------------------- search
+CASES = [("gpt3-tiny", 32, 16, 2e6), ("gpt3-tiny", 32, 16, 1e6), ("falcon-small", 64, 32, 2e7)]
+
+
+@pytest.mark.parametrize("name,seq,batch,budget", CASES)
+def test_pruned_search_equals_exhaustive(name, seq, batch, budget):
+    w = stub.Workload.from_model(models.get_config(name), seq, batch)
+    cl = _cpu(budget)
+    fast = search(w, cl, SearchSpace(), cost=stub, prune=True)
+    full = search(w, cl, SearchSpace(), cost=stub, prune=False)
+    assert fast.plan is not None and fast.objective == pytest.approx(full.objective, rel=1e-12)
+    assert fast.evaluated < full.evaluated / 3
+
+
+def test_milp_through_inter_stage_layer_equals_brute_force():
+    w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+    cl = _cpu(1.5e6)
+    space = SearchSpace(pareto_k=4)
+    checked = 0
+    for S in (2, 3):
+        key = OuterKey(tp=1, stages=S, micro_batch=1, dp=8 // S if S == 2 else 2, grad_accum=0, nodes=1,
+                       per_node=8 // S if S == 2 else 2)
+        if S == 3:  # 3 stages x 2 devices on 6 of the cluster's 8: shrink the cluster
+            cl3 = _cpu(1.5e6, per_node=6)
+            key = OuterKey(1, 3, 1, 2, 8, 1, 2)
+            use = cl3
+        else:
+            key = OuterKey(1, 2, 1, 4, 4, 1, 4)
+            use = cl
+        tables, choice = tune_key(w, use, stub, key, space, None, float("inf"), prune=False)
+        sampled = sample_stage_tables(tables, space.pareto_k, shared=True)
+        brute = [brute_force_inter_stage(sampled.stable[g], sampled.delta[g], tables.layer_options, 4, key.grad_accum)
+                 for g in range(sampled.stable.shape[0])]
+        objs = [b.objective for b in brute if b is not None]
+        assert choice is not None and objs
+        assert choice.objective == pytest.approx(min(objs), rel=1e-9)
+        checked += 1
+    assert checked == 2
+
+
+def test_same_inputs_same_plan():
+    w = stub.Workload.from_model(models.get_config("llama-tiny"), 32, 16)
+    cl = _cpu(1.2e6)
+    a = search(w, cl, SearchSpace(), cost=stub)
+    b = search(w, cl, SearchSpace(), cost=stub)
+    assert a.plan is not None and a.plan.to_json() == b.plan.to_json()
+
+
+def test_baselines_never_beat_mistjax():
+    for budget in (1e6, 2e6, 5e6):
+        w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+        res = tune(w, _cpu(budget), cost=stub)
+        for name, r in res.baselines.items():
+            assert r.plan is None or r.step_time >= res.prediction.step_time * (1 - 1e-12), name
+        assert "best baseline" in res.plan.summary()
+        assert json.loads(res.plan.to_json())["stages"]  # a tuned plan saves as a plain plan
+
+
+def test_time_limit_returns_best_so_far_with_warning():
+    w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+    with pytest.warns(RuntimeWarning, match="time limit"):
+        r = search(w, _cpu(2e6), SearchSpace(), cost=stub, time_limit=0.0)
+    assert r.timed_out
+
+
+def test_no_plan_fits_raises():
+    w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+    with pytest.raises(RuntimeError, match="no plan fits"):
+        tune(w, _cpu(1e3), cost=stub, baselines=())
+
+
+# ---------------------------------------------------------------------------------------------- real cost model
+@pytest.fixture(scope="module")
+def real():
+    from mistjax.cost import model
+
+    return model
+
+
+@pytest.mark.parametrize("budget", [1.2e6, 3e6])
+def test_plans_are_feasible_under_the_memory_model(real, budget):
+    w = real.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+    cl = _cpu(budget)
+    res = tune(w, cl, cost=real, time_limit=30)
+    for r in [res.search, *res.baselines.values()]:
+        if r.plan is not None:
+            assert r.plan.prediction.peak_memory <= cl.memory_budget() * (1 + 1e-9)
+    assert res.plan.prediction.peak_memory <= cl.memory_budget() * (1 + 1e-9)
+
+
+def _reference_step(cfg_name: str, batch_size: int = 16, seq: int = 32):
+    from mistjax.train.loop import make_train_step
+    from mistjax.train.loss import make_loss_fn
+    from mistjax.train.state import TrainState, make_optimizer
+
+    cfg = models.get_config(cfg_name)
+    state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), make_optimizer(1e-3))
+    step_fn = make_train_step(make_loss_fn(state.graphdef))
+    tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch_size, seq + 1)).astype(np.int32)
+    batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+    ref_state, ref_metrics = jax.jit(step_fn)(state, batch)
+    return state, step_fn, batch, ref_state, ref_metrics
+
+
+def _check_autoshard(state, step_fn, batch, ref_state, ref_metrics, **options):
+    step = mistjax.autoshard(step_fn, jax.devices(), **options)
+    placed = step.place(state, batch)
+    new_state, metrics = step(placed, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)  # one Adam step of lr 1e-3
+    return step
+
+
+def test_autoshard_without_plan_runs_and_matches_reference(real, tmp_path):
+    args = _reference_step("gpt3-tiny")
+    host_state = jax.tree.map(np.array, args[0])  # the step donates the state it is given
+    step = _check_autoshard(*args, memory_budget=1.2e6, cache_dir=tmp_path, time_limit=30, cost=real)
+    assert step.plan.prediction is not None and step.result is not None
+    assert "best baseline" in step.plan.summary()
+    # Same inputs: the cache serves the same plan without tuning.
+    again = mistjax.autoshard(args[1], jax.devices(), memory_budget=1.2e6, cache_dir=tmp_path, time_limit=30,
+                              cost=real)
+    again.place(host_state, args[2])
+    assert again.cache_hit and again.plan.to_json() == step.plan.to_json()
+    assert len(list(tmp_path.glob("plan-*.json"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,budget", [("llama-tiny", 8e5), ("falcon-tiny", 2e6), ("gpt3-tiny", 6e5)])
+def test_autoshard_tight_budgets_match_reference(real, name, budget):
+    args = _reference_step(name)
+    try:
+        step = _check_autoshard(*args, memory_budget=budget, time_limit=30, cost=real)
+    except RuntimeError as e:  # nothing fits: acceptable only with the message
+        assert "no plan fits" in str(e)
+        return
+    assert step.plan.prediction.peak_memory <= budget * (1 + 1e-9)
+
+
+def test_autoshard_without_plan_needs_a_batch():
+    step = mistjax.autoshard(lambda s, b: (s, {}), jax.devices())
+    with pytest.raises(mistjax.PlanError, match="first batch"):
+        step.place({"params": jnp.zeros(3)})
+    with pytest.raises(mistjax.PlanError, match="no plan yet"):
+        _ = step.plan
+
+
+def test_baseline_spaces_are_inside_mistjax_space():
+    full = SearchSpace()
+    for name, sp in baseline_spaces().items():
+        assert set(sp.zero_levels) <= set(full.zero_levels), name
+        assert set(sp.micro_batches) <= set(full.micro_batches), name
+        for f in ("weight_offload", "grad_offload", "opt_offload", "act_offload"):
+            assert set(getattr(sp, f)) <= set(getattr(full, f)), (name, f)
+
+
+# ---------------------------------------------------------------------------------------------- scripts
+@pytest.mark.slow
+def test_reproduce_paper_quick_writes_the_documented_json(tmp_path):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "reproduce_paper.py"
+    spec = importlib.util.spec_from_file_location("reproduce_paper", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--quick", "--json", str(tmp_path / "r.json"), "--docs", str(tmp_path / "b.md"),
+                    "--time-limit", "30", "--ablations", "0"])
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc == json.loads(json.dumps(out))
+    for cell in doc["cells"]:
+        assert {"platform", "family", "size", "gpus", "tokens_per_s", "baselines", "speedup_vs_megatron", "tune_s",
+                "plan"} <= set(cell)
+        assert cell["speedup_vs_megatron"] >= 1.0
+    assert {"avg_speedup_vs_megatron", "min_speedup_vs_megatron"} <= set(doc["summary"]["l4"])
+    assert "tune_s_max" in doc["summary"]
+    assert "reproduce_paper:begin" in (tmp_path / "b.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_gpu_dry_run(tmp_path):
+    import subprocess
+    import sys
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "scripts" / "bench_gpu.py"), "--results", str(tmp_path), "--dry-run",
+                    "--time-limit", "10"], check=True, capture_output=True, timeout=600)
+    doc = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert doc["summary"]["runs"] >= 1
+    assert all("error" not in r or "no plan fits" in r["error"] for r in doc["runs"])
