@@ -57,13 +57,15 @@ def main() -> None:
                     "bubble_fraction": float(schedules.bubble_fraction(S, G, schedule)),
                     "lockstep_time": float(schedules.lockstep_time(sched, np.ones(S), 2 * np.ones(S))),
                 })
-    head = f"{'S':>2} {'G':>3} {'schedule':<8} {'peak KiB':>9} {'temp KiB':>9} {'in-flight/stage':<16} {'bubble':>7} {'ticks t':>8}"
+    head = (f"{'S':>2} {'G':>3} {'schedule':<8} {'peak KiB':>9} {'temp KiB':>9} {'in-flight/stage':<16} "
+            f"{'bubble':>7} {'ticks t':>8}")
     print(f"{a.model}, seq {a.seq_len}, micro-batch 1 per data-parallel rank, {n} devices")
     print(head)
     print("-" * len(head))
     for r in records:
         m = r["memory"]
-        print(f"{r['stages']:>2} {r['grad_accum']:>3} {r['schedule']:<8} {m['peak'] / 1024:>9.1f} {m['temp'] / 1024:>9.1f} "
+        print(f"{r['stages']:>2} {r['grad_accum']:>3} {r['schedule']:<8} {m['peak'] / 1024:>9.1f} "
+              f"{m['temp'] / 1024:>9.1f} "
               f"{str(r['inflight_per_stage']):<16} {r['bubble_fraction']:>7.3f} {r['lockstep_time']:>8.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps(records, indent=1))
