@@ -21,7 +21,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from mistjax.runtime.remat import remat_policy
-from mistjax.trace.split import TracedLoss
+from mistjax.trace.split import TracedLoss, free_vars
 
 WEIGHT, ACT, OTHER = "weight", "act", "other"
 
@@ -74,17 +74,7 @@ def _needed(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
 
 def _free_inputs(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
     """Vars read by ``eqns`` (or returned) that they do not define, in first-use order."""
-    defined: set[Any] = set()
-    free: dict[Any, None] = {}
-    for e in eqns:
-        for v in e.invars:
-            if isinstance(v, jex.Var) and v not in defined:
-                free.setdefault(v, None)
-        defined.update(e.outvars)
-    for v in outs:
-        if isinstance(v, jex.Var) and v not in defined:
-            free.setdefault(v, None)
-    return list(free)
+    return free_vars(eqns, outs, defined=set())
 
 
 def _sub_fn(

@@ -148,16 +148,9 @@ def from_stage_layout(staged: PyTree, stage_layers: Sequence[Sequence[int]]) -> 
 
 def remat_policy_fn(name: str) -> Callable[..., Any]:
     """The ``jax.checkpoint`` policy for a plan's policy name: full | dots | names:a,b."""
-    cp = jax.checkpoint_policies
-    if name == "full":
-        return cp.nothing_saveable
-    if name == "dots":
-        return cp.dots_with_no_batch_dims_saveable
-    if name.startswith("names:"):
-        names = [n.strip() for n in name[len("names:"):].split(",") if n.strip()]
-        if names:
-            return cp.save_only_these_names(*names)
-    raise ValueError(f"unknown remat policy {name!r}: use 'full', 'dots' or 'names:a,b'")
+    from mistjax.runtime.remat import remat_policy  # one mapping of names to policies for the whole runtime
+
+    return remat_policy(name)
 
 
 # ------------------------------------------------------------------------------ residual classification

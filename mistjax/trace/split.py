@@ -226,7 +226,7 @@ def post_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequ
     env = _inputs_env(traced, param_leaves, rest_leaves)
     env.update(zip(scan.outvars, carry))
     after = range(stack.eqn_index + 1, len(jaxpr.eqns))
-    needed_before = _free_vars([jaxpr.eqns[k] for k in after], jaxpr.outvars, defined=set(scan.outvars))
+    needed_before = free_vars([jaxpr.eqns[k] for k in after], jaxpr.outvars, defined=set(scan.outvars))
     _run_needed(jaxpr, range(stack.eqn_index), needed_before, env)
     for k in after:
         eqn = jaxpr.eqns[k]
@@ -245,7 +245,7 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if isinstance(v, jex.Literal) else env[v]
 
 
-def _free_vars(eqns: Sequence[Any], outvars: Sequence[Any], defined: set[Any]) -> list[Any]:
+def free_vars(eqns: Sequence[Any], outvars: Sequence[Any], defined: set[Any]) -> list[Any]:
     """Variables that `eqns` (and `outvars`) read but do not define themselves."""
     defined = set(defined)
     free: dict[Any, None] = {}
