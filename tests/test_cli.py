@@ -39,3 +39,9 @@ def test_corrupt_plan_file(tmp_path, capsys):
     bad.write_text('{"stages": [')
     assert main(["explain", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_no_feasible_plan_says_what_would_fit(capsys):
+    assert main(["plan", *TINY, "--memory-gib", "0.0001", "--time-limit", "10", "--no-baselines"]) == 2
+    err = capsys.readouterr().err
+    assert "no plan fits" in err and "the smallest plan needs" in err and "devices with at least" in err

@@ -329,6 +329,31 @@ class TuneResult:
         return "\n".join(lines)
 
 
+def no_plan_message(workload: Any, cluster: Any, cost: ModuleType) -> str:
+    """Why nothing fits: the smallest per-device memory mistjax can reach, and what would fit it."""
+    n = cluster.nodes * cluster.devices_per_node
+    budget = cluster.memory_budget()
+    text = (f"no plan fits: every strategy of the space exceeds the memory budget of {budget / 2**30:.2f} GiB per "
+            f"device on {cluster.nodes}x{cluster.devices_per_node} devices")
+    try:
+        policy = tuple(workload.policies).index("full") if "full" in workload.policies else 0
+        smallest = cost.stage_cost(workload, cluster, cost.StageStrategies.make(
+            b=1, dp=n, zero=3, layers=workload.num_layers, remat=workload.num_layers, policy=policy, wo=1.0,
+            go=1.0, oo=1.0, ao=1.0, G=max(1, getattr(workload, "global_batch", n) // n),
+            per_node=cluster.devices_per_node, nodes=cluster.nodes))
+        need = float(np.min(smallest.peak))
+        states = float(sum(np.min(v) for k, v in smallest.memory.items() if k in ("params", "grads", "optimizer")))
+        more = math.ceil(n * need / budget) if need > 0 else n
+        card = need / cluster.device.usable_memory_fraction / 2**30
+        text += (f"; the smallest plan needs {need / 2**30:.2f} GiB per device (ZeRO-3 over all {n} devices, every "
+                 f"layer recomputed, everything offloadable offloaded, micro-batch 1; {states / 2**30:.2f} GiB of it "
+                 f"model states). Use devices with at least {card:.1f} GiB, about {more} or more "
+                 "devices of this kind, a shorter sequence, or a smaller model")
+    except Exception as e:  # the diagnosis must never hide the real error
+        text += f"; use more devices, a smaller model or batch (could not estimate the minimum: {e})"
+    return text
+
+
 def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_limit: float = 60.0,
          baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: ModuleType | None = None,
          baseline_time_limit: float = 60.0) -> TuneResult:
@@ -368,9 +393,7 @@ def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_
         if plan is None or r.step_time < main.step_time:
             plan, note = r.plan, f"adopted the {name} baseline's plan (predicted faster than the search's own)"
     if plan is None:
-        raise RuntimeError(f"no plan fits: every strategy of the space exceeds the memory budget of "
-                           f"{cluster.memory_budget() / 2**30:.2f} GiB per device on {cluster.nodes}x"
-                           f"{cluster.devices_per_node} devices; use more devices, a smaller model or batch")
+        raise RuntimeError(no_plan_message(workload, cluster, cost))
     found = [(n, r) for n, r in base.items() if r.plan is not None]
     bname, bres = min(found, key=lambda nr: nr[1].step_time) if found else ("", None)
     tuned = TunedPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},
