@@ -49,3 +49,18 @@ def test_value_and_grad_other_argnums_inside_autoshard():
     plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES)
     with pytest.raises(ValueError, match="differentiates the first argument"):
         mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
+
+
+def test_unsupported_primitive_in_the_block():
+    from mistjax.analysis.analyze import UnsupportedPrimitiveError, analyze_model
+
+    def loss(params, x):
+        def layer(h, w):
+            h = jax.lax.while_loop(lambda c: jnp.sum(c[1]) < 3.0, lambda c: (c[0] @ w, c[1] + 1.0), (h, h))[0]
+            return h, None
+
+        return jnp.mean(jax.lax.scan(layer, x, params["layers"])[0])
+
+    params = {"layers": jnp.ones((2, 4, 4)) * 0.1}
+    with pytest.raises(UnsupportedPrimitiveError, match="data-dependent while loop"):
+        analyze_model(loss, params, lambda b, s: (jax.ShapeDtypeStruct((b, s, 4), jnp.float32),))

@@ -325,6 +325,35 @@ def block_tags(part: PartFn) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.params["name"] for n in g.walk() if n.prim == "name"))
 
 
+# Primitives whose cost depends on run-time values (data-dependent loops) or happens outside XLA (host
+# callbacks): the symbolic analysis cannot price them, so a block using one is refused up front.
+UNSUPPORTED_PRIMITIVES = {"while": "a data-dependent while loop (use lax.scan / fori_loop with static bounds)",
+                          "pure_callback": "a host callback", "io_callback": "a host callback",
+                          "debug_callback": "a host callback (jax.debug.print / callback)"}
+
+
+class UnsupportedPrimitiveError(ValueError):
+    """The layer block uses a primitive the cost model cannot price."""
+
+
+def check_block_primitives(closed: Any) -> None:
+    """Raise `UnsupportedPrimitiveError` if the block jaxpr (or a sub-jaxpr) uses an unpriceable primitive."""
+    from jax.extend import core as jex
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            why = UNSUPPORTED_PRIMITIVES.get(eqn.primitive.name)
+            if why is not None:
+                raise UnsupportedPrimitiveError(
+                    f"the layer block uses `{eqn.primitive.name}` ({why}), which mistjax's cost model cannot price; "
+                    "remove it from the block (e.g. move debug prints out of the model) or pass plan=... to "
+                    "autoshard to skip tuning")
+            for sub in jex.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+
+
 def analyze_model(
     fun: Callable[..., Any],
     params: Any,
@@ -361,6 +390,8 @@ def analyze_model(
     points = [tuple(p) for p in points]
     axes = _flat_axes(params, param_axes)
     traced = [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points]
+    if traced[0].stack is not None:
+        check_block_primitives(traced[0].stack.body)
     parts = [split_parts(t) for t in traced]
     tags = block_tags(parts[0]["block"])
     if policies is None:
