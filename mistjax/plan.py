@@ -297,10 +297,17 @@ class Plan:
             lines.append(f"  {i:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.zero_stage:>4} {remat:>12} {off:>19}")
         p = self.prediction
         if p is not None:
-            mem = p.peak_memory / 2**30
             lines.append(f"  predicted: {p.step_time:.4g} s/step, {p.tokens_per_s:,.0f} tokens/s, "
-                         f"peak {mem:.2f} GiB/device")
+                         f"peak {format_bytes(p.peak_memory)}/device")
         return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (e.g. ``3.25 GiB``, ``712 KiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def params_fingerprint(params: Any) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mistjax.plan import Plan, Prediction, StagePlan
+from mistjax.plan import Plan, Prediction, StagePlan, format_bytes
 from mistjax.tune.baselines import ablation_spaces, baseline_spaces
 from mistjax.tune.inter import KeyChoice, key_bound, tune_key
 from mistjax.tune.intra import StageTables, sample_stage_tables
@@ -64,7 +64,7 @@ class TunedPlan(Plan):
         base, mine = self.baseline_prediction, self.prediction
         if base is not None and mine is not None and base.step_time > 0:
             lines.append(f"  best baseline ({self.baseline_name}): {base.step_time:.4g} s/step, "
-                         f"{base.tokens_per_s:,.0f} tokens/s, peak {base.peak_memory / 2**30:.2f} GiB/device; "
+                         f"{base.tokens_per_s:,.0f} tokens/s, peak {format_bytes(base.peak_memory)}/device; "
                          f"mistjax speedup {base.step_time / mine.step_time:.2f}x")
         return "\n".join(lines)
 
