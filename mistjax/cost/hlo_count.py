@@ -15,19 +15,17 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+from mistjax.runtime.hlo import replica_group_size, shape_bytes
+
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(_OPS) +
                     r")(-start)?\(")
-_SHAPE = re.compile(r"\b(pred|[subf]\d+)\[([\d,]*)\]")
 _WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
                        r"false_computation=%?([\w.\-]+))")
 _CALLS = re.compile(r"\s(?:call|async-start)\(.*?to_apply=%?([\w.\-]+)")
-_GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
 
 
 @dataclass(frozen=True)
@@ -40,27 +38,6 @@ class HloCollective:
     group_size: int  # devices per replica group (2 for a permute)
     computation: str  # the computation that holds it
     trips: int  # executions per step (product of the known trip counts of the loops around it)
-
-
-def _shape_bytes(text: str) -> list[tuple[str, int]]:
-    text = re.sub(r"/\*.*?\*/", "", text)
-    out = []
-    for dt, dims in _SHAPE.findall(text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        out.append((dt, n * _DTYPE_BYTES.get(dt, 4)))
-    return out
-
-
-def _group_size(line: str) -> int:
-    g = _GROUPS.search(line)
-    if not g:
-        return 2
-    s = g.group(1)
-    if s.startswith("{{"):
-        return len(s[2:].split("}")[0].split(","))
-    return int(s[1:].split("]")[0].split(",")[-1])
 
 
 def computation_trips(hlo_text: str) -> dict[str, int]:
@@ -117,14 +94,14 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
         m = _INSTR.match(line)
         if not m:
             continue
-        shapes = _shape_bytes(m.group(2))
+        shapes = shape_bytes(m.group(2))
         if not shapes:
             continue
         if m.group(4):  # async start: (operand, result, ...) tuple; the result is the second entry
             dtype, nbytes = shapes[1] if len(shapes) > 1 else shapes[0]
         else:
             dtype, nbytes = shapes[-1][0], sum(b for _, b in shapes)
-        out.append(HloCollective(op=m.group(3), result_bytes=nbytes, dtype=dtype, group_size=_group_size(line),
+        out.append(HloCollective(op=m.group(3), result_bytes=nbytes, dtype=dtype, group_size=replica_group_size(line),
                                  computation=comp, trips=trips.get(comp, 1)))
     return out
 

@@ -16,9 +16,9 @@ _OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
-_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_SHAPE = re.compile(r"\b(pred|[subf]\d+)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
-_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", re.M)
 
 
@@ -34,9 +34,10 @@ class Collective:
     computation: str  # the HLO computation holding it (a while body runs once per iteration)
 
 
-def _shape_bytes(text: str) -> list[tuple[str, int]]:
+def shape_bytes(text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of every array type in an HLO type string (tuple types give several)."""
     out = []
-    for dtype, dims in _SHAPE.findall(text):
+    for dtype, dims in _SHAPE.findall(_COMMENT.sub("", text)):
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
@@ -44,9 +45,12 @@ def _shape_bytes(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def _group_size(groups: str | None) -> int:
-    if not groups:
+def replica_group_size(text: str) -> int:
+    """Devices per replica group of the collective whose operands/attributes are `text` (2 for a permute)."""
+    g = _GROUPS.search(text)
+    if not g:
         return 2
+    groups = g.group(1)
     if groups.startswith("{{"):
         return len(groups[2:].split("}")[0].split(","))
     return int(groups[1:].split("]")[0].split(",")[-1])
@@ -54,13 +58,13 @@ def _group_size(groups: str | None) -> int:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled HLO text (``compiled.as_text()``)."""
-    # Map each instruction's offset to the computation it belongs to.
     # Long tuple types carry `/*index=N*/` comments; drop them so a tuple type is one token.
-    hlo_text = _INDEX_COMMENT.sub("", hlo_text)
+    hlo_text = _COMMENT.sub("", hlo_text)
+    # Map each instruction's offset to the computation it belongs to.
     comps = [(m.start(), m.group(1)) for m in _COMPUTATION.finditer(hlo_text)]
     out = []
     for m in _INSTR.finditer(hlo_text):
-        shapes = _shape_bytes(m["type"])
+        shapes = shape_bytes(m["type"])
         if not shapes:
             continue
         dtype, nbytes = shapes[-1] if m["start"] else (shapes[0][0], sum(b for _, b in shapes))
@@ -71,7 +75,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             if start > m.start():
                 break
             comp = name
-        out.append(Collective(op=m["op"], result_bytes=nbytes, dtype=dtype, group_size=_group_size(groups),
+        out.append(Collective(op=m["op"], result_bytes=nbytes, dtype=dtype, group_size=replica_group_size(m["rest"]),
                               groups=groups, computation=comp))
     return out
 
