@@ -86,7 +86,7 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
              ) -> tuple[list[Any], list[Any]]:
         def layer(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(gather, x)]
-            c, y = body(consts, c, x, GATHERED if any_gather else None)
+            c, y = body(consts, c, x)
             if carry_constraint is not None:
                 c = [carry_constraint(ci) for ci in c]
             return c, y

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex
 
 LayerLoop = Callable[[Callable[..., Any], list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
@@ -129,17 +128,10 @@ def checkpoint_names(closed: jex.ClosedJaxpr) -> tuple[str, ...]:
     return tuple(seen)
 
 
-def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any],
-              weight_tag: str | None = None) -> tuple[list[Any], list[Any]]:
-    """Run one layer: the scan body on one slice of the scanned operands.
-
-    With `weight_tag`, every value computed from the layer's weights alone (casts, reshapes and
-    transposes of the scanned operands) is tagged with ``checkpoint_name(weight_tag)``, so a remat
-    policy that refuses that name recomputes them in the backward pass instead of saving them.
-    """
-    body = stack.body.jaxpr
-    weights = set(body.invars[stack.num_consts + stack.num_carry:]) if weight_tag else None
-    out = _eval(body, stack.body.consts, [*consts, *carry, *xs], weights=weights, weight_tag=weight_tag)
+def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any]
+              ) -> tuple[list[Any], list[Any]]:
+    """Run one layer: the scan body on one slice of the scanned operands."""
+    out = _eval(stack.body.jaxpr, stack.body.consts, [*consts, *carry, *xs])
     return out[: stack.num_carry], out[stack.num_carry:]
 
 
@@ -192,7 +184,7 @@ def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Seque
         if stack is not None and k == stack.eqn_index and layer_loop is not None:
             vals = [read(v) for v in eqn.invars]
             nc, ncar = stack.num_consts, stack.num_carry
-            body = lambda consts, carry, x, tag=None: run_block(stack, consts, carry, x, tag)  # noqa: E731
+            body = lambda consts, carry, x: run_block(stack, consts, carry, x)  # noqa: E731
             carry, ys = layer_loop(body, vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:])
             outs = [*carry, *ys]
         else:
@@ -284,21 +276,11 @@ def _bind(eqn: Any, args: list[Any], inline: bool = False) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], inline: bool = False,
-          weights: set[Any] | None = None, weight_tag: str | None = None) -> list[Any]:
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], inline: bool = False) -> list[Any]:
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-    weight_only = set(weights or ())
     for eqn in jaxpr.eqns:
         outs = _bind(eqn, [read(v) for v in eqn.invars], inline)
-        if weights is not None and eqn.invars and all(
-                isinstance(v, jex.Literal) or v in weight_only for v in eqn.invars):
-            weight_only.update(eqn.outvars)
-            outs = [checkpoint_name(o, weight_tag) if _is_float(o) else o for o in outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
-
-
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
