@@ -3,8 +3,11 @@
 A stage with ``l`` layers and ``remat_layers = c`` runs its first ``l - c`` layers normally and
 checkpoints the last ``c`` (Mist's convention: the last blocks of a stage are recomputed, since
 their activations would be freed soonest anyway). ZeRO-3 weight gathers happen inside each
-layer and are tagged `GATHERED`, which no policy saves: the backward pass gathers again, so
-gathered weights never pile up as residuals.
+layer and are tagged `GATHERED`. A checkpointed layer gathers again in its backward pass; a plain
+layer's backward still finds views of the gathered weights among its residuals (a name-based policy
+saves the untagged value that feeds a tag), so ZeRO-3 saves weight memory on checkpointed layers
+only. The cost model charges one fetched layer per plain layer; a per-layer custom VJP that drops
+weight-only residuals (as `runtime.pipeline` does) would remove it.
 """
 
 from __future__ import annotations
