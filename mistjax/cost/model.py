@@ -90,6 +90,7 @@ class StageCost:
     host: np.ndarray = field(default_factory=lambda: np.zeros(()))  # host bytes per device (offloaded)
     flops: np.ndarray = field(default_factory=lambda: np.zeros(()))  # FLOPs per device per step
     flops_xla: np.ndarray = field(default_factory=lambda: np.zeros(()))  # FLOPs as XLA's cost_analysis counts
+    flops_xla_step: np.ndarray = field(default_factory=lambda: np.zeros(()))  # once-per-step part of `flops_xla`
     comm: dict[str, np.ndarray] = field(default_factory=dict)  # collective result bytes per step, by kind
 
     @property
@@ -198,7 +199,8 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
     mb_flops = mb_flops + np.where(last, v["post.fwd_flops"] + v["post.bwd_flops"], 0.0)
     flops = G * mb_flops + ext["flops"]
     # XLA counts a loop body once: the micro-batch loop (G > 1) and each layer segment's scan.
-    unroll = np.where(fetch > 0, 2.0, 1.0)
+    # The pipeline executor's layer scans are not unrolled.
+    unroll = np.where((fetch > 0) & ~pipelined, 2.0, 1.0)
 
     def counted(n: np.ndarray, u: np.ndarray) -> np.ndarray:
         return np.where(n <= 0, 0.0, np.where(n > 1, u + np.mod(n, u), 1.0))
@@ -213,6 +215,7 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
     ok_tp = workload.compiled.feasible(b, s, t)
     return StageCost(stable=stable, delta=delta, fwd=lay["fwd"], bwd=lay["bwd"], memory=memory, peak=peak,
                      feasible=(peak <= budget) & ok_tp, host=host, flops=flops, flops_xla=flops_xla,
+                     flops_xla_step=ext["flops_xla"],
                      comm={k: ext[f"comm.{k}"] for k in ("all-gather", "reduce-scatter", "all-reduce")})
 
 

@@ -5,6 +5,10 @@ pipelined runtime adds on top (`mistjax.runtime.pipeline`):
 
 * residual pools are sized to the MAX over stages of slots x rows, and SPMD gives every device the
   same buffers, so every stage is charged the largest stage's activation memory;
+* every device's program holds the code of every stage kind (a two-way cond per kind and tick), so
+  XLA's cost analysis, which counts a loop body once and a cond as its costlier branch, sees the
+  layer bodies of every distinct stage kind once (`Analysis.flops_xla`);
+* every tick sends one activation forward and one cotangent backward (``collective-permute``);
 * the executor is lock-step (each tick lasts as long as its slowest stage), so the step time is
   `mistjax.runtime.schedules.lockstep_time` of the per-stage forward / backward times, plus the
   largest once-per-step delta; Mist's formula (`cost.pipeline_time`) is reported for comparison.
@@ -89,6 +93,19 @@ def _lockstep(plan: Plan, fwd: np.ndarray, bwd: np.ndarray) -> float:
     return schedules.lockstep_time(sched, fwd, bwd)
 
 
+def _num_ticks(plan: Plan) -> int:
+    from mistjax.runtime import schedules
+
+    return schedules.make_schedule(plan.schedule, plan.num_stages, plan.grad_accum).num_ticks
+
+
+def _stage_kind(plan: Plan, i: int) -> tuple[Any, ...]:
+    """What makes stage ``i``'s code differ from another's in the pipeline executor."""
+    s = plan.stages[i]
+    c = min(s.remat_layers, s.num_layers)
+    return (i == 0, i == plan.num_stages - 1, s.num_layers - c, c, s.remat_policy if c else None)
+
+
 def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
     """Predict ``plan`` on ``cluster`` with per-stage time / memory breakdowns (see `Analysis`)."""
     st = plan_strategies(workload, plan, cluster)
@@ -111,12 +128,19 @@ def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
                       stage_delta=tuple(float(x) for x in c.delta), stage_memory=stage_memory,
                       tokens_per_s=tokens / step if step > 0 else 0.0)
     coll = {k: float(np.max(v)) for k, v in c.comm.items()}
+    flops_xla = np.broadcast_to(c.flops_xla, (S,)).astype(np.float64)
+    if S > 1:
+        coll["collective-permute"] = 2.0 * _num_ticks(plan) * float(workload.compiled(
+            plan.micro_batch, workload.seq_len, plan.tp)["block.output_bytes"])
+        body = flops_xla - np.broadcast_to(c.flops_xla_step, (S,))
+        kinds = {_stage_kind(plan, i): float(body[i]) for i in range(S)}
+        flops_xla = np.full(S, sum(kinds.values()) + float(np.max(c.flops_xla_step)))
     host = np.broadcast_to(c.host, (S,))
     return Analysis(prediction=pred, step_time=step, mist_step_time=mist, stage_fwd=tuple(map(float, c.fwd)),
                     stage_bwd=tuple(map(float, c.bwd)), stage_memory=stage_memory,
                     stage_host=tuple(map(float, host)), xla_cpu_peak=tuple(float(x) for x in peak + host),
                     collective_bytes=coll, flops=tuple(map(float, np.broadcast_to(c.flops, (S,)))),
-                    flops_xla=tuple(map(float, np.broadcast_to(c.flops_xla, (S,)))), notes=tuple(notes))
+                    flops_xla=tuple(map(float, flops_xla)), notes=tuple(notes))
 
 
 def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:

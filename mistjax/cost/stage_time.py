@@ -182,7 +182,12 @@ def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)
     hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], k, m, intra, inter), 0.0)
-    delta = sync + regather + update + swap + hoisted
+    stage_sum_bytes = v["pre.weight_bytes"] + v["post.weight_bytes"]
+    S = A["stages"].astype(np.float64)
+    sk, sm, sintra, sinter = _group_link(cluster, S, dp * t, per_node)
+    slink = (np.where(sm > 1, sinter[0], sintra[0]), np.where(sm > 1, sinter[1], sintra[1]))
+    stage_sum = np.where(pipelined, collective_time("all-reduce", stage_sum_bytes, S, slink), 0.0)
+    delta = sync + regather + update + swap + hoisted + stage_sum
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
     elems_upd = upd_bytes / 4.0
     elems_full = grad_full / 4.0
@@ -197,9 +202,11 @@ def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
+    # Pipelines replicate embedding and head on every stage: their gradients are summed over `stage`.
+    ar = ar + np.where(pipelined, stage_sum_bytes, 0.0)
     return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
             "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "regather": regather,
-            "update": update, "swap": swap}
+            "update": update, "swap": swap, "stage_sum": stage_sum}
 
 
 __all__ = ["compute_time", "layer_times", "step_extras"]

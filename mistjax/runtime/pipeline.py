@@ -128,10 +128,13 @@ def to_stage_layout(stacked: PyTree, stage_layers: Sequence[Sequence[int]]) -> t
         index[s, : b - a] = np.arange(a, b)
         mask[s, : b - a] = True
     num_layers = bounds[-1][1]
+    even = all(b - a == lmax for a, b in bounds)
 
     def one(x: jax.Array) -> jax.Array:
         if x.shape[0] != num_layers:
             raise ValueError(f"stacked leaf has {x.shape[0]} layers, stage_layers cover {num_layers}")
+        if even:  # a reshape keeps a stage-split leaf where it is; a gather would make GSPMD move it
+            return x.reshape((len(bounds), lmax) + x.shape[1:])
         keep = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
         return jnp.where(keep, jnp.take(x, index, axis=0), jnp.zeros((), x.dtype))
 
@@ -141,6 +144,8 @@ def to_stage_layout(stacked: PyTree, stage_layers: Sequence[Sequence[int]]) -> t
 def from_stage_layout(staged: PyTree, stage_layers: Sequence[Sequence[int]]) -> PyTree:
     """Invert `to_stage_layout`: ``[S, Lmax, ...]`` leaves back to ``[L, ...]`` (padding dropped)."""
     bounds = _check_stage_layers(stage_layers)
+    if all(b - a == bounds[0][1] - bounds[0][0] for a, b in bounds):
+        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), staged)
     stage_of = np.array([s for s, (a, b) in enumerate(bounds) for _ in range(b - a)], np.int32)
     row_of = np.array([r for a, b in bounds for r in range(b - a)], np.int32)
     return jax.tree.map(lambda x: x[stage_of, row_of], staged)
