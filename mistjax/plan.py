@@ -8,6 +8,8 @@ choices. It is a frozen dataclass with a JSON form carrying a schema version, so
 The plan mesh has axes ``("stage", "replica", "shard", "tensor")`` with extents
 ``(S, dp // shard_group, shard_group, tp)``; ``tensor`` varies fastest over the user's devices,
 so TP and MiCS groups land inside a node when the node holds ``shard_group * tp`` devices.
+(The runtime splits ``shard`` into inter- and intra-node parts, `mistjax.runtime.mesh`; the plan
+and its JSON keep the single axis.)
 """
 
 from __future__ import annotations

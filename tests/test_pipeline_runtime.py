@@ -80,7 +80,8 @@ def test_pipelining_a_model_without_layer_stack_is_refused():
 
 def test_optimizer_step_runs_pipelined():
     cfg, state, batch, *_ = setup("llama-tiny")
-    state = state.replace(tx=optax.adam(1e-3), opt_state=optax.adam(1e-3).init(state.params))
+    # Copies: the step donates its state, and `setup`'s state is shared by the other tests.
+    state = jax.tree.map(jnp.copy, state.replace(tx=optax.adam(1e-3), opt_state=optax.adam(1e-3).init(state.params)))
     step = mistjax.autoshard(loss_only_step("llama-tiny"), jax.devices(),
                              plan=pipelined_plan("llama-tiny", 2, grad_accum=2, **ZERO2))
     losses = []
@@ -88,3 +89,22 @@ def test_optimizer_step_runs_pipelined():
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
     assert losses[-1] < losses[0]
+
+
+def test_pipelined_zero3_across_nodes_is_hierarchical():
+    """4 nodes of 2, 2 stages x dp 4: each stage's partition group spans 2 nodes, so the per-layer
+    gathers run inter-node then intra-node (and the reduce-scatters mirror them), with the same
+    numerics as one device."""
+    mesh = jax.make_mesh((4, 2), ("node", "gpu"))
+    name = "llama-tiny"
+    plan = pipelined_plan(name, 2, grad_accum=2, **ZERO3)
+    _, state, batch, train_step, ref_loss, ref_grads = setup(name)
+    compiled = mistjax.autoshard(loss_only_step(name), mesh, plan=plan).lower(state, batch).compile()
+    _, metrics = mistjax.autoshard(train_step, mesh, plan=plan)(jax.tree.map(jnp.copy, state), batch)
+    assert_matches_reference(metrics, ref_loss, ref_grads)
+    colls = [c for c in hlo.collectives(compiled.as_text()) if c.op in ("all-gather", "reduce-scatter")]
+    inter, intra = "{{0,2},{1,3},{4,6},{5,7}}", "{{0,1},{2,3},{4,5},{6,7}}"  # devices (stage, node, local)
+    assert {c.groups for c in colls} == {inter, intra}
+    for op in ("all-gather", "reduce-scatter"):
+        assert sum(c.op == op and c.groups == inter for c in colls) == sum(c.op == op and c.groups == intra
+                                                                           for c in colls) > 0

@@ -113,10 +113,10 @@ def test_combination_matches_single_device(name, knobs):
     assert_matches_reference(metrics, ref_loss, ref_grads)
 
 
-def compiled(name: str, **knobs):
+def compiled(name: str, mesh=None, **knobs):
     cfg, state, batch, *_ = setup(name)
     train_step = loss_only_step(name)
-    step = mistjax.autoshard(train_step, jax.devices(), plan=make_plan(cfg, **knobs))
+    step = mistjax.autoshard(train_step, mesh or jax.devices(), plan=make_plan(cfg, **knobs))
     return step, step.lower(state, batch).compile()
 
 
@@ -168,11 +168,199 @@ def test_remat_lowers_temporary_memory():
     assert hlo.memory_stats(c4)["temp"] < 0.8 * hlo.memory_stats(c0)["temp"]
 
 
+def test_zero3_plain_layers_regather_in_backward():
+    """Without remat, each layer's weights are gathered in the forward loop and again in the backward
+    loop (the re-fetching custom VJP), and the backward keeps no gathered weights: ZeRO-3 holds
+    less temporary memory than ZeRO-2 (which has the same residuals but full-size gradients)."""
+    from mistjax.cost.hlo_count import collective_totals, hlo_collectives
+
+    _, c3 = compiled("llama-tiny", **ZERO3)
+    params = setup("llama-tiny")[1].params
+    stacked = jax.tree.leaves(params["layers"])
+    num_layers = stacked[0].shape[0]
+    layer = sum(int(np.prod(x.shape[1:])) * 4 for x in stacked)  # one layer's gathered fp32 weights
+    other = sum(x.size * 4 for k, v in params.items() if k != "layers" for x in jax.tree.leaves(v))
+    text = c3.as_text()
+    assert collective_totals(text)["all-gather"] == 2 * num_layers * layer + other
+    loops = {g.computation for g in hlo_collectives(text)
+             if g.op == "all-gather" and not g.computation.startswith("main")}
+    assert len(loops) == 2, f"layer gathers in the forward and the backward loop, got {loops}"
+
+    _, c2 = compiled("llama-tiny", **ZERO2)
+    t2, t3 = hlo.memory_stats(c2)["temp"], hlo.memory_stats(c3)["temp"]
+    full_grads = sum(x.size * 4 for x in jax.tree.leaves(params))
+    # ZeRO-3 over ZeRO-2: + two fetched layers (the unrolled scan's double buffer) + the gathered
+    # embedding / head, - the full-size gradients it never holds (reduce-scattered per layer).
+    expected = t2 + 2 * layer + other - (full_grads - full_grads // DEVICES)
+    # Plain layers keeping their gathered weights as residuals (the old runtime) added ~num_layers * layer.
+    assert t3 < expected + 0.25 * num_layers * layer, (t3, expected, layer)
+
+
+def test_refetching_layer_loop_matches_autodiff():
+    """make_layer_loop with a gather: consts / carry / stored-shard gradients equal plain autodiff's
+    (the gather's transpose reduce-scatters), no residual is a gathered weight, and without a
+    gather the loop stays a plain function (no custom VJP)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from mistjax.runtime.remat import make_layer_loop
+
+    L, B, D = 4, 3, 16
+    k = jax.random.split(jax.random.key(0), 4)
+    scale, h0 = jnp.float32(0.7), jax.random.normal(k[0], (B, D))
+    ws, bs = jax.random.normal(k[1], (L, D, D)) / 4, jax.random.normal(k[2], (L, D))
+
+    def body(consts, c, x):
+        h = jnp.tanh(c[0] @ x[0] * consts[0]) + x[1]
+        return [h], [jnp.sum(h * h)]
+
+    def loss(scale, h0, ws, bs, gather, remat):
+        loop = make_layer_loop(num_layers=L, remat_layers=remat, policy="full", gather=gather)
+        c, ys = loop(body, [scale], [h0], [ws, bs])
+        return jnp.sum(c[0] ** 3) + jnp.sum(ys[0])
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    ref = grad(scale, h0, ws, bs, [None, None], 0)
+    assert "custom_vjp" not in str(jax.make_jaxpr(functools.partial(loss, gather=[None, None], remat=0))(
+        scale, h0, ws, bs))
+    gather = [lambda x: jax.lax.all_gather(x, "shard", axis=0, tiled=True), None]
+    residual_shapes = []
+
+    def sharded(scale, h0, ws_local, bs):
+        fn = functools.partial(loss, gather=gather, remat=1)
+        residual_shapes.extend(x.shape for x in jax.tree.leaves(jax.vjp(fn, scale, h0, ws_local, bs)[1]))
+        g = grad(scale, h0, ws_local, bs, gather, 1)
+        return g[0], g[1], g[2] / DEVICES, g[3]  # each device computed the same loss: the scatter summed 8
+
+    mesh = Mesh(np.array(jax.devices()), ("shard",))
+    fn = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(P(), P(), P(None, "shard"), P()),
+                               out_specs=(P(), P(), P(None, "shard"), P()), check_vma=False))
+    for g, r in zip(fn(scale, h0, ws, bs), ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    # The plain layers keep their stored shards [L - 1, D / 8, D], never gathered weights (or views).
+    assert not [s for s in residual_shapes if s[-2:] == (D, D)], residual_shapes
+    assert (L - 1, D // DEVICES, D) in residual_shapes
+
+
 def test_nearly_all_parameters_sharded():
     step, _ = compiled("falcon-tiny", **ZERO3)
     from mistjax.runtime.sharding import unsharded_fraction
 
     assert unsharded_fraction(step.layouts) <= 0.02
+
+
+# ---------------------------------------------------------------- MiCS groups spanning nodes
+INTER = "{{0,4},{1,5},{2,6},{3,7}}"  # equal local rank on the 2 nodes of 4
+INTRA = "{{0,1,2,3},{4,5,6,7}}"  # one node
+
+
+def node_mesh():
+    """2 nodes x 4 devices; the leading ``node`` axis tells the runtime where node boundaries are
+    (make_mesh gives Explicit axis types here; the runtime only reads the devices and names)."""
+    return jax.make_mesh((2, 4), ("node", "gpu"))
+
+
+def run_on_nodes(name: str, **knobs) -> None:
+    """Loss, gradients and the optimizer's updated parameters equal the single-device reference."""
+    cfg, state, batch, train_step, ref_loss, ref_grads = setup(name)
+    step = mistjax.autoshard(train_step, node_mesh(), plan=make_plan(cfg, **knobs))
+    new_state, metrics = step(jax.tree.map(jnp.copy, state), batch)
+    assert_matches_reference(metrics, ref_loss, ref_grads)
+    ref_state = jax.jit(lambda s: s.apply_gradients(ref_grads))(state)
+    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def layer_weight_bytes(name: str) -> set[int]:
+    return {int(np.prod(x.shape[1:])) * 4 for x in jax.tree.leaves(setup(name)[1].params["layers"])}
+
+
+def test_shard_axes_split_at_node_boundaries():
+    from mistjax.runtime.mesh import build_plan_mesh
+
+    cfg = models.get_config("llama-tiny")
+    shape = lambda mesh, **k: tuple(build_plan_mesh(mesh, make_plan(cfg, **k)).shape.values())  # noqa: E731
+    assert shape(node_mesh(), **ZERO3) == (1, 1, 2, 4, 1)  # 8 = 2 nodes x 4
+    assert shape(node_mesh(), **ZERO3, tp=2) == (1, 1, 2, 2, 2)  # 4 x tp 2 = 2 nodes x (2 x tp 2)
+    assert shape(node_mesh(), **ZERO3, shard_group=4) == (1, 2, 1, 4, 1)  # one node: flat
+    assert shape(jax.devices(), **ZERO3) == (1, 1, 1, 8, 1)  # no node level known: flat
+    assert make_plan(cfg, **ZERO3).mesh_shape == {"stage": 1, "replica": 1, "shard": 8, "tensor": 1}
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_hierarchical_collectives_equal_flat_ones(dim):
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from mistjax.runtime.grads import shard_all_gather, shard_psum_scatter
+    from mistjax.runtime.mesh import SHARD_AXES, SHARD_SPEC
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), SHARD_AXES)
+    x = jax.random.normal(jax.random.key(0), (8, 16, 24))  # [device, ...]: one full buffer per device
+    spec = P(*([None] * dim + [SHARD_SPEC]))
+
+    def both(local_x, full):
+        return (shard_all_gather(local_x, dim), jax.lax.all_gather(local_x, SHARD_SPEC, axis=dim, tiled=True),
+                shard_psum_scatter(full[0], dim),
+                jax.lax.psum_scatter(full[0], SHARD_SPEC, scatter_dimension=dim, tiled=True))
+
+    fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(spec, P(SHARD_AXES)), out_specs=(P(), P(), spec, spec),
+                               check_vma=False))
+    hier_ag, flat_ag, hier_rs, flat_rs = fn(x[0], x)
+    np.testing.assert_array_equal(hier_ag, flat_ag)
+    np.testing.assert_allclose(hier_rs, flat_rs, rtol=1e-6, atol=1e-6)
+    colls = hlo.collectives(fn.lower(x[0], x).compile().as_text())
+    ag = [(c.groups, c.result_bytes) for c in colls if c.op == "all-gather" and c.group_size != 8]
+    full = 16 * 24 * 4
+    assert ag == [(INTER, full // 4), (INTRA, full)]  # inter-node on 1/p chunks first, then intra-node
+    rs = [(c.groups, c.result_bytes) for c in colls if c.op == "reduce-scatter" and c.group_size != 8]
+    assert rs == [(INTRA, full // 4), (INTER, full // 8)]  # intra-node on the whole buffer first
+
+
+def test_zero3_across_nodes_gathers_hierarchically():
+    run_on_nodes("llama-tiny", **ZERO3)
+    _, c = compiled("llama-tiny", node_mesh(), **ZERO3)
+    colls = hlo.collectives(c.as_text())
+    assert not [x for x in colls if x.op in ("all-gather", "reduce-scatter") and x.group_size == DEVICES]
+    full = layer_weight_bytes("llama-tiny")
+    in_loop = [x for x in colls if not x.computation.startswith("main")]
+    by = lambda op, groups: [x.result_bytes for x in in_loop if x.op == op and x.groups == groups]  # noqa: E731
+    # Per layer weight: inter-node gather of the 1/8 chunks (result 1/4), then intra-node (result whole) ...
+    assert {4 * b for b in by("all-gather", INTER)} == full and set(by("all-gather", INTRA)) == full
+    assert len(by("all-gather", INTER)) == len(by("all-gather", INTRA))
+    # ... and autodiff's reduce-scatter mirrors it: intra-node on the whole gradient, inter-node on 1/4.
+    assert {4 * b for b in by("reduce-scatter", INTRA)} == full and {8 * b for b in by("reduce-scatter", INTER)} == full
+    assert len(by("reduce-scatter", INTER)) == len(by("reduce-scatter", INTRA))
+
+
+def test_zero2_across_nodes_reduce_scatters_hierarchically():
+    knobs = dict(ZERO2, grad_accum=2)
+    run_on_nodes("llama-tiny", **knobs)
+    _, c = compiled("llama-tiny", node_mesh(), **knobs)
+    colls = hlo.collectives(c.as_text())
+    rs = [x for x in colls if x.op == "reduce-scatter"]
+    assert rs and {x.groups for x in rs} == {INTRA, INTER}
+    assert sum(x.groups == INTRA for x in rs) == sum(x.groups == INTER for x in rs)
+    assert all(not x.computation.startswith("main") for x in rs), "ZeRO-2 scatters every micro-batch"
+    # The updated parameters are re-gathered hierarchically too (not by one flat GSPMD all-gather).
+    ag = [x for x in colls if x.op == "all-gather"]
+    assert ag and {x.groups for x in ag} == {INTER, INTRA}
+
+
+def test_mics_group_inside_a_node_is_unchanged():
+    knobs = dict(ZERO3, shard_group=4)
+    run_on_nodes("llama-tiny", **knobs)
+    key = lambda c: sorted((x.op, x.groups, x.result_bytes) for x in hlo.collectives(c.as_text()))  # noqa: E731
+    on_nodes, flat = key(compiled("llama-tiny", node_mesh(), **knobs)[1]), key(compiled("llama-tiny", **knobs)[1])
+    assert on_nodes == flat
+    assert {g for op, g, _ in on_nodes if op in ("all-gather", "reduce-scatter")} == {INTRA}
+
+
+def test_hlo_reads_mesh_replica_groups():
+    line = "x = f32[8]{0} all-gather(f32[1]{0} y), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, d={0}"
+    assert hlo.collectives(line)[0].group_size == 4
+    assert hlo.replica_group_size("replica_groups=mesh['a'=2,'b'=4] {'a','b'}") == 8
+    assert hlo.replica_group_size("replica_groups=mesh['a'=8], device_ids=([0,2,4,6,1,3,5,7]) {'a':(2)4}") == 4
 
 
 # ---------------------------------------------------------------- validation errors

@@ -11,9 +11,22 @@ figures next to it. What is compared, like with like:
   count with every loop body counted once (the micro-batch scan, each layer segment's scan with
   its unroll), as XLA:CPU counts them;
 * collectives: result bytes per kind, each instruction times the trip counts of the loops around
-  it (`hlo_count.collective_totals`), vs `Analysis.collective_bytes`. Tensor-parallel collectives
-  are not in that figure (XLA:CPU rewrites reduce-scatters as all-reduces + slices, see
-  tests/test_analysis.py), so cells with ``tp > 1`` report no collective error.
+  it (`hlo_count.collective_totals`), vs `Analysis.collective_bytes` (ZeRO / DP / pipeline) plus,
+  for ``tp > 1``, `tp_collective_bytes` (Megatron's tensor-parallel collectives per step).
+
+How the tensor-parallel prediction is put in XLA:CPU's terms (``form="xla-cpu"``): GSPMD emits a
+reduce-scatter as an all-reduce of the full buffer + a local dynamic-slice, and XLA:CPU has no pass
+turning that pair back into a reduce-scatter (GPU's ``ReduceScatterCreator``); and GSPMD reduces
+each partial matmul result on its own where Megatron sums them first (the input gradient of the
+gathered hidden state read by q, k and v is three reductions), the analysis's ``summands``. So a
+predicted reduce-scatter of ``nbytes`` (full buffer) with ``m`` summands is counted as all-reduces
+of ``m x nbytes`` result bytes, exactly the test in tests/test_analysis.py
+(``test_tp_collectives_match_compiled_hlo``). ``form="gspmd"`` keeps reduce-scatters (result
+``m x nbytes / t``, what a GPU build shows), ``form="megatron"`` is the cost model's figure
+(``nbytes / t`` per reduce-scatter, one per partial sum). The prediction matches the compiled
+program when the runtime runs the layers under the analysis's layouts
+(`mistjax.runtime.tensor.tensor_parallel_block`); the pre / post parts (embedding, head, loss) are
+left to GSPMD by the runtime, which there chooses nearly the same collectives.
 """
 
 from __future__ import annotations
@@ -27,6 +40,76 @@ from mistjax.cost.workload import Workload
 from mistjax.plan import Plan
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+TP_FORMS = ("xla-cpu", "gspmd", "megatron")
+# One predicted tensor-parallel collective: (kind, full-buffer bytes x count, summands).
+TPRecord = tuple[str, float, int]
+
+
+def tp_records(workload: Workload, part: str, policy: str, b: int, s: int, t: int) -> list[TPRecord]:
+    """The tensor-parallel collectives of one pass (forward + backward) of ``part`` under ``policy``.
+
+    From the analysed graphs when the profile carries them (they hold each reduction's summands, also
+    for the recomputing policies); else from the profile's expressions: ``tp_collectives`` (policy
+    ``none``) plus ``tp_recompute[policy]`` per kind, the recomputed collectives counted as single
+    summands.
+    """
+    prof = workload.profile
+    passes = prof.passes or {}
+    if part in passes and policy in passes[part]:
+        return [(c.kind, float(c.nbytes.exact(b, s, t) * c.count.exact(b, s, t)), c.summands)
+                for ps in passes[part][policy] for c in ps.res.collectives]
+    symbols = prof.symbols
+    subs = dict(zip(symbols, (b, s, t)))
+    part_prof = prof.parts[part]
+    out = [(c.kind, float((c.nbytes * c.count).subs(subs)), c.summands) for c in part_prof.tp_collectives]
+    if policy != "none":
+        out += [(k, float(sp_expr.subs(subs)), 1) for k, sp_expr in part_prof.tp_recompute.get(policy, {}).items()]
+    return out
+
+
+def _form_bytes(records: list[TPRecord], t: int, form: str) -> dict[str, float]:
+    """Per-kind result bytes of ``records`` as ``form`` counts them (see the module docstring)."""
+    out: dict[str, float] = {}
+    for kind, nbytes, m in records:
+        if kind == "reduce-scatter":
+            if form == "xla-cpu":
+                kind, nbytes = "all-reduce", nbytes * m
+            else:
+                nbytes = nbytes * (m if form == "gspmd" else 1) / t
+        out[kind] = out.get(kind, 0.0) + nbytes
+    return out
+
+
+def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu") -> dict[str, float]:
+    """Predicted tensor-parallel collective result bytes per step and device, by kind.
+
+    Per micro-batch, each plain layer runs the block's forward and backward (policy ``none``), each
+    checkpointed layer its policy's forward, recompute and backward, the first stage the pre part and
+    the last stage the post part; times the ``grad_accum`` micro-batches. The maximum over stages
+    (as `Analysis.collective_bytes`). ``form``: ``xla-cpu`` (reduce-scatters as GSPMD's all-reduces,
+    one per summand), ``gspmd`` (one reduce-scatter per summand) or ``megatron`` (the cost model's
+    count: one reduce-scatter per partial sum).
+    """
+    if form not in TP_FORMS:
+        raise ValueError(f"form must be one of {TP_FORMS}, got {form!r}")
+    t = plan.tp
+    if t <= 1:
+        return {}
+    b, s = plan.micro_batch, workload.seq_len
+    best: dict[str, float] = {}
+    for i, st in enumerate(plan.stages):
+        c = min(st.remat_layers, st.num_layers)
+        recs = [(k, n * (st.num_layers - c), m) for k, n, m in tp_records(workload, "block", "none", b, s, t)]
+        if c:
+            recs += [(k, n * c, m) for k, n, m in tp_records(workload, "block", st.remat_policy, b, s, t)]
+        if i == 0:
+            recs += tp_records(workload, "pre", "none", b, s, t)
+        if i == len(plan.stages) - 1:
+            recs += tp_records(workload, "post", "none", b, s, t)
+        per_step = {k: v * plan.grad_accum for k, v in _form_bytes(recs, t, form).items()}
+        if sum(per_step.values()) > sum(best.values()):
+            best = per_step
+    return best
 
 
 @functools.cache
@@ -85,14 +168,14 @@ def compare_cell(name: str, seq: int, global_batch: int, plan: Plan, cluster: An
     mem_pred = max(a.xla_cpu_peak)
     flops_pred = max(a.flops_xla)
     xla_coll = {k: float(m["coll"].get(k, 0)) for k in KINDS}
-    pred_coll = {k: float(a.collective_bytes.get(k, 0.0)) for k in KINDS}
+    tp_coll = tp_collective_bytes(wl, plan, "xla-cpu")
+    pred_coll = {k: float(a.collective_bytes.get(k, 0.0)) + tp_coll.get(k, 0.0) for k in KINDS}
     total = sum(xla_coll.values())
-    coll_err = None if plan.tp > 1 else (
-        sum(abs(pred_coll[k] - xla_coll[k]) for k in KINDS) / max(total, 1.0))
+    coll_err = sum(abs(pred_coll[k] - xla_coll[k]) for k in KINDS) / max(total, 1.0)
     return {"model": name, "seq": seq, "global_batch": global_batch, "plan": _describe(plan),
             "mem_pred": mem_pred, "mem_xla": float(m["mem"]), "mem_err": mem_pred / m["mem"] - 1.0,
             "flops_pred": flops_pred, "flops_xla": m["flops"], "flops_err": flops_pred / m["flops"] - 1.0,
-            "coll_pred": pred_coll, "coll_xla": xla_coll, "coll_err": coll_err,
+            "coll_pred": pred_coll, "coll_xla": xla_coll, "coll_err": coll_err, "coll_tp_pred": tp_coll,
             "step_time_pred": a.step_time}
 
 
@@ -162,4 +245,5 @@ def grid_plan(name: str, kwargs: dict[str, Any], devices: int = 8) -> Plan:
     return uniform_plan(models.get_config(name).num_layers, devices, **kwargs)
 
 
-__all__ = ["FULL_GRID", "KINDS", "SMALL_GRID", "compare_cell", "grid_plan", "measure_cell", "workload_for"]
+__all__ = ["FULL_GRID", "KINDS", "SMALL_GRID", "TP_FORMS", "compare_cell", "grid_plan", "measure_cell", "tp_records",
+           "tp_collective_bytes", "workload_for"]

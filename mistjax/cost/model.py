@@ -6,10 +6,10 @@
 * Layer loop (`runtime.remat`): of a stage's ``l`` layers the last ``c`` are checkpointed with the
   stage's policy, the first ``round(ao (l - c))`` offload their tagged activations to host and
   recompute the rest, the others keep everything. With per-layer fetches (ZeRO-3 gathers, host
-  weights) a plain layer keeps views of its fetched weights as residuals (the runtime's
-  ``save_anything_except_these_names`` policy saves whatever consumes the gathered weight), so
-  its backward does not fetch again; checkpointed layers re-fetch. Two fetched layers are live at
-  once (scan unrolled by 2).
+  weights) every layer fetches its weights in its forward and again in its backward: plain layers
+  through the runtime's re-fetching custom VJP (their residuals are only the activation-dependent
+  ones, ``saved[none]``, no fetched weights or views of them), checkpointed and offloaded layers by
+  recomputation. Two fetched layers are live at once (scan unrolled by 2, forward and backward).
 * Gradients (`runtime.grads`): ZeRO-0/1 accumulate full fp32 gradients and all-reduce (0) or
   reduce-scatter (1) at the end; ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 reduce-scatters
   per layer through autodiff; MiCS adds one all-reduce of the shards over the replicas per step.
@@ -138,8 +138,8 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
     off_pol = workload.offload_policy() or "full"
     saved_off_host = np.maximum(v[f"block.saved_bytes[{off_pol}]"] - v["block.output_bytes"], 0.0)
     fetch = lt["w_layer_fetch"]  # full bytes of one layer's fetched leaves (0 without ZeRO-3 / host weights)
-    # Plain layers keep views of their fetched weights (see module docstring).
-    res_mb = n_plain * (saved_none + fetch) + c * saved_c + n_off * v["block.output_bytes"]
+    # Plain layers keep only activation-dependent residuals; fetched weights are re-fetched in backward.
+    res_mb = n_plain * saved_none + c * saved_c + n_off * v["block.output_bytes"]
     res_mb = res_mb + np.where(first, v["pre.saved_bytes[none]"], 0.0)
     res_mb = res_mb + np.where(last, v["post.saved_bytes[none]"], 0.0)
     act_host = A["inflight"] * n_off * saved_off_host
@@ -175,11 +175,17 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
     # Recomputing a checkpointed layer materialises its un-checkpointed residuals for its backward.
     # Recomputing a checkpointed layer materialises the residuals its policy did not keep.
     recompute_buf = np.maximum(np.where(c > 0, saved_none - saved_c, 0.0), np.where(n_off > 0, saved_none, 0.0))
-    # Two fetched layers live at once in the unrolled-by-2 scan of plain layers; one otherwise.
-    double_buf = np.where(n_plain > 1, 2.0, 1.0) * fetch + lt["w_other_fetch"]
+    # Fetched layer weights live only inside the layer loops: two layers at once in the unrolled-by-2
+    # scan of plain layers (forward, and backward where they are fetched again), one otherwise. They are
+    # never live next to pre / post's transients; the ZeRO-3-gathered embedding / head is (whole step).
+    layer_fetch = np.where(n_plain > 1, 2.0, 1.0) * fetch
     tokens = b * G * s * 4.0 * 2.0  # int32 inputs + targets of the local batch
     # The optimizer update runs in place on the donated state (no extra copy of it is charged).
-    buffers = np.maximum(blk_peak + recompute_buf, part_peak) + double_buf + tokens
+    # The pipeline executor's backward holds one layer's fp32 gradient next to the slice of the
+    # accumulator it adds into, and the layer's weight slice taken from the stage's stacked params.
+    pipe_buf = np.where(pipelined, 2.0 * full_layer, 0.0)
+    buffers = (np.maximum(blk_peak + recompute_buf + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens
+               + pipe_buf)
     memory = {"params": params, "optimizer": optimizer, "grads": grads, "activations": activations,
               "buffers": buffers}
     peak = sum(memory.values())

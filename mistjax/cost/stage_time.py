@@ -3,11 +3,13 @@
 Per layer and phase (forward / backward) the four channels are priced standalone and combined with
 `overlap_time` (Mist section 3.2); tensor-parallel collectives are added serially (they sit on the
 critical path between matmuls). Layer kinds follow `runtime.remat`: plain, checkpointed (recompute
-in backward, re-fetch of fetched weights), activation-offloaded (tagged activations D2H in forward,
-H2D in backward, the rest recomputed). Collective group layouts follow the plan mesh
-``(stage, replica, shard, tensor)`` with ``tensor`` fastest: a TP group is ``t`` consecutive devices,
-a ZeRO/MiCS group ``p`` devices with stride ``t``, spanning ``ceil(p t / per_node)`` nodes; a group
-spanning nodes uses the hierarchical (MiCS) gather / reduce-scatter.
+in backward), activation-offloaded (tagged activations D2H in forward, H2D in backward, the rest
+recomputed). Every kind fetches its weights (ZeRO-3 all-gather, host->device copy) in the forward
+and again in the backward (plain layers through the runtime's re-fetching custom VJP). Collective
+group layouts follow the plan mesh ``(stage, replica, shard, tensor)`` with ``tensor`` fastest: a TP
+group is ``t`` consecutive devices, a ZeRO/MiCS group ``p`` devices with stride ``t``, spanning
+``ceil(p t / per_node)`` nodes; a group spanning nodes uses the hierarchical (MiCS) gather /
+reduce-scatter.
 """
 
 from __future__ import annotations
@@ -130,10 +132,11 @@ def layer_times(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     act_in = host_copy_time(saved_off_host, h2d_link)
     ovl = cluster.interference
 
+    # Each backward re-fetches the layer's weights (gather / H2D) next to its gradient reduce-scatter.
     f_plain = overlap_time(f_c, fetch_ag, fetch_h2d, 0.0, ovl) + tp_f
-    b_plain = overlap_time(b_c, grad_rs, acc_in, acc_out, ovl) + tp_b
+    b_plain = overlap_time(b_c, fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b
     f_off = overlap_time(f_c, fetch_ag, fetch_h2d, act_out, ovl) + tp_f
-    b_off = overlap_time(b_c + r_off, grad_rs, acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
+    b_off = overlap_time(b_c + r_off, fetch_ag + grad_rs, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
     b_rem = overlap_time(b_c + r_c, fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
     fwd = (n_plain + c) * f_plain + n_off * f_off
     bwd = n_plain * b_plain + n_off * b_off + c * b_rem
@@ -162,7 +165,6 @@ def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     per_node = A["per_node"].astype(np.float64)
     pipelined = A["stages"] > 1
     nl = A["layers"].astype(np.float64)
-    c = np.minimum(A["remat"], A["layers"]).astype(np.float64)
     k, m, intra, inter = _group_link(cluster, p, t, per_node)
     R = dp / p
     rk, rm, rintra, rinter = _group_link(cluster, R, p * t, per_node)
@@ -196,8 +198,9 @@ def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     flops_xla = elems_upd * (opt_flops + opt_trans) + elems_full + np.where(G > 1, acc_elems, 0.0)
     # Collective result bytes per step (per device, fp32 as computed), excluding tensor parallelism.
     fetch, other = lt["w_layer_fetch"], lt["w_other_fetch"]
-    # XLA hoists the loop-invariant gather of the non-stacked weights out of the micro-batch scan.
-    ag = np.where(z3, G * (nl * fetch + c * fetch) + other, 0.0)
+    # Every layer gathers its weights twice per micro-batch (forward, backward re-fetch); XLA hoists the
+    # loop-invariant gather of the non-stacked weights out of the micro-batch scan.
+    ag = np.where(z3, G * 2.0 * nl * fetch + other, 0.0)
     ag = ag + np.where((zero >= 1) & (zero <= 2) & (p > 1), grad_full, 0.0)
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)

@@ -1,8 +1,8 @@
 """The loss-and-gradient computation a plan prescribes, as one shard_map over the DP axes.
 
-Inside the shard_map every device holds its own micro-batches (manual ``replica`` / ``shard``
-axes) while ``tensor`` stays under GSPMD. Per micro-batch, the model runs with its layer scan
-replaced by the plan's layer loop (remat, per-layer ZeRO-3 gathers, sequence-parallel
+Inside the shard_map every device holds its own micro-batches (manual ``replica`` and the shard
+axes `SHARD_AXES`) while ``tensor`` stays under GSPMD. Per micro-batch, the model runs with its
+layer scan replaced by the plan's layer loop (remat, per-layer ZeRO-3 gathers, sequence-parallel
 constraints); gradients are synchronised explicitly so the collectives are exactly the plan's:
 
 - ZeRO-3: parameters all-gathered per layer; autodiff turns the gather into a reduce-scatter
@@ -12,10 +12,15 @@ constraints); gradients are synchronised explicitly so the collectives are exact
   end of the step.
 - MiCS (partition group smaller than DP): the accumulated shards are all-reduced across
   replicas once per step, as one bucket (hop 2).
+
+A partition group spanning nodes is gathered hierarchically (`shard_all_gather`: inter-node among
+equal local ranks, then intra-node) and reduce-scattered in the mirrored order
+(`shard_psum_scatter`), so only 1/k of the traffic of k devices per node crosses the network.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +32,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mistjax.plan import Plan, PlanError
+from mistjax.runtime.mesh import SHARD_AXES
 from mistjax.runtime.remat import make_layer_loop, offloaded_layers
 from mistjax.runtime.sharding import DP_AXES, PARAM, LeafLayout, select_offload
+from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
 from mistjax.trace.split import checkpoint_names, evaluate, trace_loss
 
-MANUAL_AXES = frozenset({"stage", "replica", "shard"})
+MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class GradSpec:
         return self.zero == 2 and self.layout.shard_dim is not None
 
     @property
-    def out_sharded(self) -> bool:  # returned gradient is split over `shard` (ZeRO >= 1)
+    def out_sharded(self) -> bool:  # returned gradient is split over the partition group (ZeRO >= 1)
         return self.zero >= 1 and self.layout.shard_dim is not None
 
 
@@ -70,17 +77,79 @@ def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> l
     return out  # type: ignore[return-value]
 
 
+def _live_shard_axes() -> tuple[str, ...]:
+    """The parts of the partition group with more than one device, inter-node first; call inside
+    the shard_map. Skipping a size-1 part keeps a group inside one node on the flat collective."""
+    return tuple(a for a in SHARD_AXES if lax.axis_size(a) > 1) or (SHARD_AXES[-1],)
+
+
+def shard_all_gather(x: jax.Array, axis: int) -> jax.Array:
+    """Tiled all-gather of `x` along `axis` over the partition group, hierarchical across nodes.
+
+    Equals ``lax.all_gather(x, SHARD_SPEC, axis=axis, tiled=True)``. Across m > 1 nodes it runs in
+    MiCS's order: first m-way among the devices of equal local rank, so each moves only its own
+    1/p over the slow links, then L-way inside the node on the result. The local-major layout
+    (`SHARD_SPEC`) makes the inter-node result a contiguous block, so the phases chain with no
+    re-layout; autodiff transposes this into `shard_psum_scatter`'s order.
+    """
+    for name in _live_shard_axes():
+        x = lax.all_gather(x, name, axis=axis, tiled=True)
+    return x
+
+
+def shard_psum_scatter(x: jax.Array, dim: int) -> jax.Array:
+    """Tiled reduce-scatter of `x` along `dim` over the partition group, hierarchical across nodes.
+
+    Equals ``lax.psum_scatter(x, SHARD_SPEC, scatter_dimension=dim, tiled=True)``. Across nodes:
+    first L-way inside the node on the whole buffer (fast links), then m-way among equal local
+    ranks on the 1/L block, so only that block crosses the network — the mirror of the gather.
+    """
+    for name in reversed(_live_shard_axes()):
+        x = lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
+    return x
+
+
+def regather_updated_params(leaves: Sequence[Any], inputs: Sequence[Any], layouts: Sequence[LeafLayout],
+                            plan: Plan, mesh: Mesh) -> list[Any]:
+    """Replicate the updated ZeRO-1/2 parameters with the hierarchical all-gather.
+
+    Under ZeRO-1/2 the optimizer updates each parameter on its 1/p shard (its gradient and state
+    are sharded) and the stored parameter is whole, so the step ends with an all-gather of every
+    updated parameter. Left to GSPMD that gather is one flat collective over the partition group;
+    when the group spans nodes, route it through `shard_all_gather` instead (the cost model prices
+    this re-gather hierarchically). Leaves the step did not change (same object as its input) and
+    host-resident ones are left to XLA; with the group inside one node nothing changes at all.
+    """
+    if mesh.shape[SHARD_AXES[0]] == 1 or plan.stages[0].zero_stage not in (1, 2):
+        return list(leaves)
+    out = list(leaves)
+    for i, (x, before, lay) in enumerate(zip(leaves, inputs, layouts)):
+        if lay.role != PARAM or lay.sharded or lay.shard_dim is None or lay.host or x is before:
+            continue
+        # Manual over every mesh axis with the full storage spec in and the same spec minus the
+        # shard split out: only the partition-group gather moves data. (Left auto, GSPMD gathered
+        # tensor-split and stage-split leaves across `tensor` / `stage` around the map.)
+        gather = jax.shard_map(lambda v, d=lay.shard_dim: shard_all_gather(v, d), mesh=mesh,
+                               in_specs=dataclasses.replace(lay, sharded=True).spec(), out_specs=lay.spec(),
+                               check_vma=False)
+        out[i] = gather(x)
+    return out
+
+
 def make_fetch(spec: GradSpec, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
     """Turn a stored (maybe host-resident, maybe ZeRO-3-sharded) weight into its compute copy."""
     host, sharded = spec.layout.host, spec.weights_sharded
     if not (host or sharded):
         return None
     axis = spec.layout.shard_dim - (1 if stacked_slice else 0) if sharded else 0
+    # Gather each device's tensor shard only (else GSPMD makes the operand whole over `tensor` first).
+    gather = per_tensor_shard(lambda v: shard_all_gather(v, axis),
+                              [d - (1 if stacked_slice else 0) for d in spec.layout.tensor_dims])
 
     def fetch(x: jax.Array) -> jax.Array:
         if host:
             x = jax.device_put(x, jax.memory.Space.Device)
-        return lax.all_gather(x, "shard", axis=axis, tiled=True) if sharded else x
+        return gather(x) if sharded else x
 
     return fetch
 
@@ -147,6 +216,8 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
         traced = trace_loss(lambda p, *r: fun(p, *r), jax.tree.unflatten(p_tree, full_params),
                             *jax.tree.unflatten(r_tree, mb0))
+        # Megatron's column / row split with sequence parallelism inside each layer (None when tp == 1).
+        tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=tp, batch=is_batch)
         needs_stack = stage.remat_layers > 0 or any(
             (s.weights_sharded or s.layout.host) and s.layout.stacked for s in specs)
         layer_loop = None
@@ -168,7 +239,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
             return v if g is None else g(v)
 
         def mb_loss(pl: list[jax.Array], rl: list[jax.Array]) -> tuple[jax.Array, Any]:
-            outs = evaluate(traced, pl, rl, layer_loop=layer_loop, read_param=read_param)
+            outs = evaluate(traced, pl, rl, layer_loop=layer_loop, read_param=read_param, block=tp_block)
             out = jax.tree.unflatten(traced.out_tree, outs)
             return (out[0], out[1]) if has_aux else (out, None)
 
@@ -176,8 +247,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
             (loss, aux), g = jax.value_and_grad(mb_loss, has_aux=True)(p_local, mb)
             # The gradient of a host-streamed weight arrives in host memory (transpose of the fetch).
             g = [_to_device(gi, s.layout.host) for gi, s in zip(g, specs)]
-            g = [lax.psum_scatter(gi, "shard", scatter_dimension=s.layout.shard_dim, tiled=True)
-                 if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
+            g = [_scatter(gi, s) if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
             return loss, aux, g
 
         if G == 1:
@@ -215,6 +285,11 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
+def _scatter(g: jax.Array, spec: GradSpec) -> jax.Array:
+    """Reduce-scatter a gradient over the partition group, per tensor shard (see `make_fetch`)."""
+    return per_tensor_shard(lambda v: shard_psum_scatter(v, spec.layout.shard_dim), spec.layout.tensor_dims)(g)
+
+
 def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh) -> list[jax.Array]:
     """End-of-step synchronisation: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter, MiCS hop 2."""
     out = list(acc)
@@ -223,7 +298,7 @@ def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, m
         if s.zero >= 2 and s.layout.shard_dim is not None:
             hop2.append(i)  # already reduced inside the partition group
         elif s.zero == 1 and s.layout.shard_dim is not None:
-            out[i] = lax.psum_scatter(g, "shard", scatter_dimension=s.layout.shard_dim, tiled=True)
+            out[i] = _scatter(g, s)
             hop2.append(i)
         else:
             out[i] = psum_live(g, DP_AXES, mesh)

@@ -17,7 +17,12 @@ _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
 _SHAPE = re.compile(r"\b(pred|[subf]\d+)\[([\d,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+# Replica groups as XLA prints them: explicit ``{{0,1},{2,3}}``, iota ``[2,2]<=[4]T(1,0)``, or (for
+# collectives GSPMD/Shardy emit) mesh axes ``mesh['a'=2,'b'=4](, device_ids=(...))? {'b'}``.
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+                     r"|mesh\[[^\]]*\](?:, device_ids=\([^)]*\))? \{[^}]*\})")
+_MESH_AXIS = re.compile(r"'?([\w.\-]+?)'?=(\d+)")
+_GROUP_AXIS = re.compile(r"'?([\w.\-]+?)'?(?::\((\d+)\)(\d+))?$")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", re.M)
 
@@ -53,7 +58,23 @@ def replica_group_size(text: str) -> int:
     groups = g.group(1)
     if groups.startswith("{{"):
         return len(groups[2:].split("}")[0].split(","))
+    if groups.startswith("mesh"):
+        return _mesh_group_size(groups)
     return int(groups[1:].split("]")[0].split(",")[-1])
+
+
+def _mesh_group_size(groups: str) -> int:
+    """Devices per group of a mesh-axes replica group: the product of the grouped axes' sizes
+    (a sub-axis ``'a':(pre)size`` counts ``size``)."""
+    mesh, grouped = groups[len("mesh["):].split("]", 1)
+    sizes = {name: int(n) for name, n in _MESH_AXIS.findall(mesh)}
+    total = 1
+    for ref in filter(None, (a.strip() for a in grouped[grouped.rindex("{") + 1:].rstrip("}").split(","))):
+        m = _GROUP_AXIS.match(ref)
+        if m is None:
+            raise ValueError(f"cannot read replica-group axis {ref!r} in {groups!r}")
+        total *= int(m.group(3)) if m.group(3) else sizes[m.group(1)]
+    return total
 
 
 def collectives(hlo_text: str) -> list[Collective]:

@@ -1,4 +1,12 @@
-"""Build the plan mesh ``(stage, replica, shard, tensor)`` from the user's devices."""
+"""Build the runtime mesh ``(stage, replica, shard_node, shard_local, tensor)`` from the user's devices.
+
+The plan speaks of one ``shard`` axis (`Plan.mesh_shape`); the runtime splits it in two so a MiCS
+partition group that spans nodes can be gathered hierarchically (MiCS section 3): ``shard_node``
+is the inter-node part (one member per node, same local rank) and ``shard_local`` the intra-node
+part; devices stay node-major, as with one flat axis. When the group fits in a node, or the
+user's devices name no node level, ``shard_node`` has size 1 and every spec and collective is
+exactly the flat one.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,15 @@ from jax.sharding import AxisType, Mesh
 from mistjax.plan import PLAN_MESH_AXES, Plan, PlanError
 
 NODE_AXIS_NAMES = ("node", "nodes", "host", "hosts", "dcn", "slice")
+# The plan's `shard` axis as (inter-node, intra-node) mesh axes, node-major like the devices.
+SHARD_AXES = ("shard_node", "shard_local")
+# How a ZeRO/MiCS-split dim names them: local-major, so device (n, l) of m nodes holds chunk
+# l * m + n. Then gathering over `shard_node` and then `shard_local` (both tiled) yields the chunks
+# in order with no re-layout (MiCS digest 8.5), and the reduce-scatter is the mirror. A node-major
+# spec would need a reshape/transpose between the phases, and GSPMD answers that (with tensor
+# parallelism) with an extra `tensor` all-gather per phase. With one node both orders are the same.
+SHARD_SPEC = ("shard_local", "shard_node")
+RUNTIME_MESH_AXES = ("stage", "replica", *SHARD_AXES, "tensor")
 
 
 def devices_of(mesh_or_devices: Mesh | Sequence[Any] | None) -> tuple[list[Any], int | None]:
@@ -28,12 +45,28 @@ def devices_of(mesh_or_devices: Mesh | Sequence[Any] | None) -> tuple[list[Any],
     return list(mesh_or_devices), None
 
 
-def build_plan_mesh(mesh_or_devices: Mesh | Sequence[Any] | None, plan: Plan) -> Mesh:
-    """Arrange the user's devices as ``(stage, replica, shard, tensor)`` for `plan`.
+def shard_split(plan: Plan, per_node: int | None) -> tuple[int, int]:
+    """(nodes, members per node) of a MiCS partition group: the extents of `SHARD_AXES`.
 
-    ``tensor`` varies fastest, then ``shard``: with the user's devices grouped by node, TP groups
-    and MiCS partition groups stay inside a node whenever they fit in one. When the user's mesh
-    names a node level (first axis ``node``), a TP group that would straddle nodes is refused.
+    A group of ``shard_group`` devices with stride ``tp`` covers ``shard_group * tp`` consecutive
+    devices; when that is k > 1 whole nodes, each node holds ``shard_group / k`` of its members.
+    Otherwise (inside one node, or no node level known) the group is all intra-node: ``(1, p)``.
+    """
+    span = plan.tp * plan.shard_group
+    if per_node is None or span <= per_node:
+        return 1, plan.shard_group
+    nodes = span // per_node
+    return nodes, plan.shard_group // nodes
+
+
+def build_plan_mesh(mesh_or_devices: Mesh | Sequence[Any] | None, plan: Plan) -> Mesh:
+    """Arrange the user's devices as `RUNTIME_MESH_AXES` for `plan`.
+
+    ``tensor`` varies fastest, then the shard axes: with the user's devices grouped by node, TP
+    groups and MiCS partition groups stay inside a node whenever they fit in one, and a group
+    spanning k nodes splits into ``shard_node`` (k) x ``shard_local`` (members per node). When the
+    user's mesh names a node level (first axis ``node``), a TP group that would straddle nodes is
+    refused.
     """
     devs, per_node = devices_of(mesh_or_devices)
     plan.check_devices(len(devs))
@@ -45,6 +78,9 @@ def build_plan_mesh(mesh_or_devices: Mesh | Sequence[Any] | None, plan: Plan) ->
         if group > per_node and group % per_node:
             raise PlanError(f"a MiCS partition group ({plan.shard_group} x tp {plan.tp} devices) must be "
                             f"part of a node or whole nodes of {per_node}")
-    shape = tuple(plan.mesh_shape[a] for a in PLAN_MESH_AXES)
+    nodes, local = shard_split(plan, per_node)
+    # The plan's (stage, replica, shard, tensor) extents with `shard` replaced by its two parts.
+    shape = tuple(e for a in PLAN_MESH_AXES
+                  for e in ((nodes, local) if a == "shard" else (plan.mesh_shape[a],)))
     grid = np.array(devs, dtype=object).reshape(shape)
-    return Mesh(grid, PLAN_MESH_AXES, axis_types=(AxisType.Auto,) * len(PLAN_MESH_AXES))
+    return Mesh(grid, RUNTIME_MESH_AXES, axis_types=(AxisType.Auto,) * len(RUNTIME_MESH_AXES))

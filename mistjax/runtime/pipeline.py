@@ -19,11 +19,12 @@ How it works
   carried buffers in place, whereas a >2-way conditional (or a pass-through *true* branch) made it copy
   every residual pool each tick (measured: 2x the pipeline's temp memory).
 * Forward: per layer ``jax.vjp(block, w, h)``. The vjp's residual leaves that depend on ``h`` (found at
-  trace time by a dependency walk over the vjp's jaxpr) are written in place into ring-buffer pools;
-  weight-only leaves (the weights, casts, slices of them) are not stored. Backward (reverse scan): the
-  vjp is rebuilt from a fresh ``jax.vjp`` at a zero activation, which supplies the treedef and the
-  weight-only leaves (its activation part is dead code that XLA removes; checked by counting dots),
-  with the stored leaves put back; weight grads accumulate in place in fp32.
+  trace time by a dependency walk over the vjp's jaxpr, `runtime.residuals`) are written in place
+  into ring-buffer pools; weight-only leaves (the weights, casts, slices of them) are not stored.
+  Backward (reverse scan): the vjp is rebuilt from a fresh ``jax.vjp`` at a zero activation, which
+  supplies the treedef and the weight-only leaves (its activation part is dead code that XLA
+  removes; checked by counting dots), with the stored leaves put back; weight grads accumulate in
+  place in fp32.
 * The first stage runs ``pre`` in its forward and recomputes it in its backward (an embedding gather;
   nothing of ``pre`` outlives a tick). The last stage runs ``jax.value_and_grad(post)`` inside its
   forward tick and keeps only the seed cotangent, never the head's residuals (logits).
@@ -85,18 +86,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mistjax.runtime import schedules as sch
+from mistjax.runtime.residuals import classify, restore_vjp
+from mistjax.runtime.residuals import vary as _vary
 
 PyTree = Any
 
-# Primitives that just call a sub-jaxpr once with their operands, so dependencies can be traced through
-# them precisely (loops and conds are treated conservatively: every output depends on every input).
-_CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
-                              "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 # Extra columns appended to the tick program: the stage-kind branch F and B take (0 = idle).
 _F_BRANCH, _B_BRANCH = sch.NUM_COLUMNS, sch.NUM_COLUMNS + 1
 
@@ -159,57 +157,6 @@ def remat_policy_fn(name: str) -> Callable[..., Any]:
 
 
 # ------------------------------------------------------------------------------ residual classification
-def _depends(jaxpr: Jaxpr, seeds: Sequence[bool]) -> list[bool]:
-    """Which outputs of `jaxpr` depend on the inputs flagged in `seeds` (conservative but exact enough)."""
-    dep = {v for v, d in zip(jaxpr.invars, seeds) if d}
-    for eqn in jaxpr.eqns:
-        ins = [not isinstance(v, Literal) and v in dep for v in eqn.invars]
-        if not any(ins):
-            continue
-        outs = [True] * len(eqn.outvars)
-        if eqn.primitive.name in _CALL_PRIMITIVES:
-            for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-                sub = eqn.params.get(key)
-                sub = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-                if (isinstance(sub, Jaxpr) and len(sub.invars) == len(eqn.invars)
-                        and len(sub.outvars) == len(eqn.outvars)):
-                    outs = _depends(sub, ins)
-                    break
-        dep.update(v for v, d in zip(eqn.outvars, outs) if d)
-    return [not isinstance(v, Literal) and v in dep for v in jaxpr.outvars]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Residuals:
-    """Which leaves of one layer's ``jax.vjp`` residuals are kept per micro-batch."""
-
-    num_leaves: int
-    stored: tuple[int, ...]  # leaf indices saved in the pools (first occurrence of each value)
-    avals: tuple[tuple[tuple[int, ...], np.dtype, frozenset], ...]  # (shape, dtype, varying axes) per leaf
-    aliases: tuple[tuple[int, int], ...]  # (leaf, stored leaf) pairs that are the same value
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _ in self.avals)
-
-
-def _classify(fn: Callable[[PyTree, PyTree], PyTree], w: PyTree, h: PyTree) -> _Residuals:
-    """Trace ``jax.vjp(fn, w, h)`` and find the residual leaves that depend on the activation `h`."""
-    closed = jax.make_jaxpr(lambda w, h: jax.tree.leaves(jax.vjp(fn, w, h)[1]))(w, h)
-    num_w = len(jax.tree.leaves(w))
-    dep = _depends(closed.jaxpr, [k >= num_w for k in range(len(closed.jaxpr.invars))])
-    stored, aliases, first = [], [], {}
-    for j, (var, d) in enumerate(zip(closed.jaxpr.outvars, dep)):
-        if d and var in first:
-            aliases.append((j, first[var]))
-        elif d:
-            first[var] = j
-            stored.append(j)
-    out = [closed.out_avals[j] for j in stored]
-    avals = tuple((tuple(a.shape), np.dtype(a.dtype), a.manual_axis_type.varying) for a in out)
-    return _Residuals(len(closed.jaxpr.outvars), tuple(stored), avals, tuple(aliases))
-
-
 def layer_residual_bytes(block: Callable[[PyTree, PyTree], PyTree], layer_params: PyTree, h: PyTree,
                          remat_policy: str | None = None) -> int:
     """Bytes the executor saves per layer per micro-batch (``remat_policy=None``: no checkpointing).
@@ -218,7 +165,7 @@ def layer_residual_bytes(block: Callable[[PyTree, PyTree], PyTree], layer_params
     activation; the count is what the pipeline's residual pools hold for that layer.
     """
     fn = block if remat_policy is None else jax.checkpoint(block, policy=remat_policy_fn(remat_policy))
-    return _classify(fn, layer_params, h).nbytes
+    return classify(fn, layer_params, h).nbytes
 
 
 # ------------------------------------------------------------------------------------------ stage kinds
@@ -235,16 +182,6 @@ class _StageKind:
     def segments(self) -> list[tuple[int, int, str | None]]:
         segs = [(0, self.num_plain, None), (self.num_plain, self.num_plain + self.num_remat, self.policy)]
         return [seg for seg in segs if seg[1] > seg[0]]
-
-
-def _vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
-    """pcast every leaf to varying over the manual `axes` it does not vary over yet."""
-
-    def one(x: jax.Array) -> jax.Array:
-        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
 
 
 def _take(tree: PyTree, i: jax.Array) -> PyTree:
@@ -358,7 +295,7 @@ def pipeline_local(
         if k.policy is not None:
             layer_fns[k.policy] = jax.checkpoint(block, policy=remat_policy_fn(k.policy))
     w0 = jax.tree.map(lambda a: a[0], stage_p)
-    residuals = {pol: _classify(fn, w0, zero_h) for pol, fn in layer_fns.items()}
+    residuals = {pol: classify(fn, w0, zero_h) for pol, fn in layer_fns.items()}
     pool_keys: list[tuple] = []
     layouts = {}  # kind -> (rows per micro-batch per pool, per segment [(leaf, pool, first row)])
     for k in prog.unique:
@@ -388,14 +325,10 @@ def pipeline_local(
                 h, pools = carry
                 w, li = xs
                 h, vjp = jax.vjp(fn, w, h)
-                leaves = jax.tree.leaves(vjp)
-                if len(leaves) != res.num_leaves:
-                    raise RuntimeError("block's vjp changed structure since it was classified; is block a "
-                                       "pure function of (layer_params, h)?")
                 pools = list(pools)
-                for j, p, base in entries:  # in place: the pools only pass through two-way conds
+                for (_, p, base), leaf in zip(entries, res.take(vjp)):  # in place: pools only pass two-way conds
                     row = slot * rows[p] + base + li
-                    pools[p] = lax.dynamic_update_index_in_dim(pools[p], leaves[j], row, 0)
+                    pools[p] = lax.dynamic_update_index_in_dim(pools[p], leaf, row, 0)
                 return (h, tuple(pools)), None
 
             ws = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stage_p)
@@ -413,13 +346,9 @@ def pipeline_local(
                 w, li = xs
                 # A fresh vjp at a zero activation supplies the treedef and the weight-only leaves; its
                 # activation-dependent part is dead code, replaced by the stored leaves.
-                leaves, treedef = jax.tree.flatten(jax.vjp(fn, w, zero_h)[1])
-                for j, p, base in entries:
-                    row = slot * rows[p] + base + li
-                    leaves[j] = lax.dynamic_index_in_dim(pools[p], row, 0, keepdims=False)
-                for j, first in res.aliases:
-                    leaves[j] = leaves[first]
-                g_w, ct = jax.tree.unflatten(treedef, leaves)(ct)
+                stored = [lax.dynamic_index_in_dim(pools[p], slot * rows[p] + base + li, 0, keepdims=False)
+                          for _, p, base in entries]
+                g_w, ct = restore_vjp(jax.vjp(fn, w, zero_h)[1], res, stored)(ct)
                 row = lo + li
                 acc = _put(acc, row, jax.tree.map(lambda a, g: a + g.astype(a.dtype), _take(acc, row), g_w))
                 return (ct, acc), None

@@ -1,12 +1,13 @@
 """Pipelined plans: the traced loss split into pre / block / post and run by the pipeline executor.
 
-One shard_map is manual over ``stage``, ``replica`` and ``shard``; ``tensor`` stays with GSPMD. The
-stacked layer parameters enter in the stage layout ``[S, Lmax, ...]`` (`to_stage_layout`, a reshard
-of the boundary layers when stages are uneven); embedding and head parameters are replicated over
-``stage``. Inside, `pipeline_local` runs the schedule; a layer fetches its weights as the plan says
-(ZeRO-3 all-gather over ``shard``, host->device copy), and autodiff turns the gather into the
-per-micro-batch reduce-scatter. After the schedule, gradients are summed over ``stage`` (embedding
-and head) and synchronised over the data-parallel axes like the unpipelined path, except that ZeRO-2
+One shard_map is manual over ``stage``, ``replica`` and the shard axes (`SHARD_AXES`); ``tensor``
+stays with GSPMD. The stacked layer parameters enter in the stage layout ``[S, Lmax, ...]``
+(`to_stage_layout`, a reshard of the boundary layers when stages are uneven); embedding and head
+parameters are replicated over ``stage``. Inside, `pipeline_local` runs the schedule; a layer
+fetches its weights as the plan says (ZeRO-3 all-gather over the partition group, hierarchical
+across nodes; host->device copy), and autodiff turns the gather into the per-micro-batch
+reduce-scatter. After the schedule, gradients are summed over ``stage`` (embedding and head) and
+synchronised over the data-parallel axes like the unpipelined path, except that ZeRO-2
 reduce-scatters once per step (the schedule accumulates full-size gradients per stage).
 """
 
@@ -22,11 +23,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.plan import Plan, PlanError
+from mistjax.runtime.mesh import SHARD_AXES, SHARD_SPEC
 from mistjax.runtime.pipeline import from_stage_layout, pipeline_local, to_stage_layout
 from mistjax.runtime.sharding import DP_AXES, LeafLayout
+from mistjax.runtime.tensor import tensor_parallel_block
 from mistjax.trace.split import NoLayerStackError, post_part, pre_part, run_block, trace_loss
 
-MANUAL_AXES = frozenset({"stage", "replica", "shard"})
+MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
 
 def check_pipelined_plan(plan: Plan) -> None:
@@ -79,7 +82,7 @@ def pipelined_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any
             for d in lay.tensor_dims:
                 entries[d + 1] = "tensor"
         if specs[i].weights_sharded:
-            entries[lay.shard_dim + 1] = "shard"
+            entries[lay.shard_dim + 1] = SHARD_SPEC
         return P(*entries)
 
     staged = [lax.with_sharding_constraint(x, NamedSharding(mesh, staged_spec(i, False)))
@@ -90,6 +93,7 @@ def pipelined_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any
         consts = [x for x, b in zip(r_local, is_batch) if not b]
         mb0 = _merge_rest(is_batch, [m[0] for m in mbs], consts)
         traced = trace_loss(fun, jax.tree.unflatten(p_tree, full_params), *jax.tree.unflatten(r_tree, mb0))
+        tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
         st = traced.require_stack()
         fetches = [fetch(specs[i], True) for i in stacked_idx]
 
@@ -107,7 +111,7 @@ def pipelined_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any
         def block(layer_p: list[jax.Array], h: Any) -> Any:
             c, carry = h
             xs = [x if f is None else f(x) for x, f in zip(layer_p, fetches)]
-            carry, _ = run_block(st, c, carry, xs)
+            carry, _ = run_block(st, c, carry, xs, tp_block)
             return (c, carry)
 
         def post(post_p: list[jax.Array], h: Any, mb: list[jax.Array]) -> jax.Array:
@@ -152,7 +156,7 @@ def _grad_staged_spec(spec: Any) -> P:
     entries: list[Any] = [None] * (len(lay.shape) + 1)
     entries[0] = "stage"
     if spec.out_sharded:
-        entries[lay.shard_dim + 1] = "shard"
+        entries[lay.shard_dim + 1] = SHARD_SPEC
     return P(*entries)
 
 

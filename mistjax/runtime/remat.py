@@ -2,23 +2,33 @@
 
 A stage with ``l`` layers and ``remat_layers = c`` runs its first ``l - c`` layers normally and
 checkpoints the last ``c`` (Mist's convention: the last blocks of a stage are recomputed, since
-their activations would be freed soonest anyway). ZeRO-3 weight gathers happen inside each
-layer and are tagged `GATHERED`. A checkpointed layer gathers again in its backward pass; a plain
-layer's backward still finds views of the gathered weights among its residuals (a name-based policy
-saves the untagged value that feeds a tag), so ZeRO-3 saves weight memory on checkpointed layers
-only. The cost model charges one fetched layer per plain layer; a per-layer custom VJP that drops
-weight-only residuals (as `runtime.pipeline` does) would remove it.
+their activations would be freed soonest anyway). Per-layer weight fetches (ZeRO-3 all-gathers,
+host->device copies of offloaded weights) happen inside each layer and are tagged `GATHERED`.
+
+Every layer that fetches its weights fetches them again in its backward pass, so ZeRO-3 / weight
+offload keep no fetched weights between forward and backward on any layer kind:
+
+* plain layers run under a per-layer ``jax.custom_vjp`` (`_refetching_layer`): the forward keeps
+  only the ``jax.vjp`` residuals that depend on the carry or the consts (`runtime.residuals`), the
+  backward re-fetches and rebuilds the weight-only ones (casts, views) from a fresh vjp. A
+  name-based policy such as ``save_anything_except_these_names(GATHERED)`` cannot do this: it still
+  saves the untagged values computed from the gathered weight;
+* checkpointed and activation-offloaded layers recompute everything their policy does not save,
+  the `GATHERED` fetch included.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from mistjax.plan import PlanError
+from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 
 GATHERED = "mistjax_gathered_weight"
 cp = jax.checkpoint_policies
@@ -34,11 +44,6 @@ def remat_policy(name: str) -> Callable[..., Any]:
         names = [n.strip() for n in name[len("names:"):].split(",") if n.strip()]
         return cp.save_only_these_names(*names)
     raise PlanError(f"unknown remat policy {name!r}; use full, dots or names:a,b")
-
-
-# Saves every residual except gathered weights: a non-checkpointed layer that gathers its
-# weights keeps its activations but re-gathers in the backward pass (ZeRO-3 semantics).
-SAVE_ALL_BUT_GATHERED = cp.save_anything_except_these_names(GATHERED)
 
 
 def offload_policy(names: Sequence[str]) -> Callable[..., Any]:
@@ -66,6 +71,55 @@ def offloaded_layers(num_layers: int, remat_layers: int, ratio: float) -> int:
     return int(round(ratio * (num_layers - min(remat_layers, num_layers))))
 
 
+Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+
+
+def _refetching_layer(layer: Layer) -> Layer:
+    """``layer(consts, carry, x)`` (x: stored weight slices, fetched inside) with a VJP that re-fetches.
+
+    The forward keeps the residuals of ``jax.vjp(layer)`` that depend on `consts` or `carry`, plus
+    `consts` and the stored slices `x` themselves (the scan's linearization forwards those from its
+    inputs: no copy); the fetched weights and everything computed from them alone are dropped. The
+    backward runs a fresh ``jax.vjp`` at a zero carry: it fetches again (all-gather, host->device),
+    rebuilds the weight-only residuals, and its activation part is dead code (the stored leaves
+    replace it). Its cotangent for `x` goes through the fetch's own transpose: a reduce-scatter over
+    the partition group for an all-gather (the ZeRO-3 per-layer reduce-scatter), host memory for a
+    host->device copy (`runtime.grads` moves it back).
+    """
+
+    def as_wh(w: list[Any], h: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+        return layer(h[0], h[1], w)  # `residuals.classify`'s (weights, activation) signature
+
+    # The classification of the traced fwd, read by the bwd traced after it (same avals each time).
+    classified: list[Residuals] = []
+
+    @jax.custom_vjp
+    def run(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        return layer(consts, c, x)
+
+    def fwd(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[Any, tuple[Any, ...]]:
+        res = classify(as_wh, x, (consts, c))
+        classified[:] = [res]
+        out, vjp = jax.vjp(as_wh, x, (consts, c))
+        return out, (res.take(vjp), consts, x)
+
+    def bwd(saved: tuple[Any, ...], ct: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any], list[Any]]:
+        stored, consts, x = saved
+        # Like jax.checkpoint's prevent_cse: keep XLA from merging the re-fetch with the forward fetch
+        # when both land in one computation (a scan of one trip is no loop), which would keep the
+        # fetched weights alive from forward to backward. XLA:CPU expands the barrier before CSE, so
+        # there such short segments still fetch once (docs/cost_model.md); in loops it is a no-op.
+        x = jax.lax.optimization_barrier(x)
+        # zeros_like of the carry cotangent: the carry's shape, dtype and (with check_vma) varying axes.
+        zero_c = [jnp.zeros_like(ci) for ci in ct[0]]
+        fresh = jax.vjp(as_wh, x, (consts, zero_c))[1]
+        g_x, (g_consts, g_c) = restore_vjp(fresh, classified[0], stored)(ct)
+        return g_consts, g_c, g_x
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                     gather: Sequence[Callable[[Any], Any] | None],
                     carry_constraint: Callable[[Any], Any] | None = None,
@@ -87,14 +141,20 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
 
     def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any]
              ) -> tuple[list[Any], list[Any]]:
-        def layer(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        def apply(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(gather, x)]
             c, y = body(consts, c, x)
             if carry_constraint is not None:
                 c = [carry_constraint(ci) for ci in c]
             return c, y
 
-        fns = {"plain": jax.checkpoint(layer, policy=SAVE_ALL_BUT_GATHERED) if any_gather else layer,
+        def layer(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+            return apply(consts, c, x)
+
+        # Plain layers: with fetches, the re-fetching custom VJP (consts go in as an argument: a
+        # custom_vjp must not close over values being differentiated); without, a plain function.
+        plain = functools.partial(_refetching_layer(apply), consts) if any_gather else layer
+        fns = {"plain": plain,
                "remat": jax.checkpoint(layer, policy=remat_policy(policy)),
                "offload": jax.checkpoint(layer, policy=offload_policy(offload_names))}
         ys_parts = []
@@ -103,7 +163,8 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
             seg = xs if (start, end) == (0, num_layers) else [x[start:end] for x in xs]
             # With per-layer fetches (ZeRO-3 gathers, host->device weight copies), two layers per loop
             # iteration let the scheduler fetch layer i+1 while layer i computes (a double buffer; the
-            # cost model charges two layers of fetched weights).
+            # cost model charges two layers of fetched weights). The backward scan is the transpose of
+            # this one and keeps its unroll, so its re-fetches are double-buffered too.
             carry, ys = jax.lax.scan(fn, carry, seg, unroll=2 if any_gather and end - start > 1 else 1)
             ys_parts.append(ys)
         if len(ys_parts) == 1:

@@ -2,7 +2,8 @@
 
 Every array leaf of the state gets a `LeafLayout`: which dims are split over ``tensor``
 (Megatron column/row parallelism, read from the logical axis names the model attached to its
-parameters) and which dim, if any, is split over the ZeRO / MiCS ``shard`` axis. Storage
+parameters) and which dim, if any, is split over the ZeRO / MiCS partition group (the plan's
+``shard`` axis; on the runtime mesh the pair `SHARD_SPEC` of intra- and inter-node parts). Storage
 sharding (how a leaf lives between steps) and compute sharding (how it is used inside a layer)
 differ, as in Levanter: a ZeRO-3 parameter is stored sharded and gathered per layer.
 """
@@ -20,13 +21,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.plan import Plan, PlanError
+from mistjax.runtime.mesh import SHARD_AXES, SHARD_SPEC
 
 # Logical axis names split over the `tensor` mesh axis (Megatron: attention heads, MLP hidden,
 # vocabulary); everything else (embed, head_dim, layers, ...) stays whole under TP.
 TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab")
 # Which non-tensor dim ZeRO prefers to split, in order (largest such dim wins a tie).
 SHARD_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim")
-DP_AXES = ("replica", "shard")
+# Data-parallel axes, major first: a batch split over them puts rows on devices in the same order
+# as the plan's flat (replica, shard) axes.
+DP_AXES = ("replica", *SHARD_AXES)
 
 PARAM, OPT, OTHER = "param", "opt", "other"
 
@@ -39,9 +43,9 @@ class LeafLayout:
     shape: tuple[int, ...]  # global shape
     axes: tuple[str | None, ...] | None  # logical axis names, if the model provided them
     tensor_dims: tuple[int, ...]  # dims split over the `tensor` axis
-    shard_dim: int | None  # dim split over `shard` when the plan shards this leaf (ZeRO / MiCS)
+    shard_dim: int | None  # dim split over SHARD_SPEC when the plan shards this leaf (ZeRO / MiCS)
     stacked: bool  # leading dim is the layer stack
-    sharded: bool  # stored sharded over `shard` (ZeRO-3 param or ZeRO-1 optimizer state)
+    sharded: bool  # stored sharded over SHARD_SPEC (ZeRO-3 param or ZeRO-1 optimizer state)
     host: bool = False  # stored in host memory (offloaded)
     stage_split: bool = False  # the layer dim is split over `stage` (pipelined plans, even layer blocks)
 
@@ -53,8 +57,8 @@ class LeafLayout:
         if storage and self.stage_split:
             entries[0] = "stage"
         if storage and self.sharded and self.shard_dim is not None:
-            entries[self.shard_dim] = "shard" if entries[self.shard_dim] is None else (
-                "shard", entries[self.shard_dim])
+            inner = entries[self.shard_dim]
+            entries[self.shard_dim] = SHARD_SPEC if inner is None else (*SHARD_SPEC, inner)
         return P(*entries)
 
     def manual_spec(self, *, sharded: bool | None = None) -> P:
@@ -62,7 +66,7 @@ class LeafLayout:
         sharded = self.sharded if sharded is None else sharded
         if not sharded or self.shard_dim is None:
             return P()
-        return P(*([None] * self.shard_dim + ["shard"]))
+        return P(*([None] * self.shard_dim + [SHARD_SPEC]))
 
     @property
     def nbytes_elems(self) -> int:
@@ -164,7 +168,7 @@ def state_shardings(layouts: list[LeafLayout], treedef: Any, mesh: Mesh) -> Any:
 
 
 def unsharded_fraction(layouts: list[LeafLayout], role: str = PARAM) -> float:
-    """Fraction of `role` elements that could not be split over `shard` (for the <= 2% check)."""
+    """Fraction of `role` elements that could not be split over the partition group (<= 2% check)."""
     total = sum(lay.nbytes_elems for lay in layouts if lay.role == role)
     whole = sum(lay.nbytes_elems for lay in layouts if lay.role == role and lay.shard_dim is None)
     return whole / total if total else 0.0

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.plan import Plan, PlanError, params_fingerprint
 from mistjax.runtime.context import use_handler
-from mistjax.runtime.grads import sharded_value_and_grad
+from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
 from mistjax.runtime.mesh import build_plan_mesh
 from mistjax.runtime.sharding import (
     DP_AXES,
@@ -184,6 +184,10 @@ class ShardedStep:
             runtime.bind(device_leaves, [x if lay.host else None for x, lay in zip(leaves, self.layouts)])
             with use_handler(runtime):
                 new_state, metrics = self.train_step(jax.tree.unflatten(tree, device_leaves), batch)
+            new_leaves, new_tree = jax.tree.flatten(new_state)
+            if new_tree == tree:  # the state keeps its structure (out_shardings require it anyway)
+                new_state = jax.tree.unflatten(new_tree, regather_updated_params(
+                    new_leaves, device_leaves, self.layouts, self.plan, self.mesh))
             return new_state, metrics
 
         self._step_fn = step_fn

@@ -19,6 +19,9 @@ import numpy as np
 from jax.extend import core as jex
 
 LayerLoop = Callable[[Callable[..., Any], list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+# One layer, ``block(consts, carry, x_slices) -> (carry, y_slices)``: a replacement for the scan body
+# (e.g. `mistjax.runtime.tensor.tensor_parallel_block`, which runs it under Megatron's TP layouts).
+BlockFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[list[Any], list[Any]]]
 
 
 class NoLayerStackError(ValueError):
@@ -51,6 +54,7 @@ class TracedLoss:
     param_tree: Any  # treedef of the differentiated params
     out_tree: Any  # treedef of fun's output
     stack: LayerStack | None  # the layer scan, or None for a model without one
+    rest_tree: Any = None  # treedef of the other arguments (to retrace at other sizes)
 
     def require_stack(self) -> LayerStack:
         if self.stack is None:
@@ -79,7 +83,7 @@ def trace_loss(fun: Callable[..., Any], params: Any, *rest: Any) -> TracedLoss:
     closed = jax.make_jaxpr(flat_fun)(*param_leaves, *rest_leaves)
     closed = inline_calls(closed)
     return TracedLoss(closed=closed, num_param_leaves=n, param_tree=param_tree,
-                      out_tree=out_tree_box[0], stack=find_layer_stack(closed, n))
+                      out_tree=out_tree_box[0], stack=find_layer_stack(closed, n), rest_tree=rest_tree)
 
 
 def inline_calls(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
@@ -128,9 +132,12 @@ def checkpoint_names(closed: jex.ClosedJaxpr) -> tuple[str, ...]:
     return tuple(seen)
 
 
-def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any]
-              ) -> tuple[list[Any], list[Any]]:
-    """Run one layer: the scan body on one slice of the scanned operands."""
+def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any],
+              block: BlockFn | None = None) -> tuple[list[Any], list[Any]]:
+    """Run one layer: the scan body on one slice of the scanned operands (through `block` if given)."""
+    if block is not None:
+        carry_out, ys = block(consts, carry, xs)
+        return list(carry_out), list(ys)
     out = _eval(stack.body.jaxpr, stack.body.consts, [*consts, *carry, *xs])
     return out[: stack.num_carry], out[stack.num_carry:]
 
@@ -147,16 +154,20 @@ def default_layer_loop(body: Callable[..., Any], consts: list[Any], carry: list[
 
 def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any], *,
              layer_loop: LayerLoop | None = None,
-             read_param: Callable[[int, Any], Any] | None = None) -> list[Any]:
+             read_param: Callable[[int, Any], Any] | None = None,
+             block: BlockFn | None = None) -> list[Any]:
     """Evaluate the traced loss, optionally replacing its layer scan with `layer_loop`.
 
     Args:
       traced: the captured loss.
       param_leaves / rest_leaves: flat inputs.
       layer_loop: ``layer_loop(body, consts, carry, xs) -> (carry, ys)``, where
-        ``body(consts, carry, x_slices) -> (carry, y_slices)`` runs one layer.
+        ``body(consts, carry, x_slices) -> (carry, y_slices)`` runs one layer (default with a
+        `block`: `default_layer_loop`).
       read_param: called as ``read_param(leaf_index, value)`` the first time a non-stacked
         parameter is used (e.g. to all-gather a ZeRO-3 shard right before its use).
+      block: runs one layer in place of the scan body inside `layer_loop` (same signature as
+        ``body``); None evaluates the traced body as is.
     Returns:
       The flat outputs of the loss function.
     """
@@ -181,11 +192,11 @@ def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Seque
     for v, c in zip(jaxpr.constvars, traced.closed.consts):
         env[v] = c
     for k, eqn in enumerate(jaxpr.eqns):
-        if stack is not None and k == stack.eqn_index and layer_loop is not None:
+        if stack is not None and k == stack.eqn_index and (layer_loop is not None or block is not None):
             vals = [read(v) for v in eqn.invars]
             nc, ncar = stack.num_consts, stack.num_carry
-            body = lambda consts, carry, x: run_block(stack, consts, carry, x)  # noqa: E731
-            carry, ys = layer_loop(body, vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:])
+            body = lambda consts, carry, x: run_block(stack, consts, carry, x, block)  # noqa: E731
+            carry, ys = (layer_loop or default_layer_loop)(body, vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:])
             outs = [*carry, *ys]
         else:
             outs = _bind(eqn, [read(v) for v in eqn.invars])

@@ -1,0 +1,121 @@
+"""Split a layer's ``jax.vjp`` residuals into activation-dependent and weight-only leaves.
+
+Both executors that stream weights per layer need the same trick: keep between forward and
+backward only the residuals that depend on the activation, and rebuild the rest in the backward
+from the (re-fetched) weights. A name-based ``jax.checkpoint`` policy cannot express this (it still
+saves the untagged casts / views computed from a tagged weight). `runtime.pipeline` stores the
+activation-dependent leaves in residual pools; `runtime.remat` keeps them as the residuals of a
+per-layer ``jax.custom_vjp``.
+
+How: `classify` traces ``jax.vjp(fn, w, h)`` once and walks its jaxpr to find which residual leaves
+depend on `h`. In the backward a fresh ``jax.vjp(fn, w, zero_h)`` supplies the treedef and the
+weight-only leaves (re-running the weight fetch), `restore_vjp` puts the stored leaves back, and
+the activation part of that fresh forward is dead code that XLA removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+PyTree = Any
+
+# Primitives that just call a sub-jaxpr once with their operands, so dependencies can be traced through
+# them precisely (loops and conds are treated conservatively: every output depends on every input).
+CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
+                             "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def depends(jaxpr: Jaxpr, seeds: Sequence[bool]) -> list[bool]:
+    """Which outputs of `jaxpr` depend on the inputs flagged in `seeds` (conservative but exact enough)."""
+    dep = {v for v, d in zip(jaxpr.invars, seeds) if d}
+    for eqn in jaxpr.eqns:
+        ins = [not isinstance(v, Literal) and v in dep for v in eqn.invars]
+        if not any(ins):
+            continue
+        outs = [True] * len(eqn.outvars)
+        if eqn.primitive.name in CALL_PRIMITIVES:
+            for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+                sub = eqn.params.get(key)
+                sub = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+                if (isinstance(sub, Jaxpr) and len(sub.invars) == len(eqn.invars)
+                        and len(sub.outvars) == len(eqn.outvars)):
+                    outs = depends(sub, ins)
+                    break
+        dep.update(v for v, d in zip(eqn.outvars, outs) if d)
+    return [not isinstance(v, Literal) and v in dep for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """Which leaves of one layer's ``jax.vjp`` residuals are kept between forward and backward."""
+
+    num_leaves: int
+    stored: tuple[int, ...]  # leaf indices kept (first occurrence of each activation-dependent value)
+    avals: tuple[tuple[tuple[int, ...], np.dtype, frozenset], ...]  # (shape, dtype, varying axes) per leaf
+    aliases: tuple[tuple[int, int], ...]  # (leaf, stored leaf) pairs that are the same value
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _ in self.avals)
+
+    def take(self, vjp: Callable[..., Any]) -> list[Any]:
+        """The stored leaves of a ``jax.vjp`` function traced like the classified one."""
+        leaves = jax.tree.leaves(vjp)
+        if len(leaves) != self.num_leaves:
+            raise RuntimeError("the layer's vjp changed structure since it was classified; is the layer a "
+                               "pure function of its (weights, activation)?")
+        return [leaves[j] for j in self.stored]
+
+
+def classify(fn: Callable[[PyTree, PyTree], PyTree], w: PyTree, h: PyTree) -> Residuals:
+    """Trace ``jax.vjp(fn, w, h)`` and find the residual leaves that depend on the activation `h`."""
+    closed = jax.make_jaxpr(lambda w, h: jax.tree.leaves(jax.vjp(fn, w, h)[1]))(w, h)
+    num_w = len(jax.tree.leaves(w))
+    dep = depends(closed.jaxpr, [k >= num_w for k in range(len(closed.jaxpr.invars))])
+    stored, aliases, first = [], [], {}
+    for j, (var, d) in enumerate(zip(closed.jaxpr.outvars, dep)):
+        if d and var in first:
+            aliases.append((j, first[var]))
+        elif d:
+            first[var] = j
+            stored.append(j)
+    out = [closed.out_avals[j] for j in stored]
+    avals = tuple((tuple(a.shape), np.dtype(a.dtype), a.manual_axis_type.varying) for a in out)
+    return Residuals(len(closed.jaxpr.outvars), tuple(stored), avals, tuple(aliases))
+
+
+def restore_vjp(fresh: Callable[..., Any], res: Residuals, stored: Sequence[Any]) -> Callable[..., Any]:
+    """`fresh` (a ``jax.vjp`` function traced at a zero activation) with the `stored` leaves put back.
+
+    `fresh` supplies the treedef and the weight-only leaves; its activation-dependent leaves are
+    replaced (dead code for XLA), aliases re-pointed to their stored value.
+    """
+    leaves, treedef = jax.tree.flatten(fresh)
+    if len(leaves) != res.num_leaves:
+        raise RuntimeError("the layer's vjp changed structure since it was classified; is the layer a "
+                           "pure function of its (weights, activation)?")
+    for j, value in zip(res.stored, stored):
+        leaves[j] = value
+    for j, first in res.aliases:
+        leaves[j] = leaves[first]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
+    """pcast every leaf to varying over the manual `axes` it does not vary over yet."""
+
+    def one(x: jax.Array) -> jax.Array:
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+__all__ = ["CALL_PRIMITIVES", "Residuals", "classify", "depends", "restore_vjp", "vary"]
