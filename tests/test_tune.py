@@ -168,8 +168,14 @@ def _check_autoshard(state, step_fn, batch, ref_state, ref_metrics, **options):
     placed = step.place(state, batch)
     new_state, metrics = step(placed, batch)
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    # One Adam step of lr 1e-3 moves each weight by lr * g / (|g| + eps): the same update for any g well
+    # above eps, but a weight whose gradient is ~0 may move anywhere within +-lr when g's rounding
+    # differs between layouts. So: (almost) all weights tight, none further than the step can move it.
     for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)  # one Adam step of lr 1e-3
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, atol=2.0e-3)
+        loose = ~np.isclose(a, b, atol=1e-4, rtol=1e-4)
+        assert loose.mean() <= 1e-4, f"{loose.sum()} of {loose.size} weights differ by more than 1e-4"
     return step
 
 

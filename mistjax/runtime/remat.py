@@ -164,8 +164,10 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
             # With per-layer fetches (ZeRO-3 gathers, host->device weight copies), two layers per loop
             # iteration let the scheduler fetch layer i+1 while layer i computes (a double buffer; the
             # cost model charges two layers of fetched weights). The backward scan is the transpose of
-            # this one and keeps its unroll, so its re-fetches are double-buffered too.
-            carry, ys = jax.lax.scan(fn, carry, seg, unroll=2 if any_gather and end - start > 1 else 1)
+            # this one and keeps its unroll, so its re-fetches are double-buffered too. A segment of two
+            # layers stays a loop of two trips: unrolled, it would be one trip, which XLA inlines and then
+            # merges the backward's re-fetch with the forward's (the gathered weights would stay live).
+            carry, ys = jax.lax.scan(fn, carry, seg, unroll=2 if any_gather and end - start > 2 else 1)
             ys_parts.append(ys)
         if len(ys_parts) == 1:
             return carry, ys_parts[0]
