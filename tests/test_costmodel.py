@@ -105,7 +105,7 @@ def test_against_xla_small_grid():
     """Predicted vs compiled per-device peak memory, FLOPs and collective bytes on the small grid."""
     cells = [SMALL_GRID[i] for i in (0, 1, 4)]  # llama-tiny: DP, ZeRO-1, MiCS ZeRO-3 (one model analysis)
     records = [compare_cell(name, seq, gb, grid_plan(name, kw), CPU) for name, seq, gb, kw in cells]
-    _check(records, mem_median=0.05, mem_max=0.15, flops_max=0.04, coll_max=0.01)
+    _check(records, mem_median=0.05, mem_max=0.15, flops_max=0.02, coll_max=0.01)
 
 
 def test_against_xla_pipelined():
@@ -120,5 +120,8 @@ def test_against_xla_pipelined():
 @pytest.mark.slow
 def test_against_xla_full_grid():
     records = [compare_cell(name, seq, gb, grid_plan(name, kw), CPU) for name, seq, gb, kw in FULL_GRID]
-    single = [r for r in records if not r["plan"].startswith("S")]
-    _check(single, mem_median=0.05, mem_max=0.20, flops_max=0.05, coll_max=0.01)
+    # Collectives: 1% except tensor-parallel cells, whose embedding / head GSPMD partitions on its own
+    # (llama-tiny tp2: 1.26%, see docs/cost_model.md).
+    _check(records, mem_median=0.05, mem_max=0.15, flops_max=0.02, coll_max=0.015)
+    _check([r for r in records if "tp" not in r["plan"]], mem_median=0.05, mem_max=0.15, flops_max=0.02,
+           coll_max=0.01)
