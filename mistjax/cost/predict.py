@@ -99,11 +99,11 @@ def _num_ticks(plan: Plan) -> int:
     return schedules.make_schedule(plan.schedule, plan.num_stages, plan.grad_accum).num_ticks
 
 
-def _stage_kind(plan: Plan, i: int) -> tuple[Any, ...]:
-    """What makes stage ``i``'s code differ from another's in the pipeline executor."""
+def _stage_kind(plan: Plan, i: int) -> Any:
+    from mistjax.runtime.pipeline import stage_kind
+
     s = plan.stages[i]
-    c = min(s.remat_layers, s.num_layers)
-    return (i == 0, i == plan.num_stages - 1, s.num_layers - c, c, s.remat_policy if c else None)
+    return stage_kind(i, plan.num_stages, s.num_layers, min(s.remat_layers, s.num_layers), s.remat_policy)
 
 
 def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:

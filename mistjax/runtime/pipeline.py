@@ -184,6 +184,13 @@ class _StageKind:
         return [seg for seg in segs if seg[1] > seg[0]]
 
 
+def stage_kind(stage: int, num_stages: int, num_layers: int, remat_layers: int, policy: str | None) -> _StageKind:
+    """What makes stage `stage`'s code differ from another's: the executor compiles one branch per
+    distinct kind (the cost model counts each kind's code once, as XLA's cost analysis does)."""
+    return _StageKind(stage == 0, stage == num_stages - 1, num_layers - remat_layers, remat_layers,
+                      policy if remat_layers else None)
+
+
 def _take(tree: PyTree, i: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
@@ -230,8 +237,7 @@ def _make_program(stage_layers: Sequence[Sequence[int]], num_mb: int, schedule: 
         if remat[s]:
             remat_policy_fn(policies[s])  # validate early, with a clear message
     ticks = sch.tick_program(sch.make_schedule(schedule, S, num_mb))
-    kinds = tuple(_StageKind(s == 0, s == S - 1, sizes[s] - remat[s], remat[s],
-                             policies[s] if remat[s] else None) for s in range(S))
+    kinds = tuple(stage_kind(s, S, sizes[s], remat[s], policies[s]) for s in range(S))
     unique = tuple(dict.fromkeys(kinds))
     branch = np.array([unique.index(k) + 1 for k in kinds], np.int32)
     t = ticks.table
