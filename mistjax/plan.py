@@ -22,7 +22,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 PLAN_MESH_AXES = ("stage", "replica", "shard", "tensor")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "1f1b-eager")  # `mistjax.runtime.schedules.SCHEDULE_NAMES`
 # Remat policies a stage may name; "names:a,b" saves only the listed checkpoint_name tags.
 REMAT_POLICIES = ("full", "dots")
 OFFLOAD_FIELDS = ("offload_weights", "offload_grads", "offload_opt", "offload_acts")

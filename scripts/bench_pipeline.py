@@ -47,7 +47,7 @@ def main() -> None:
         dp = n // S
         for G in (S, 2 * S, 4 * S):
             batch = SyntheticTokens(cfg.vocab_size, a.seq_len, dp * G).batch(0)
-            for schedule in ("1f1b", "gpipe"):
+            for schedule in ("1f1b", "1f1b-eager", "gpipe"):
                 plan = mistjax.uniform_plan(cfg.num_layers, n, stages=S, grad_accum=G, micro_batch=1, schedule=schedule)
                 compiled = mistjax.autoshard(train_step, jax.devices(), plan=plan).lower(state, batch).compile()
                 sched = schedules.make_schedule(schedule, S, G)
@@ -57,14 +57,14 @@ def main() -> None:
                     "bubble_fraction": float(schedules.bubble_fraction(S, G, schedule)),
                     "lockstep_time": float(schedules.lockstep_time(sched, np.ones(S), 2 * np.ones(S))),
                 })
-    head = (f"{'S':>2} {'G':>3} {'schedule':<8} {'peak KiB':>9} {'temp KiB':>9} {'in-flight/stage':<16} "
+    head = (f"{'S':>2} {'G':>3} {'schedule':<10} {'peak KiB':>9} {'temp KiB':>9} {'in-flight/stage':<16} "
             f"{'bubble':>7} {'ticks t':>8}")
     print(f"{a.model}, seq {a.seq_len}, micro-batch 1 per data-parallel rank, {n} devices")
     print(head)
     print("-" * len(head))
     for r in records:
         m = r["memory"]
-        print(f"{r['stages']:>2} {r['grad_accum']:>3} {r['schedule']:<8} {m['peak'] / 1024:>9.1f} "
+        print(f"{r['stages']:>2} {r['grad_accum']:>3} {r['schedule']:<10} {m['peak'] / 1024:>9.1f} "
               f"{m['temp'] / 1024:>9.1f} "
               f"{str(r['inflight_per_stage']):<16} {r['bubble_fraction']:>7.3f} {r['lockstep_time']:>8.1f}")
     if a.json:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mistjax.cost.pipeline_time import inflight_microbatches
 from mistjax.plan import Plan, Prediction
 
 _BYTES_W, _BYTES_G, _BYTES_O = 2.0, 2.0, 12.0  # bf16 weights and grads, fp32 master + Adam moments
@@ -177,7 +178,8 @@ def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:
         pol = list(workload.policies).index(sp.remat_policy) if sp.remat_policy in workload.policies else 1
         st = StageStrategies(plan.micro_batch, plan.dp, plan.tp, plan.shard_group, zero, sp.num_layers,
                              sp.remat_layers, pol, sp.offload_weights, sp.offload_grads, sp.offload_opt,
-                             sp.offload_acts, min(S - i, plan.grad_accum), plan.grad_accum, i == 0, i == S - 1,
+                             sp.offload_acts, int(inflight_microbatches(i, S, plan.grad_accum, plan.schedule)),
+                             plan.grad_accum, i == 0, i == S - 1,
                              S, nodes, per_node)
         cost = stage_cost(workload, cluster, st)
         T.append(float(cost.stable))

@@ -33,6 +33,7 @@ CASES = [
     ("falcon-tiny", 2, dict(grad_accum=2, layers=[(0, 3), (3, 4)], **ZERO3)),
     ("falcon-tiny", 4, dict(grad_accum=8, schedule="gpipe")),
     ("llama-tiny", 2, dict(grad_accum=4, tp=2, **ZERO2)),
+    ("gpt3-tiny", 4, dict(grad_accum=8, schedule="1f1b-eager", layers=[(0, 1), (1, 2), (2, 3), (3, 4)])),
 ]
 
 
@@ -61,6 +62,46 @@ def test_stage_remat_changes_the_program():
     plan = pipelined_plan("gpt3-tiny", 2, grad_accum=4)
     first_only = plan.replace(stages=(dataclasses.replace(plan.stages[0], remat_layers=2), plan.stages[1]))
     assert peak_memory(first_only)["temp"] < plain["temp"]
+
+
+def with_stages(plan, **per_stage):
+    """``plan`` with per-stage values: ``with_stages(plan, offload_acts=[1.0, 0.0])``."""
+    stages = tuple(dataclasses.replace(s, **{k: v[i] for k, v in per_stage.items()}) for i, s in enumerate(plan.stages))
+    return plan.replace(stages=stages)
+
+
+def test_stage_activation_offload_matches_single_device():
+    """Stage 0 (the most micro-batches in flight) offloads all its layers' activations, stage 1 half."""
+    name = "gpt3-tiny"
+    cfg, state, batch, train_step, ref_loss, ref_grads = setup(name)
+    plan = with_stages(pipelined_plan(name, 2, grad_accum=4, layers=[(0, 3), (3, 4)]), offload_acts=[1.0, 0.0])
+    step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
+    _, metrics = step(jax.tree.map(jnp.copy, state), batch)
+    assert_matches_reference(metrics, ref_loss, ref_grads)
+
+
+def test_stage_activation_offload_is_placed_on_host():
+    """The offloading stage's residuals are annotated for host memory in the lowered program (XLA:CPU
+    then drops the annotation, see docs/guide.md), and its pools hold only what the policy keeps."""
+    _, state, batch, *_ = setup("gpt3-tiny")
+    base = pipelined_plan("gpt3-tiny", 2, grad_accum=4)
+    lowered = {}
+    for key, plan in (("none", base), ("stage0", with_stages(base, offload_acts=[1.0, 0.0]))):
+        step = mistjax.autoshard(loss_only_step("gpt3-tiny"), jax.devices(), plan=plan)
+        lowered[key] = step.lower(state, batch)
+    assert "annotate_device_placement" not in lowered["none"].as_text()
+    assert lowered["stage0"].as_text().count("annotate_device_placement") > 0
+    mem = {k: hlo.memory_stats(v.compile()) for k, v in lowered.items()}
+    assert mem["stage0"]["temp"] < mem["none"]["temp"], mem
+
+
+def test_pipelined_plans_refuse_per_stage_state_choices():
+    plan = pipelined_plan("gpt3-tiny", 2, grad_accum=4)
+    _, state, batch, train_step, *_ = setup("gpt3-tiny")
+    for bad, match in ((with_stages(plan, shard_opt=[True, False]), "one ZeRO / state-offload setting"),
+                       (with_stages(plan, offload_grads=[0.5, 0.5]), "gradient-accumulator offload")):
+        with pytest.raises(PlanError, match=match):
+            mistjax.autoshard(train_step, jax.devices(), plan=bad)(jax.tree.map(jnp.copy, state), batch)
 
 
 def test_pipelining_a_model_without_layer_stack_is_refused():

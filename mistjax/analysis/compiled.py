@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,11 +41,22 @@ class CompiledProfile:
     fn: Callable[..., list[Any]]
     divisors: tuple[sp.Expr, ...]
     divisor_fn: Callable[..., list[Any]]
+    # Scalar points already evaluated: the tuner asks for the same (b, s, t) of a key hundreds of times,
+    # and one evaluation of every expression costs ~30 ms however small the arrays are.
+    _scalar_cache: dict[tuple[float, float, float], dict[str, np.ndarray]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def __call__(self, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> dict[str, np.ndarray]:
-        """All quantities at ``(b, s, t)`` (broadcast together), as float64 arrays."""
+        """All quantities at ``(b, s, t)`` (broadcast together), as read-only float64 arrays."""
         b, s, t = (np.asarray(x, dtype=np.float64) for x in (b, s, t))
         shape = np.broadcast_shapes(b.shape, s.shape, t.shape)
+        if all(x.size == 1 or x.min() == x.max() for x in (b, s, t)):  # one point, maybe broadcast
+            key = (float(b.flat[0]), float(s.flat[0]), float(t.flat[0]))
+            if key not in self._scalar_cache:
+                one = np.ones(())
+                self._scalar_cache[key] = dict(zip(self.names, (np.asarray(v, dtype=np.float64) for v in
+                                                                self.fn(one * key[0], one * key[1], one * key[2]))))
+            return {n: np.broadcast_to(v, shape) for n, v in self._scalar_cache[key].items()}
         out = self.fn(b, s, t)
         return {n: np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for n, v in zip(self.names, out)}
 

@@ -89,6 +89,7 @@ class StageCost:
     peak: np.ndarray  # per-device peak bytes (sum of the categories)
     feasible: np.ndarray  # peak within the memory budget and t divides the split sizes
     host: np.ndarray = field(default_factory=lambda: np.zeros(()))  # host bytes per device (offloaded)
+    host_acts: np.ndarray = field(default_factory=lambda: np.zeros(()))  # offloaded activations, part of `host`
     flops: np.ndarray = field(default_factory=lambda: np.zeros(()))  # FLOPs per device per step
     flops_xla: np.ndarray = field(default_factory=lambda: np.zeros(()))  # FLOPs as XLA's cost_analysis counts
     flops_xla_step: np.ndarray = field(default_factory=lambda: np.zeros(()))  # once-per-step part of `flops_xla`
@@ -113,8 +114,11 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
     Feasibility covers memory (``peak <= cluster.memory_budget()``) and tensor-parallel divisibility;
     ``b * dp * G`` matching the global batch is the tuner's job.
     """
-    shape = st.shape
-    A = {f.name: np.broadcast_to(np.asarray(getattr(st, f.name)), shape) for f in fields(st)}
+    # Everything but the in-flight count is broadcast up front; in-flight only scales activation memory,
+    # so extra axes of it (one per pipeline schedule, `tune.intra.price_pairs`) cost no extra time work.
+    shape = np.broadcast_shapes(*(np.shape(getattr(st, f.name)) for f in fields(st) if f.name != "inflight"))
+    A = {f.name: np.broadcast_to(np.asarray(getattr(st, f.name)), shape) for f in fields(st) if f.name != "inflight"}
+    A["inflight"] = np.asarray(st.inflight)
     b, t = A["b"].astype(np.float64), A["tp"].astype(np.float64)
     s = float(workload.seq_len)
     zero = A["zero"].astype(np.int64)
@@ -223,7 +227,7 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
     budget = cluster.memory_budget()  # type: ignore[attr-defined]
     ok_tp = workload.compiled.feasible(b, s, t)
     return StageCost(stable=stable, delta=delta, fwd=lay["fwd"], bwd=lay["bwd"], memory=memory, peak=peak,
-                     feasible=(peak <= budget) & ok_tp, host=host, flops=flops, flops_xla=flops_xla,
+                     feasible=(peak <= budget) & ok_tp, host=host, host_acts=act_host, flops=flops, flops_xla=flops_xla,
                      flops_xla_step=ext["flops_xla"],
                      comm={k: ext[f"comm.{k}"] for k in ("all-gather", "reduce-scatter", "all-reduce")})
 

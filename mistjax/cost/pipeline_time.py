@@ -26,8 +26,8 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-Schedule = Literal["1f1b", "gpipe"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+Schedule = Literal["1f1b", "gpipe", "1f1b-eager"]
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "1f1b-eager")
 
 
 def _stages(stable: ArrayLike, delta: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
@@ -103,8 +103,12 @@ def pipeline_gpipe_time(
 def pipeline_time(
     stable: ArrayLike, delta: ArrayLike, num_microbatches: ArrayLike, schedule: Schedule = "1f1b"
 ) -> np.ndarray:
-    """Dispatch to ``pipeline_1f1b_time`` or ``pipeline_gpipe_time`` by schedule name."""
-    if schedule == "1f1b":
+    """Dispatch to ``pipeline_1f1b_time`` or ``pipeline_gpipe_time`` by schedule name.
+
+    ``"1f1b-eager"`` (the lock-step executor's packing of 1F1B, `mistjax.runtime.schedules`) runs the
+    same per-stage order of work as 1F1B, so Mist's 1F1B formula describes it.
+    """
+    if schedule in ("1f1b", "1f1b-eager"):
         return pipeline_1f1b_time(stable, delta, num_microbatches)
     if schedule == "gpipe":
         return pipeline_gpipe_time(stable, delta, num_microbatches)
@@ -134,6 +138,7 @@ def inflight_microbatches(
 
     1F1B: ``min(S - stage, G)`` (warm-up forwards S - stage - 1, Mist's p, plus the current one).
     GPipe: G (every forward finishes before the first backward).
+    1F1B-eager: ``min(2 (S - stage) - 1, G)`` (backward i waits ``2 (S - stage) - 2`` ticks after forward i).
     """
     st = np.asarray(stage, dtype=np.int64)
     s = np.asarray(num_stages, dtype=np.int64)
@@ -144,4 +149,21 @@ def inflight_microbatches(
         return np.minimum(s - st, g)
     if schedule == "gpipe":
         return np.broadcast_to(g, np.broadcast_shapes(st.shape, s.shape, g.shape)).copy()
+    if schedule == "1f1b-eager":
+        return np.minimum(2 * (s - st) - 1, g)
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+
+
+def lockstep_microbatch_time(fwd: ArrayLike, bwd: ArrayLike, schedule: Schedule = "1f1b") -> np.ndarray:
+    """Steady-state seconds one micro-batch costs a stage in the lock-step executor.
+
+    Each tick lasts as long as its slowest stage (`mistjax.runtime.schedules.lockstep_time`). In classic
+    1F1B's steady state a stage runs a forward while its neighbour runs a backward, so a micro-batch
+    takes a forward tick and a backward tick, each ``max(fwd, bwd)`` long. GPipe and 1F1B-eager put
+    a stage's forward and backward work into ticks of their own kind, so a micro-batch costs
+    ``fwd + bwd``.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+    f, b = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
+    return 2.0 * np.maximum(f, b) if schedule == "1f1b" else f + b

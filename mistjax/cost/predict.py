@@ -4,7 +4,8 @@ A `Plan` becomes one `StageStrategies` row per stage and is priced by `stage_cos
 pipelined runtime adds on top (`mistjax.runtime.pipeline`):
 
 * residual pools are sized to the MAX over stages of slots x rows, and SPMD gives every device the
-  same buffers, so every stage is charged the largest stage's activation memory;
+  same buffers, so every stage is charged the largest stage's activation memory, on device and (for
+  activation offload, which each stage sets for itself) on host;
 * every device's program holds the code of every stage kind (a two-way cond per kind and tick), so
   XLA's cost analysis, which counts a loop body once and a cond as its costlier branch, sees the
   layer bodies of every distinct stage kind once (`Analysis.flops_xla`);
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, StageStrategies, stage_cost
-from mistjax.cost.pipeline_time import pipeline_time
+from mistjax.cost.pipeline_time import inflight_microbatches, pipeline_time
 from mistjax.cost.workload import Workload
 from mistjax.plan import Plan, Prediction
 
@@ -78,7 +79,7 @@ def plan_strategies(workload: Workload, plan: Plan, cluster: Any) -> StageStrate
         rows["go"].append(s.offload_grads)
         rows["oo"].append(s.offload_opt)
         rows["ao"].append(s.offload_acts)
-        rows["inflight"].append(1 if S == 1 else (G if plan.schedule == "gpipe" else min(S - i, G)))
+        rows["inflight"].append(1 if S == 1 else int(inflight_microbatches(i, S, G, plan.schedule)))
         rows["first"].append(i == 0)
         rows["last"].append(i == S - 1)
     return StageStrategies.make(b=plan.micro_batch, dp=plan.dp, tp=plan.tp, shard_group=plan.shard_group,
@@ -101,9 +102,12 @@ def _num_ticks(plan: Plan) -> int:
 
 def _stage_kind(plan: Plan, i: int) -> Any:
     from mistjax.runtime.pipeline import stage_kind
+    from mistjax.runtime.remat import offloaded_layers
 
     s = plan.stages[i]
-    return stage_kind(i, plan.num_stages, s.num_layers, min(s.remat_layers, s.num_layers), s.remat_policy)
+    remat = min(s.remat_layers, s.num_layers)
+    return stage_kind(i, plan.num_stages, s.num_layers, remat, s.remat_policy,
+                      offloaded_layers(s.num_layers, remat, s.offload_acts))
 
 
 def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
@@ -135,7 +139,10 @@ def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
         body = flops_xla - np.broadcast_to(c.flops_xla_step, (S,))
         kinds = {_stage_kind(plan, i): float(body[i]) for i in range(S)}
         flops_xla = np.full(S, sum(kinds.values()) + float(np.max(c.flops_xla_step)))
-    host = np.broadcast_to(c.host, (S,))
+    host = np.broadcast_to(c.host, (S,)).astype(np.float64)
+    if S > 1:  # offloaded activations sit in host pools, also sized to the largest stage
+        acts = np.broadcast_to(c.host_acts, (S,))
+        host = host - acts + acts.max()
     return Analysis(prediction=pred, step_time=step, mist_step_time=mist, stage_fwd=tuple(map(float, c.fwd)),
                     stage_bwd=tuple(map(float, c.bwd)), stage_memory=stage_memory,
                     stage_host=tuple(map(float, host)), xla_cpu_peak=tuple(float(x) for x in peak + host),

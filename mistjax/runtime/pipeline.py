@@ -25,6 +25,11 @@ How it works
   supplies the treedef and the weight-only leaves (its activation part is dead code that XLA
   removes; checked by counting dots), with the stored leaves put back; weight grads accumulate in
   place in fp32.
+* Activation offload (``offload_layers[s]``, the stage's first layers): those layers run under
+  ``jax.checkpoint`` with `runtime.remat.offload_policy`, so their vjp residuals are the layer input
+  (device) and the ``checkpoint_name``-tagged activations (host memory space). Pools are keyed by
+  memory space too, so the tagged rows go to pools created in host memory (a device_put per write is
+  the policy's own; XLA:CPU drops the annotations, GPUs move the bytes).
 * The first stage runs ``pre`` in its forward and recomputes it in its backward (an embedding gather;
   nothing of ``pre`` outlives a tick). The last stage runs ``jax.value_and_grad(post)`` inside its
   forward tick and keeps only the seed cotangent, never the head's residuals (logits).
@@ -92,6 +97,7 @@ from jax.sharding import PartitionSpec as P
 from mistjax.runtime import schedules as sch
 from mistjax.runtime.residuals import classify, restore_vjp
 from mistjax.runtime.residuals import vary as _vary
+from mistjax.trace.split import checkpoint_names
 
 PyTree = Any
 
@@ -169,25 +175,41 @@ def layer_residual_bytes(block: Callable[[PyTree, PyTree], PyTree], layer_params
 
 
 # ------------------------------------------------------------------------------------------ stage kinds
+# Segment key of activation-offloaded layers (remat policies are "full", "dots" or "names:...").
+OFFLOAD = "offload"
+
+
 @dataclasses.dataclass(frozen=True)
 class _StageKind:
     """Everything that makes one stage's code differ from another's (one switch branch per kind)."""
 
     first: bool
     last: bool
-    num_plain: int  # leading layers run without checkpointing
+    num_offload: int  # leading layers whose tagged activations go to host (the rest is recomputed)
+    num_plain: int  # then layers run without checkpointing
     num_remat: int  # trailing layers run under jax.checkpoint(policy)
     policy: str | None
 
+    @property
+    def num_layers(self) -> int:
+        return self.num_offload + self.num_plain + self.num_remat
+
     def segments(self) -> list[tuple[int, int, str | None]]:
-        segs = [(0, self.num_plain, None), (self.num_plain, self.num_plain + self.num_remat, self.policy)]
+        a, b = self.num_offload, self.num_offload + self.num_plain
+        segs = [(0, a, OFFLOAD), (a, b, None), (b, self.num_layers, self.policy)]
         return [seg for seg in segs if seg[1] > seg[0]]
 
 
-def stage_kind(stage: int, num_stages: int, num_layers: int, remat_layers: int, policy: str | None) -> _StageKind:
+def stage_kind(stage: int, num_stages: int, num_layers: int, remat_layers: int, policy: str | None,
+               offload_layers: int = 0) -> _StageKind:
     """What makes stage `stage`'s code differ from another's: the executor compiles one branch per
-    distinct kind (the cost model counts each kind's code once, as XLA's cost analysis does)."""
-    return _StageKind(stage == 0, stage == num_stages - 1, num_layers - remat_layers, remat_layers,
+    distinct kind (the cost model counts each kind's code once, as XLA's cost analysis does).
+
+    The layer order is that of the unpipelined runtime (`runtime.remat.layer_segments`): the first
+    `offload_layers` offload their activations, the last `remat_layers` are checkpointed.
+    """
+    n_off = min(offload_layers, num_layers - remat_layers)
+    return _StageKind(stage == 0, stage == num_stages - 1, n_off, num_layers - remat_layers - n_off, remat_layers,
                       policy if remat_layers else None)
 
 
@@ -203,6 +225,10 @@ def _put_if(tree: PyTree, slot: jax.Array, value: PyTree) -> PyTree:
     """Write `value` at `slot` unless slot < 0 (the slot's old content is kept)."""
     k = jnp.maximum(slot, 0)
     return _put(tree, k, jax.tree.map(lambda v, old: jnp.where(slot >= 0, v, old), value, _take(tree, k)))
+
+
+def _in_host(x: jax.Array, host: bool) -> jax.Array:
+    return jax.device_put(x, jax.memory.Space.Host) if host else x
 
 
 def _acc_dtype(dtype: Any) -> np.dtype:
@@ -223,21 +249,26 @@ class _Program:
 
 
 def _make_program(stage_layers: Sequence[Sequence[int]], num_mb: int, schedule: str,
-                  remat_layers: Sequence[int] | None, remat_policy: str | Sequence[str]) -> _Program:
+                  remat_layers: Sequence[int] | None, remat_policy: str | Sequence[str],
+                  offload_layers: Sequence[int] | None = None) -> _Program:
     bounds = _check_stage_layers(stage_layers)
     S = len(bounds)
     sizes = [b - a for a, b in bounds]
     remat = [0] * S if remat_layers is None else [int(r) for r in remat_layers]
     policies = [remat_policy] * S if isinstance(remat_policy, str) else list(remat_policy)
-    if len(remat) != S or len(policies) != S:
-        raise ValueError(f"remat_layers and remat_policy need one entry per stage ({S})")
+    offload = [0] * S if offload_layers is None else [int(n) for n in offload_layers]
+    if len(remat) != S or len(policies) != S or len(offload) != S:
+        raise ValueError(f"remat_layers, remat_policy and offload_layers need one entry per stage ({S})")
     for s in range(S):
         if not 0 <= remat[s] <= sizes[s]:
             raise ValueError(f"stage {s}: remat_layers={remat[s]} is outside [0, {sizes[s]}]")
         if remat[s]:
             remat_policy_fn(policies[s])  # validate early, with a clear message
+        if not 0 <= offload[s] <= sizes[s] - remat[s]:
+            raise ValueError(f"stage {s}: offload_layers={offload[s]} is outside [0, {sizes[s] - remat[s]}] "
+                             "(activation offload applies to the layers that are not checkpointed)")
     ticks = sch.tick_program(sch.make_schedule(schedule, S, num_mb))
-    kinds = tuple(stage_kind(s, S, sizes[s], remat[s], policies[s]) for s in range(S))
+    kinds = tuple(stage_kind(s, S, sizes[s], remat[s], policies[s], offload[s]) for s in range(S))
     unique = tuple(dict.fromkeys(kinds))
     branch = np.array([unique.index(k) + 1 for k in kinds], np.int32)
     t = ticks.table
@@ -259,6 +290,7 @@ def pipeline_local(
     schedule: str = "1f1b",
     remat_layers: Sequence[int] | None = None,
     remat_policy: str | Sequence[str] = "full",
+    offload_layers: Sequence[int] | None = None,
     loss_scale: float | None = None,
     stage_axis: str = "stage",
 ) -> tuple[jax.Array, tuple[PyTree, PyTree, PyTree]]:
@@ -278,12 +310,12 @@ def pipeline_local(
     counts = {leaf.shape[0] for leaf in jax.tree.leaves(microbatches)}
     if len(counts) != 1:
         raise ValueError(f"microbatches leaves must share the leading [G] axis, got sizes {sorted(counts)}")
-    prog = _make_program(stage_layers, counts.pop(), schedule, remat_layers, remat_policy)
+    prog = _make_program(stage_layers, counts.pop(), schedule, remat_layers, remat_policy, offload_layers)
     S = prog.num_stages
     if lax.axis_size(stage_axis) != S:
         raise ValueError(f"axis {stage_axis!r} has {lax.axis_size(stage_axis)} devices, stage_layers gives "
                          f"{S} stages")
-    lmax = max(k.num_plain + k.num_remat for k in prog.kinds)
+    lmax = max(k.num_layers for k in prog.kinds)
     for leaf in jax.tree.leaves(stage_params):
         if leaf.ndim < 1 or leaf.shape[0] < lmax:
             raise ValueError(f"local stage_params leaves must be [Lmax>={lmax}, ...], got {leaf.shape}")
@@ -297,10 +329,15 @@ def pipeline_local(
     # Residual layout: classify each (un)checkpointed layer's vjp leaves once, then give every stage
     # kind its rows in pools keyed by (shape, dtype, varying axes).
     layer_fns: dict[str | None, Callable] = {None: block}
+    w0 = jax.tree.map(lambda a: a[0], stage_p)
     for k in prog.unique:
         if k.policy is not None:
             layer_fns[k.policy] = jax.checkpoint(block, policy=remat_policy_fn(k.policy))
-    w0 = jax.tree.map(lambda a: a[0], stage_p)
+        if k.num_offload and OFFLOAD not in layer_fns:
+            from mistjax.runtime.remat import offload_policy
+
+            names = checkpoint_names(jax.make_jaxpr(block)(w0, zero_h))
+            layer_fns[OFFLOAD] = jax.checkpoint(block, policy=offload_policy(names))
     residuals = {pol: classify(fn, w0, zero_h) for pol, fn in layer_fns.items()}
     pool_keys: list[tuple] = []
     layouts = {}  # kind -> (rows per micro-batch per pool, per segment [(leaf, pool, first row)])
@@ -318,9 +355,10 @@ def pipeline_local(
             segs.append(entries)
         layouts[k] = (rows, segs)
     slots = prog.ticks.residual_slots
-    pools = tuple(_vary(jnp.zeros((max(int(slots[s]) * layouts[prog.kinds[s]][0].get(p, 0) for s in range(S)),
-                                   *shape), dt), vma)
-                  for p, (shape, dt, vma) in enumerate(pool_keys))
+    # Offloaded residuals keep the host memory space their policy gave them: their pools live on host.
+    pools = tuple(_vary(_in_host(jnp.zeros((max(int(slots[s]) * layouts[prog.kinds[s]][0].get(p, 0)
+                                                for s in range(S)), *shape), dt), host), vma)
+                  for p, (shape, dt, vma, host) in enumerate(pool_keys))
 
     def run_forward(kind: _StageKind, h: PyTree, pools: tuple, slot: jax.Array) -> tuple[PyTree, tuple]:
         rows, segs = layouts[kind]
@@ -437,6 +475,7 @@ def pipeline_value_and_grad(
     schedule: str = "1f1b",
     remat_layers: Sequence[int] | None = None,
     remat_policy: str | Sequence[str] = "full",
+    offload_layers: Sequence[int] | None = None,
     loss_scale: float | None = None,
     dp_axes: Sequence[str] = (),
     stage_axis: str = "stage",
@@ -461,6 +500,9 @@ def pipeline_value_and_grad(
         schedule: "1f1b" (default), "gpipe" or "1f1b-eager" (see `mistjax.runtime.schedules`).
         remat_layers: per stage, how many of its *last* layers are checkpointed (default none).
         remat_policy: per stage (or one for all): "full" | "dots" | "names:a,b".
+        offload_layers: per stage, how many of its *first* layers offload their ``checkpoint_name``-tagged
+            activations to host memory (and recompute the rest in the backward), as
+            `runtime.remat.offload_policy` does without a pipeline (default none).
         loss_scale: weight of each micro-batch loss (default ``1 / G``).
         dp_axes: mesh axes made manual as data parallelism (batch split, loss and grads ``pmean``'ed
             once after the loop) instead of being left to GSPMD; see the module docstring.
@@ -482,13 +524,14 @@ def pipeline_value_and_grad(
         if leaf.ndim < 2 or leaf.shape[0] != S:
             raise ValueError(f"stage_params leaves must be [S={S}, Lmax, ...], got {leaf.shape}; build them "
                              "with to_stage_layout")
-    _make_program(stage_layers, 1, schedule, remat_layers, remat_policy)  # validate before tracing
+    _make_program(stage_layers, 1, schedule, remat_layers, remat_policy, offload_layers)  # validate early
 
     def body(pre_p: PyTree, stage_p: PyTree, post_p: PyTree, mbs: PyTree):
         loss, (g_pre, g_stage, g_post) = pipeline_local(
             pre, block, post, pre_p, jax.tree.map(lambda a: a[0], stage_p), post_p, mbs,
             stage_layers=stage_layers, schedule=schedule, remat_layers=remat_layers,
-            remat_policy=remat_policy, loss_scale=loss_scale, stage_axis=stage_axis)
+            remat_policy=remat_policy, offload_layers=offload_layers, loss_scale=loss_scale,
+            stage_axis=stage_axis)
         # Embedding / head grads live on one stage each; the loss on the last.
         loss, g_pre, g_post = lax.psum((loss, g_pre, g_post), stage_axis)
         if dp_axes:  # one reduction per step, after the loop

@@ -5,7 +5,8 @@ stays with GSPMD. The stacked layer parameters enter in the stage layout ``[S, L
 (`to_stage_layout`, a reshard of the boundary layers when stages are uneven); embedding and head
 parameters are replicated over ``stage``. Inside, `pipeline_local` runs the schedule; a layer
 fetches its weights as the plan says (ZeRO-3 all-gather over the partition group, hierarchical
-across nodes; host->device copy), and autodiff turns the gather into the per-micro-batch
+across nodes; host->device copy), each stage checkpoints and offloads activations as its own plan
+says, and autodiff turns the gather into the per-micro-batch
 reduce-scatter. After the schedule, gradients are summed over ``stage`` (embedding and head) and
 synchronised over the data-parallel axes like the unpipelined path, except that ZeRO-2
 reduce-scatters once per step (the schedule accumulates full-size gradients per stage).
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from mistjax.plan import Plan, PlanError
 from mistjax.runtime.mesh import SHARD_AXES, SHARD_SPEC
 from mistjax.runtime.pipeline import from_stage_layout, pipeline_local, to_stage_layout
+from mistjax.runtime.remat import offloaded_layers
 from mistjax.runtime.sharding import DP_AXES, LeafLayout
 from mistjax.runtime.tensor import tensor_parallel_block
 from mistjax.trace.split import NoLayerStackError, post_part, pre_part, run_block, trace_loss
@@ -32,19 +34,26 @@ from mistjax.trace.split import NoLayerStackError, post_part, pre_part, run_bloc
 MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
 
+# Choices held by arrays that live on every device: one SPMD program gives a leaf one sharding and one
+# memory kind on all devices, so a stage cannot store its slice of a stacked leaf differently.
+SHARED_STAGE_FIELDS = ("shard_weights", "shard_grads", "shard_opt", "offload_weights", "offload_grads",
+                       "offload_opt")
+
+
 def check_pipelined_plan(plan: Plan) -> None:
-    """Pipelined plans share ZeRO and offload choices across stages (remat is per stage)."""
+    """Pipelined plans share ZeRO and state-offload choices across stages; remat and activation offload
+    are per stage (they decide what each stage's own code keeps in the residual pools)."""
     first = plan.stages[0]
     for i, s in enumerate(plan.stages[1:], 1):
-        for name in ("shard_weights", "shard_grads", "shard_opt", "offload_weights", "offload_grads",
-                     "offload_opt", "offload_acts"):
+        for name in SHARED_STAGE_FIELDS:
             if getattr(s, name) != getattr(first, name):
                 raise PlanError(f"stage {i} sets {name}={getattr(s, name)} but stage 0 sets "
-                                f"{getattr(first, name)}: pipelined plans use one ZeRO / offload setting for "
-                                "all stages (remat is per stage); make them equal")
-    if first.offload_acts or first.offload_grads:
-        raise PlanError("activation and gradient-accumulator offload are not supported in pipelined plans yet; "
-                        "set offload_acts=0 and offload_grads=0 or use one stage")
+                                f"{getattr(first, name)}: pipelined plans use one ZeRO / state-offload setting "
+                                "for all stages (remat and activation offload are per stage); make them equal")
+    if first.offload_grads:
+        raise PlanError("gradient-accumulator offload is not supported in pipelined plans: the schedule adds "
+                        "into every stage's accumulator on every backward tick; set offload_grads=0 or use "
+                        "one stage")
 
 
 def pipelined_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, rest: tuple[Any, ...], *,
@@ -122,7 +131,9 @@ def pipelined_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any
             pre, block, post, other_local, [x[0] for x in staged_local], other_local, mbs,
             stage_layers=stage_layers, schedule=plan.schedule,
             remat_layers=[s.remat_layers for s in plan.stages],
-            remat_policy=[s.remat_policy for s in plan.stages], loss_scale=1.0 / G)
+            remat_policy=[s.remat_policy for s in plan.stages],
+            offload_layers=[offloaded_layers(s.num_layers, s.remat_layers, s.offload_acts) for s in plan.stages],
+            loss_scale=1.0 / G)
         loss = lax.psum(loss, ("stage", *_live(DP_AXES, mesh))) / dp
         acc_other = lax.psum([a + b for a, b in zip(acc_pre, acc_post)], "stage")
         acc = [None] * len(p_leaves)

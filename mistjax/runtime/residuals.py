@@ -58,12 +58,19 @@ class Residuals:
 
     num_leaves: int
     stored: tuple[int, ...]  # leaf indices kept (first occurrence of each activation-dependent value)
-    avals: tuple[tuple[tuple[int, ...], np.dtype, frozenset], ...]  # (shape, dtype, varying axes) per leaf
+    # (shape, dtype, varying axes, in host memory) per stored leaf; host leaves come from an offload policy
+    avals: tuple[tuple[tuple[int, ...], np.dtype, frozenset, bool], ...]
     aliases: tuple[tuple[int, int], ...]  # (leaf, stored leaf) pairs that are the same value
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _ in self.avals)
+        """Bytes of the stored leaves, device and host."""
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, *_ in self.avals)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the stored leaves that an offload policy put in host memory."""
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _, host in self.avals if host)
 
     def take(self, vjp: Callable[..., Any]) -> list[Any]:
         """The stored leaves of a ``jax.vjp`` function traced like the classified one."""
@@ -87,7 +94,8 @@ def classify(fn: Callable[[PyTree, PyTree], PyTree], w: PyTree, h: PyTree) -> Re
             first[var] = j
             stored.append(j)
     out = [closed.out_avals[j] for j in stored]
-    avals = tuple((tuple(a.shape), np.dtype(a.dtype), a.manual_axis_type.varying) for a in out)
+    avals = tuple((tuple(a.shape), np.dtype(a.dtype), a.manual_axis_type.varying,
+                   getattr(a, "memory_space", None) == jax.memory.Space.Host) for a in out)
     return Residuals(len(closed.jaxpr.outvars), tuple(stored), avals, tuple(aliases))
 
 

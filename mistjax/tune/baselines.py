@@ -12,7 +12,8 @@ mistjax's space contains every one of them, so with the same cost model its plan
 
 Ablation steps (Mist §6.6), each adding one dimension to the previous: 3D parallelism (ZeRO-1,
 full recompute, no offload, imbalance-unaware K = 1) -> + ZeRO-2/3 -> + checkpoint tuning ->
-+ offload -> + imbalance-aware Pareto sampling (K = 30) -> + mistjax's additions (MiCS, policies).
++ offload -> + imbalance-aware Pareto sampling (K = 30) -> + mistjax's additions (MiCS, policies)
+-> + the 1F1B-eager schedule (lock-step 1F1B at GPipe's speed, `mistjax.runtime.schedules`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mistjax.tune.space import SearchSpace
 __all__ = ["ABLATION_STEPS", "BASELINES", "ablation_spaces", "baseline_spaces"]
 
 BASELINES: tuple[str, ...] = ("megatron", "zero3-fsdp", "mics", "mist")
-ABLATION_STEPS: tuple[str, ...] = ("3d", "+zero23", "+ckpt", "+offload", "+imbalance", "+mics+policies")
+ABLATION_STEPS: tuple[str, ...] = ("3d", "+zero23", "+ckpt", "+offload", "+imbalance", "+mics+policies", "+eager")
 
 _NO_OFFLOAD = {"weight_offload": (0.0,), "grad_offload": (0.0,), "opt_offload": (0.0,), "act_offload": (0.0,)}
 
@@ -47,5 +48,6 @@ def ablation_spaces() -> dict[str, SearchSpace]:
     offload = {k: getattr(SearchSpace(), k) for k in _NO_OFFLOAD}
     steps.append(steps[-1].replace(name="+offload", **offload))
     steps.append(steps[-1].replace(name="+imbalance", pareto_k=SearchSpace().pareto_k))
-    steps.append(SearchSpace.full().replace(name="+mics+policies"))
+    steps.append(SearchSpace.full().replace(name="+mics+policies", schedules=("1f1b",)))
+    steps.append(SearchSpace.full().replace(name="+eager"))
     return {s.name: s for s in steps}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mistjax.tune.intra import StageTables, prepare_key, price, price_pairs, sample_stage_tables
+from mistjax.tune.intra import ScheduleMemo, StageTables, prepare_key, price, price_pairs, sample_stage_tables
 from mistjax.tune.milp import solve_inter_stage
 from mistjax.tune.space import OuterKey, RematOptions, SearchSpace, layer_options, strategy_grid
 
@@ -174,7 +174,8 @@ def _base_strategies(grid: Any) -> tuple[np.ndarray, np.ndarray]:
     return base, top
 
 
-def key_bound(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace) -> float:
+def key_bound(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace,
+              memo: ScheduleMemo | None = None) -> float:
     """A lower bound of a key's best objective, from its families' least-offloaded strategies
     without remat and without the memory limit (an offload or a checkpointed layer never saves time)."""
     L = int(workload.num_layers)
@@ -183,7 +184,7 @@ def key_bound(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, spac
     base, _ = _base_strategies(grid)
     none = tuple(workload.policies).index("none") if "none" in tuple(workload.policies) else 0
     probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),
-                        grid, np.empty(0), np.empty(0))
+                        grid, np.empty(0), np.empty(0), memo=memo)
     s, d, _ = price_pairs(workload, cluster, cost, probe, np.zeros(len(base), np.int64), base)  # [S, J, F]
     if key.stages == 1:
         return float(np.min(key.grad_accum * s[0, 0] + d[0, 0]))
@@ -192,16 +193,18 @@ def key_bound(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, spac
 
 
 def tune_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace,
-             best_cost: float | None, deadline: float, prune: bool = True) -> tuple[StageTables, KeyChoice | None]:
+             best_cost: float | None, deadline: float, prune: bool = True, memo: ScheduleMemo | None = None
+             ) -> tuple[StageTables, KeyChoice | None]:
     """Price and solve one outer key; the choice is None unless it beats ``best_cost``.
 
     Args:
         prune: price offloaded strategies only where bounds from the zero-offload ones allow a
             better plan (exact when time never falls and feasibility never shrinks as offload
             ratios grow); False prices everything, as Mist does.
+        memo: prices shared with the key's siblings of other pipeline schedules (`intra.ScheduleMemo`).
     """
     L = int(workload.num_layers)
-    tables = prepare_key(workload, cluster, cost, key, space)
+    tables = prepare_key(workload, cluster, cost, key, space, memo)
     grid, G, S = tables.grid, key.grad_accum, key.stages
     shared = space.executable
     if not prune or not shared:

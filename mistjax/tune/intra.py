@@ -25,12 +25,14 @@ rises as an offload ratio or the checkpointed-layer count grows (checked in the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from mistjax.cost.pipeline_time import inflight_microbatches, lockstep_microbatch_time
 from mistjax.tune.pareto import sample_pareto
 from mistjax.tune.space import (
     OuterKey,
@@ -42,7 +44,7 @@ from mistjax.tune.space import (
     strategy_grid,
 )
 
-__all__ = ["SampledTables", "StageTables", "prepare_key", "price", "price_pairs", "sample_stage_tables"]
+__all__ = ["SampledTables", "ScheduleMemo", "StageTables", "prepare_key", "price", "price_pairs", "sample_stage_tables"]
 
 # Elements per cost-model call: big enough to amortise NumPy's per-op overhead, small enough that the
 # model's few dozen float64 temporaries stay in the low hundreds of MB.
@@ -70,6 +72,7 @@ class StageTables:
     stable: np.ndarray
     delta: np.ndarray
     evaluated: int = 0
+    memo: ScheduleMemo | None = None  # prices shared with sibling keys of other schedules
 
     def remat_count(self, j: int, r: int) -> int:
         """Checkpointed layers of option r for a stage of ``layer_options[j]`` layers."""
@@ -82,6 +85,34 @@ class StageTables:
         self.delta[:, :, r, x] = np.where(ok, np.maximum(delta, 0.0), np.inf)
 
 
+class ScheduleMemo:
+    """Prices of the last outer key, kept for its siblings that differ only in the pipeline schedule.
+
+    A schedule changes only the micro-batches in flight (activation memory) and the lock-step time
+    formula, both cheap on top of one cost-model call; `price_pairs` prices every schedule of
+    ``schedules`` at once (the in-flight count is one more broadcast axis) and the search visits sibling
+    keys one after another (`tuner.search`), so the memo holds one key's worth of results at most.
+    """
+
+    def __init__(self, schedules: tuple[str, ...]) -> None:
+        self.schedules = tuple(schedules)
+        self._group: OuterKey | None = None
+        self._entries: dict[tuple[bytes, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def lookup(self, key: OuterKey, what: tuple[bytes, ...]) -> tuple[np.ndarray, ...] | None:
+        group = dataclasses.replace(key, schedule="")
+        if group != self._group:
+            self._group, self._entries = group, {}
+        got = self._entries.get(what)
+        if got is None:
+            return None
+        i = self.schedules.index(key.schedule)
+        return tuple(a[i] for a in got)
+
+    def store(self, what: tuple[bytes, ...], results: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        self._entries[what] = results
+
+
 def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables, r: np.ndarray,
                 x: np.ndarray, slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Raw (stable, delta, feasible) ``[S', J, n]`` of (remat option ``r[n]``, strategy ``x[n]``) pairs.
@@ -92,19 +123,30 @@ def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTabl
     """
     key, grid = tables.key, tables.grid
     S, G = key.stages, key.grad_accum
+    r, x = np.asarray(r, np.int64), np.asarray(x, np.int64)
+    memo = tables.memo if S > 1 and tables.memo is not None and key.schedule in tables.memo.schedules else None
+    what = (b"" if slots is None else np.asarray(slots, np.int64).tobytes(), r.tobytes(), x.tobytes(),
+            tables.remat.count.tobytes(), tables.remat.policy.tobytes(), repr(tables.layer_options).encode())
+    if memo is not None:
+        got = memo.lookup(key, what)
+        if got is not None:
+            return got
+    schedules = memo.schedules if memo is not None else (key.schedule,)
     slot = (np.arange(S) if slots is None else np.asarray(slots)).reshape(-1, 1, 1)
     layers = np.asarray(tables.layer_options, np.int64).reshape(1, -1, 1)
     count = tables.remat.count[r].reshape(1, 1, -1)
     c = np.where(count < 0, layers, count)
     valid = c <= layers
     # The pipelined runtime is one SPMD program: every stage's activation pool has the size of the
-    # largest one, which is the first stage's (min(S, G) micro-batches in flight under 1F1B). Pricing
-    # every stage with that many keeps the per-stage memory check honest (see cost.predict).
-    inflight = np.asarray(min(S, G))
-    shape = (slot.shape[0], layers.shape[1], len(r))
+    # largest one, which is the first stage's (min(S, G) micro-batches in flight under 1F1B,
+    # min(2S - 1, G) under 1F1B-eager). Pricing every stage with that many keeps the per-stage memory
+    # check honest (see cost.predict). One leading axis per schedule.
+    inflight = np.array([key_inflight(dataclasses.replace(key, schedule=n)) for n in schedules]
+                        ).reshape(-1, 1, 1, 1)
+    shape = (len(schedules), slot.shape[0], layers.shape[1], len(r))
     stable, delta = np.empty(shape), np.empty(shape)
     feasible = np.empty(shape, dtype=bool)
-    step = max(1, _CHUNK_ELEMENTS // max(1, shape[0] * shape[1]))
+    step = max(1, _CHUNK_ELEMENTS // max(1, shape[1] * shape[2]))
     for lo in range(0, len(r), step):
         sl = slice(lo, lo + step)
         xs = x[sl]
@@ -120,20 +162,26 @@ def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTabl
             G=np.asarray(G), first=slot == 0, last=slot == S - 1, stages=np.asarray(S), nodes=np.asarray(key.nodes),
             per_node=np.asarray(key.per_node))
         out = cost.stage_cost(workload, cluster, st)
-        sub = (shape[0], shape[1], xs.size)
-        steady = out.stable
-        if S > 1 and hasattr(out, "fwd") and hasattr(out, "bwd"):
-            # The SPMD pipeline runs in lock-step: in 1F1B's steady state a micro-batch takes a forward
-            # tick and a backward tick on every stage, each as long as the slowest stage's, so a stage
-            # costs 2 max(fwd, bwd) per micro-batch rather than fwd + bwd (`runtime.schedules.lockstep_time`,
-            # what `cost.predict` charges). Pricing it so keeps the MILP's ranking that of the prediction.
-            steady = 2.0 * np.maximum(out.fwd, out.bwd)
-        stable[..., sl] = np.broadcast_to(steady, sub)
+        sub = (shape[0], shape[1], shape[2], xs.size)
+        for i, name in enumerate(schedules):
+            steady = np.broadcast_to(out.stable, sub)[i]
+            if S > 1 and hasattr(out, "fwd") and hasattr(out, "bwd"):
+                # The SPMD pipeline runs in lock-step: in classic 1F1B's steady state a micro-batch takes
+                # a forward tick and a backward tick on every stage, each as long as the slowest stage's,
+                # so a stage costs 2 max(fwd, bwd) per micro-batch rather than fwd + bwd (1F1B-eager:
+                # fwd + bwd; `runtime.schedules.lockstep_time` is what `cost.predict` charges). Pricing it
+                # so keeps the MILP's ranking that of the prediction.
+                steady = lockstep_microbatch_time(np.broadcast_to(out.fwd, sub)[i], np.broadcast_to(out.bwd, sub)[i],
+                                                  name)
+            stable[i, ..., sl] = steady
         delta[..., sl] = np.broadcast_to(out.delta, sub)
         ok = np.broadcast_to(np.asarray(out.feasible, bool) & valid[..., sl], sub)
         feasible[..., sl] = ok & np.isfinite(stable[..., sl]) & np.isfinite(delta[..., sl])
     tables.evaluated += int(np.prod(shape))
-    return stable, delta, feasible
+    if memo is not None:
+        memo.store(what, (stable, delta, feasible))
+    i = schedules.index(key.schedule)
+    return stable[i], delta[i], feasible[i]
 
 
 def price(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables, xs: np.ndarray
@@ -181,6 +229,11 @@ def _prune_policies(workload: Any, cluster: Any, cost: ModuleType, tables: Stage
     return RematOptions(rem.count[sel], rem.policy[sel], rem.names)
 
 
+def key_inflight(key: OuterKey) -> int:
+    """Micro-batches in flight on the first stage (the largest pool) under the key's schedule."""
+    return int(inflight_microbatches(0, key.stages, key.grad_accum, key.schedule))
+
+
 def _probe_peak(workload: Any, cluster: Any, cost: ModuleType, probe: StageTables, r: np.ndarray) -> np.ndarray:
     key = probe.key
     layers = probe.layer_options[0]
@@ -189,13 +242,14 @@ def _probe_peak(workload: Any, cluster: Any, cost: ModuleType, probe: StageTable
         shard_group=np.asarray(probe.grid.shard_group[0]), zero=np.asarray(probe.grid.zero[0]),
         layers=np.asarray(layers), remat=np.full(len(r), layers), policy=probe.remat.policy[r],
         wo=np.asarray(0.0), go=np.asarray(0.0), oo=np.asarray(0.0), ao=np.asarray(0.0),
-        inflight=np.asarray(min(key.stages, key.grad_accum)), G=np.asarray(key.grad_accum), first=np.asarray(True),
+        inflight=np.asarray(key_inflight(key)), G=np.asarray(key.grad_accum), first=np.asarray(True),
         last=np.asarray(key.stages == 1), stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
         per_node=np.asarray(key.per_node))
     return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))
 
 
-def prepare_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace) -> StageTables:
+def prepare_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace,
+                memo: ScheduleMemo | None = None) -> StageTables:
     """Empty (all ``inf``) tables of one outer key, with dominated remat policies removed."""
     L = int(workload.num_layers)
     opts = layer_options(space, L, key.stages, key.grad_accum)
@@ -206,6 +260,7 @@ def prepare_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, sp
         tables.remat = _prune_policies(workload, cluster, cost, tables)
     shape = (key.stages, len(opts), tables.remat.count.size, len(grid))
     tables.stable, tables.delta = np.full(shape, np.inf), np.full(shape, np.inf)
+    tables.memo = memo
     return tables
 
 

@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from mistjax.cost.pipeline_time import inflight_microbatches
 from mistjax.plan import Plan, Prediction, StagePlan, format_bytes
 from mistjax.tune.baselines import ablation_spaces, baseline_spaces
 from mistjax.tune.inter import KeyChoice, key_bound, tune_key
-from mistjax.tune.intra import StageTables, sample_stage_tables
+from mistjax.tune.intra import ScheduleMemo, StageTables, sample_stage_tables
 from mistjax.tune.space import OuterKey, SearchSpace, outer_keys
 
 __all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "default_cost_model", "fingerprints", "search",
@@ -143,7 +144,7 @@ def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
             offload_opt=float(tables.grid.oo[x]), offload_acts=float(tables.grid.ao[x])))
         start += n
     return Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
-                shard_group=group, schedule="1f1b")
+                shard_group=group, schedule=key.schedule)
 
 
 def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -> tuple[dict[str, Any], ...]:
@@ -201,8 +202,15 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     L = int(workload.num_layers)
     keys = outer_keys(space, L, int(workload.global_batch), cluster.nodes, cluster.devices_per_node,
                       getattr(workload, "config", None))
-    bounds = [key_bound(workload, cluster, cost, k, space) if prune else 0.0 for k in keys]
-    order = sorted(range(len(keys)), key=lambda i: (bounds[i], i))
+    memo = ScheduleMemo(space.schedules)
+    bounds = [key_bound(workload, cluster, cost, k, space, memo) if prune else 0.0 for k in keys]
+    # Best bound first, but a key's siblings of other pipeline schedules right after it: they reuse its
+    # prices (`intra.ScheduleMemo`), and the pruning test below still applies to each of them.
+    group = [dataclasses.replace(k, schedule="") for k in keys]
+    group_bound: dict[Any, tuple[float, int]] = {}
+    for i, (g, b) in enumerate(zip(group, bounds)):
+        group_bound[g] = min(group_bound.get(g, (math.inf, i)), (b, i))
+    order = sorted(range(len(keys)), key=lambda i: (group_bound[group[i]], bounds[i], i))
     best: tuple[StageTables, KeyChoice] | None = None
     found: list[tuple[float, Plan, tuple[dict[str, Any], ...]]] = []  # every improvement, best last
     evaluated = milps = done = 0
@@ -216,7 +224,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
         if time.perf_counter() >= deadline:
             timed_out = True
             break
-        tables, choice = tune_key(workload, cluster, cost, key, space, cut, deadline, prune)
+        tables, choice = tune_key(workload, cluster, cost, key, space, cut, deadline, prune, memo)
         evaluated += tables.evaluated
         done += 1
         if choice is not None:
@@ -268,7 +276,8 @@ def predict_plan(workload: Any, plan: Plan, cluster: Any, cost: ModuleType) -> P
         pol = tuple(workload.policies).index(sp.remat_policy) if sp.remat_layers else 0
         st = cost.StageStrategies(*(np.asarray(v) for v in (
             plan.micro_batch, plan.dp, plan.tp, plan.shard_group, sp.zero_stage, sp.num_layers, sp.remat_layers, pol,
-            sp.offload_weights, sp.offload_grads, sp.offload_opt, sp.offload_acts, min(S - i, plan.grad_accum),
+            sp.offload_weights, sp.offload_grads, sp.offload_opt, sp.offload_acts,
+            int(inflight_microbatches(i, S, plan.grad_accum, plan.schedule)),
             plan.grad_accum, i == 0, i == S - 1, S, max(1, k // per_node), per_node)))
         out = cost.stage_cost(workload, cluster, st)
         T.append(float(out.stable))
