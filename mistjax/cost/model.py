@@ -79,7 +79,12 @@ class StageStrategies:
 
 @dataclass(frozen=True)
 class StageCost:
-    """Costs of each strategy (arrays of the strategies' broadcast shape)."""
+    """Costs of each strategy (arrays of the strategies' broadcast shape).
+
+    Only memory depends on ``inflight``: extra axes of it (one per pipeline schedule, as the tuner
+    passes) appear in ``memory``, ``peak``, ``feasible`` and ``host``; time and FLOP arrays leave them out
+    and broadcast against them.
+    """
 
     stable: np.ndarray  # seconds of one steady micro-batch (forward + backward)
     delta: np.ndarray  # extra seconds of the first + last micro-batch incl. once-per-step work

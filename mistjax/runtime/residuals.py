@@ -67,11 +67,6 @@ class Residuals:
         """Bytes of the stored leaves, device and host."""
         return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, *_ in self.avals)
 
-    @property
-    def host_nbytes(self) -> int:
-        """Bytes of the stored leaves that an offload policy put in host memory."""
-        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _, host in self.avals if host)
-
     def take(self, vjp: Callable[..., Any]) -> list[Any]:
         """The stored leaves of a ``jax.vjp`` function traced like the classified one."""
         leaves = jax.tree.leaves(vjp)
