@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mistjax.plan import Plan, PlanError
+from mistjax.core.plan import Plan, PlanError
 
 
 class CliError(Exception):
@@ -60,12 +60,13 @@ def load_cluster(spec: str, memory_gib: float | None = None) -> Any:
 
 
 def _workload(args: argparse.Namespace) -> Any:
-    from mistjax.cost.workload import Workload
 
     cfg = load_model_config(args.model).replace(dtype=args.dtype)
     if args.seq_len > cfg.max_seq_len:
         raise CliError(f"--seq-len {args.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
-    return Workload.from_model(cfg, args.seq_len, args.global_batch)
+    import models
+
+    return models.workload(cfg, args.seq_len, args.global_batch)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -20,10 +20,11 @@ from models.config import ModelConfig, human_count
 from models.falcon import Falcon
 from models.gpt3 import GPT3
 from models.llama import Llama
+from models.loss import cross_entropy, make_loss_fn
 from models.transformer import CausalLM
 
-__all__ = ["PRESETS", "CausalLM", "Falcon", "GPT3", "Llama", "ModelConfig", "build", "get_config",
-           "human_count", "logical_axes"]
+__all__ = ["PRESETS", "CausalLM", "Falcon", "GPT3", "Llama", "ModelConfig", "build", "cross_entropy", "get_config",
+           "human_count", "logical_axes", "make_loss_fn", "workload"]
 
 PRESETS: dict[str, ModelConfig] = {**gpt3.PRESETS, **llama.PRESETS, **falcon.PRESETS}
 
@@ -75,3 +76,12 @@ def logical_axes(state_or_model: nnx.Module | nnx.State) -> nnx.State:
         return tuple(axes)
 
     return jax.tree.map(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def __getattr__(name: str) -> object:
+    # The cost model pulls in sympy and cvxpy's neighbours: load `models.workload` on first use.
+    if name == "workload":
+        from models.cost import workload
+
+        return workload
+    raise AttributeError(f"module 'models' has no attribute {name!r}")

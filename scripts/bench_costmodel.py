@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 def speed(n: int = 100_000) -> float:
     """Strategies priced per second by `stage_cost` (llama-tiny block, a100-40gb 2x8, random strategies)."""
     from mistjax.cost import StageStrategies, stage_cost
-    from mistjax.cost.check import workload_for
     from mistjax.hardware import ClusterSpec
+    from mistjax.validate.check import workload_for
 
     wl = workload_for("llama-tiny", 1024, 512)
     r = np.random.default_rng(0)
@@ -56,8 +56,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="the test grid only (6 cells)")
     args = ap.parse_args()
 
-    from mistjax.cost.check import FULL_GRID, SMALL_GRID, compare_cell, grid_plan
     from mistjax.hardware import ClusterSpec
+    from mistjax.validate.check import FULL_GRID, SMALL_GRID, compare_cell, grid_plan
 
     cluster = ClusterSpec.preset("cpu", 1, 8)
     cells = []

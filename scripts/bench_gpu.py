@@ -58,12 +58,11 @@ def _run_plan(cfg: Any, plan: Any, seq: int, batch_size: int, steps: int) -> dic
     import mistjax
     import models
     from mistjax.train.loop import make_train_step
-    from mistjax.train.loss import make_loss_fn
     from mistjax.train.state import TrainState, make_optimizer
 
     device = jax.devices()[0]
     state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), make_optimizer(1e-4))
-    step = mistjax.autoshard(make_train_step(make_loss_fn(state.graphdef)), [device], plan=plan)
+    step = mistjax.autoshard(make_train_step(models.make_loss_fn(state.graphdef)), [device], plan=plan)
     tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch_size, seq + 1)).astype(np.int32)
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
     state = step.place(state, batch)
@@ -93,7 +92,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.dry_run:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import models
-    from mistjax.cost import model as cost_model
     from mistjax.hardware.presets import ClusterSpec
     from mistjax.tune import tune
 
@@ -105,11 +103,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     baselines = tuple(b for b in a.baselines.split(",") if b)
     for name in a.models.split(","):
         cfg = models.get_config(name).replace(dtype="float32" if a.dry_run else "bfloat16")
-        workload = cost_model.Workload.from_model(cfg, a.seq, a.global_batch)
+        workload = models.workload(cfg, a.seq, a.global_batch)
         for gib in (float(x) for x in a.budgets_gib.split(",")):
             cluster = ClusterSpec.preset(a.hardware, nodes=1, per_node=1).with_memory(gib * GiB)
             try:
-                res = tune(workload, cluster, baselines=baselines, time_limit=a.time_limit, cost=cost_model)
+                res = tune(workload, cluster, baselines=baselines, time_limit=a.time_limit)
             except RuntimeError as e:
                 doc["runs"].append({"model": name, "budget_gib": gib, "error": str(e)})
                 continue

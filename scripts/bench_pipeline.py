@@ -25,10 +25,9 @@ from flax import nnx  # noqa: E402
 
 import mistjax  # noqa: E402
 import models  # noqa: E402
-from mistjax.runtime import hlo, schedules  # noqa: E402
+from mistjax.core import hlo, pipeline_time, schedules  # noqa: E402
 from mistjax.train.data import SyntheticTokens  # noqa: E402
 from mistjax.train.loop import make_train_step  # noqa: E402
-from mistjax.train.loss import make_loss_fn  # noqa: E402
 from mistjax.train.state import TrainState  # noqa: E402
 
 
@@ -40,7 +39,7 @@ def main() -> None:
     a = p.parse_args()
     cfg = models.get_config(a.model)
     state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3))
-    train_step = make_train_step(make_loss_fn(state.graphdef))
+    train_step = make_train_step(models.make_loss_fn(state.graphdef))
     n = jax.device_count()
     records = []
     for S in (2, 4):
@@ -54,8 +53,8 @@ def main() -> None:
                 records.append({
                     "stages": S, "grad_accum": G, "schedule": schedule, "memory": hlo.memory_stats(compiled),
                     "inflight_per_stage": [int(x) for x in schedules.in_flight(sched)],
-                    "bubble_fraction": float(schedules.bubble_fraction(S, G, schedule)),
-                    "lockstep_time": float(schedules.lockstep_time(sched, np.ones(S), 2 * np.ones(S))),
+                    "bubble_fraction": float(pipeline_time.bubble_fraction(S, G, schedule)),
+                    "lockstep_time": float(pipeline_time.lockstep_time(sched, np.ones(S), 2 * np.ones(S))),
                 })
     head = (f"{'S':>2} {'G':>3} {'schedule':<10} {'peak KiB':>9} {'temp KiB':>9} {'in-flight/stage':<16} "
             f"{'bubble':>7} {'ticks t':>8}")

@@ -22,10 +22,9 @@ from flax import nnx  # noqa: E402
 
 import mistjax  # noqa: E402
 import models  # noqa: E402
-from mistjax.runtime import hlo  # noqa: E402
+from mistjax.core import hlo  # noqa: E402
 from mistjax.train.data import SyntheticTokens  # noqa: E402
 from mistjax.train.loop import make_train_step  # noqa: E402
-from mistjax.train.loss import make_loss_fn  # noqa: E402
 from mistjax.train.state import TrainState  # noqa: E402
 
 ZERO = {0: dict(shard_opt=False), 1: dict(shard_opt=True), 2: dict(shard_opt=True, shard_grads=True),
@@ -51,7 +50,7 @@ def measure(name: str, batch_size: int, seq_len: int) -> list[dict]:
     cfg = models.get_config(name)
     state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3))
     batch = SyntheticTokens(cfg.vocab_size, seq_len, batch_size).batch(0)
-    train_step = make_train_step(make_loss_fn(state.graphdef))
+    train_step = make_train_step(models.make_loss_fn(state.graphdef))
     n = jax.device_count()
     records = []
     for label, knobs in PLANS.items():

@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
-from mistjax.cost import model as cost_model  # noqa: E402
 from mistjax.hardware.presets import ClusterSpec  # noqa: E402
 from mistjax.tune import ABLATION_STEPS, SearchSpace, ablation_spaces, baseline_spaces, search  # noqa: E402
 
@@ -53,12 +52,12 @@ def plan_text(plan: Any) -> str:
 def run_cell(platform: str, family: str, size: str, gpus: int, time_limit: float, ablations: bool) -> dict[str, Any]:
     seq = PLATFORMS[platform]
     cfg = models.get_config(f"{family}-{size}").replace(dtype="bfloat16")  # bf16 compute, fp32 master weights
-    workload = cost_model.Workload.from_model(cfg, seq, 16 * gpus)
+    workload = models.workload(cfg, seq, 16 * gpus)
     cluster = cluster_for(platform, gpus)
     t0 = time.perf_counter()
-    mine = search(workload, cluster, SearchSpace(), time_limit=time_limit, cost=cost_model)
+    mine = search(workload, cluster, SearchSpace(), time_limit=time_limit)
     tune_s = time.perf_counter() - t0
-    base = {name: search(workload, cluster, sp, time_limit=time_limit, cost=cost_model)
+    base = {name: search(workload, cluster, sp, time_limit=time_limit)
             for name, sp in baseline_spaces().items()}
     # mistjax's space contains every baseline's: when the full prediction ranks a baseline's plan
     # higher than the search objective did (pipelines are predicted by the lock-step schedule),
@@ -74,7 +73,7 @@ def run_cell(platform: str, family: str, size: str, gpus: int, time_limit: float
         "adopted": None if best is mine else best.space.name, "timed_out": mine.timed_out,
     }
     if ablations:
-        steps = {n: search(workload, cluster, sp, time_limit=time_limit, cost=cost_model)
+        steps = {n: search(workload, cluster, sp, time_limit=time_limit)
                  for n, sp in ablation_spaces().items()}
         rec["ablation_tokens_per_s"] = {n: (r.prediction.tokens_per_s if r.plan is not None else 0.0)
                                         for n, r in steps.items()}

@@ -1,7 +1,7 @@
-"""A small analytic stand-in for `mistjax.cost.model` with the same interface (tests only).
+"""A small analytic stand-in for `mistjax.cost.COST_MODEL` implementing the same interface (tests only).
 
-The tuner takes its cost model as an argument, so its tests can run against this stub whether or
-not the real model is available, and check the tuner's own logic (MILP = brute force, feasibility,
+The tuner takes its cost model (`mistjax.core.strategies.CostModel`) as an argument, so its tests can
+run against this stub (`COST_MODEL`) and check the tuner's own logic (MILP = brute force, feasibility,
 determinism, baselines <= mistjax) on a model whose numbers are easy to reason about. The numbers
 are rough (Korthikanti-style activation sizes, roofline compute, alpha-beta collectives, a "max +
 10% of the rest" overlap); they are not the project's cost model.
@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from mistjax.cost.pipeline_time import inflight_microbatches
-from mistjax.plan import Plan, Prediction
+from mistjax.core.pipeline_time import pipeline_1f1b_time
+from mistjax.core.plan import Plan, Prediction
+from mistjax.core.schedules import inflight_microbatches
+from mistjax.core.strategies import CostModel, StageStrategies
 
 _BYTES_W, _BYTES_G, _BYTES_O = 2.0, 2.0, 12.0  # bf16 weights and grads, fp32 master + Adam moments
 
@@ -40,43 +42,25 @@ class Workload:
     def num_layers(self) -> int:
         return int(self.config.num_layers)
 
+    def supports_tp(self, tp: int) -> bool:
+        """Heads, kv heads, MLP and hidden widths must split evenly over ``tp`` devices."""
+        c = self.config
+        return all(d % tp == 0 for d in (c.num_heads, c.num_kv_heads, c.ffn_size, c.hidden_size))
+
     def fingerprint(self) -> str:
         doc = {"config": asdict(self.config), "seq": self.seq_len, "batch": self.global_batch, "opt": self.optimizer}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
-class StageStrategies:
-    """Arrays broadcastable to one shape, one element per strategy (see the real model)."""
-
-    b: Any
-    dp: Any
-    tp: Any
-    shard_group: Any
-    zero: Any
-    layers: Any
-    remat: Any
-    policy: Any
-    wo: Any
-    go: Any
-    oo: Any
-    ao: Any
-    inflight: Any
-    G: Any
-    first: Any
-    last: Any
-    stages: Any
-    nodes: Any
-    per_node: Any
-
-
-@dataclass(frozen=True)
 class StageCost:
-    stable: np.ndarray
-    delta: np.ndarray
-    memory: dict[str, np.ndarray] = field(default_factory=dict)
-    peak: np.ndarray = None  # type: ignore[assignment]
-    feasible: np.ndarray = None  # type: ignore[assignment]
+    stable: np.ndarray  # seconds of one steady micro-batch
+    delta: np.ndarray  # once-per-step seconds
+    fwd: np.ndarray  # forward part of `stable`
+    bwd: np.ndarray  # backward part of `stable`
+    memory: dict[str, np.ndarray]  # bytes by category
+    peak: np.ndarray  # sum of `memory`
+    feasible: np.ndarray  # fits the budget
 
 
 def _coll(nbytes: Any, n: Any, bw: Any, lat: Any, passes: float = 1.0) -> np.ndarray:
@@ -163,7 +147,9 @@ def stage_cost(workload: Workload, cluster: Any, st: StageStrategies) -> StageCo
     stable, delta = np.broadcast_to(stable, shape), np.broadcast_to(delta, shape)
     valid = (r <= nl) & (r >= 0) & (p >= 1) & (dp % np.maximum(p, 1) == 0)
     feasible = valid & (peak <= cluster.memory_budget())
-    return StageCost(stable, delta, memory, peak, feasible)
+    # The stub splits a micro-batch evenly between forward and backward (so every schedule's steady
+    # micro-batch costs `stable`, as the 1F1B formula of `predict` assumes).
+    return StageCost(stable, delta, stable / 2, stable / 2, memory, peak, feasible)
 
 
 def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:
@@ -185,7 +171,9 @@ def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:
         T.append(float(cost.stable))
         D.append(float(cost.delta))
         mem.append({k: float(v) for k, v in cost.memory.items()})
-    G = plan.grad_accum
-    exposed = max(0.0, max(d - sum(T[:i]) for i, d in enumerate(D)))
-    step = (G - 1) * max(T) + sum(T) + exposed
+    step = float(pipeline_1f1b_time(np.array(T), np.array(D), plan.grad_accum))
     return Prediction(step, tuple(T), tuple(D), tuple(mem), workload.global_batch * workload.seq_len / step)
+
+
+# The stub as the tuner takes it (`mistjax.core.strategies.CostModel`).
+COST_MODEL = CostModel(stage_cost=stage_cost, predict=predict)

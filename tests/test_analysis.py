@@ -32,9 +32,9 @@ from mistjax.analysis import (
 from mistjax.analysis.layout import partition_spec
 from mistjax.analysis.memory import nbytes_fn, peak_candidates
 from mistjax.analysis.poly import Poly, fit_dim
-from mistjax.runtime.remat import remat_policy
+from mistjax.core.policies import remat_policy
 from mistjax.trace.split import trace_loss
-from mistjax.train.loss import cross_entropy, make_loss_fn
+from models import cross_entropy, make_loss_fn
 
 TINY = ["gpt3-tiny", "llama-tiny", "falcon-tiny"]
 SMALL = ["gpt3-small", "llama-small", "falcon-small"]
@@ -228,7 +228,8 @@ def test_saved_bytes_match_jax_residuals(name, tiny):
 def test_weight_bytes_match_sharded_params(name, tiny):
     """Per-device weight bytes at t = 2 equal the parameter shards under the logical-axis layout."""
     cfg, gd, state, loss, prof = tiny[name]
-    from mistjax.runtime.sharding import TENSOR_AXES, leaf_axes
+    from mistjax.core.axes import leaf_axes
+    from mistjax.core.layout import TENSOR_AXES
 
     per_part = {"pre": 0, "block": 0, "post": 0}
     for path_leaf, axes in zip(jax.tree_util.tree_flatten_with_path(state)[0], leaf_axes(state)):

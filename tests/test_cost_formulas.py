@@ -370,7 +370,7 @@ def test_bubble_and_inflight():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "1f1b-eager"])
 def test_inflight_is_what_the_executor_schedule_keeps(schedule):
-    from mistjax.runtime import schedules
+    from mistjax.core import schedules
 
     for S in (1, 2, 3, 4, 6):
         for G in (1, 2, S, 2 * S + 1, 4 * S):

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import mistjax
-from mistjax.cost import StageStrategies, Workload, analyze, hlo_collectives, predict, stage_cost
-from mistjax.cost.check import FULL_GRID, SMALL_GRID, compare_cell, grid_plan, workload_for
+from mistjax.core.hlo import collectives as hlo_collectives
+from mistjax.cost import StageStrategies, Workload, analyze, predict, stage_cost
 from mistjax.hardware import ClusterSpec
 from mistjax.plan import Prediction, uniform_plan
+from mistjax.validate.check import FULL_GRID, SMALL_GRID, compare_cell, grid_plan, workload_for
 
 CPU = ClusterSpec.preset("cpu", 1, 8)
 A100 = ClusterSpec.preset("a100-40gb", 2, 8)

@@ -9,7 +9,7 @@ from test_runtime import BATCH, DEVICES, setup
 
 import mistjax
 from mistjax.plan import PlanError, uniform_plan
-from mistjax.train.loss import make_loss_fn
+from models import make_loss_fn
 
 
 def test_plain_jax_grad_with_a_plan_that_needs_mistjax_grad():

@@ -18,12 +18,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.runtime import schedules as sch
+from mistjax.core import pipeline_time as ptime
+from mistjax.core import schedules as sch
+from mistjax.core.policies import remat_policy as remat_policy_fn
+from mistjax.runtime import ticks
 from mistjax.runtime.pipeline import (
     from_stage_layout,
     layer_residual_bytes,
     pipeline_value_and_grad,
-    remat_policy_fn,
     to_stage_layout,
 )
 
@@ -269,7 +271,7 @@ def test_schedule_tables(num_stages, num_mb):
         counts = sch.check_schedule(sched)  # every F and B once, dependencies respected
         if name == "1f1b":
             np.testing.assert_array_equal(counts, np.minimum(S - np.arange(S), G))
-            sch.check_schedule(sched, sch.one_f_one_b_bound(S, G))
+            sch.check_schedule(sched, sch.inflight_microbatches(np.arange(S), S, G))
             assert sched.num_ticks == 2 * (G + S - 1)
             assert ((sched.fwd >= 0) & (sched.bwd >= 0)).sum() == 0  # one op per stage per tick
             for s in range(S):  # warm-up S-s-1 forwards, then one more before the first backward
@@ -281,17 +283,17 @@ def test_schedule_tables(num_stages, num_mb):
             np.testing.assert_array_equal(counts, np.minimum(2 * (S - np.arange(S)) - 1, G))
             assert sched.num_ticks == G + 2 * S - 2
         # Textbook bubble (S-1)/(G+S-1) with equal F and B costs, for every table.
-        assert sch.bubble_fraction(S, G, name) == pytest.approx((S - 1) / (G + S - 1))
+        assert ptime.bubble_fraction(S, G, name) == pytest.approx((S - 1) / (G + S - 1))
         _simulate(sched)
 
 
 def test_lockstep_penalty_of_classic_1f1b():
     S, G = 4, 16
-    gpipe = sch.lockstep_time(sch.gpipe_schedule(S, G), 1.0, 2.0)
+    gpipe = ptime.lockstep_time(sch.gpipe_schedule(S, G), 1.0, 2.0)
     assert gpipe == pytest.approx((G + S - 1) * 3.0)
-    assert sch.lockstep_time(sch.eager_one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(gpipe)
-    assert sch.lockstep_time(sch.one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(72.0)  # +26%
-    assert sch.bubble_fraction(S, G, "1f1b", 1.0, 2.0) > sch.bubble_fraction(S, G, "gpipe", 1.0, 2.0)
+    assert ptime.lockstep_time(sch.eager_one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(gpipe)
+    assert ptime.lockstep_time(sch.one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(72.0)  # +26%
+    assert ptime.bubble_fraction(S, G, "1f1b", 1.0, 2.0) > ptime.bubble_fraction(S, G, "gpipe", 1.0, 2.0)
 
 
 def test_check_schedule_rejects_bad_tables():
@@ -303,12 +305,12 @@ def test_check_schedule_rejects_bad_tables():
     with pytest.raises(sch.ScheduleError, match="does not follow"):
         sch.check_schedule(sch.Schedule(swapped, bwd))
     with pytest.raises(sch.ScheduleError, match="holds"):
-        sch.check_schedule(sch.gpipe_schedule(3, 4), sch.one_f_one_b_bound(3, 4))
+        sch.check_schedule(sch.gpipe_schedule(3, 4), sch.inflight_microbatches(np.arange(3), 3, 4))
 
 
 def _simulate(sched: sch.Schedule) -> None:
     """Replay the tick program symbolically: every read must find the micro-batch it expects."""
-    prog = sch.tick_program(sched)
+    prog = ticks.tick_program(sched)
     t_, S = sched.fwd.shape
     res = [[None] * int(prog.residual_slots[s]) for s in range(S)]
     xq = [[None] * prog.input_slots for _ in range(S)]
@@ -316,18 +318,18 @@ def _simulate(sched: sch.Schedule) -> None:
     for t in range(t_):
         row = prog.table[t]
         for s in range(S):
-            f, b = row[s, sch.F_MB], row[s, sch.B_MB]
+            f, b = row[s, ticks.F_MB], row[s, ticks.B_MB]
             if f >= 0:
                 if s > 0:
-                    assert xq[s][row[s, sch.F_XSLOT]] == f
-                res[s][row[s, sch.F_RSLOT]] = f
+                    assert xq[s][row[s, ticks.F_XSLOT]] == f
+                res[s][row[s, ticks.F_RSLOT]] = f
                 if s == S - 1:
-                    cq[s][row[s, sch.F_SEED]] = f
+                    cq[s][row[s, ticks.F_SEED]] = f
             if b >= 0:
-                assert res[s][row[s, sch.B_RSLOT]] == b and cq[s][row[s, sch.B_CSLOT]] == b
+                assert res[s][row[s, ticks.B_RSLOT]] == b and cq[s][row[s, ticks.B_CSLOT]] == b
         for s in range(S):  # messages land at the end of the tick
-            if row[s, sch.RX_SLOT] >= 0:
-                assert row[s - 1, sch.F_MB] >= 0
-                xq[s][row[s, sch.RX_SLOT]] = row[s - 1, sch.F_MB]
-            if row[s, sch.RC_SLOT] >= 0:
-                cq[s][row[s, sch.RC_SLOT]] = row[s + 1, sch.B_MB]
+            if row[s, ticks.RX_SLOT] >= 0:
+                assert row[s - 1, ticks.F_MB] >= 0
+                xq[s][row[s, ticks.RX_SLOT]] = row[s - 1, ticks.F_MB]
+            if row[s, ticks.RC_SLOT] >= 0:
+                cq[s][row[s, ticks.RC_SLOT]] = row[s + 1, ticks.B_MB]

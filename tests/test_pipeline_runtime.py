@@ -11,8 +11,8 @@ import pytest
 from test_runtime import BATCH, DEVICES, ZERO2, ZERO3, assert_matches_reference, loss_only_step, setup
 
 import mistjax
+from mistjax.core import hlo
 from mistjax.plan import PlanError, uniform_plan
-from mistjax.runtime import hlo
 
 
 def pipelined_plan(name, stages, *, grad_accum, tp=1, layers=None, schedule="1f1b", shard_group=0, **stage):

@@ -13,11 +13,11 @@ from flax import nnx
 
 import mistjax
 import models
+from mistjax.core import hlo
 from mistjax.plan import Plan, PlanError, StagePlan, uniform_plan
-from mistjax.runtime import hlo
 from mistjax.train.data import SyntheticTokens
-from mistjax.train.loss import make_loss_fn
 from mistjax.train.state import TrainState
+from models import make_loss_fn
 
 BATCH, SEQ, DEVICES = 16, 16, 8
 
@@ -172,7 +172,8 @@ def test_zero3_plain_layers_regather_in_backward():
     """Without remat, each layer's weights are gathered in the forward loop and again in the backward
     loop (the re-fetching custom VJP), and the backward keeps no gathered weights: ZeRO-3 holds
     less temporary memory than ZeRO-2 (which has the same residuals but full-size gradients)."""
-    from mistjax.cost.hlo_count import collective_totals, hlo_collectives
+    from mistjax.core.hlo import collective_bytes
+    from mistjax.core.hlo import collectives as hlo_collectives
 
     _, c3 = compiled("llama-tiny", **ZERO3)
     params = setup("llama-tiny")[1].params
@@ -181,7 +182,7 @@ def test_zero3_plain_layers_regather_in_backward():
     layer = sum(int(np.prod(x.shape[1:])) * 4 for x in stacked)  # one layer's gathered fp32 weights
     other = sum(x.size * 4 for k, v in params.items() if k != "layers" for x in jax.tree.leaves(v))
     text = c3.as_text()
-    assert collective_totals(text)["all-gather"] == 2 * num_layers * layer + other
+    assert collective_bytes(text, executed=True)["all-gather"] == 2 * num_layers * layer + other
     loops = {g.computation for g in hlo_collectives(text)
              if g.op == "all-gather" and not g.computation.startswith("main")}
     assert len(loops) == 2, f"layer gathers in the forward and the backward loop, got {loops}"
@@ -244,7 +245,7 @@ def test_refetching_layer_loop_matches_autodiff():
 
 def test_nearly_all_parameters_sharded():
     step, _ = compiled("falcon-tiny", **ZERO3)
-    from mistjax.runtime.sharding import unsharded_fraction
+    from mistjax.core.layout import unsharded_fraction
 
     assert unsharded_fraction(step.layouts) <= 0.02
 
@@ -449,7 +450,7 @@ def test_offloaded_state_lives_in_host_memory():
 
 
 def test_offload_selection_fraction():
-    from mistjax.runtime.sharding import select_offload
+    from mistjax.core.layout import select_offload
 
     sizes = [100, 50, 30, 20]
     assert select_offload(sizes, 0.0) == [False] * 4

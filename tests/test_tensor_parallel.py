@@ -8,11 +8,11 @@ import pytest
 from test_runtime import BATCH, DEVICES, SEQ, ZERO1, ZERO2, ZERO3, assert_matches_reference, make_plan, setup
 
 import mistjax
-from mistjax.cost.check import tp_collective_bytes, tp_records, workload_for
-from mistjax.cost.hlo_count import hlo_collectives
+from mistjax.core.hlo import collectives as hlo_collectives
 from mistjax.plan import uniform_plan
 from mistjax.runtime.tensor import tensor_parallel_block
 from mistjax.trace.split import trace_loss
+from mistjax.validate.check import tp_collective_bytes, tp_records, workload_for
 
 NUMERICS = [
     ("llama-tiny", dict(tp=2, shard_opt=False)),
@@ -44,7 +44,7 @@ def test_megatron_layers_pipelined():
 
 def test_plain_evaluation_when_megatron_does_not_apply():
     cfg, state, *_ = setup("llama-tiny")
-    from mistjax.train.loss import make_loss_fn
+    from models import make_loss_fn
 
     tok = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
     fun = make_loss_fn(state.graphdef)
@@ -113,17 +113,18 @@ def test_tp_cell_collective_error():
     GSPMD all-gathers the token ids (256 B) instead of the embedding-gradient (16 KiB) per step."""
     import numpy as np
 
-    from mistjax.cost.check import FULL_GRID, _setup, compare_cell, grid_plan
-    from mistjax.cost.hlo_count import collective_totals
+    from mistjax.core import hlo as rt_hlo
+    from mistjax.core.hlo import collective_bytes
     from mistjax.hardware import ClusterSpec
-    from mistjax.runtime import hlo as rt_hlo
+    from mistjax.validate.check import FULL_GRID, _setup, compare_cell, grid_plan
 
     name, seq, gb, kw = next(c for c in FULL_GRID if c[0] == "llama-tiny" and c[3].get("tp") == 2)
     plan = grid_plan(name, kw)
     state, batch, step = _setup(name, seq, gb)
     compiled = mistjax.autoshard(step, jax.devices(), plan=plan).lower(state, batch).compile()
     ca = compiled.cost_analysis()
-    measured = {"mem": rt_hlo.memory_stats(compiled)["peak"], "coll": collective_totals(compiled.as_text()),
+    measured = {"mem": rt_hlo.memory_stats(compiled)["peak"],
+                "coll": collective_bytes(compiled.as_text(), executed=True),
                 "flops": float(ca["flops"]) + float(ca.get("transcendentals", 0.0))}
     rec = compare_cell(name, seq, gb, plan, ClusterSpec.preset("cpu", 1, 8), measured=measured)
     assert rec["coll_pred"]["all-reduce"] == rec["coll_xla"]["all-reduce"], rec

@@ -76,8 +76,8 @@ CASES = [("gpt3-tiny", 32, 16, 2e6), ("gpt3-tiny", 32, 16, 1e6), ("falcon-small"
 def test_pruned_search_equals_exhaustive(name, seq, batch, budget):
     w = stub.Workload.from_model(models.get_config(name), seq, batch)
     cl = _cpu(budget)
-    fast = search(w, cl, SearchSpace(), cost=stub, prune=True)
-    full = search(w, cl, SearchSpace(), cost=stub, prune=False)
+    fast = search(w, cl, SearchSpace(), cost=stub.COST_MODEL, prune=True)
+    full = search(w, cl, SearchSpace(), cost=stub.COST_MODEL, prune=False)
     assert fast.plan is not None and fast.objective == pytest.approx(full.objective, rel=1e-12)
     assert fast.evaluated < full.evaluated / 3
 
@@ -97,7 +97,7 @@ def test_milp_through_inter_stage_layer_equals_brute_force():
         else:
             key = OuterKey(1, 2, 1, 4, 4, 1, 4)
             use = cl
-        tables, choice = tune_key(w, use, stub, key, space, None, float("inf"), prune=False)
+        tables, choice = tune_key(w, use, stub.COST_MODEL, key, space, None, float("inf"), prune=False)
         sampled = sample_stage_tables(tables, space.pareto_k, shared=True)
         brute = [brute_force_inter_stage(sampled.stable[g], sampled.delta[g], tables.layer_options, 4, key.grad_accum)
                  for g in range(sampled.stable.shape[0])]
@@ -111,15 +111,15 @@ def test_milp_through_inter_stage_layer_equals_brute_force():
 def test_same_inputs_same_plan():
     w = stub.Workload.from_model(models.get_config("llama-tiny"), 32, 16)
     cl = _cpu(1.2e6)
-    a = search(w, cl, SearchSpace(), cost=stub)
-    b = search(w, cl, SearchSpace(), cost=stub)
+    a = search(w, cl, SearchSpace(), cost=stub.COST_MODEL)
+    b = search(w, cl, SearchSpace(), cost=stub.COST_MODEL)
     assert a.plan is not None and a.plan.to_json() == b.plan.to_json()
 
 
 def test_baselines_never_beat_mistjax():
     for budget in (1e6, 2e6, 5e6):
         w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
-        res = tune(w, _cpu(budget), cost=stub)
+        res = tune(w, _cpu(budget), cost=stub.COST_MODEL)
         for name, r in res.baselines.items():
             assert r.plan is None or r.step_time >= res.prediction.step_time * (1 - 1e-12), name
         assert "best baseline" in res.plan.summary()
@@ -129,27 +129,27 @@ def test_baselines_never_beat_mistjax():
 def test_time_limit_returns_best_so_far_with_warning():
     w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
     with pytest.warns(RuntimeWarning, match="time limit"):
-        r = search(w, _cpu(2e6), SearchSpace(), cost=stub, time_limit=0.0)
+        r = search(w, _cpu(2e6), SearchSpace(), cost=stub.COST_MODEL, time_limit=0.0)
     assert r.timed_out
 
 
 def test_no_plan_fits_raises():
     w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
     with pytest.raises(RuntimeError, match="no plan fits"):
-        tune(w, _cpu(1e3), cost=stub, baselines=())
+        tune(w, _cpu(1e3), cost=stub.COST_MODEL, baselines=())
 
 
 # ---------------------------------------------------------------------------------------------- real cost model
 @pytest.fixture(scope="module")
 def real():
-    from mistjax.cost import model
+    from mistjax.cost import COST_MODEL
 
-    return model
+    return COST_MODEL
 
 
 @pytest.mark.parametrize("budget", [1.2e6, 3e6])
 def test_plans_are_feasible_under_the_memory_model(real, budget):
-    w = real.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+    w = models.workload(models.get_config("gpt3-tiny"), 32, 16)
     cl = _cpu(budget)
     res = tune(w, cl, cost=real, time_limit=30)
     for r in [res.search, *res.baselines.values()]:
@@ -162,7 +162,7 @@ def test_eager_schedule_chosen_when_it_is_faster(real):
     """Llama-22B on 32 L4s: lock-step classic 1F1B pays max(F, B) per tick; 1F1B-eager runs at GPipe's
     pace with 2S - 1 micro-batches in flight, which remat of every layer makes room for."""
     cfg = models.get_config("llama-22b").replace(dtype="bfloat16")
-    w = real.Workload.from_model(cfg, 2048, 512)
+    w = models.workload(cfg, 2048, 512)
     cl = ClusterSpec.preset("l4", nodes=4, per_node=8)
     space = SearchSpace(tp_degrees=(4,), micro_batches=(1,), mics=False, zero_levels=(1,))
     classic = search(w, cl, space.replace(schedules=("1f1b",)), cost=real)
@@ -180,8 +180,8 @@ def test_eager_schedule_chosen_when_it_is_faster(real):
 
 def _reference_step(cfg_name: str, batch_size: int = 16, seq: int = 32):
     from mistjax.train.loop import make_train_step
-    from mistjax.train.loss import make_loss_fn
     from mistjax.train.state import TrainState, make_optimizer
+    from models import make_loss_fn
 
     cfg = models.get_config(cfg_name)
     state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), make_optimizer(1e-3))

@@ -45,14 +45,16 @@ import jax.numpy as jnp
 import sympy as sp
 from jax.extend import core as jex
 
+from mistjax.analysis.block import activation_state, weight_state
 from mistjax.analysis.flops import FlopCount, count_graph
 from mistjax.analysis.graph import Graph, build_graph
 from mistjax.analysis.memory import alias_roots, nbytes_fn, peak_candidates
 from mistjax.analysis.parts import WEIGHT, PartFn, split_parts, vjp_jaxprs
-from mistjax.analysis.poly import PS, ZERO, Poly, T, max_expr, prune_dominated, total
+from mistjax.analysis.poly import ZERO, Poly, T, max_expr, prune_dominated, total
 from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
 from mistjax.analysis.tp import REP, Shard, State, TPResult, propagate
-from mistjax.runtime.sharding import TENSOR_AXES, leaf_axes
+from mistjax.core.axes import leaf_axes
+from mistjax.core.layout import TENSOR_AXES
 from mistjax.trace.split import trace_loss
 
 DEFAULT_POINTS: tuple[tuple[int, int], ...] = ((2, 8), (3, 8), (2, 16), (3, 16), (2, 24), (3, 24), (4, 32))
@@ -61,7 +63,7 @@ Axes = tuple[str | None, ...] | None
 
 
 def token_batch(b: int, s: int) -> tuple[dict[str, jax.ShapeDtypeStruct]]:
-    """``(batch,)`` for `mistjax.train.loss.make_loss_fn`: int32 ``inputs`` / ``targets`` of ``[b, s]``."""
+    """``(batch,)`` for `models.make_loss_fn`: int32 ``inputs`` / ``targets`` of ``[b, s]``."""
     tok = jax.ShapeDtypeStruct((b, s), jnp.int32)
     return ({"inputs": tok, "targets": tok},)
 
@@ -81,14 +83,6 @@ def _flat_axes(params: Any, param_axes: Any) -> list[Axes]:
     if len(axes) != n:
         raise ValueError(f"param_axes has {len(axes)} entries for {n} parameter leaves")
     return list(axes)
-
-
-def _weight_state(ax: Axes, rank: int, tensor_axes: Sequence[str]) -> State:
-    if ax is None:
-        return REP
-    if len(ax) == rank + 1:  # a layer slice of a stacked leaf: drop the "layers" axis
-        ax = ax[1:]
-    return next((Shard(d) for d, name in enumerate(ax) if name in tensor_axes), REP)
 
 
 _FINAL = object()  # "the layout a value ends in" (a partial output resolved), for local_bytes
@@ -170,13 +164,10 @@ def _part_passes(
     nd, no = len(part.diff), part.num_outputs
 
     def act_state(g: Graph, v: Any) -> State:
-        if not sp_on or isinstance(v, jex.Literal):
-            return REP
-        d = next((k for k, x in enumerate(g.shape(v)) if x == PS), None)
-        return REP if d is None else Shard(d, seq=True)
+        return activation_state(g, v, sp_on)
 
     w_states = [
-        _weight_state(axes[i], len(a.shape), tensor_axes) if k == WEIGHT else None
+        weight_state(axes[i], len(a.shape), tensor_axes) if k == WEIGHT else None
         for a, k, i in zip(part.diff, part.diff_kind, part.diff_leaf)
     ]
     in_states: dict[Any, State] = {}
@@ -207,32 +198,6 @@ def _part_passes(
         bwd_g, b_in, b_targets, sequence_parallel=sp_on, param_vars=b_params, model_sizes=model_sizes
     )
     return fwd, PassAnalysis(bwd_g, bres)
-
-
-def trace_part(
-    fun: Callable[..., Any],
-    params: Any,
-    batch_fn: Callable[[int, int], tuple[Any, ...]] = token_batch,
-    *,
-    part: str = "block",
-    policy: str = "none",
-    param_axes: Any = None,
-    points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
-    sequence_parallel: bool = True,
-    tensor_axes: Sequence[str] = TENSOR_AXES,
-) -> tuple[PassAnalysis, PassAnalysis]:
-    """The analysed forward and backward passes of one part (graphs with fitted dims + layouts).
-
-    The graphs are those traced at ``points[0]``, so they can be evaluated at that size, e.g.
-    with `mistjax.analysis.layout.constrain_graph` (``pass.g``, ``pass.res``) to run the part under
-    exactly the propagated tensor-parallel layouts.
-    """
-    axes = _flat_axes(params, param_axes)
-    parts = [split_parts(trace_loss(fun, params, *batch_fn(b, s)))[part] for b, s in points]
-    traces = [vjp_jaxprs(p, policy) for p in parts]
-    return _part_passes(
-        traces, [tuple(p) for p in points], parts[0], axes, sp_on=sequence_parallel, tensor_axes=tensor_axes
-    )
 
 
 def _saved(fwd: PassAnalysis, part: PartFn) -> Poly:
@@ -368,7 +333,7 @@ def analyze_model(
     """Symbolic per-device profile of the loss ``fun(params, *batch_fn(b, s))``.
 
     Args:
-      fun: the loss, e.g. ``mistjax.train.loss.make_loss_fn(graphdef)``; its first output is
+      fun: the loss, e.g. ``models.make_loss_fn(graphdef)``; its first output is
         differentiated. It must run its layers as a scan over stacked parameters.
       params: parameter pytree (arrays, ShapeDtypeStructs or an ``nnx.State``).
       batch_fn: ``(b, s) -> rest`` the other arguments of ``fun`` at micro-batch ``b`` and

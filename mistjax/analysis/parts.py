@@ -20,8 +20,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
-from mistjax.runtime.remat import remat_policy
-from mistjax.trace.split import TracedLoss, free_vars
+from mistjax.core.policies import remat_policy
+from mistjax.trace.split import TracedLoss, free_vars, needed_equations, run_equations
 
 WEIGHT, ACT, OTHER = "weight", "act", "other"
 
@@ -55,23 +55,6 @@ def _float(v: Any) -> bool:
     return jax.dtypes.issubdtype(v.aval.dtype, np.inexact)
 
 
-def _bind(eqn: Any, args: list[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _needed(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
-    used = {v for v in outs if isinstance(v, jex.Var)}
-    keep = []
-    for e in reversed(eqns):
-        if any(v in used for v in e.outvars):
-            keep.append(e)
-            used.update(v for v in e.invars if isinstance(v, jex.Var))
-    return keep[::-1]
-
-
 def _free_inputs(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
     """Vars read by ``eqns`` (or returned) that they do not define, in first-use order."""
     return free_vars(eqns, outs, defined=set())
@@ -83,10 +66,8 @@ def _sub_fn(
     def f(args: list[Any]) -> list[Any]:
         env = dict(consts)
         env.update(zip(ins, args))
-        read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-        for e in eqns:
-            env.update(zip(e.outvars, _bind(e, [read(v) for v in e.invars])))
-        return [read(v) for v in outs]
+        run_equations(eqns, env)
+        return [v.val if isinstance(v, jex.Literal) else env[v] for v in outs]
 
     return f
 
@@ -98,7 +79,7 @@ def _make_part(
     leaf_of: dict[Any, int],
     act_inputs: set[Any],
 ) -> PartFn:
-    eqns = _needed(eqns, outs)
+    eqns = needed_equations(eqns, outs)
     free = [v for v in _free_inputs(eqns, outs) if v not in consts]
     diff = [v for v in free if _float(v) and (v in leaf_of or v in act_inputs)]
     nondiff = [v for v in free if v not in diff]

@@ -6,6 +6,16 @@ cost model of plans: `Workload`, the vectorised `stage_cost` over `StageStrategi
 `predict` / `analyze` of a whole `Plan` (see docs/cost_model.md).
 """
 
+from mistjax.core.pipeline_time import (
+    bubble_fraction,
+    lockstep_microbatch_time,
+    pipeline_1f1b_time,
+    pipeline_gpipe_time,
+    pipeline_time,
+)
+from mistjax.core.schedules import SCHEDULE_NAMES as SCHEDULES
+from mistjax.core.schedules import inflight_microbatches
+from mistjax.core.strategies import CostModel, StageStrategies
 from mistjax.cost.collectives import (
     COLLECTIVES,
     MIST_PHI,
@@ -30,9 +40,8 @@ from mistjax.cost.collectives import (
     zero3_node_egress_bytes,
     zero3_step_comm_time,
 )
-from mistjax.cost.hlo_count import HloCollective, collective_totals, computation_trips, hlo_collectives
 from mistjax.cost.interference import CHANNELS, MASKS, InterferenceParams, mask_name, overlap_time
-from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, StageStrategies, stage_cost
+from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
 from mistjax.cost.ops import (
     DEFAULT_OP_OVERHEAD,
     OpTimeTable,
@@ -41,21 +50,16 @@ from mistjax.cost.ops import (
     op_time,
     roofline_time,
 )
-from mistjax.cost.pipeline_time import (
-    SCHEDULES,
-    bubble_fraction,
-    inflight_microbatches,
-    lockstep_microbatch_time,
-    pipeline_1f1b_time,
-    pipeline_gpipe_time,
-    pipeline_time,
-)
 from mistjax.cost.predict import Analysis, analyze, plan_strategies, predict
 from mistjax.cost.workload import OPTIMIZERS, ParamLeaf, Workload
 
+# The project's cost model as the tuner sees it (`mistjax.core.strategies.CostModel`).
+COST_MODEL = CostModel(stage_cost=stage_cost, predict=predict)
+
 __all__ = [
+    "COST_MODEL",
     "Analysis",
-    "HloCollective",
+    "CostModel",
     "MEMORY_CATEGORIES",
     "OPTIMIZERS",
     "ParamLeaf",
@@ -63,9 +67,6 @@ __all__ = [
     "StageStrategies",
     "Workload",
     "analyze",
-    "collective_totals",
-    "computation_trips",
-    "hlo_collectives",
     "plan_strategies",
     "predict",
     "stage_cost",

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mistjax.core.layout import TENSOR_AXES, choose_shard_dim, select_offload
 from mistjax.cost.workload import Workload
-from mistjax.runtime.sharding import TENSOR_AXES, choose_shard_dim, select_offload
 
 FIELDS = ("w_layer_dev", "w_layer_host", "w_layer_shard", "w_other_dev", "w_other_shard", "opt_layer_dev",
           "opt_layer_host", "opt_other_dev", "opt_other_host", "g_layer_shard", "g_other_shard",
@@ -60,14 +60,12 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
         opt_sizes.append(leaf.size)
     # Offload choices, by element counts over whole leaves, exactly as the runtime picks them.
     opt_idx = [i for i, x in enumerate(wl.leaves) if x.size > 1]
-    opt_host = dict(zip(opt_idx, select_offload([wl.leaves[i].size for i in opt_idx] * wl.opt_copies, oo)))
     opt_host_sel = select_offload([wl.leaves[i].size for i in opt_idx] * wl.opt_copies, oo)
     st_idx = [i for i, x in enumerate(wl.leaves) if x.stacked and x.size > 1]
     w_host = dict(zip(st_idx, select_offload([wl.leaves[i].size for i in st_idx], wo)))
     acc_sel = select_offload([wl.leaves[i].size for i in st_idx], go)
     acc_frac = sum(wl.leaves[i].size for i, h in zip(st_idx, acc_sel) if h) / max(
         sum(wl.leaves[i].size for i in st_idx), 1)
-    del opt_host
     t = dict.fromkeys(FIELDS, 0.0)
     n_opt = len(opt_idx)
     for i, (leaf, nbytes, shardable) in enumerate(lay):
@@ -109,9 +107,6 @@ def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return rows, inverse
 
 
-_CACHE: dict[tuple, LeafTotals] = {}
-
-
 def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
     """`leaf_totals` for every row of the broadcast columns ``(tp, p, zero, wo, oo, go)``.
 
@@ -122,11 +117,12 @@ def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.nda
     shape = cols[0].shape
     uniq, inv = unique_rows([c.ravel() for c in cols])
     rows = []
+    cache = wl.layout_cache  # lives (and dies) with the workload
     for r in uniq:
-        key = (id(wl.leaves), int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), float(r[5]))
-        if key not in _CACHE:
-            _CACHE[key] = leaf_totals(wl, *key[1:4], *key[4:])
-        rows.append(_CACHE[key])
+        key = (int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), float(r[5]))
+        if key not in cache:
+            cache[key] = leaf_totals(wl, *key)
+        rows.append(cache[key])
     out = {}
     for f in FIELDS:
         vals = np.array([getattr(r, f) for r in rows])

@@ -30,51 +30,12 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from mistjax.core.strategies import StageStrategies
 from mistjax.cost.layout import totals_over
 from mistjax.cost.stage_time import layer_times, step_extras
 from mistjax.cost.workload import Workload
 
 MEMORY_CATEGORIES = ("params", "optimizer", "grads", "activations", "buffers")
-
-
-@dataclass(frozen=True)
-class StageStrategies:
-    """Arrays (broadcastable to one shape) describing candidate stage strategies, one per element."""
-
-    b: np.ndarray  # micro-batch size per data-parallel rank
-    dp: np.ndarray  # data-parallel degree (replica x shard)
-    tp: np.ndarray  # tensor-parallel degree
-    shard_group: np.ndarray  # MiCS partition group p (= dp for plain ZeRO)
-    zero: np.ndarray  # ZeRO stage 0-3
-    layers: np.ndarray  # l: layers of the stage
-    remat: np.ndarray  # c: checkpointed layers (the last c of the stage)
-    policy: np.ndarray  # index into workload.policies of the checkpointed layers' policy
-    wo: np.ndarray  # weight offload ratio
-    go: np.ndarray  # gradient-accumulator offload ratio
-    oo: np.ndarray  # optimizer-state offload ratio
-    ao: np.ndarray  # activation offload ratio (of the non-checkpointed layers)
-    inflight: np.ndarray  # micro-batches whose activations the stage holds at its peak
-    G: np.ndarray  # micro-batches per step
-    first: np.ndarray  # bool: the stage runs pre (embedding)
-    last: np.ndarray  # bool: the stage runs post (head + loss)
-    stages: np.ndarray  # S: pipeline stages of the plan
-    nodes: np.ndarray  # nodes of the stage's device mesh
-    per_node: np.ndarray  # devices per node of the stage's mesh
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return np.broadcast_shapes(*(np.shape(getattr(self, f.name)) for f in fields(self)))
-
-    @classmethod
-    def make(cls, **kw: object) -> StageStrategies:
-        """Build with defaults for omitted fields (single stage, no offload, no remat)."""
-        d = dict(b=1, dp=1, tp=1, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0, go=0.0, oo=0.0,
-                 ao=0.0, inflight=1, G=1, first=True, last=True, stages=1, nodes=1, per_node=0)
-        d.update(kw)
-        arr = {k: np.asarray(v) for k, v in d.items()}
-        arr["shard_group"] = np.where(arr["shard_group"] <= 0, arr["dp"], arr["shard_group"])
-        arr["per_node"] = np.where(arr["per_node"] <= 0, arr["dp"] * arr["tp"], arr["per_node"])
-        return cls(**arr)
 
 
 @dataclass(frozen=True)
@@ -237,11 +198,4 @@ def stage_cost(workload: Workload, cluster: object, st: StageStrategies) -> Stag
                      comm={k: ext[f"comm.{k}"] for k in ("all-gather", "reduce-scatter", "all-reduce")})
 
 
-def predict(workload: Workload, plan: object, cluster: object) -> object:
-    """The plan's `Prediction` as the runtime runs it (lock-step pipeline); see `mistjax.cost.predict`."""
-    from mistjax.cost.predict import predict as predict_plan  # predict.py builds on this module
-
-    return predict_plan(workload, plan, cluster)
-
-
-__all__ = ["MEMORY_CATEGORIES", "StageCost", "StageStrategies", "predict", "stage_cost"]
+__all__ = ["MEMORY_CATEGORIES", "StageCost", "StageStrategies", "stage_cost"]

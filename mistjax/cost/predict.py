@@ -23,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, StageStrategies, stage_cost
-from mistjax.cost.pipeline_time import inflight_microbatches, pipeline_time
+from mistjax.core.pipeline_time import lockstep_time, pipeline_time
+from mistjax.core.plan import Plan, Prediction
+from mistjax.core.schedules import inflight_microbatches, make_schedule
+from mistjax.core.strategies import StageStrategies
+from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
 from mistjax.cost.workload import Workload
-from mistjax.plan import Plan, Prediction
 
 
 @dataclass(frozen=True)
@@ -88,26 +90,7 @@ def plan_strategies(workload: Workload, plan: Plan, cluster: Any) -> StageStrate
 
 
 def _lockstep(plan: Plan, fwd: np.ndarray, bwd: np.ndarray) -> float:
-    from mistjax.runtime import schedules
-
-    sched = schedules.make_schedule(plan.schedule, plan.num_stages, plan.grad_accum)
-    return schedules.lockstep_time(sched, fwd, bwd)
-
-
-def _num_ticks(plan: Plan) -> int:
-    from mistjax.runtime import schedules
-
-    return schedules.make_schedule(plan.schedule, plan.num_stages, plan.grad_accum).num_ticks
-
-
-def _stage_kind(plan: Plan, i: int) -> Any:
-    from mistjax.runtime.pipeline import stage_kind
-    from mistjax.runtime.remat import offloaded_layers
-
-    s = plan.stages[i]
-    remat = min(s.remat_layers, s.num_layers)
-    return stage_kind(i, plan.num_stages, s.num_layers, remat, s.remat_policy,
-                      offloaded_layers(s.num_layers, remat, s.offload_acts))
+    return lockstep_time(make_schedule(plan.schedule, plan.num_stages, plan.grad_accum), fwd, bwd)
 
 
 def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
@@ -134,10 +117,11 @@ def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
     coll = {k: float(np.max(v)) for k, v in c.comm.items()}
     flops_xla = np.broadcast_to(c.flops_xla, (S,)).astype(np.float64)
     if S > 1:
-        coll["collective-permute"] = 2.0 * _num_ticks(plan) * float(workload.compiled(
+        ticks = make_schedule(plan.schedule, S, G).num_ticks
+        coll["collective-permute"] = 2.0 * ticks * float(workload.compiled(
             plan.micro_batch, workload.seq_len, plan.tp)["block.output_bytes"])
         body = flops_xla - np.broadcast_to(c.flops_xla_step, (S,))
-        kinds = {_stage_kind(plan, i): float(body[i]) for i in range(S)}
+        kinds = {plan.stage_kind(i): float(body[i]) for i in range(S)}
         flops_xla = np.full(S, sum(kinds.values()) + float(np.max(c.flops_xla_step)))
     host = np.broadcast_to(c.host, (S,)).astype(np.float64)
     if S > 1:  # offloaded activations sit in host pools, also sized to the largest stage

@@ -33,8 +33,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
 
 def _fp32(workload: Workload) -> bool:
-    cfg = workload.config
-    return cfg is None or getattr(cfg, "dtype", "float32") == "float32"
+    return workload.compute_dtype == "float32"
 
 
 def compute_time(cluster: Any, flops: np.ndarray, matmul: np.ndarray, fp32: bool, itemsize: float) -> np.ndarray:

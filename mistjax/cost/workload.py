@@ -2,8 +2,8 @@
 
 A workload is a model's symbolic profile (`mistjax.analysis`), the table of its parameter leaves
 (shape, logical axes, stacked or not: the runtime lays out and offloads whole leaves, so the
-model must see them too), the sequence length, the global batch and the optimizer. Profiles are
-cached by (model config, policies) because the analysis traces the loss at seven sizes (seconds).
+model must see them too), the sequence length, the global batch and the optimizer. It knows no
+model zoo: `models.workload` builds one for a zoo config, `mistjax.autoshard` for the user's loss.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from mistjax.analysis import CompiledProfile, ModelProfile, analyze_model, compile_profile
+from mistjax.core.axes import is_stacked, leaf_axes
+from mistjax.core.layout import TENSOR_AXES
 
 # Optimizer state per parameter element: (fp32 state copies, elementwise FLOPs, transcendentals).
 # AdamW: mu and nu; the FLOP count is what XLA:CPU's cost analysis reports for optax.adamw's
@@ -27,7 +30,6 @@ OPTIMIZERS: dict[str, tuple[int, float, float]] = {
     "sgd": (0, 2.0, 0.0),
     "momentum": (1, 5.0, 0.0),
 }
-_PROFILE_CACHE: dict[Any, tuple[ModelProfile, CompiledProfile, tuple]] = {}
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ class Workload:
     seq_len: int = 1024  # tokens per sequence
     global_batch: int = 1  # sequences per optimizer step
     optimizer: str = "adamw"  # key of OPTIMIZERS
-    config: Any = field(default=None, repr=False, compare=False)  # the models.ModelConfig, if built from one
+    compute_dtype: str = "float32"  # dtype the matmuls run in (fp32 runs at the device's fp32 peak)
+    # Per-device state totals by knob combination (`cost.layout.totals_over`): lives with the workload.
+    layout_cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -63,43 +67,30 @@ class Workload:
 
     # ------------------------------------------------------------------------------ constructors
     @classmethod
-    def from_model(cls, config: Any, seq_len: int, global_batch: int, optimizer: str = "adamw",
-                   policies: tuple[str, ...] | None = None) -> Workload:
-        """Analyse ``config``'s loss abstractly (no parameters are allocated).
+    def from_loss(cls, loss_fn: Any, params: Any, *, seq_len: int, global_batch: int, optimizer: str = "adamw",
+                  name: str = "custom", policies: tuple[str, ...] | None = None, compute_dtype: str = "float32",
+                  batch_fn: Any = None, profile: ModelProfile | None = None) -> Workload:
+        """Analyse ``loss_fn(params, batch)`` over token batches (`mistjax.analysis.analyze_model`).
 
         Args:
-          config: a `models.ModelConfig`.
-          seq_len: sequence length.
+          loss_fn: the loss, ``loss_fn(params, *batch_fn(b, s)) -> scalar``.
+          params: its parameters (arrays or ``jax.ShapeDtypeStruct``s; NNX state keeps logical axes).
+          seq_len: tokens per sequence.
           global_batch: sequences per step.
-          optimizer: ``adamw`` (default), ``adam``, ``sgd`` or ``momentum``.
+          optimizer: key of `OPTIMIZERS`.
+          name: model name (informational; part of the fingerprint).
           policies: remat policies to analyse (default: the analysis's defaults).
+          compute_dtype: dtype the matmuls run in (``float32`` prices them at the fp32 peak).
+          batch_fn: ``(b, s) -> (batch, ...)``, the loss's other arguments at micro-batch ``b`` and sequence
+            length ``s`` (default: int32 ``{"inputs", "targets"}`` token batches).
+          profile: an already computed profile of this loss (skips the analysis).
         """
-        from flax import nnx
-
-        import models
-        from mistjax.runtime.sharding import leaf_axes
-        from mistjax.train.loss import make_loss_fn
-
-        abstract = nnx.eval_shape(lambda: models.build(config, rngs=nnx.Rngs(0)))
-        graphdef, params = nnx.split(abstract, nnx.Param)
-        key = (config, None if policies is None else tuple(policies))
-        if key not in _PROFILE_CACHE:
-            prof = analyze_model(make_loss_fn(graphdef), params, policies=policies)
-            _PROFILE_CACHE[key] = (prof, compile_profile(prof), ())
-        prof, comp, _ = _PROFILE_CACHE[key]
-        return cls(name=config.name, profile=prof, compiled=comp, leaves=_leaf_table(params, leaf_axes(params)),
-                   seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, config=config)
-
-    @classmethod
-    def from_train_step(cls, loss_fn: Any, params: Any, seq_len: int, global_batch: int, optimizer: str = "adamw",
-                        name: str = "custom", policies: tuple[str, ...] | None = None) -> Workload:
-        """Analyse an arbitrary loss ``loss_fn(params, batch)`` over token batches (see `analyze_model`)."""
-        from mistjax.runtime.sharding import leaf_axes
-
-        prof = analyze_model(loss_fn, params, policies=policies)
-        return cls(name=name, profile=prof, compiled=compile_profile(prof),
-                   leaves=_leaf_table(params, leaf_axes(params)), seq_len=seq_len, global_batch=global_batch,
-                   optimizer=optimizer)
+        if profile is None:
+            extra = {} if batch_fn is None else {"batch_fn": batch_fn}
+            profile = analyze_model(loss_fn, params, policies=policies, **extra)
+        prof = profile
+        return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params),
+                   seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype)
 
     # ------------------------------------------------------------------------------ derived
     @property
@@ -119,7 +110,7 @@ class Workload:
         """Index of a remat policy name (``none`` for layers that are not checkpointed)."""
         if name not in self.policies:
             raise ValueError(f"remat policy {name!r} was not analysed for {self.name}; analysed: "
-                             f"{', '.join(self.policies)} (pass policies=... to Workload.from_model)")
+                             f"{', '.join(self.policies)} (pass policies=... when building the workload)")
         return self.policies.index(name)
 
     def tags(self) -> tuple[str, ...]:
@@ -131,6 +122,17 @@ class Workload:
         name = "names:" + ",".join(tags) if tags else None
         return name if name in self.policies else None
 
+    def supports_tp(self, tp: int) -> bool:
+        """Whether tensor parallelism of degree ``tp`` applies: some weight names a tensor-split axis, every
+        such dim divides by ``tp``, and so do the split sizes the analysis found (heads, MLP width, ...)."""
+        if tp == 1:
+            return True
+        dims = [d for x in self.leaves if x.axes is not None and len(x.axes) == len(x.shape)
+                for d, n in zip(x.shape, x.axes) if n in TENSOR_AXES]
+        if not dims or any(d % tp for d in dims):
+            return False
+        return bool(np.all(self.compiled.feasible(1, self.seq_len, tp)))
+
     def fingerprint(self) -> str:
         """Short stable hash of the model, its sizes, the batch and the optimizer."""
         doc = {"name": self.name, "seq": self.seq_len, "batch": self.global_batch, "opt": self.optimizer,
@@ -139,15 +141,13 @@ class Workload:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _leaf_table(params: Any, axes: list[Any]) -> tuple[ParamLeaf, ...]:
-    import jax
-
+def leaf_table(params: Any) -> tuple[ParamLeaf, ...]:
+    """The `ParamLeaf` of every leaf of a parameter pytree (logical axes from its partition metadata)."""
     out = []
-    for leaf, ax in zip(jax.tree.leaves(params), axes):
+    for leaf, ax in zip(jax.tree.leaves(params), leaf_axes(params)):
         shape = tuple(int(d) for d in np.shape(leaf))
-        out.append(ParamLeaf(shape=shape, axes=ax, stacked=bool(ax) and ax[0] == "layers",
-                             itemsize=np.dtype(leaf.dtype).itemsize))
+        out.append(ParamLeaf(shape=shape, axes=ax, stacked=is_stacked(ax), itemsize=np.dtype(leaf.dtype).itemsize))
     return tuple(out)
 
 
-__all__ = ["OPTIMIZERS", "ParamLeaf", "Workload"]
+__all__ = ["OPTIMIZERS", "ParamLeaf", "Workload", "leaf_table"]

@@ -31,10 +31,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mistjax.plan import Plan, PlanError
-from mistjax.runtime.mesh import SHARD_AXES
-from mistjax.runtime.remat import make_layer_loop, offloaded_layers
-from mistjax.runtime.sharding import DP_AXES, PARAM, LeafLayout, select_offload
+from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
+from mistjax.core.plan import Plan, PlanError
+from mistjax.runtime.remat import make_layer_loop
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
 from mistjax.trace.split import checkpoint_names, evaluate, trace_loss
 
@@ -228,7 +227,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
             layer_loop = make_layer_loop(
                 num_layers=st.num_layers, remat_layers=stage.remat_layers, policy=stage.remat_policy,
                 gather=gathers, carry_constraint=sp_constraint,
-                offload_layers=offloaded_layers(st.num_layers, stage.remat_layers, stage.offload_acts),
+                offload_layers=stage.offloaded_layers,
                 offload_names=checkpoint_names(st.body))
         elif needs_stack or stage.offload_acts > 0:
             traced.require_stack()

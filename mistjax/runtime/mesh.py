@@ -17,18 +17,12 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from mistjax.plan import PLAN_MESH_AXES, Plan, PlanError
+from mistjax.core.layout import RUNTIME_MESH_AXES, SHARD_AXES, SHARD_SPEC
+from mistjax.core.plan import PLAN_MESH_AXES, Plan, PlanError
 
 NODE_AXIS_NAMES = ("node", "nodes", "host", "hosts", "dcn", "slice")
-# The plan's `shard` axis as (inter-node, intra-node) mesh axes, node-major like the devices.
-SHARD_AXES = ("shard_node", "shard_local")
-# How a ZeRO/MiCS-split dim names them: local-major, so device (n, l) of m nodes holds chunk
-# l * m + n. Then gathering over `shard_node` and then `shard_local` (both tiled) yields the chunks
-# in order with no re-layout (MiCS digest 8.5), and the reduce-scatter is the mirror. A node-major
-# spec would need a reshape/transpose between the phases, and GSPMD answers that (with tensor
-# parallelism) with an extra `tensor` all-gather per phase. With one node both orders are the same.
-SHARD_SPEC = ("shard_local", "shard_node")
-RUNTIME_MESH_AXES = ("stage", "replica", *SHARD_AXES, "tensor")
+__all__ = ["NODE_AXIS_NAMES", "RUNTIME_MESH_AXES", "SHARD_AXES", "SHARD_SPEC", "build_plan_mesh", "devices_of",
+           "shard_split"]
 
 
 def devices_of(mesh_or_devices: Mesh | Sequence[Any] | None) -> tuple[list[Any], int | None]:

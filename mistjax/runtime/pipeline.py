@@ -94,7 +94,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mistjax.runtime import schedules as sch
+from mistjax.core.policies import offload_policy
+from mistjax.core.policies import remat_policy as checkpoint_policy
+from mistjax.core.schedules import make_schedule
+from mistjax.core.stages import OFFLOAD, PLAIN, StageKind, stage_kind
+from mistjax.runtime import ticks as sch
 from mistjax.runtime.residuals import classify, restore_vjp
 from mistjax.runtime.residuals import vary as _vary
 from mistjax.trace.split import checkpoint_names
@@ -155,13 +159,6 @@ def from_stage_layout(staged: PyTree, stage_layers: Sequence[Sequence[int]]) -> 
     return jax.tree.map(lambda x: x[stage_of, row_of], staged)
 
 
-def remat_policy_fn(name: str) -> Callable[..., Any]:
-    """The ``jax.checkpoint`` policy for a plan's policy name: full | dots | names:a,b."""
-    from mistjax.runtime.remat import remat_policy  # one mapping of names to policies for the whole runtime
-
-    return remat_policy(name)
-
-
 # ------------------------------------------------------------------------------ residual classification
 def layer_residual_bytes(block: Callable[[PyTree, PyTree], PyTree], layer_params: PyTree, h: PyTree,
                          remat_policy: str | None = None) -> int:
@@ -170,47 +167,18 @@ def layer_residual_bytes(block: Callable[[PyTree, PyTree], PyTree], layer_params
     Args may be arrays or ``jax.ShapeDtypeStruct``s of one layer's params and one micro-batch's
     activation; the count is what the pipeline's residual pools hold for that layer.
     """
-    fn = block if remat_policy is None else jax.checkpoint(block, policy=remat_policy_fn(remat_policy))
+    fn = block if remat_policy is None else jax.checkpoint(block, policy=checkpoint_policy(remat_policy))
     return classify(fn, layer_params, h).nbytes
 
 
 # ------------------------------------------------------------------------------------------ stage kinds
-# Segment key of activation-offloaded layers (remat policies are "full", "dots" or "names:...").
-OFFLOAD = "offload"
+def _segment_fn_key(kind: StageKind, segment: str) -> str | None:
+    """The `layer_fns` key of a segment of ``kind``: None (plain), OFFLOAD, or its remat policy."""
+    return None if segment == PLAIN else OFFLOAD if segment == OFFLOAD else kind.policy
 
 
-@dataclasses.dataclass(frozen=True)
-class _StageKind:
-    """Everything that makes one stage's code differ from another's (one switch branch per kind)."""
-
-    first: bool
-    last: bool
-    num_offload: int  # leading layers whose tagged activations go to host (the rest is recomputed)
-    num_plain: int  # then layers run without checkpointing
-    num_remat: int  # trailing layers run under jax.checkpoint(policy)
-    policy: str | None
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_offload + self.num_plain + self.num_remat
-
-    def segments(self) -> list[tuple[int, int, str | None]]:
-        a, b = self.num_offload, self.num_offload + self.num_plain
-        segs = [(0, a, OFFLOAD), (a, b, None), (b, self.num_layers, self.policy)]
-        return [seg for seg in segs if seg[1] > seg[0]]
-
-
-def stage_kind(stage: int, num_stages: int, num_layers: int, remat_layers: int, policy: str | None,
-               offload_layers: int = 0) -> _StageKind:
-    """What makes stage `stage`'s code differ from another's: the executor compiles one branch per
-    distinct kind (the cost model counts each kind's code once, as XLA's cost analysis does).
-
-    The layer order is that of the unpipelined runtime (`runtime.remat.layer_segments`): the first
-    `offload_layers` offload their activations, the last `remat_layers` are checkpointed.
-    """
-    n_off = min(offload_layers, num_layers - remat_layers)
-    return _StageKind(stage == 0, stage == num_stages - 1, n_off, num_layers - remat_layers - n_off, remat_layers,
-                      policy if remat_layers else None)
+def _segments(kind: StageKind) -> list[tuple[int, int, str | None]]:
+    return [(lo, hi, _segment_fn_key(kind, seg)) for lo, hi, seg in kind.segments()]
 
 
 def _take(tree: PyTree, i: jax.Array) -> PyTree:
@@ -242,8 +210,8 @@ class _Program:
 
     num_stages: int
     num_microbatches: int
-    kinds: tuple[_StageKind, ...]  # per stage
-    unique: tuple[_StageKind, ...]  # distinct kinds; branch k + 1 runs unique[k]
+    kinds: tuple[StageKind, ...]  # per stage
+    unique: tuple[StageKind, ...]  # distinct kinds; branch k + 1 runs unique[k]
     ticks: sch.TickProgram
     table: np.ndarray  # ticks.table plus the _F_BRANCH / _B_BRANCH columns
 
@@ -263,11 +231,11 @@ def _make_program(stage_layers: Sequence[Sequence[int]], num_mb: int, schedule: 
         if not 0 <= remat[s] <= sizes[s]:
             raise ValueError(f"stage {s}: remat_layers={remat[s]} is outside [0, {sizes[s]}]")
         if remat[s]:
-            remat_policy_fn(policies[s])  # validate early, with a clear message
+            checkpoint_policy(policies[s])  # validate early, with a clear message
         if not 0 <= offload[s] <= sizes[s] - remat[s]:
             raise ValueError(f"stage {s}: offload_layers={offload[s]} is outside [0, {sizes[s] - remat[s]}] "
                              "(activation offload applies to the layers that are not checkpointed)")
-    ticks = sch.tick_program(sch.make_schedule(schedule, S, num_mb))
+    ticks = sch.tick_program(make_schedule(schedule, S, num_mb))
     kinds = tuple(stage_kind(s, S, sizes[s], remat[s], policies[s], offload[s]) for s in range(S))
     unique = tuple(dict.fromkeys(kinds))
     branch = np.array([unique.index(k) + 1 for k in kinds], np.int32)
@@ -332,10 +300,8 @@ def pipeline_local(
     w0 = jax.tree.map(lambda a: a[0], stage_p)
     for k in prog.unique:
         if k.policy is not None:
-            layer_fns[k.policy] = jax.checkpoint(block, policy=remat_policy_fn(k.policy))
+            layer_fns[k.policy] = jax.checkpoint(block, policy=checkpoint_policy(k.policy))
         if k.num_offload and OFFLOAD not in layer_fns:
-            from mistjax.runtime.remat import offload_policy
-
             names = checkpoint_names(jax.make_jaxpr(block)(w0, zero_h))
             layer_fns[OFFLOAD] = jax.checkpoint(block, policy=offload_policy(names))
     residuals = {pol: classify(fn, w0, zero_h) for pol, fn in layer_fns.items()}
@@ -344,7 +310,7 @@ def pipeline_local(
     for k in prog.unique:
         rows: dict[int, int] = {}
         segs = []
-        for lo, hi, pol in k.segments():
+        for lo, hi, pol in _segments(k):
             entries = []
             for j, key in zip(residuals[pol].stored, residuals[pol].avals):
                 if key not in pool_keys:
@@ -360,9 +326,9 @@ def pipeline_local(
                                                 for s in range(S)), *shape), dt), host), vma)
                   for p, (shape, dt, vma, host) in enumerate(pool_keys))
 
-    def run_forward(kind: _StageKind, h: PyTree, pools: tuple, slot: jax.Array) -> tuple[PyTree, tuple]:
+    def run_forward(kind: StageKind, h: PyTree, pools: tuple, slot: jax.Array) -> tuple[PyTree, tuple]:
         rows, segs = layouts[kind]
-        for (lo, hi, pol), entries in zip(kind.segments(), segs):
+        for (lo, hi, pol), entries in zip(_segments(kind), segs):
             fn, res = layer_fns[pol], residuals[pol]
 
             def layer(carry, xs, fn=fn, res=res, entries=entries):
@@ -379,10 +345,10 @@ def pipeline_local(
             (h, pools), _ = lax.scan(layer, (h, pools), (ws, jnp.arange(hi - lo)))
         return h, pools
 
-    def run_backward(kind: _StageKind, ct: PyTree, acc: PyTree, pools: tuple, slot: jax.Array
+    def run_backward(kind: StageKind, ct: PyTree, acc: PyTree, pools: tuple, slot: jax.Array
                      ) -> tuple[PyTree, PyTree]:
         rows, segs = layouts[kind]
-        for (lo, hi, pol), entries in reversed(list(zip(kind.segments(), segs))):
+        for (lo, hi, pol), entries in reversed(list(zip(_segments(kind), segs))):
             fn, res = layer_fns[pol], residuals[pol]
 
             def layer(carry, xs, fn=fn, res=res, entries=entries, lo=lo):
@@ -401,7 +367,7 @@ def pipeline_local(
             (ct, acc), _ = lax.scan(layer, (ct, acc), (ws, jnp.arange(hi - lo)), reverse=True)
         return ct, acc
 
-    def f_branch(kind: _StageKind, r: jax.Array, y: PyTree, st: dict) -> tuple[PyTree, dict]:
+    def f_branch(kind: StageKind, r: jax.Array, y: PyTree, st: dict) -> tuple[PyTree, dict]:
         mb = _take(mbs, r[sch.F_MB])
         h = pre(pre_p, mb) if kind.first else _take(st["xq"], r[sch.F_XSLOT])
         h, pools = run_forward(kind, h, st["pools"], r[sch.F_RSLOT])
@@ -415,7 +381,7 @@ def pipeline_local(
         st["cq"] = _put(st["cq"], r[sch.F_SEED], jax.tree.map(lambda d: scale * d, dh))
         return y, st
 
-    def b_branch(kind: _StageKind, r: jax.Array, dx: PyTree, st: dict) -> tuple[PyTree, dict]:
+    def b_branch(kind: StageKind, r: jax.Array, dx: PyTree, st: dict) -> tuple[PyTree, dict]:
         ct = _take(st["cq"], r[sch.B_CSLOT])
         ct, acc = run_backward(kind, ct, st["acc_stage"], st["pools"], r[sch.B_RSLOT])
         st = dict(st, acc_stage=acc)
@@ -548,4 +514,4 @@ def pipeline_value_and_grad(
 
 
 __all__ = ["from_stage_layout", "layer_residual_bytes", "pipeline_local", "pipeline_value_and_grad",
-           "remat_policy_fn", "to_stage_layout"]
+           "stage_kind", "to_stage_layout"]

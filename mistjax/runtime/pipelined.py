@@ -23,11 +23,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.plan import Plan, PlanError
-from mistjax.runtime.mesh import SHARD_AXES, SHARD_SPEC
+from mistjax.core.layout import DP_AXES, SHARD_AXES, SHARD_SPEC, LeafLayout
+from mistjax.core.plan import Plan, PlanError
 from mistjax.runtime.pipeline import from_stage_layout, pipeline_local, to_stage_layout
-from mistjax.runtime.remat import offloaded_layers
-from mistjax.runtime.sharding import DP_AXES, LeafLayout
 from mistjax.runtime.tensor import tensor_parallel_block
 from mistjax.trace.split import NoLayerStackError, post_part, pre_part, run_block, trace_loss
 
@@ -132,7 +130,7 @@ def pipelined_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any
             stage_layers=stage_layers, schedule=plan.schedule,
             remat_layers=[s.remat_layers for s in plan.stages],
             remat_policy=[s.remat_policy for s in plan.stages],
-            offload_layers=[offloaded_layers(s.num_layers, s.remat_layers, s.offload_acts) for s in plan.stages],
+            offload_layers=[s.offloaded_layers for s in plan.stages],
             loss_scale=1.0 / G)
         loss = lax.psum(loss, ("stage", *_live(DP_AXES, mesh))) / dp
         acc_other = lax.psum([a + b for a, b in zip(acc_pre, acc_post)], "stage")

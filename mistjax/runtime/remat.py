@@ -27,49 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mistjax.plan import PlanError
+from mistjax.core.policies import GATHERED, offload_policy, remat_policy
+from mistjax.core.stages import layer_segments
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
-
-GATHERED = "mistjax_gathered_weight"
-cp = jax.checkpoint_policies
-
-
-def remat_policy(name: str) -> Callable[..., Any]:
-    """The `jax.checkpoint` policy for a plan's remat policy name."""
-    if name == "full":
-        return cp.nothing_saveable
-    if name == "dots":
-        return cp.dots_with_no_batch_dims_saveable
-    if name.startswith("names:"):
-        names = [n.strip() for n in name[len("names:"):].split(",") if n.strip()]
-        return cp.save_only_these_names(*names)
-    raise PlanError(f"unknown remat policy {name!r}; use full, dots or names:a,b")
-
-
-def offload_policy(names: Sequence[str]) -> Callable[..., Any]:
-    """Offload the tagged activations of a layer to host memory and recompute the rest in backward."""
-    return cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[n for n in names if n != GATHERED],
-        offload_src="device", offload_dst="pinned_host")
-
-
-def layer_segments(num_layers: int, remat_layers: int, offload_layers: int) -> list[tuple[int, int, str]]:
-    """Split a stage's layers into (start, end, kind) runs: offloaded, plain, checkpointed.
-
-    The first layers offload their activations (their activations wait longest for the backward
-    pass), the last `remat_layers` are recomputed, the rest keep their activations on device.
-    """
-    n_remat = min(remat_layers, num_layers)
-    n_off = min(offload_layers, num_layers - n_remat)
-    n_plain_end = num_layers - n_remat
-    bounds = [(0, n_off, "offload"), (n_off, n_plain_end, "plain"), (n_plain_end, num_layers, "remat")]
-    return [b for b in bounds if b[1] > b[0]]
-
-
-def offloaded_layers(num_layers: int, remat_layers: int, ratio: float) -> int:
-    """Layers whose activations go to host for an activation offload `ratio` (of the non-remat layers)."""
-    return int(round(ratio * (num_layers - min(remat_layers, num_layers))))
-
 
 Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
 

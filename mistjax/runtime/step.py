@@ -11,20 +11,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.plan import Plan, PlanError, params_fingerprint
-from mistjax.runtime.context import use_handler
-from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
-from mistjax.runtime.mesh import build_plan_mesh
-from mistjax.runtime.sharding import (
+from mistjax.core.axes import is_stacked, leaf_axes
+from mistjax.core.layout import (
     DP_AXES,
     OPT,
     OTHER,
     PARAM,
     LeafLayout,
-    leaf_axes,
     plan_layouts,
     state_shardings,
 )
+from mistjax.core.plan import Plan, PlanError, params_fingerprint
+from mistjax.runtime.context import use_handler
+from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
+from mistjax.runtime.mesh import build_plan_mesh
 from mistjax.trace.split import trace_loss
 
 TrainStep = Callable[[Any, Any], tuple[Any, Any]]
@@ -49,6 +49,15 @@ class _Probe:
 
 
 @dataclass(frozen=True)
+class LossCall:
+    """The loss a step differentiates with `mistjax.value_and_grad`, as seen while tracing it."""
+
+    fun: Callable[..., Any]  # the loss function
+    has_aux: bool  # it returns (loss, aux)
+    args: tuple[Any, ...]  # its arguments as ShapeDtypeStructs (parameters first, metadata kept)
+
+
+@dataclass(frozen=True)
 class StepAnalysis:
     """What tracing the step once abstractly tells the runtime."""
 
@@ -57,6 +66,7 @@ class StepAnalysis:
     num_layers: int | None  # layers in the model's stack, if it has one
     uses_mistjax_grad: bool  # the step calls mistjax.value_and_grad / grad
     params_fingerprint: str = ""  # `mistjax.plan.params_fingerprint` of the differentiated parameters
+    loss: LossCall | None = None  # the differentiated loss (None for a step using plain jax.grad)
 
 
 def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
@@ -77,15 +87,18 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
     jax.make_jaxpr(flat)(*abstract)
     axes = leaf_axes(state)
     roles = [OPT if ax is not None else OTHER for ax in axes]
-    stacked = [bool(ax) and ax[0] == "layers" for ax in axes]
+    stacked = [is_stacked(ax) for ax in axes]
     num_layers = None
     fingerprint = ""
+    loss = None
     if probe.calls:
         call = probe.calls[0]
         fingerprint = params_fingerprint(call.args[0])
         param_leaves = jax.tree.leaves(call.args[0])
         where = {id(x): i for i, x in enumerate(inputs)}
-        traced = trace_loss(call.fun, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args))
+        loss = LossCall(call.fun, call.has_aux,
+                        tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args)))
+        traced = trace_loss(call.fun, *loss.args)
         stack_leaves = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
         num_layers = traced.stack.num_layers if traced.stack is not None else None
         for j, leaf in enumerate(param_leaves):
@@ -98,7 +111,7 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
         for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
             if path and getattr(path[0], "name", getattr(path[0], "key", None)) == "params":
                 roles[i] = PARAM
-    return StepAnalysis(tuple(roles), tuple(stacked), num_layers, bool(probe.calls), fingerprint)
+    return StepAnalysis(tuple(roles), tuple(stacked), num_layers, bool(probe.calls), fingerprint, loss)
 
 
 class _Runtime:
@@ -252,5 +265,5 @@ def _path_roles(state: Any) -> tuple[tuple[str, ...], tuple[bool, ...]]:
     for (path, _), ax in zip(jax.tree_util.tree_flatten_with_path(state)[0], axes):
         head = getattr(path[0], "name", getattr(path[0], "key", None)) if path else None
         roles.append(PARAM if head == "params" else OPT if ax is not None else OTHER)
-        stacked.append(bool(ax) and ax[0] == "layers")
+        stacked.append(is_stacked(ax))
     return tuple(roles), tuple(stacked)

@@ -44,12 +44,11 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
-from mistjax.analysis.graph import Graph, build_graph
+from mistjax.analysis.block import block_graph, block_layouts, hidden_sizes
+from mistjax.analysis.graph import Graph
 from mistjax.analysis.layout import REP, Partial, Shard, State, TPResult, partition_spec, same_layout
-from mistjax.analysis.poly import PS
-from mistjax.analysis.tp import propagate
-from mistjax.runtime.sharding import LeafLayout
-from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, trace_loss
+from mistjax.core.layout import LeafLayout
+from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, bind_equation
 
 TENSOR_AXIS = "tensor"
 
@@ -110,7 +109,7 @@ class TensorParallelBlock:
                     # A partial sum all-reduced, a local slice of a replicated value, or a re-split
                     # (all-to-all): the constraint says so, and its transpose is the mirror.
                     vals[k] = self.constrain(vals[k], want)
-            out = coll.gathered_bind(n.eqn, vals, gather) if gather else _bind(n.eqn, vals)
+            out = coll.gatheredbind_equation(n.eqn, vals, gather) if gather else bind_equation(n.eqn, vals)
             for v, o in zip(n.outs, out):
                 env[v] = self.constrain(o, res.states.get(v, REP), coll)
         # The outputs in their final layouts (a partial sum resolved, the carry sequence-split).
@@ -126,13 +125,6 @@ class TensorParallelBlock:
 
 def _is_float(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, np.inexact)
-
-
-def _bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*vals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _split(x: jax.Array, dim: int, axis: str) -> jax.Array:
@@ -208,7 +200,7 @@ class _Collectives:
         run.defvjp(fwd, bwd)
         return run(x)
 
-    def gathered_bind(self, eqn: Any, vals: Sequence[Any], gather: dict[int, int]) -> list[Any]:
+    def gatheredbind_equation(self, eqn: Any, vals: Sequence[Any], gather: dict[int, int]) -> list[Any]:
         """``eqn`` applied to ``vals`` after all-gathering the inputs in ``gather``, Megatron-style.
 
         The custom VJP keeps the split inputs (not the gathered copies: 1/t of the bytes) for the
@@ -222,7 +214,7 @@ class _Collectives:
             full = list(vals)
             for k, x in zip(diff, d):
                 full[k] = gathered(x) if k in gather else x
-            return _bind(eqn, full)
+            return bind_equation(eqn, full)
 
         @jax.custom_vjp
         def run(*d: Any) -> list[Any]:
@@ -247,96 +239,6 @@ def _all_gather(x: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------------------------ construction
 
-def _sizes(stack: LayerStack) -> tuple[int, int] | None:
-    """(micro-batch, sequence) of the hidden state: the first float carry of rank >= 2."""
-    for v in stack.body.jaxpr.invars[stack.num_consts: stack.num_consts + stack.num_carry]:
-        shape = v.aval.shape
-        if len(shape) >= 2 and jax.dtypes.issubdtype(v.aval.dtype, np.inexact):
-            return int(shape[0]), int(shape[1])
-    return None
-
-
-def fit_points(b: int, s: int) -> list[tuple[int, int]]:
-    """Seven ``(b, s)`` trace points, the runtime's own first: two batch sizes x three sequence
-    lengths to fit (degree <= 1 in b, <= 2 in s), and a check point. Shorter sequences first, so a
-    model with a maximal sequence length (a position table) still traces."""
-    ss = [s // 2, s // 4, s - 1] if s >= 4 else [s + 1, s + 2, s + 3]
-    return [(b, s), (b + 1, s), (b, ss[0]), (b + 1, ss[0]), (b, ss[1]), (b + 1, ss[1]), (b + 2, ss[2])]
-
-
-def _resized(leaves: Sequence[Any], batch: Sequence[bool], b: int, s: int, b2: int, s2: int) -> list[Any]:
-    out = []
-    for x, is_batch in zip(leaves, batch):
-        shape = list(np.shape(x))
-        if is_batch:
-            shape[0] = b2
-            if len(shape) >= 2 and shape[1] == s:
-                shape[1] = s2
-        out.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
-    return out
-
-
-def block_graph(fun: Callable[..., Any], traced: TracedLoss, batch: Sequence[bool] | None = None) -> Graph:
-    """The layer body of ``traced`` as a `Graph` with dims fitted over `fit_points`.
-
-    Args:
-      fun: the loss ``traced`` was traced from (``fun(params, *rest)``).
-      traced: its trace at the runtime's micro-batch (with ``rest_tree``).
-      batch: per rest leaf, whether it is batch data (leading dim = micro-batch, second dim the
-        sequence when it equals it); default: leaves whose leading dim equals the hidden state's.
-    """
-    stack = traced.require_stack()
-    sizes = _sizes(stack)
-    if sizes is None or traced.rest_tree is None:
-        raise ValueError("the layer stack carries no [batch, sequence, ...] hidden state")
-    b, s = sizes
-    invars = traced.closed.jaxpr.invars
-    n = traced.num_param_leaves
-    params = jax.tree.unflatten(traced.param_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                                    for v in invars[:n]])
-    rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars[n:]]
-    if batch is None:
-        batch = [len(x.shape) > 0 and x.shape[0] == b for x in rest]
-    points = fit_points(b, s)
-    others = []
-    for b2, s2 in points[1:]:
-        r = jax.tree.unflatten(traced.rest_tree, _resized(rest, batch, b, s, b2, s2))
-        others.append(trace_loss(fun, params, *r).require_stack().body)
-    return build_graph(stack.body, others, points)
-
-
-def block_layouts(graph: Graph, stack: LayerStack, tensor_dims: Sequence[tuple[int, ...] | None]) -> TPResult:
-    """Propagate Megatron layouts through one layer (as `analysis.analyze` does for its forward).
-
-    Args:
-      graph: the layer body (`block_graph`).
-      stack: its layer stack.
-      tensor_dims: per scanned operand, the dims of its *stacked* leaf split over ``tensor``
-        (None or empty: replicated).
-    """
-    nc, ncar = stack.num_consts, stack.num_carry
-
-    def act_state(v: Any) -> State:
-        if isinstance(v, jex.Literal) or not jax.dtypes.issubdtype(v.aval.dtype, np.inexact):
-            return REP
-        d = next((k for k, x in enumerate(graph.shape(v)) if x == PS), None)
-        return REP if d is None else Shard(d, seq=True)
-
-    in_states: dict[Any, State] = {v: act_state(v) for v in graph.invars[nc:nc + ncar]}
-    weights = []
-    for v, dims in zip(graph.invars[nc + ncar:], tensor_dims):
-        if dims:
-            in_states[v] = Shard(dims[0] - 1)  # a layer slice: the stacked leaf minus its layer dim
-            weights.append(v)
-        elif dims is not None:
-            weights.append(v)
-    model_sizes = [graph.shape(v)[st.dim] for v, st in in_states.items() if isinstance(st, Shard) and not st.seq]
-    targets: list[State | None] = [act_state(v) for v in graph.outvars[:ncar]]
-    targets += [None] * (len(graph.outvars) - ncar)
-    return propagate(graph, in_states, targets, sequence_parallel=True, param_vars=weights,
-                     model_sizes=model_sizes)
-
-
 def tensor_parallel_block(fun: Callable[..., Any], traced: TracedLoss, *, layouts: Sequence[LeafLayout], tp: int,
                           batch: Sequence[bool] | None = None) -> BlockFn | None:
     """A `BlockFn` running ``traced``'s layer under Megatron TP + SP layouts, or None for ``tp == 1``.
@@ -355,7 +257,7 @@ def tensor_parallel_block(fun: Callable[..., Any], traced: TracedLoss, *, layout
     if tp <= 1 or traced.stack is None:
         return None
     stack = traced.stack
-    sizes = _sizes(stack)
+    sizes = hidden_sizes(stack)
     if sizes is None or sizes[1] % tp:
         return None
     try:
@@ -398,5 +300,4 @@ def per_tensor_shard(fn: Callable[[jax.Array], jax.Array], tensor_dims: Sequence
     return run
 
 
-__all__ = ["per_tensor_shard", "TensorParallelBlock", "block_graph", "block_layouts", "fit_points",
-           "tensor_parallel_block"]
+__all__ = ["per_tensor_shard", "TensorParallelBlock", "tensor_parallel_block"]

@@ -92,7 +92,7 @@ def inline_calls(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
         return closed
 
     def flat(*args: Any) -> list[Any]:
-        return _eval(closed.jaxpr, closed.consts, args, inline=True)
+        return eval_jaxpr(closed.jaxpr, closed.consts, args, inline=True)
 
     avals = [v.aval for v in closed.jaxpr.invars]
     return jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
@@ -138,7 +138,7 @@ def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs
     if block is not None:
         carry_out, ys = block(consts, carry, xs)
         return list(carry_out), list(ys)
-    out = _eval(stack.body.jaxpr, stack.body.consts, [*consts, *carry, *xs])
+    out = eval_jaxpr(stack.body.jaxpr, stack.body.consts, [*consts, *carry, *xs])
     return out[: stack.num_carry], out[stack.num_carry:]
 
 
@@ -199,7 +199,7 @@ def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Seque
             carry, ys = (layer_loop or default_layer_loop)(body, vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:])
             outs = [*carry, *ys]
         else:
-            outs = _bind(eqn, [read(v) for v in eqn.invars])
+            outs = bind_equation(eqn, [read(v) for v in eqn.invars])
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
@@ -231,9 +231,7 @@ def post_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequ
     after = range(stack.eqn_index + 1, len(jaxpr.eqns))
     needed_before = free_vars([jaxpr.eqns[k] for k in after], jaxpr.outvars, defined=set(scan.outvars))
     _run_needed(jaxpr, range(stack.eqn_index), needed_before, env)
-    for k in after:
-        eqn = jaxpr.eqns[k]
-        env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+    run_equations([jaxpr.eqns[k] for k in after], env)
     return [_read(env, v) for v in jaxpr.outvars]
 
 
@@ -263,35 +261,43 @@ def free_vars(eqns: Sequence[Any], outvars: Sequence[Any], defined: set[Any]) ->
     return list(free)
 
 
+def needed_equations(eqns: Sequence[Any], targets: Sequence[Any]) -> list[Any]:
+    """The equations among `eqns` that `targets` depend on, in order."""
+    needed = {v for v in targets if isinstance(v, jex.Var)}
+    keep = []
+    for eqn in reversed(eqns):
+        if any(v in needed for v in eqn.outvars):
+            keep.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    return keep[::-1]
+
+
+def run_equations(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
+    """Evaluate `eqns` in order, reading and writing their values in `env`."""
+    for eqn in eqns:
+        env.update(zip(eqn.outvars, bind_equation(eqn, [_read(env, v) for v in eqn.invars])))
+
+
 def _run_needed(jaxpr: Any, indices: Sequence[int], targets: Sequence[Any], env: dict[Any, Any]) -> None:
     """Evaluate only the equations among `indices` that `targets` depend on (in order)."""
-    needed = {v for v in targets if isinstance(v, jex.Var)}
-    chosen = []
-    for k in reversed(list(indices)):
-        eqn = jaxpr.eqns[k]
-        if any(v in needed for v in eqn.outvars):
-            chosen.append(k)
-            needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
-    for k in reversed(chosen):
-        eqn = jaxpr.eqns[k]
-        env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+    run_equations(needed_equations([jaxpr.eqns[k] for k in indices], targets), env)
 
 
-def _bind(eqn: Any, args: list[Any], inline: bool = False) -> list[Any]:
+def bind_equation(eqn: Any, args: Sequence[Any], inline: bool = False) -> list[Any]:
+    """Apply one jaxpr equation to concrete or traced ``args`` (inlining a top-level call if ``inline``)."""
     if inline and eqn.primitive.name in ("pjit", "jit", "closed_call"):
         sub = eqn.params["jaxpr"]
-        return _eval(sub.jaxpr, sub.consts, args, inline=False)
+        return eval_jaxpr(sub.jaxpr, sub.consts, args, inline=False)
     params = eqn.primitive.get_bind_params(eqn.params)
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*args, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], inline: bool = False) -> list[Any]:
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], inline: bool = False) -> list[Any]:
+    """Evaluate an open jaxpr on ``args`` (one interpreter for the whole project)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
-        outs = _bind(eqn, [read(v) for v in eqn.invars], inline)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+        env.update(zip(eqn.outvars, bind_equation(eqn, [_read(env, v) for v in eqn.invars], inline)))
+    return [_read(env, v) for v in jaxpr.outvars]

@@ -24,14 +24,14 @@ from flax import nnx
 
 import models
 from mistjax.api import autoshard, value_and_grad
+from mistjax.core.plan import Plan, PlanError, uniform_plan
 from mistjax.distributed import DistributedError, is_primary, peer_failure
-from mistjax.plan import Plan, PlanError, uniform_plan
 from mistjax.runtime.step import ShardedStep
 from mistjax.train.checkpoint import Checkpointer, CheckpointError
 from mistjax.train.data import MemmapTokens, SyntheticTokens
-from mistjax.train.loss import make_loss_fn
 from mistjax.train.metrics import MetricsLog, mfu, peak_flops
 from mistjax.train.state import TrainState, make_optimizer
+from models.loss import make_loss_fn
 
 # Config fields whose change on resume makes the continuation differ from an uninterrupted run.
 _RESUME_SENSITIVE = ("steps", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",

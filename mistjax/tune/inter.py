@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from mistjax.core.strategies import CostModel
 from mistjax.tune.intra import ScheduleMemo, StageTables, prepare_key, price, price_pairs, sample_stage_tables
 from mistjax.tune.milp import solve_inter_stage
 from mistjax.tune.space import OuterKey, RematOptions, SearchSpace, layer_options, strategy_grid
@@ -174,7 +174,7 @@ def _base_strategies(grid: Any) -> tuple[np.ndarray, np.ndarray]:
     return base, top
 
 
-def key_bound(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace,
+def key_bound(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
               memo: ScheduleMemo | None = None) -> float:
     """A lower bound of a key's best objective, from its families' least-offloaded strategies
     without remat and without the memory limit (an offload or a checkpointed layer never saves time)."""
@@ -192,7 +192,7 @@ def key_bound(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, spac
     return float(lb.min())
 
 
-def tune_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace,
+def tune_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
              best_cost: float | None, deadline: float, prune: bool = True, memo: ScheduleMemo | None = None
              ) -> tuple[StageTables, KeyChoice | None]:
     """Price and solve one outer key; the choice is None unless it beats ``best_cost``.

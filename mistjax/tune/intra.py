@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from mistjax.cost.pipeline_time import inflight_microbatches, lockstep_microbatch_time
+from mistjax.core.pipeline_time import lockstep_microbatch_time
+from mistjax.core.schedules import inflight_microbatches
+from mistjax.core.strategies import CostModel, StageStrategies
 from mistjax.tune.pareto import sample_pareto
 from mistjax.tune.space import (
     OuterKey,
@@ -113,7 +114,7 @@ class ScheduleMemo:
         self._entries[what] = results
 
 
-def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables, r: np.ndarray,
+def price_pairs(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, r: np.ndarray,
                 x: np.ndarray, slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Raw (stable, delta, feasible) ``[S', J, n]`` of (remat option ``r[n]``, strategy ``x[n]``) pairs.
 
@@ -154,7 +155,7 @@ def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTabl
         def col(a: np.ndarray, xs: np.ndarray = xs) -> np.ndarray:
             return a[xs].reshape(1, 1, -1)
 
-        st = cost.StageStrategies(
+        st = StageStrategies(
             b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
             shard_group=col(grid.shard_group), zero=col(grid.zero), layers=layers,
             remat=np.minimum(c[..., sl], layers), policy=tables.remat.policy[r[sl]].reshape(1, 1, -1),
@@ -165,7 +166,7 @@ def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTabl
         sub = (shape[0], shape[1], shape[2], xs.size)
         for i, name in enumerate(schedules):
             steady = np.broadcast_to(out.stable, sub)[i]
-            if S > 1 and hasattr(out, "fwd") and hasattr(out, "bwd"):
+            if S > 1:
                 # The SPMD pipeline runs in lock-step: in classic 1F1B's steady state a micro-batch takes
                 # a forward tick and a backward tick on every stage, each as long as the slowest stage's,
                 # so a stage costs 2 max(fwd, bwd) per micro-batch rather than fwd + bwd (1F1B-eager:
@@ -184,7 +185,7 @@ def price_pairs(workload: Any, cluster: Any, cost: ModuleType, tables: StageTabl
     return stable[i], delta[i], feasible[i]
 
 
-def price(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables, xs: np.ndarray
+def price(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, xs: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Price every remat option of strategies ``xs`` into the tables.
 
@@ -200,7 +201,7 @@ def price(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables, xs
     return s.reshape(shape), d.reshape(shape), ok.reshape(shape)
 
 
-def _prune_policies(workload: Any, cluster: Any, cost: ModuleType, tables: StageTables) -> RematOptions:
+def _prune_policies(workload: Any, cluster: Any, cost: CostModel, tables: StageTables) -> RematOptions:
     """Drop remat policies that a probe shows to be dominated (no faster, no smaller, no cheaper).
 
     A policy only changes what a checkpointed layer saves and recomputes, the same per layer for
@@ -234,10 +235,10 @@ def key_inflight(key: OuterKey) -> int:
     return int(inflight_microbatches(0, key.stages, key.grad_accum, key.schedule))
 
 
-def _probe_peak(workload: Any, cluster: Any, cost: ModuleType, probe: StageTables, r: np.ndarray) -> np.ndarray:
+def _probe_peak(workload: Any, cluster: Any, cost: CostModel, probe: StageTables, r: np.ndarray) -> np.ndarray:
     key = probe.key
     layers = probe.layer_options[0]
-    st = cost.StageStrategies(
+    st = StageStrategies(
         b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
         shard_group=np.asarray(probe.grid.shard_group[0]), zero=np.asarray(probe.grid.zero[0]),
         layers=np.asarray(layers), remat=np.full(len(r), layers), policy=probe.remat.policy[r],
@@ -248,7 +249,7 @@ def _probe_peak(workload: Any, cluster: Any, cost: ModuleType, probe: StageTable
     return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))
 
 
-def prepare_key(workload: Any, cluster: Any, cost: ModuleType, key: OuterKey, space: SearchSpace,
+def prepare_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
                 memo: ScheduleMemo | None = None) -> StageTables:
     """Empty (all ``inf``) tables of one outer key, with dominated remat policies removed."""
     L = int(workload.num_layers)

@@ -27,6 +27,8 @@ import cvxpy as cp
 import numpy as np
 import scipy.sparse as sp
 
+from mistjax.core.pipeline_time import exposed_delta
+from mistjax.core.pipeline_time import pipeline_1f1b_time as pipeline_objective
 from mistjax.tune.pareto import pareto_mask
 
 __all__ = [
@@ -89,33 +91,7 @@ class InterStageSolution:
     @property
     def d_max(self) -> float:
         """Exposed delta ``max(0, max_i D_i - sum_{j<i} T_j)``."""
-        return float(_exposed_delta(np.asarray(self.stable), np.asarray(self.delta)))
-
-
-def _exposed_delta(T: np.ndarray, D: np.ndarray) -> np.ndarray:
-    prefix = np.cumsum(T, axis=-1) - T  # sum_{j<i} T_j (fill time hiding stage i's delta)
-    return np.maximum(0.0, np.max(D - prefix, axis=-1))
-
-
-def pipeline_objective(
-    T: np.ndarray | Sequence[float], D: np.ndarray | Sequence[float], G: int
-) -> np.ndarray:
-    """1F1B iteration time with inter-micro-batch imbalance (Mist §3.5).
-
-    ``(G - 1) * max_i T_i + sum_i T_i + max(0, max_i (D_i - sum_{j<i} T_j))``. With one stage this
-    reduces to ``G * T + max(0, D)``.
-
-    Args:
-        T: ``[..., S]`` per-stage stable (steady-state per-micro-batch) time, stage 0 first.
-        D: ``[..., S]`` per-stage delta (first/last-micro-batch overhead).
-        G: Number of micro-batches.
-
-    Returns:
-        ``[...]`` iteration time (0-d array for unbatched input).
-    """
-    T = np.asarray(T, dtype=np.float64)
-    D = np.asarray(D, dtype=np.float64)
-    return (G - 1) * np.max(T, axis=-1) + np.sum(T, axis=-1) + _exposed_delta(T, D)
+        return float(exposed_delta(np.asarray(self.stable), np.asarray(self.delta)))
 
 
 def default_layer_options(num_layers: int, num_stages: int, G: int) -> tuple[int, ...]:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mistjax.runtime.schedules import SCHEDULE_NAMES
+from mistjax.core.schedules import SCHEDULE_NAMES
 
 __all__ = [
     "MIST_OFFLOAD",
@@ -189,17 +190,11 @@ def stage_mesh(num_devices: int, stages: int, nodes: int, per_node: int) -> tupl
     return (k // per_node, per_node)
 
 
-def tp_divides(config: Any, tp: int) -> bool:
-    """Whether the model's heads, kv heads and MLP width split evenly over ``tp`` devices."""
-    if config is None:
-        return tp == 1
-    dims = [getattr(config, n, None) for n in ("num_heads", "num_kv_heads", "ffn_size", "hidden_size")]
-    return all(d is None or d % tp == 0 for d in dims)
-
-
 def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: int, per_node: int,
-               config: Any = None) -> list[OuterKey]:
+               supports_tp: Callable[[int], bool] = lambda tp: tp == 1) -> list[OuterKey]:
     """Every (tp, stages, micro-batch) point of the space on ``nodes x per_node`` devices.
+
+    ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`).
 
     Ordered by stage count first (one stage is evaluated without a MILP and gives an early incumbent
     for pruning), then TP, then micro-batch size.
@@ -218,7 +213,7 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
         if mesh is None:
             continue
         for tp in sorted(set(space.tp_degrees)):
-            if tp > per_node or (num_devices // S) % tp or not tp_divides(config, tp):
+            if tp > per_node or (num_devices // S) % tp or not supports_tp(tp):
                 continue
             dp = num_devices // S // tp
             if space.power_of_two and not _pow2(dp):

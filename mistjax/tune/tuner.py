@@ -10,18 +10,16 @@ optionally, the ablation steps) on the same workload and cost model and returns 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from mistjax.cost.pipeline_time import inflight_microbatches
-from mistjax.plan import Plan, Prediction, StagePlan, format_bytes
+from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes
+from mistjax.core.strategies import CostModel, StageStrategies
 from mistjax.tune.baselines import ablation_spaces, baseline_spaces
 from mistjax.tune.inter import KeyChoice, key_bound, tune_key
 from mistjax.tune.intra import ScheduleMemo, StageTables, sample_stage_tables
@@ -31,13 +29,11 @@ __all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "default_cos
            "tune"]
 
 
-def default_cost_model() -> ModuleType:
-    """The project's cost model module (`mistjax.cost.model`)."""
-    try:
-        return importlib.import_module("mistjax.cost.model")
-    except ImportError as e:
-        raise ImportError("mistjax.tune needs the cost model (mistjax.cost.model); pass cost=<module with "
-                          "StageStrategies, stage_cost and predict> to use another one") from e
+def default_cost_model() -> CostModel:
+    """The project's cost model (`mistjax.cost.COST_MODEL`)."""
+    from mistjax.cost import COST_MODEL  # the tuner's only import of the cost package
+
+    return COST_MODEL
 
 
 @dataclass(frozen=True)
@@ -177,7 +173,7 @@ def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: s
 
 
 def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, time_limit: float = 60.0,
-           cost: ModuleType | None = None, best_cost: float | None = None, prune: bool = True) -> SearchResult:
+           cost: CostModel | None = None, best_cost: float | None = None, prune: bool = True) -> SearchResult:
     """Search one space for the plan with the lowest predicted step time.
 
     Outer keys are visited best-bound first (`inter.key_bound`: each key's fastest strategies
@@ -190,7 +186,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
             ``memory_budget()`` the per-device memory limit.
         space: the space (default: mistjax's full space).
         time_limit: seconds; when they run out the best plan so far is returned with a warning.
-        cost: the cost-model module (default `mistjax.cost.model`).
+        cost: the cost model (default `mistjax.cost.COST_MODEL`).
         best_cost: an objective to beat from elsewhere (keys that cannot beat it report None).
         prune: skip strategies that bounds prove useless (see `inter.tune_key`); False prices
             every strategy of every key (Mist's exhaustive evaluation; slow).
@@ -201,7 +197,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     deadline = t0 + time_limit
     L = int(workload.num_layers)
     keys = outer_keys(space, L, int(workload.global_batch), cluster.nodes, cluster.devices_per_node,
-                      getattr(workload, "config", None))
+                      workload.supports_tp)
     memo = ScheduleMemo(space.schedules)
     bounds = [key_bound(workload, cluster, cost, k, space, memo) if prune else 0.0 for k in keys]
     # Best bound first, but a key's siblings of other pipeline schedules right after it: they reuse its
@@ -248,7 +244,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     budget = cluster.memory_budget()
     for rank in range(len(found)):
         objective, plan, pareto = found[-1 - rank]
-        pred = predict_plan(workload, plan, cluster, cost)
+        pred = cost.predict(workload, plan, cluster)
         if pred.peak_memory <= budget * (1 + 1e-9):
             break
     else:
@@ -262,31 +258,6 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     plan = plan.replace(prediction=pred, fingerprints=fingerprints(workload, cluster))
     return SearchResult(space, plan, objective, len(keys), done, evaluated, milps,
                         time.perf_counter() - t0, timed_out, tuple(frontier), pareto)
-
-
-def predict_plan(workload: Any, plan: Plan, cluster: Any, cost: ModuleType) -> Prediction:
-    """``cost.predict`` if the cost model has it, else the stage costs in the 1F1B formula."""
-    if hasattr(cost, "predict"):
-        return cost.predict(workload, plan, cluster)
-    S = plan.num_stages
-    k = plan.num_devices // S
-    per_node = min(cluster.devices_per_node, k)
-    T, D, mem = [], [], []
-    for i, sp in enumerate(plan.stages):
-        pol = tuple(workload.policies).index(sp.remat_policy) if sp.remat_layers else 0
-        st = cost.StageStrategies(*(np.asarray(v) for v in (
-            plan.micro_batch, plan.dp, plan.tp, plan.shard_group, sp.zero_stage, sp.num_layers, sp.remat_layers, pol,
-            sp.offload_weights, sp.offload_grads, sp.offload_opt, sp.offload_acts,
-            int(inflight_microbatches(i, S, plan.grad_accum, plan.schedule)),
-            plan.grad_accum, i == 0, i == S - 1, S, max(1, k // per_node), per_node)))
-        out = cost.stage_cost(workload, cluster, st)
-        T.append(float(out.stable))
-        D.append(float(out.delta))
-        mem.append({name: float(v) for name, v in out.memory.items()})
-    G = plan.grad_accum
-    step = (G - 1) * max(T) + sum(T) + max(0.0, max(d - sum(T[:i]) for i, d in enumerate(D)))
-    tokens = getattr(workload, "global_batch", plan.global_batch) * getattr(workload, "seq_len", 0)
-    return Prediction(step, tuple(T), tuple(D), tuple(mem), tokens / step if step > 0 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -338,7 +309,7 @@ class TuneResult:
         return "\n".join(lines)
 
 
-def no_plan_message(workload: Any, cluster: Any, cost: ModuleType) -> str:
+def no_plan_message(workload: Any, cluster: Any, cost: CostModel) -> str:
     """Why nothing fits: the smallest per-device memory mistjax can reach, and what would fit it."""
     n = cluster.nodes * cluster.devices_per_node
     budget = cluster.memory_budget()
@@ -346,7 +317,7 @@ def no_plan_message(workload: Any, cluster: Any, cost: ModuleType) -> str:
             f"device on {cluster.nodes}x{cluster.devices_per_node} devices")
     try:
         policy = tuple(workload.policies).index("full") if "full" in workload.policies else 0
-        smallest = cost.stage_cost(workload, cluster, cost.StageStrategies.make(
+        smallest = cost.stage_cost(workload, cluster, StageStrategies.make(
             b=1, dp=n, zero=3, layers=workload.num_layers, remat=workload.num_layers, policy=policy, wo=1.0,
             go=1.0, oo=1.0, ao=1.0, G=max(1, getattr(workload, "global_batch", n) // n),
             per_node=cluster.devices_per_node, nodes=cluster.nodes))
@@ -364,7 +335,7 @@ def no_plan_message(workload: Any, cluster: Any, cost: ModuleType) -> str:
 
 
 def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_limit: float = 60.0,
-         baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: ModuleType | None = None,
+         baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: CostModel | None = None,
          baseline_time_limit: float = 60.0) -> TuneResult:
     """Tune a plan for ``workload`` on ``cluster`` and compare it with the baselines.
 
@@ -379,7 +350,7 @@ def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_
         time_limit: seconds for mistjax's search.
         baselines: baseline names (default: all of `mistjax.tune.baselines.BASELINES`; ``()``: none).
         ablations: also search the ablation steps.
-        cost: the cost-model module (default `mistjax.cost.model`).
+        cost: the cost model (default `mistjax.cost.COST_MODEL`).
         baseline_time_limit: seconds for each baseline / ablation search.
 
     Raises:

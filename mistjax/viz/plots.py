@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from mistjax.runtime.schedules import make_schedule  # noqa: E402
+from mistjax.core.schedules import make_schedule  # noqa: E402
 
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                   "buffers": "#8172b3"}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from mistjax.plan import Plan
+from mistjax.core.plan import Plan
 from mistjax.runtime.context import active_handler
 from mistjax.runtime.step import ShardedStep, TrainStep
 
@@ -89,7 +89,7 @@ def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Pat
       methods: ``place(state, batch)``, ``__call__(state, batch)``, ``lower(...)`` and ``plan``.
     """
     if plan is None:
-        from mistjax.tune.autoshard import AutoShardedStep  # deferred: pulls in the tuner and cost model
+        from mistjax.api.autoshard import AutoShardedStep  # deferred: pulls in the tuner and cost model
 
         return AutoShardedStep(train_step, mesh, hardware=hardware, global_batch=global_batch,
                                memory_budget=memory_budget, cache_dir=cache_dir, space=space, time_limit=time_limit,

@@ -16,12 +16,21 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.plan import Plan, PlanError
-from mistjax.runtime.mesh import SHARD_AXES, SHARD_SPEC
+from mistjax.core.plan import Plan, PlanError
+
+# The plan's `shard` axis as (inter-node, intra-node) mesh axes, node-major like the devices.
+SHARD_AXES = ("shard_node", "shard_local")
+# How a ZeRO/MiCS-split dim names them: local-major, so device (n, l) of m nodes holds chunk
+# l * m + n. Then gathering over `shard_node` and then `shard_local` (both tiled) yields the chunks
+# in order with no re-layout (MiCS digest 8.5), and the reduce-scatter is the mirror. A node-major
+# spec would need a reshape/transpose between the phases, and GSPMD answers that (with tensor
+# parallelism) with an extra `tensor` all-gather per phase. With one node both orders are the same.
+SHARD_SPEC = ("shard_local", "shard_node")
+# The runtime mesh: the plan mesh axes with `shard` split in two (`mistjax.runtime.mesh`).
+RUNTIME_MESH_AXES = ("stage", "replica", *SHARD_AXES, "tensor")
 
 # Logical axis names split over the `tensor` mesh axis (Megatron: attention heads, MLP hidden,
 # vocabulary); everything else (embed, head_dim, layers, ...) stays whole under TP.
@@ -71,23 +80,6 @@ class LeafLayout:
     @property
     def nbytes_elems(self) -> int:
         return int(np.prod(self.shape))
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def leaf_axes(tree: Any) -> list[tuple[str | None, ...] | None]:
-    """Logical axis names of each array leaf of `tree` (aligned with `jax.tree.leaves(tree)`)."""
-    out: list[tuple[str | None, ...] | None] = []
-    for node in jax.tree.leaves(tree, is_leaf=_is_variable):
-        if _is_variable(node):
-            names = node.get_metadata().get("out_sharding") or node.get_metadata().get("sharding")
-            n_leaves = len(jax.tree.leaves(node))
-            out.extend([tuple(names) if names else None] * n_leaves)
-        else:
-            out.append(None)
-    return out
 
 
 def choose_shard_dim(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, tensor_dims: tuple[int, ...],

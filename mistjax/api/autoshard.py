@@ -1,12 +1,9 @@
 """`autoshard` without a plan: trace the step, tune for the mesh (or load a cached plan), then run.
 
-The workload comes from the step's model: the train state's static graph definition carries the
-model's `models.ModelConfig` (``CausalLM.config``), which `Workload.from_model` turns into the cost
-model's workload with the batch's sequence length and the global batch. A step whose model is not
-from `models/` needs ``workload=`` (or a cost model offering ``Workload.from_train_step``).
-
-Plans are cached as JSON (never pickle) under ``cache_dir``, named by a hash of the fingerprints
-of model, mesh, hardware, batch and search space.
+The workload comes from the loss the step differentiates with `mistjax.value_and_grad` (captured
+while tracing the step), with the sequence length and global batch of the example batch. Plans are
+cached as JSON (never pickle) under ``cache_dir``, named by a hash of the fingerprints of model,
+mesh, hardware, batch and search space.
 """
 
 from __future__ import annotations
@@ -20,14 +17,18 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend import core as jex
 
+from mistjax.core.layout import OPT, PARAM
+from mistjax.core.plan import Plan, PlanError, Prediction
+from mistjax.core.strategies import CostModel
+from mistjax.cost.workload import OPTIMIZERS, Workload
 from mistjax.hardware.presets import ClusterSpec
-from mistjax.plan import Plan, PlanError, Prediction
-from mistjax.runtime.step import ShardedStep, TrainStep, analyze_step
+from mistjax.runtime.step import LossCall, ShardedStep, StepAnalysis, TrainStep, analyze_step
 from mistjax.tune.space import SearchSpace
 from mistjax.tune.tuner import TunedPlan, TuneResult, default_cost_model, fingerprints, tune
 
-__all__ = ["AutoShardedStep", "detect_cluster", "find_model_config"]
+__all__ = ["AutoShardedStep", "detect_cluster", "step_workload"]
 
 _CACHE_FORMAT = "mistjax.tuned-plan"
 # device_kind substrings -> preset, most specific first.
@@ -88,35 +89,6 @@ def detect_cluster(devices: list[Any], hardware: Any = None, memory_budget: floa
     return cluster
 
 
-def find_model_config(tree: Any, depth: int = 0, seen: set[int] | None = None) -> Any:
-    """The first `models.ModelConfig` reachable from ``tree`` (e.g. a train state's graphdef), or None."""
-    import models
-
-    seen = set() if seen is None else seen
-    if isinstance(tree, models.ModelConfig):
-        return tree
-    if depth > 12 or id(tree) in seen or isinstance(tree, str | bytes | int | float | np.ndarray | jax.Array):
-        return None
-    seen.add(id(tree))
-    if isinstance(tree, dict):
-        children = list(tree.values())
-    elif isinstance(tree, list | tuple):
-        children = list(tree)
-    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        children = [getattr(tree, f.name, None) for f in dataclasses.fields(tree)]
-    elif hasattr(tree, "__dict__"):
-        children = list(vars(tree).values())
-    elif hasattr(tree, "__slots__"):
-        children = [getattr(tree, s, None) for s in tree.__slots__]
-    else:
-        return None
-    for child in children:
-        found = find_model_config(child, depth + 1, seen)
-        if found is not None:
-            return found
-    return None
-
-
 def _seq_len(batch: Any, global_batch: int) -> int:
     for x in jax.tree.leaves(batch):
         if np.ndim(x) >= 2 and np.shape(x)[0] == global_batch:
@@ -125,8 +97,61 @@ def _seq_len(batch: Any, global_batch: int) -> int:
                     "pass workload=...")
 
 
-def _cache_key(fps: dict[str, str], space: SearchSpace, cost: Any) -> str:
-    doc = {"fingerprints": fps, "space": space.to_dict(), "cost": getattr(cost, "__name__", str(cost))}
+def _resized_batch(args: tuple[Any, ...], global_batch: int, seq_len: int) -> Any:
+    """``(b, s) -> args`` with every batch array resized: leading dim ``b``, sequence dim ``s``."""
+    def resize(b: int, s: int) -> tuple[Any, ...]:
+        def one(x: Any) -> Any:
+            shape = list(np.shape(x))
+            if shape and shape[0] == global_batch:
+                shape[0] = b
+                if len(shape) > 1 and shape[1] == seq_len:
+                    shape[1] = s
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+        return tuple(jax.tree.map(one, args))
+
+    return resize
+
+
+def _optimizer(state: Any, analysis: StepAnalysis) -> str:
+    """The `OPTIMIZERS` entry whose state copies per parameter match the optimizer leaves' bytes."""
+    leaves = jax.tree.leaves(state)
+    size = {r: sum(int(np.prod(np.shape(x))) for x, role in zip(leaves, analysis.roles) if role == r)
+            for r in (PARAM, OPT)}
+    copies = round(size[OPT] / size[PARAM]) if size[PARAM] else 0
+    by_copies = {c: name for name, (c, _, _) in reversed(OPTIMIZERS.items())}
+    return by_copies.get(copies, "adamw")
+
+
+def step_workload(loss: LossCall, state: Any, analysis: StepAnalysis, batch: Any, global_batch: int) -> Workload:
+    """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer."""
+    seq = _seq_len(batch, global_batch)
+    return Workload.from_loss(loss.fun, loss.args[0], seq_len=seq, global_batch=global_batch,
+                              optimizer=_optimizer(state, analysis), name=f"step-{analysis.params_fingerprint[:8]}",
+                              batch_fn=_resized_batch(loss.args[1:], global_batch, seq),
+                              compute_dtype=_matmul_dtype(loss))
+
+
+def _matmul_dtype(loss: LossCall) -> str:
+    """The dtype the loss's largest matmul runs in (what the cost model prices matmuls at)."""
+    best: tuple[float, str] = (-1.0, "float32")
+
+    def walk(jaxpr: Any) -> None:
+        nonlocal best
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                a, b = eqn.invars[0].aval, eqn.invars[1].aval
+                best = max(best, (float(np.prod(a.shape)) * float(np.prod(b.shape)), np.dtype(a.dtype).name))
+            for sub in jex.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(loss.fun)(*loss.args).jaxpr)
+    return best[1]
+
+
+def _cache_key(fps: dict[str, str], space: SearchSpace, cost: CostModel) -> str:
+    model = f"{cost.stage_cost.__module__}.{getattr(cost.stage_cost, '__qualname__', '')}"
+    doc = {"fingerprints": fps, "space": space.to_dict(), "cost": model}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -165,7 +190,7 @@ class AutoShardedStep:
     def __init__(self, train_step: TrainStep, mesh: Any = None, *, hardware: Any = None,
                  global_batch: int | None = None, memory_budget: float | None = None,
                  cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
-                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: Any = None) -> None:
+                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: CostModel | None = None) -> None:
         self.train_step, self.user_mesh = train_step, mesh
         self.hardware, self.global_batch, self.memory_budget = hardware, global_batch, memory_budget
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -176,18 +201,14 @@ class AutoShardedStep:
         self._inner: ShardedStep | None = None
 
     # ---------------------------------------------------------------- tuning
-    def _workload(self, state: Any, batch: Any, global_batch: int, cost: Any) -> Any:
+    def _workload(self, state: Any, batch: Any, analysis: StepAnalysis, global_batch: int) -> Any:
         if self.workload is not None:
             return self.workload
-        seq = _seq_len(batch, global_batch)
-        config = find_model_config(state)
-        if config is not None:
-            return cost.Workload.from_model(config, seq, global_batch)
-        from_step = getattr(cost.Workload, "from_train_step", None)
-        if from_step is not None:
-            return from_step(self.train_step, state, batch)
-        raise PlanError("autoshard without a plan could not recognise the model (no models.ModelConfig in the "
-                        "train state); pass workload=Workload(...) or plan=...")
+        if analysis.loss is None:
+            raise PlanError("autoshard without a plan tunes for the loss the step differentiates, and this step uses "
+                            "no mistjax.value_and_grad / mistjax.grad: use them in place of jax's (drop-in), or pass "
+                            "workload=... or plan=...")
+        return step_workload(analysis.loss, state, analysis, batch, global_batch)
 
     def _space(self, analysis: Any, global_batch: int, num_devices: int) -> SearchSpace:
         space = self.space or SearchSpace()
@@ -207,7 +228,7 @@ class AutoShardedStep:
         B = self.global_batch or max(int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x))
         cost = self.cost or default_cost_model()
         analysis = analyze_step(self.train_step, state, batch)
-        workload = self._workload(state, batch, B, cost)
+        workload = self._workload(state, batch, analysis, B)
         cluster = detect_cluster(devices, self.hardware, self.memory_budget)
         space = self._space(analysis, B, len(devices))
         fps = fingerprints(workload, cluster, getattr(analysis, "params_fingerprint", ""))

@@ -5,13 +5,13 @@ real train step (``mistjax.autoshard(step, jax.devices(), plan=plan).lower(state
 on abstract AdamW state) and reads what XLA:CPU reports; `compare_cell` puts the model's matching
 figures next to it. What is compared, like with like:
 
-* memory: ``argument + output + temp - alias`` (`runtime.hlo.memory_stats`) vs the model's
+* memory: ``argument + output + temp - alias`` (`core.hlo.memory_stats`) vs the model's
   `Analysis.xla_cpu_peak` (device peak + host-placed bytes: XLA:CPU counts host buffers as ordinary);
 * FLOPs: ``flops + transcendentals`` of ``cost_analysis()`` vs `Analysis.flops_xla`, the model's
   count with every loop body counted once (the micro-batch scan, each layer segment's scan with
   its unroll), as XLA:CPU counts them;
 * collectives: result bytes per kind, each instruction times the trip counts of the loops around
-  it (`hlo_count.collective_totals`), vs `Analysis.collective_bytes` (ZeRO / DP / pipeline) plus,
+  it (`core.hlo.collective_bytes` with ``executed=True``), vs `Analysis.collective_bytes` (ZeRO / DP / pipeline) plus,
   for ``tp > 1``, `tp_collective_bytes` (Megatron's tensor-parallel collectives per step).
 
 How the tensor-parallel prediction is put in XLA:CPU's terms (``form="xla-cpu"``): GSPMD emits a
@@ -34,10 +34,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from mistjax.cost.hlo_count import collective_totals
+from mistjax.core import hlo
+from mistjax.core.plan import Plan, uniform_plan
 from mistjax.cost.predict import analyze
 from mistjax.cost.workload import Workload
-from mistjax.plan import Plan
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 TP_FORMS = ("xla-cpu", "gspmd", "megatron")
@@ -121,12 +121,11 @@ def _setup(name: str, seq: int, global_batch: int) -> tuple[Any, Any, Any]:
 
     import mistjax
     import models
-    from mistjax.train.loss import make_loss_fn
     from mistjax.train.state import TrainState
 
     cfg = models.get_config(name)
     state = nnx.eval_shape(lambda: TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3)))
-    loss_fn = make_loss_fn(state.graphdef)
+    loss_fn = models.make_loss_fn(state.graphdef)
 
     def train_step(state: Any, batch: Any) -> Any:
         loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
@@ -141,14 +140,13 @@ def measure_cell(name: str, seq: int, global_batch: int, plan: Plan) -> dict[str
     import jax
 
     import mistjax
-    from mistjax.runtime import hlo
 
     state, batch, step = _setup(name, seq, global_batch)
     compiled = mistjax.autoshard(step, jax.devices(), plan=plan).lower(state, batch).compile()
     ca = compiled.cost_analysis()
     return {"mem": hlo.memory_stats(compiled)["peak"],
             "flops": float(ca["flops"]) + float(ca.get("transcendentals", 0.0)),
-            "coll": collective_totals(compiled.as_text())}
+            "coll": hlo.collective_bytes(compiled.as_text(), executed=True)}
 
 
 @functools.cache
@@ -156,7 +154,7 @@ def workload_for(name: str, seq: int, global_batch: int) -> Workload:
     """The (cached) AdamW workload of a model preset."""
     import models
 
-    return Workload.from_model(models.get_config(name), seq, global_batch)
+    return models.workload(models.get_config(name), seq, global_batch)
 
 
 def compare_cell(name: str, seq: int, global_batch: int, plan: Plan, cluster: Any,
@@ -241,7 +239,6 @@ FULL_GRID: tuple[tuple[str, int, int, dict[str, Any]], ...] = SMALL_GRID + (
 def grid_plan(name: str, kwargs: dict[str, Any], devices: int = 8) -> Plan:
     """The uniform plan of a grid entry."""
     import models
-    from mistjax.plan import uniform_plan
 
     return uniform_plan(models.get_config(name).num_layers, devices, **kwargs)
 

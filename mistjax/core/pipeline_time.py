@@ -1,22 +1,9 @@
-"""Whole-pipeline iteration time from per-stage micro-batch times (Mist section 3.5). Pure NumPy.
+"""Whole-pipeline step time from per-stage micro-batch times (Mist section 3.5), vectorised.
 
-Inputs are per-stage arrays with the stage axis LAST, shape ``(..., S)``; leading axes are batch
-axes (candidate plans) and ``G`` broadcasts against them.
-
-* ``stable[..., i]`` (T_i): forward + backward time of one ordinary micro-batch on stage i.
-* ``delta[..., i]`` (D_i): extra time of the first and last micro-batches of the iteration on stage
-  i (repositioned optimizer step, ZeRO-1 all-gather, final gradient reduce-scatter/all-reduce).
-
-What the formula models (checked against brute-force simulation in the tests):
-
-* With D = 0, ``sum T + (G-1) max T`` is exactly the makespan of a flow shop: each micro-batch's
-  forward+backward on stage i is one unit of length T_i, units go through stages in order, every
-  stage handles micro-batches in order. It equals the real 1F1B schedule (separate F and B, no
-  lock-step) when all stages are equal, and was never below it in our random trials when B_i/F_i
-  is the same on every stage (real 1F1B can hide part of the fill, so the formula is conservative).
-* D_i as a release time (stage i may start its first micro-batch only at D_i, e.g. after its
-  repositioned optimizer step): the flow-shop makespan is at most the formula, with equality for
-  equal stages. The delta of stage i hides in the ``sum_{j<i} T_j`` that stage i waits anyway.
+Per-stage inputs carry the stage axis LAST, shape ``(..., S)``; leading axes are candidate plans and
+``G`` broadcasts against them. ``stable[..., i]`` (T_i) is the forward + backward time of one steady
+micro-batch on stage i, ``delta[..., i]`` (D_i) the extra time of its first and last micro-batches
+(once-per-step work). What the formulas model, and how they were checked: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -26,8 +13,9 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-Schedule = Literal["1f1b", "gpipe", "1f1b-eager"]
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "1f1b-eager")
+from mistjax.core.schedules import SCHEDULE_NAMES, Schedule, ScheduleError, make_schedule
+
+ScheduleName = Literal["1f1b", "gpipe", "1f1b-eager"]
 
 
 def _stages(stable: ArrayLike, delta: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
@@ -39,8 +27,9 @@ def _stages(stable: ArrayLike, delta: ArrayLike) -> tuple[np.ndarray, np.ndarray
     return t, d
 
 
-def _imbalance(t: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """``max(0, max_i (D_i - sum_{j<i} T_j))``: the MILP's D_max, whose variable is >= 0."""
+def exposed_delta(stable: ArrayLike, delta: ArrayLike) -> np.ndarray:
+    """``max(0, max_i (D_i - sum_{j<i} T_j))``: the delta no earlier stage's fill hides (the MILP's D_max)."""
+    t, d = np.asarray(stable, dtype=np.float64), np.asarray(delta, dtype=np.float64)
     before = np.cumsum(t, axis=-1) - t  # exclusive prefix sum
     return np.maximum(np.max(d - before, axis=-1), 0.0)
 
@@ -63,7 +52,7 @@ def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: Ar
     g = np.asarray(num_microbatches, dtype=np.float64)
     if np.any(g < 1):
         raise ValueError("num_microbatches must be >= 1")
-    return t.sum(axis=-1) + (g - 1) * t.max(axis=-1) + _imbalance(t, d)
+    return t.sum(axis=-1) + (g - 1) * t.max(axis=-1) + exposed_delta(t, d)
 
 
 def pipeline_gpipe_time(
@@ -97,11 +86,11 @@ def pipeline_gpipe_time(
     if np.any(g < 1):
         raise ValueError("num_microbatches must be >= 1")
     peak = f.max(axis=-1) + (t - f).max(axis=-1)
-    return t.sum(axis=-1) + (g - 1) * peak + _imbalance(t, d)
+    return t.sum(axis=-1) + (g - 1) * peak + exposed_delta(t, d)
 
 
 def pipeline_time(
-    stable: ArrayLike, delta: ArrayLike, num_microbatches: ArrayLike, schedule: Schedule = "1f1b"
+    stable: ArrayLike, delta: ArrayLike, num_microbatches: ArrayLike, schedule: ScheduleName = "1f1b"
 ) -> np.ndarray:
     """Dispatch to ``pipeline_1f1b_time`` or ``pipeline_gpipe_time`` by schedule name.
 
@@ -112,49 +101,10 @@ def pipeline_time(
         return pipeline_1f1b_time(stable, delta, num_microbatches)
     if schedule == "gpipe":
         return pipeline_gpipe_time(stable, delta, num_microbatches)
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
 
 
-def bubble_fraction(
-    num_stages: ArrayLike, num_microbatches: ArrayLike, schedule: Schedule = "1f1b"
-) -> np.ndarray:
-    """Idle fraction of each stage for equal stages: ``(S-1) / (G+S-1)``, the same for GPipe and 1F1B.
-
-    (Relative to the useful work it is (S-1)/G; this returns the fraction of the iteration.)
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
-    s = np.asarray(num_stages, dtype=np.float64)
-    g = np.asarray(num_microbatches, dtype=np.float64)
-    if np.any(s < 1) or np.any(g < 1):
-        raise ValueError("num_stages and num_microbatches must be >= 1")
-    return (s - 1) / (g + s - 1)
-
-
-def inflight_microbatches(
-    stage: ArrayLike, num_stages: ArrayLike, num_microbatches: ArrayLike, schedule: Schedule = "1f1b"
-) -> np.ndarray:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak.
-
-    1F1B: ``min(S - stage, G)`` (warm-up forwards S - stage - 1, Mist's p, plus the current one).
-    GPipe: G (every forward finishes before the first backward).
-    1F1B-eager: ``min(2 (S - stage) - 1, G)`` (backward i waits ``2 (S - stage) - 2`` ticks after forward i).
-    """
-    st = np.asarray(stage, dtype=np.int64)
-    s = np.asarray(num_stages, dtype=np.int64)
-    g = np.asarray(num_microbatches, dtype=np.int64)
-    if np.any(st < 0) or np.any(st >= s):
-        raise ValueError("stage must be in [0, num_stages)")
-    if schedule == "1f1b":
-        return np.minimum(s - st, g)
-    if schedule == "gpipe":
-        return np.broadcast_to(g, np.broadcast_shapes(st.shape, s.shape, g.shape)).copy()
-    if schedule == "1f1b-eager":
-        return np.minimum(2 * (s - st) - 1, g)
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
-
-
-def lockstep_microbatch_time(fwd: ArrayLike, bwd: ArrayLike, schedule: Schedule = "1f1b") -> np.ndarray:
+def lockstep_microbatch_time(fwd: ArrayLike, bwd: ArrayLike, schedule: ScheduleName = "1f1b") -> np.ndarray:
     """Steady-state seconds one micro-batch costs a stage in the lock-step executor.
 
     Each tick lasts as long as its slowest stage (`mistjax.runtime.schedules.lockstep_time`). In classic
@@ -163,7 +113,46 @@ def lockstep_microbatch_time(fwd: ArrayLike, bwd: ArrayLike, schedule: Schedule 
     a stage's forward and backward work into ticks of their own kind, so a micro-batch costs
     ``fwd + bwd``.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
     f, b = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
     return 2.0 * np.maximum(f, b) if schedule == "1f1b" else f + b
+
+
+def lockstep_time(sched: Schedule, fwd_cost: ArrayLike = 1.0, bwd_cost: ArrayLike = 2.0) -> float:
+    """Step time of the lock-step executor: each tick lasts as long as its slowest stage.
+
+    Args:
+        sched: the schedule table (`mistjax.core.schedules`).
+        fwd_cost: seconds of one micro-batch forward, scalar or per stage ``[S]``.
+        bwd_cost: the same for a backward (include recompute for remat stages).
+    """
+    fwd, bwd = np.asarray(sched.fwd), np.asarray(sched.bwd)
+    S = fwd.shape[1]
+    f = np.broadcast_to(np.asarray(fwd_cost, float), (S,))
+    b = np.broadcast_to(np.asarray(bwd_cost, float), (S,))
+    return float(((fwd >= 0) * f + (bwd >= 0) * b).max(axis=1).sum())
+
+
+def bubble_fraction(num_stages: ArrayLike, num_microbatches: ArrayLike, schedule: ScheduleName = "1f1b",
+                    fwd_cost: float = 1.0, bwd_cost: float = 1.0) -> np.ndarray:
+    """Idle fraction of the lock-step step time, ``1 - G (F + B) / lockstep_time``.
+
+    With equal forward and backward costs this is the textbook ``(S - 1) / (G + S - 1)`` for all three
+    tables (vectorised over ``num_stages`` and ``num_microbatches``); with ``bwd_cost != fwd_cost``
+    classic 1F1B also pays the lock-step penalty, which needs the table (scalar sizes only).
+    """
+    if schedule not in SCHEDULE_NAMES:
+        raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULE_NAMES}")
+    s = np.asarray(num_stages, dtype=np.float64)
+    g = np.asarray(num_microbatches, dtype=np.float64)
+    if np.any(s < 1) or np.any(g < 1):
+        raise ValueError("num_stages and num_microbatches must be >= 1")
+    if fwd_cost == bwd_cost:
+        return (s - 1) / (g + s - 1)
+    sched = make_schedule(schedule, int(s), int(g))
+    return np.asarray(1.0 - g * (fwd_cost + bwd_cost) / lockstep_time(sched, fwd_cost, bwd_cost))
+
+
+__all__ = ["bubble_fraction", "exposed_delta", "lockstep_microbatch_time", "lockstep_time", "pipeline_1f1b_time",
+           "pipeline_gpipe_time", "pipeline_time"]

@@ -1,0 +1,208 @@
+"""Read what a compiled program really does: its collectives (with loop trips) and its memory.
+
+One reader for tests, benchmarks, the cost-model checks and the GPU-AOT verification. A collective
+inside a ``while`` body runs once per iteration: `collectives` reports each instruction with the trips
+of the loops around it (XLA's ``known_trip_count``; every branch of a conditional counted as if taken,
+an upper bound), and `collective_bytes` sums them statically (each instruction once) or as executed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s+(?P<op>" + "|".join(OPS) +
+                    r")(?P<start>-start)?\((?P<rest>.*)$")
+_TOKEN = re.compile(r"\(|\)|(pred|[subf]\d+)\[([\d,]*)\](?:\{[^}]*\})?")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# Replica groups as XLA prints them: explicit ``{{0,1},{2,3}}``, iota ``[2,2]<=[4]T(1,0)``, or (for
+# collectives GSPMD/Shardy emit) mesh axes ``mesh['a'=2,'b'=4](, device_ids=(...))? {'b'}``.
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+                     r"|mesh\[[^\]]*\](?:, device_ids=\([^)]*\))? \{[^}]*\})")
+_MESH_AXIS = re.compile(r"'?([\w.\-]+?)'?=(\d+)")
+_GROUP_AXIS = re.compile(r"'?([\w.\-]+?)'?(?::\((\d+)\)(\d+))?$")
+_WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+))")
+_CALLS = re.compile(r"\s(?:call|async-start)\(.*?to_apply=%?([\w.\-]+)")
+
+# An HLO type: an array (dtype, bytes) or a tuple of types.
+HloType = tuple[str, int] | list[Any]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled HLO module."""
+
+    op: str  # all-reduce | all-gather | reduce-scatter | collective-permute | all-to-all
+    result_bytes: int  # bytes of its per-device result (a combined collective's results summed)
+    dtype: str  # element type of the (last) result
+    group_size: int  # devices per replica group (2 for a permute pair)
+    groups: str  # the replica groups as printed ("" when none are printed)
+    computation: str  # the HLO computation holding it
+    trips: int = 1  # executions per step (product of the known trip counts of the loops around it)
+    is_async: bool = False  # issued as a ``-start`` / ``-done`` pair (it may overlap compute)
+
+
+def parse_type(text: str) -> HloType:
+    """The type of an HLO value as nested lists of ``(dtype, bytes)`` arrays."""
+    stack: list[list[Any]] = [[]]
+    for m in _TOKEN.finditer(_COMMENT.sub("", text)):
+        if m.group(0) == "(":
+            stack.append([])
+        elif m.group(0) == ")":
+            inner = stack.pop()
+            stack[-1].append(inner)
+        else:
+            n = 1
+            for d in filter(None, m.group(2).split(",")):
+                n *= int(d)
+            stack[-1].append((m.group(1), n * _DTYPE_BYTES.get(m.group(1), 4)))
+    top = stack[0]
+    return top[0] if len(top) == 1 else top
+
+
+def _arrays(t: HloType) -> list[tuple[str, int]]:
+    return [t] if isinstance(t, tuple) else [a for x in t for a in _arrays(x)]
+
+
+def shape_bytes(text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of every array type in an HLO type string (tuple types give several)."""
+    return _arrays(parse_type(text))
+
+
+def result_arrays(type_text: str, is_async: bool) -> list[tuple[str, int]]:
+    """The arrays a collective produces: its whole type, or for an async ``-start`` the second entry of
+    its ``(operands, results, ...)`` tuple (an all-reduce-start is typed as its result alone)."""
+    t = parse_type(type_text)
+    if is_async and isinstance(t, list) and len(t) > 1:
+        t = t[1]
+    return _arrays(t)
+
+
+def replica_group_size(text: str) -> int:
+    """Devices per replica group of the collective whose operands/attributes are `text` (2 for a permute)."""
+    g = _GROUPS.search(text)
+    if not g:
+        return 2
+    groups = g.group(1)
+    if groups.startswith("{{"):
+        return len(groups[2:].split("}")[0].split(","))
+    if groups.startswith("mesh"):
+        return _mesh_group_size(groups)
+    return int(groups[1:].split("]")[0].split(",")[-1])
+
+
+def _mesh_group_size(groups: str) -> int:
+    """Devices per group of a mesh-axes replica group: the product of the grouped axes' sizes
+    (a sub-axis ``'a':(pre)size`` counts ``size``)."""
+    mesh, grouped = groups[len("mesh["):].split("]", 1)
+    sizes = {name: int(n) for name, n in _MESH_AXIS.findall(mesh)}
+    total = 1
+    for ref in filter(None, (a.strip() for a in grouped[grouped.rindex("{") + 1:].rstrip("}").split(","))):
+        m = _GROUP_AXIS.match(ref)
+        if m is None:
+            raise ValueError(f"cannot read replica-group axis {ref!r} in {groups!r}")
+        total *= int(m.group(3)) if m.group(3) else sizes[m.group(1)]
+    return total
+
+
+def _computation_head(line: str) -> re.Match[str] | None:
+    return _COMP_HEAD.match(line) if not line.startswith(" ") else None
+
+
+def computation_trips(hlo_text: str) -> dict[str, int]:
+    """Executions per step of every computation reachable from the entry through while / call /
+    conditional (fusions and reducers are not followed: they hold no collectives)."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    entry, comp = None, None
+    for line in hlo_text.splitlines():
+        h = _computation_head(line)
+        if h:
+            comp = h.group(2)
+            entry = comp if h.group(1) else entry
+            continue
+        if comp is None:
+            continue
+        if w := _WHILE.search(line):
+            t = _TRIP.search(line)
+            calls[comp].append((w.group(1), int(t.group(1)) if t else 1))
+        elif (b := _BRANCHES.search(line)) and " conditional(" in line:
+            names = [n.strip().lstrip("%") for n in (b.group(1) or "").split(",") if n.strip()]
+            calls[comp].extend((n, 1) for n in names + [n for n in (b.group(2), b.group(3)) if n])
+        elif c := _CALLS.search(line):
+            calls[comp].append((c.group(1), 1))
+    if entry is None:
+        return {}
+    trips: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, mult: int, depth: int = 0) -> None:
+        trips[name] += mult
+        if depth < 64:
+            for callee, n in calls.get(name, ()):
+                visit(callee, mult * n, depth + 1)
+
+    visit(entry, 1)
+    return dict(trips)
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled HLO text (``compiled.as_text()``), with its trips per step."""
+    trips = computation_trips(hlo_text)
+    out, comp = [], ""
+    for line in hlo_text.splitlines():
+        if h := _computation_head(line):
+            comp = h.group(2)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        arrays = result_arrays(m["type"], bool(m["start"]))
+        if not arrays:
+            continue
+        g = _GROUPS.search(m["rest"])
+        out.append(Collective(op=m["op"], result_bytes=sum(b for _, b in arrays), dtype=arrays[-1][0],
+                              group_size=replica_group_size(m["rest"]), groups=g.group(1) if g else "",
+                              computation=comp, trips=trips.get(comp, 1), is_async=bool(m["start"])))
+    return out
+
+
+def collective_bytes(hlo_text: str, *, executed: bool = False) -> dict[str, int]:
+    """Result bytes per device by collective kind: each instruction once, or times its loop trips."""
+    totals: dict[str, int] = defaultdict(int)
+    for c in collectives(hlo_text):
+        totals[c.op] += c.result_bytes * (c.trips if executed else 1)
+    return dict(totals)
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Per-device bytes from ``compiled.memory_analysis()``; ``peak`` = argument + output + temp - alias.
+
+    (On CPU ``peak_memory_in_bytes`` leaves temporaries out, so the sum is the honest figure.)
+    """
+    m = compiled.memory_analysis()
+    stats = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+             "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
+    stats["peak"] = stats["argument"] + stats["output"] + stats["temp"] - stats["alias"]
+    return stats
+
+
+def host_placed_params(hlo_text: str) -> int:
+    """How many entry parameters the compiled program keeps in host memory (layout ``S(5)``)."""
+    header = hlo_text.splitlines()[0] if hlo_text else ""
+    start = header.find("entry_computation_layout={(")
+    if start < 0:
+        return 0
+    inputs = header[start: header.find(")->", start)]
+    return inputs.count("S(5)")
+
+
+__all__ = ["OPS", "Collective", "collective_bytes", "collectives", "computation_trips", "host_placed_params",
+           "memory_stats", "parse_type", "replica_group_size", "result_arrays", "shape_bytes"]

@@ -1,0 +1,360 @@
+"""The plan: the contract between the tuner and the runtime.
+
+A `Plan` says how one training step runs: pipeline stages and their layer ranges, data / tensor
+parallel degrees, the MiCS partition group, and per stage the ZeRO flags, remat and offload
+choices. It is a frozen dataclass with a JSON form carrying a schema version, so a plan made by
+`mistjax.tune` (or by hand) can be saved, inspected with `mistjax explain`, and re-applied.
+
+The plan mesh has axes ``("stage", "replica", "shard", "tensor")`` with extents
+``(S, dp // shard_group, shard_group, tp)``; ``tensor`` varies fastest over the user's devices,
+so TP and MiCS groups land inside a node when the node holds ``shard_group * tp`` devices.
+(The runtime splits ``shard`` into inter- and intra-node parts, `mistjax.runtime.mesh`; the plan
+and its JSON keep the single axis.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mistjax.core.schedules import SCHEDULE_NAMES as SCHEDULES
+from mistjax.core.stages import StageKind, offloaded_layers, stage_kind
+
+SCHEMA_VERSION = 1
+PLAN_MESH_AXES = ("stage", "replica", "shard", "tensor")
+# Remat policies a stage may name; "names:a,b" saves only the listed checkpoint_name tags.
+REMAT_POLICIES = ("full", "dots")
+OFFLOAD_FIELDS = ("offload_weights", "offload_grads", "offload_opt", "offload_acts")
+
+
+class PlanError(ValueError):
+    """A plan is malformed or does not fit the model, mesh or batch it is applied to."""
+
+
+def _check_remat_policy(policy: str) -> None:
+    if policy in REMAT_POLICIES:
+        return
+    if policy.startswith("names:") and all(n.strip() for n in policy[len("names:"):].split(",")):
+        return
+    raise PlanError(
+        f"unknown remat policy {policy!r}: use one of {', '.join(REMAT_POLICIES)} or "
+        "'names:a,b' to save only the activations tagged with checkpoint_name a and b"
+    )
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one pipeline stage runs and how it saves memory."""
+
+    layers: tuple[int, int]  # [start, end) of the layer stack this stage runs
+    shard_weights: bool = False  # ZeRO-3: parameters stored sharded, gathered per layer
+    shard_grads: bool = False  # ZeRO-2: gradients reduce-scattered, kept sharded
+    shard_opt: bool = True  # ZeRO-1: optimizer state (and fp32 master) sharded
+    remat_layers: int = 0  # the last `remat_layers` layers of the stage are checkpointed
+    remat_policy: str = "full"  # what a checkpointed layer saves: full | dots | names:a,b
+    offload_weights: float = 0.0  # fraction of the stage's layer weights kept in host memory
+    offload_grads: float = 0.0  # fraction of the stage's gradient accumulators kept in host memory
+    offload_opt: float = 0.0  # fraction of the stage's optimizer state kept in host memory
+    offload_acts: float = 0.0  # fraction of the stage's layers whose saved activations go to host
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def validate(self, index: int = 0) -> None:
+        """Raise `PlanError` if a field is out of range."""
+        start, end = self.layers
+        if start < 0 or end <= start:
+            raise PlanError(f"stage {index}: layer range {self.layers} is empty or negative; "
+                            "give [start, end) with 0 <= start < end")
+        if not 0 <= self.remat_layers <= self.num_layers:
+            raise PlanError(f"stage {index}: remat_layers={self.remat_layers} must be in "
+                            f"[0, {self.num_layers}] (the stage's layer count)")
+        _check_remat_policy(self.remat_policy)
+        for name in OFFLOAD_FIELDS:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
+                raise PlanError(f"stage {index}: {name}={value!r} is outside [0, 1]; "
+                                "offload ratios are fractions")
+        if self.shard_grads and not self.shard_opt:
+            raise PlanError(f"stage {index}: shard_grads (ZeRO-2) requires shard_opt (ZeRO-1)")
+        if self.shard_weights and not self.shard_grads:
+            raise PlanError(f"stage {index}: shard_weights (ZeRO-3) requires shard_grads (ZeRO-2)")
+
+    @property
+    def zero_stage(self) -> int:
+        return 3 if self.shard_weights else 2 if self.shard_grads else 1 if self.shard_opt else 0
+
+    @property
+    def offloaded_layers(self) -> int:
+        """Layers whose activations go to host (`mistjax.core.stages.offloaded_layers`)."""
+        return offloaded_layers(self.num_layers, self.remat_layers, self.offload_acts)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicted for a plan (seconds and bytes per device)."""
+
+    step_time: float  # predicted seconds per optimizer step
+    stage_stable: tuple[float, ...] = ()  # per stage: steady-state seconds per micro-batch
+    stage_delta: tuple[float, ...] = ()  # per stage: extra seconds of first + last micro-batch
+    stage_memory: tuple[dict[str, float], ...] = ()  # per stage: peak bytes by category
+    tokens_per_s: float = 0.0  # global tokens per second at the predicted step time
+
+    @property
+    def peak_memory(self) -> float:
+        return max((sum(m.values()) for m in self.stage_memory), default=0.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete distributed-training plan for one model on one mesh.
+
+    DP, TP, the micro-batch size and the MiCS group are uniform across stages, as in Mist's
+    MILP mode; everything that saves memory is chosen per stage.
+    """
+
+    stages: tuple[StagePlan, ...]  # pipeline stages in order; one stage = no pipelining
+    micro_batch: int = 1  # b: sequences per data-parallel rank per micro-batch
+    grad_accum: int = 1  # G: micro-batches per optimizer step (pipeline depth to fill)
+    dp: int = 1  # data-parallel degree per stage (= replica * shard extents)
+    tp: int = 1  # tensor-parallel degree (Megatron column/row split + sequence parallel)
+    shard_group: int = 0  # MiCS partition group p (divides dp); 0 means dp (plain ZeRO)
+    schedule: str = "1f1b"  # pipeline schedule when there are several stages
+    prediction: Prediction | None = None  # the cost model's view when the plan was chosen
+    fingerprints: dict[str, str] = field(default_factory=dict)  # model / mesh / hardware / batch
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if self.shard_group == 0:
+            object.__setattr__(self, "shard_group", self.dp)
+        self.validate()
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_stages * self.dp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.shard_group
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.dp * self.grad_accum
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(zip(PLAN_MESH_AXES, (self.num_stages, self.replicas, self.shard_group, self.tp)))
+
+    def stage_kind(self, index: int) -> StageKind:
+        """What makes stage ``index``'s code differ from the others' (`mistjax.core.stages`)."""
+        s = self.stages[index]
+        return stage_kind(index, self.num_stages, s.num_layers, s.remat_layers, s.remat_policy, s.offloaded_layers)
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check the plan on its own (no model or mesh needed); raise `PlanError`."""
+        if self.schema_version != SCHEMA_VERSION:
+            raise PlanError(f"plan schema version {self.schema_version} is not supported "
+                            f"(this mistjax reads version {SCHEMA_VERSION}); re-run the tuner")
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        for name in ("micro_batch", "grad_accum", "dp", "tp", "shard_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name}={value!r} must be a positive integer")
+        if self.dp % self.shard_group:
+            raise PlanError(f"shard_group={self.shard_group} must divide dp={self.dp} "
+                            "(MiCS partition groups tile the data-parallel ranks)")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r}: use one of {SCHEDULES}")
+        for i, stage in enumerate(self.stages):
+            stage.validate(i)
+        if self.stages[0].layers[0] != 0:
+            raise PlanError(f"stage 0 must start at layer 0, not {self.stages[0].layers[0]}")
+        for i in range(1, self.num_stages):
+            if self.stages[i].layers[0] != self.stages[i - 1].layers[1]:
+                raise PlanError(f"stage {i} starts at layer {self.stages[i].layers[0]} but stage {i - 1} "
+                                f"ends at {self.stages[i - 1].layers[1]}: stages must be contiguous")
+
+    def check_devices(self, num_devices: int) -> None:
+        """Raise `PlanError` unless the plan uses exactly `num_devices` devices."""
+        if num_devices != self.num_devices:
+            raise PlanError(
+                f"the plan needs {self.num_devices} devices (stages {self.num_stages} x dp {self.dp} x "
+                f"tp {self.tp}) but the mesh has {num_devices}; tune for this mesh or pass a plan made "
+                "for it")
+
+    def check_batch(self, global_batch: int) -> None:
+        """Raise `PlanError` unless micro-batch x DP x accumulation equals the global batch."""
+        if global_batch != self.global_batch:
+            raise PlanError(
+                f"global batch {global_batch} != micro_batch {self.micro_batch} x dp {self.dp} x "
+                f"grad_accum {self.grad_accum} = {self.global_batch}; pick a batch divisible by "
+                f"dp x grad_accum or re-plan for batch {global_batch}")
+
+    def check_model(self, fingerprint: str) -> None:
+        """Raise `PlanError` if the plan records a different model fingerprint."""
+        made_for = self.fingerprints.get("model")
+        if made_for and made_for != fingerprint:
+            raise PlanError(f"the plan was made for another model (parameter fingerprint {made_for}, this model "
+                            f"has {fingerprint}); re-run the tuner for this model or pass a plan made for it")
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise `PlanError` unless the stages cover exactly `num_layers` layers."""
+        if self.num_layers != num_layers:
+            raise PlanError(f"the plan's stages cover {self.num_layers} layers but the model has "
+                            f"{num_layers}; the plan was made for another model")
+
+    # ---------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["stages"] = [dict(s, layers=list(s["layers"])) for s in out["stages"]]
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"plan schema version {version!r} is not supported (this mistjax reads "
+                            f"version {SCHEMA_VERSION}); re-run the tuner to make a new plan")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise PlanError(f"unknown plan fields {sorted(unknown)}; known fields: {sorted(known)}")
+        try:
+            stage_fields = {f.name for f in dataclasses.fields(StagePlan)}
+            stages = []
+            for i, s in enumerate(data.get("stages") or ()):
+                bad = set(s) - stage_fields
+                if bad:
+                    raise PlanError(f"stage {i}: unknown fields {sorted(bad)}")
+                stages.append(StagePlan(**dict(s, layers=tuple(s["layers"]))))
+            pred = data.get("prediction")
+            prediction = None
+            if pred is not None:
+                prediction = Prediction(
+                    step_time=float(pred["step_time"]),
+                    stage_stable=tuple(pred.get("stage_stable", ())),
+                    stage_delta=tuple(pred.get("stage_delta", ())),
+                    stage_memory=tuple(dict(m) for m in pred.get("stage_memory", ())),
+                    tokens_per_s=float(pred.get("tokens_per_s", 0.0)))
+            rest = {k: v for k, v in data.items() if k not in ("stages", "prediction")}
+            return cls(stages=tuple(stages), prediction=prediction, **rest)
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"malformed plan: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file is not valid JSON ({e}); was it truncated? "
+                            "re-save it with plan.save() or `mistjax plan --json`") from e
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON (atomically: a partial file never replaces a good one)."""
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"plan file {str(path)!r} does not exist")
+        return cls.from_json(path.read_text())
+
+    def replace(self, **changes: Any) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------------------------- display
+    def summary(self) -> str:
+        """A human-readable description of the plan and its prediction."""
+        lines = [
+            f"Plan: {self.num_stages} stage(s) x dp {self.dp} x tp {self.tp} = {self.num_devices} devices, "
+            f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batch(es)/step "
+            f"(global batch {self.global_batch}), schedule {self.schedule if self.num_stages > 1 else '-'}",
+        ]
+        if self.shard_group != self.dp:
+            lines.append(f"  MiCS: states sharded over groups of {self.shard_group}, "
+                         f"{self.replicas} replicas (2-hop gradient sync)")
+        if self.tp > 1:
+            lines.append("  tensor parallel: Megatron column/row split with sequence parallelism")
+        hdr = f"  {'stage':>5} {'layers':>9} {'ZeRO':>4} {'remat':>12} {'off w/g/o/a':>19}"
+        lines.append(hdr)
+        for i, s in enumerate(self.stages):
+            remat = f"{s.remat_layers}x{s.remat_policy}" if s.remat_layers else "-"
+            off = "/".join(f"{getattr(s, n):.2f}".rstrip("0").rstrip(".") for n in OFFLOAD_FIELDS)
+            lines.append(f"  {i:>5} {f'{s.layers[0]}-{s.layers[1]}':>9} {s.zero_stage:>4} {remat:>12} {off:>19}")
+        p = self.prediction
+        if p is not None:
+            lines.append(f"  predicted: {p.step_time:.4g} s/step, {p.tokens_per_s:,.0f} tokens/s, "
+                         f"peak {format_bytes(p.peak_memory)}/device")
+        return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (e.g. ``3.25 GiB``, ``712 KiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def params_fingerprint(params: Any) -> str:
+    """A short hash of a parameter pytree's structure, shapes and dtypes (what a plan was made for)."""
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    text = ";".join(f"{jax.tree_util.keystr(p)}:{tuple(np.shape(x))}:{np.dtype(x.dtype).name}" for p, x in leaves)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int = 1, micro_batch: int = 1,
+                 grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b",
+                 **stage_fields: Any) -> Plan:
+    """A plan with evenly split stages that all share `stage_fields` (handy for tests and baselines)."""
+    if num_devices % (stages * tp):
+        raise PlanError(f"{num_devices} devices do not split into {stages} stages x tp {tp}")
+    dp = num_devices // (stages * tp)
+    bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
+    if len(set(bounds)) != len(bounds):
+        raise PlanError(f"cannot split {num_layers} layers into {stages} non-empty stages")
+    stage_plans = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        fields = dict(stage_fields)
+        if "remat_layers" in fields:
+            fields["remat_layers"] = min(fields["remat_layers"], b - a)
+        stage_plans.append(StagePlan(layers=(a, b), **fields))
+    return Plan(stages=tuple(stage_plans), micro_batch=micro_batch, grad_accum=grad_accum, dp=dp, tp=tp,
+                shard_group=shard_group, schedule=schedule)
+
+
+__all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "uniform_plan", "params_fingerprint", "PLAN_MESH_AXES",
+           "SCHEMA_VERSION", "REMAT_POLICIES"]

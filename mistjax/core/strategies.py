@@ -1,0 +1,110 @@
+"""The contract between the tuner and the cost model: candidate stage strategies in, their costs out.
+
+The tuner prices arrays of `StageStrategies` (one candidate per element, NumPy-broadcast) through a
+`CostModel`: a pair of pure functions in the style of optax's ``GradientTransformation``. The
+project's model is `mistjax.cost.COST_MODEL`; tests implement the same interface with a stub.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from mistjax.core.plan import Plan, Prediction
+
+
+@dataclass(frozen=True)
+class StageStrategies:
+    """Arrays (broadcastable to one shape) describing candidate stage strategies, one per element."""
+
+    b: np.ndarray  # micro-batch size per data-parallel rank
+    dp: np.ndarray  # data-parallel degree (replica x shard)
+    tp: np.ndarray  # tensor-parallel degree
+    shard_group: np.ndarray  # MiCS partition group p (= dp for plain ZeRO)
+    zero: np.ndarray  # ZeRO stage 0-3
+    layers: np.ndarray  # l: layers of the stage
+    remat: np.ndarray  # c: checkpointed layers (the last c of the stage)
+    policy: np.ndarray  # index into workload.policies of the checkpointed layers' policy
+    wo: np.ndarray  # weight offload ratio
+    go: np.ndarray  # gradient-accumulator offload ratio
+    oo: np.ndarray  # optimizer-state offload ratio
+    ao: np.ndarray  # activation offload ratio (of the non-checkpointed layers)
+    inflight: np.ndarray  # micro-batches whose activations the stage holds at its peak
+    G: np.ndarray  # micro-batches per step
+    first: np.ndarray  # bool: the stage runs pre (embedding)
+    last: np.ndarray  # bool: the stage runs post (head + loss)
+    stages: np.ndarray  # S: pipeline stages of the plan
+    nodes: np.ndarray  # nodes of the stage's device mesh
+    per_node: np.ndarray  # devices per node of the stage's mesh
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return np.broadcast_shapes(*(np.shape(getattr(self, f.name)) for f in fields(self)))
+
+    @classmethod
+    def make(cls, **kw: object) -> StageStrategies:
+        """Build with defaults for omitted fields (single stage, no offload, no remat)."""
+        d = dict(b=1, dp=1, tp=1, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0, go=0.0, oo=0.0,
+                 ao=0.0, inflight=1, G=1, first=True, last=True, stages=1, nodes=1, per_node=0)
+        d.update(kw)
+        arr = {k: np.asarray(v) for k, v in d.items()}
+        arr["shard_group"] = np.where(arr["shard_group"] <= 0, arr["dp"], arr["shard_group"])
+        arr["per_node"] = np.where(arr["per_node"] <= 0, arr["dp"] * arr["tp"], arr["per_node"])
+        return cls(**arr)
+
+
+class StageCostLike(Protocol):
+    """What the tuner reads of a cost-model answer (arrays of the strategies' broadcast shape)."""
+
+    stable: np.ndarray  # seconds of one steady micro-batch (forward + backward)
+    delta: np.ndarray  # extra seconds of the first + last micro-batch incl. once-per-step work
+    fwd: np.ndarray  # forward part of `stable`
+    bwd: np.ndarray  # backward part of `stable`
+    memory: dict[str, np.ndarray]  # per-device bytes by category
+    peak: np.ndarray  # per-device peak bytes
+    feasible: np.ndarray  # fits the memory budget and the tensor-parallel degree divides the model
+
+
+class WorkloadLike(Protocol):
+    """What the tuner reads of a workload (the cost model's description of one training job)."""
+
+    @property
+    def num_layers(self) -> int: ...  # layers of the model's stack
+
+    @property
+    def global_batch(self) -> int: ...  # sequences per optimizer step
+
+    @property
+    def seq_len(self) -> int: ...  # tokens per sequence
+
+    @property
+    def policies(self) -> tuple[str, ...]: ...  # remat policy names `StageStrategies.policy` indexes
+
+    def fingerprint(self) -> str: ...  # short stable hash of model, sizes, batch and optimizer
+
+    def supports_tp(self, tp: int) -> bool: ...  # whether tensor parallelism of degree tp applies
+
+
+class StageCostFn(Protocol):
+    def __call__(self, workload: Any, cluster: Any, strategies: StageStrategies) -> StageCostLike: ...
+
+
+class PredictFn(Protocol):
+    def __call__(self, workload: Any, plan: Plan, cluster: Any) -> Prediction: ...
+
+
+class CostModel(NamedTuple):
+    """A cost model as the tuner uses it.
+
+    Attributes:
+        stage_cost: prices every strategy of a `StageStrategies` on a cluster (vectorised).
+        predict: the full prediction of one `Plan` (the runtime's view: what the plan will cost).
+    """
+
+    stage_cost: StageCostFn
+    predict: PredictFn
+
+
+__all__ = ["CostModel", "PredictFn", "StageCostFn", "StageCostLike", "StageStrategies", "WorkloadLike"]

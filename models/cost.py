@@ -1,0 +1,39 @@
+"""The cost model's `Workload` of a zoo model (the library itself never imports the zoo)."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from mistjax.analysis import ModelProfile, analyze_model
+from mistjax.cost.workload import Workload
+from models import build
+from models.config import ModelConfig
+from models.loss import make_loss_fn
+
+# Profiles by (config, policies): the analysis traces the loss at seven sizes (seconds per model).
+_PROFILES: dict[tuple[ModelConfig, tuple[str, ...] | None], ModelProfile] = {}
+
+
+def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: str = "adamw",
+             policies: tuple[str, ...] | None = None) -> Workload:
+    """Analyse ``config``'s loss abstractly (no parameters are allocated).
+
+    Args:
+      config: a zoo `ModelConfig` (`models.get_config`).
+      seq_len: sequence length.
+      global_batch: sequences per step.
+      optimizer: ``adamw`` (default), ``adam``, ``sgd`` or ``momentum``.
+      policies: remat policies to analyse (default: the analysis's defaults).
+    """
+    abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    loss_fn = make_loss_fn(graphdef)
+    key = (config, None if policies is None else tuple(policies))
+    if key not in _PROFILES:
+        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies)
+    return Workload.from_loss(loss_fn, params, seq_len=seq_len, global_batch=global_batch, optimizer=optimizer,
+                              name=config.name, policies=policies, compute_dtype=config.dtype,
+                              profile=_PROFILES[key])
+
+
+__all__ = ["workload"]
