@@ -9,9 +9,9 @@ the ~100 expressions of a profile over 1e5 strategies takes a few milliseconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import sympy as sp
@@ -60,6 +60,11 @@ class CompiledProfile:
         out = self.fn(b, s, t)
         return {n: np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for n, v in zip(self.names, out)}
 
+    def values(self, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> ProfileValues:
+        """All quantities at ``(b, s, t)`` with typed access per part (`ProfileValues`)."""
+        v = self(b, s, t)
+        return ProfileValues(PartValues(v, "pre"), PartValues(v, "block"), PartValues(v, "post"))
+
     def evaluate(self, name: str, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> np.ndarray:
         """One quantity (evaluates all of them; cheap, and it keeps one compiled function)."""
         if name not in self.names:
@@ -74,6 +79,78 @@ class CompiledProfile:
         for d in self.divisor_fn(b, s, t):
             ok &= np.mod(np.broadcast_to(d, shape), t) == 0
         return ok
+
+
+class PartValues:
+    """One part's quantities (`PartProfile`) evaluated at strategies' ``(b, s, t)``: NumPy arrays.
+
+    Per-policy quantities take a policy name, or (``*_at``) an array of indices into ``policies``
+    that picks one policy per strategy.
+    """
+
+    def __init__(self, values: Mapping[str, np.ndarray], part: str) -> None:
+        self._v, self.part = values, part
+
+    def _get(self, quantity: str) -> np.ndarray:
+        return self._v[f"{self.part}.{quantity}"]
+
+    @property
+    def fwd_flops(self) -> np.ndarray:
+        return self._get("fwd_flops")
+
+    @property
+    def bwd_flops(self) -> np.ndarray:
+        return self._get("bwd_flops")
+
+    @property
+    def fwd_matmul_flops(self) -> np.ndarray:
+        return self._get("fwd_matmul_flops")
+
+    @property
+    def bwd_matmul_flops(self) -> np.ndarray:
+        return self._get("bwd_matmul_flops")
+
+    @property
+    def weight_bytes(self) -> np.ndarray:
+        return self._get("weight_bytes")
+
+    @property
+    def output_bytes(self) -> np.ndarray:
+        return self._get("output_bytes")
+
+    def saved_bytes(self, policy: str) -> np.ndarray:
+        return self._get(f"saved_bytes[{policy}]")
+
+    def fwd_peak_bytes(self, policy: str) -> np.ndarray:
+        return self._get(f"fwd_peak_bytes[{policy}]")
+
+    def bwd_peak_bytes(self, policy: str) -> np.ndarray:
+        return self._get(f"bwd_peak_bytes[{policy}]")
+
+    def recompute_flops(self, policy: str) -> np.ndarray:
+        return self._get(f"recompute_flops[{policy}]")
+
+    def tp(self, kind: str, phase: str) -> np.ndarray:
+        """Tensor-parallel collective bytes of ``kind`` in ``phase`` (fwd | bwd), without remat."""
+        return self._get(f"tp.{kind}.{phase}")
+
+    def tp_recompute(self, policy: str, kind: str) -> np.ndarray:
+        """Extra tensor-parallel collective bytes a layer checkpointed with ``policy`` issues."""
+        return self._get(f"tp_recompute[{policy}].{kind}")
+
+    def pick(self, per_policy: Callable[[str], np.ndarray], policies: Sequence[str], index: ArrayLike) -> np.ndarray:
+        """``per_policy(policies[index])`` with the policy chosen per strategy (vectorised)."""
+        stack = np.stack([per_policy(p) for p in policies])
+        idx = np.broadcast_to(np.asarray(index), stack.shape[1:]).astype(np.int64)
+        return np.take_along_axis(stack, idx[None], axis=0)[0]
+
+
+class ProfileValues(NamedTuple):
+    """A `CompiledProfile` evaluated at strategies' ``(b, s, t)``, one `PartValues` per part."""
+
+    pre: PartValues  # embedding (and anything before the layer stack)
+    block: PartValues  # one layer
+    post: PartValues  # final norm, head and loss
 
 
 def _divisors(profile: ModelProfile) -> tuple[sp.Expr, ...]:

@@ -9,7 +9,10 @@ activations (they wait longest for their backward), the last ``remat_layers`` ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import ArrayLike
 
 SegmentKind = Literal["offload", "plain", "remat"]
 OFFLOAD: SegmentKind = "offload"
@@ -17,9 +20,13 @@ PLAIN: SegmentKind = "plain"
 REMAT: SegmentKind = "remat"
 
 
-def offloaded_layers(num_layers: int, remat_layers: int, ratio: float) -> int:
-    """Layers whose activations go to host for an activation offload ``ratio`` of the non-remat layers."""
-    return int(round(ratio * (num_layers - min(remat_layers, num_layers))))
+def offloaded_layers(num_layers: ArrayLike, remat_layers: ArrayLike, ratio: ArrayLike) -> Any:
+    """Layers whose activations go to host for an activation offload ``ratio`` of the non-remat layers.
+
+    Vectorised (the cost model prices arrays of strategies); an int for scalar arguments.
+    """
+    n = np.round(np.asarray(ratio) * (np.asarray(num_layers) - np.minimum(remat_layers, num_layers)))
+    return int(n) if n.ndim == 0 else n
 
 
 def layer_segments(num_layers: int, remat_layers: int, offload_layers: int) -> list[tuple[int, int, SegmentKind]]:

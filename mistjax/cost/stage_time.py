@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from mistjax.analysis.compiled import PartValues, ProfileValues
 from mistjax.cost.collectives import (
     collective_time,
     hierarchical_all_gather_time,
@@ -26,6 +27,7 @@ from mistjax.cost.collectives import (
     p2p_time,
 )
 from mistjax.cost.interference import overlap_time
+from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import unique_rows
 from mistjax.cost.workload import OPTIMIZERS, Workload
 
@@ -77,58 +79,61 @@ def _rs(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any
     return hierarchical_reduce_scatter_time(nbytes, k, m, intra, inter)
 
 
-def layer_times(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: dict[str, np.ndarray],
-                lt: dict[str, np.ndarray], *, n_plain: np.ndarray, n_off: np.ndarray, c: np.ndarray,
-                saved_off_host: np.ndarray) -> dict[str, np.ndarray]:
+def _compute(cluster: Any, fp32: bool, flops: np.ndarray, matmul: np.ndarray) -> np.ndarray:
+    return compute_time(cluster, flops, matmul, fp32, 4.0 if fp32 else 2.0)
+
+
+def _tp_link(cluster: Any, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
+    """The link of a tensor-parallel group: ``t`` consecutive devices."""
+    _, tm, tintra, tinter = _group_link(cluster, k.t, np.ones_like(k.t), k.per_node)
+    return np.where(tm > 1, tinter[0], tintra[0]), np.where(tm > 1, tinter[1], tintra[1])
+
+
+def _tp_time(part: PartValues, phase: str, k: Knobs, link: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Seconds of a part's tensor-parallel collectives in one phase (serial: between matmuls)."""
+    return sum(collective_time(kd, part.tp(kd, phase), k.t, link) for kd in KINDS)
+
+
+def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: tuple[np.ndarray, np.ndarray]
+                       ) -> np.ndarray:
+    """Seconds of the extra tensor-parallel collectives a checkpointed layer issues when it recomputes."""
+    total = 0.0
+    for kd in KINDS:
+        nb = v.block.pick(lambda q, kd=kd: v.block.tp_recompute(q, kd), workload.policies, k.policy)
+        total = total + collective_time(kd, np.maximum(nb, 0.0), k.t, link)
+    return total
+
+
+def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
+                kinds: LayerKinds) -> dict[str, np.ndarray]:
     """Forward and backward seconds of one micro-batch on the stage (layers + pre/post + p2p)."""
     fp32 = _fp32(workload)
-    item = 4.0 if fp32 else 2.0
-    t, per_node = A["tp"].astype(np.float64), A["per_node"].astype(np.float64)
-    zero, G = A["zero"], A["G"].astype(np.float64)
-    p = np.where(A["shard_group"] <= 0, A["dp"], A["shard_group"]).astype(np.float64)
-    pols = workload.policies
-    pol = A["policy"].astype(np.int64)
-
-    def pick(key: str) -> np.ndarray:
-        stack = np.stack([v[f"{key}[{q}]"] for q in pols])
-        return np.take_along_axis(stack, np.broadcast_to(pol, stack.shape[1:])[None], axis=0)[0]
-
-    f_c = compute_time(cluster, v["block.fwd_flops"], v["block.fwd_matmul_flops"], fp32, item)
-    b_c = compute_time(cluster, v["block.bwd_flops"], v["block.bwd_matmul_flops"], fp32, item)
-    mm_ratio = v["block.fwd_matmul_flops"] / np.maximum(v["block.fwd_flops"], 1.0)
-    rec = pick("block.recompute_flops")
-    off_pol = workload.offload_policy() or "full"
-    r_c = compute_time(cluster, rec, rec * mm_ratio, fp32, item)
-    r_off = compute_time(cluster, v[f"block.recompute_flops[{off_pol}]"],
-                         v[f"block.recompute_flops[{off_pol}]"] * mm_ratio, fp32, item)
-
-    # Tensor-parallel collectives: serial, over t consecutive devices.
-    tk, tm, tintra, tinter = _group_link(cluster, t, np.ones_like(t), per_node)
-    tlink_bw = np.where(tm > 1, tinter[0], tintra[0])
-    tlink = (tlink_bw, np.where(tm > 1, tinter[1], tintra[1]))
-    tp_f = sum(collective_time(kd, v[f"block.tp.{kd}.fwd"], t, tlink) for kd in KINDS)
-    tp_b = sum(collective_time(kd, v[f"block.tp.{kd}.bwd"], t, tlink) for kd in KINDS)
-    tp_rec = 0.0
-    for kd in KINDS:
-        stack = np.stack([v[f"block.tp_recompute[{q}].{kd}"] for q in pols])
-        nb = np.take_along_axis(stack, np.broadcast_to(pol, stack.shape[1:])[None], axis=0)[0]
-        tp_rec = tp_rec + collective_time(kd, np.maximum(nb, 0.0), t, tlink)
+    blk = v.block
+    f_c = _compute(cluster, fp32, blk.fwd_flops, blk.fwd_matmul_flops)
+    b_c = _compute(cluster, fp32, blk.bwd_flops, blk.bwd_matmul_flops)
+    mm_ratio = blk.fwd_matmul_flops / np.maximum(blk.fwd_flops, 1.0)
+    rec = blk.pick(blk.recompute_flops, workload.policies, k.policy)
+    r_c = _compute(cluster, fp32, rec, rec * mm_ratio)
+    rec_off = blk.recompute_flops(kinds.offload_policy)
+    r_off = _compute(cluster, fp32, rec_off, rec_off * mm_ratio)
+    tlink = _tp_link(cluster, k)
+    tp_f, tp_b = _tp_time(blk, "fwd", k, tlink), _tp_time(blk, "bwd", k, tlink)
+    tp_rec = _tp_recompute_time(workload, v, k, tlink)
 
     # ZeRO / MiCS group: p devices, stride t.
-    k, m, intra, inter = _group_link(cluster, p, t, per_node)
-    host_w = lt["w_layer_host"] > 0
-    fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], k, m, intra, inter), 0.0)
+    zero, p, G = k.zero, k.p, k.G
+    gk, gm, intra, inter = _group_link(cluster, p, k.t, k.per_node)
+    fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], gk, gm, intra, inter), 0.0)
     h2d_link, d2h_link = cluster.device.host_to_device, cluster.device.device_to_host
-    fetch_h2d = np.where(host_w, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
-    full_layer = v["block.weight_bytes"]
-    pipelined = A["stages"] > 1
-    rs_each = ((zero >= 3) | ((zero == 2) & ~pipelined)) & (p > 1)
-    grad_rs = np.where(rs_each, _rs(full_layer, k, m, intra, inter), 0.0)
+    fetch_h2d = np.where(lt["w_layer_host"] > 0, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
+    full_layer = blk.weight_bytes
+    rs_each = ((zero >= 3) | ((zero == 2) & ~k.pipelined)) & (p > 1)
+    grad_rs = np.where(rs_each, _rs(full_layer, gk, gm, intra, inter), 0.0)
     acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
     acc_bytes = np.where(zero >= 2, lt["g_layer_shard"], full_layer) * acc_frac
     acc_in, acc_out = host_copy_time(acc_bytes, h2d_link), host_copy_time(acc_bytes, d2h_link)
-    act_out = host_copy_time(saved_off_host, d2h_link)
-    act_in = host_copy_time(saved_off_host, h2d_link)
+    act_out = host_copy_time(kinds.saved_off_host, d2h_link)
+    act_in = host_copy_time(kinds.saved_off_host, h2d_link)
     ovl = cluster.interference
 
     # Each backward re-fetches the layer's weights (gather / H2D) next to its gradient reduce-scatter.
@@ -137,44 +142,40 @@ def layer_times(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     f_off = overlap_time(f_c, fetch_ag, fetch_h2d, act_out, ovl) + tp_f
     b_off = overlap_time(b_c + r_off, fetch_ag + grad_rs, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
     b_rem = overlap_time(b_c + r_c, fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
-    fwd = (n_plain + c) * f_plain + n_off * f_off
-    bwd = n_plain * b_plain + n_off * b_off + c * b_rem
+    fwd = (kinds.n_plain + kinds.n_remat) * f_plain + kinds.n_off * f_off
+    bwd = kinds.n_plain * b_plain + kinds.n_off * b_off + kinds.n_remat * b_rem
 
     # pre / post, and the ZeRO-3 gather of non-stacked weights once per micro-batch (serial).
-    first, last = A["first"].astype(bool), A["last"].astype(bool)
-    for part, on in (("pre", first), ("post", last)):
-        pf = compute_time(cluster, v[f"{part}.fwd_flops"], v[f"{part}.fwd_matmul_flops"], fp32, item)
-        pb = compute_time(cluster, v[f"{part}.bwd_flops"], v[f"{part}.bwd_matmul_flops"], fp32, item)
-        pf = pf + sum(collective_time(kd, v[f"{part}.tp.{kd}.fwd"], t, tlink) for kd in KINDS)
-        pb = pb + sum(collective_time(kd, v[f"{part}.tp.{kd}.bwd"], t, tlink) for kd in KINDS)
+    for part, on in ((v.pre, k.first), (v.post, k.last)):
+        pf = _compute(cluster, fp32, part.fwd_flops, part.fwd_matmul_flops) + _tp_time(part, "fwd", k, tlink)
+        pb = _compute(cluster, fp32, part.bwd_flops, part.bwd_matmul_flops) + _tp_time(part, "bwd", k, tlink)
         fwd, bwd = fwd + np.where(on, pf, 0.0), bwd + np.where(on, pb, 0.0)
-    other_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_other_fetch"], k, m, intra, inter), 0.0)
+    z3 = (zero >= 3) & (p > 1)
+    other_ag = np.where(z3, _ag(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
     fwd = fwd + np.where(G > 1, 0.0, other_ag)  # with G > 1 XLA hoists it out of the loop: once per step
-    bwd = bwd + np.where((zero >= 3) & (p > 1), _rs(lt["w_other_fetch"], k, m, intra, inter), 0.0)
+    bwd = bwd + np.where(z3, _rs(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
     # Pipeline sends: the activation forward, its cotangent backward (ppermute each tick).
-    send = np.where(pipelined, p2p_time(v["block.output_bytes"], cluster.p2p_link(False)), 0.0)
+    send = np.where(k.pipelined, p2p_time(blk.output_bytes, cluster.p2p_link(False)), 0.0)
     return {"fwd": fwd + send, "bwd": bwd + send}
 
 
-def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: dict[str, np.ndarray],
-                lt: dict[str, np.ndarray], *, grad_full: np.ndarray, grad_shard: np.ndarray, p: np.ndarray,
-                dp: np.ndarray) -> dict[str, np.ndarray]:
+def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
+                states: StateBytes) -> dict[str, np.ndarray]:
     """Once-per-step work (delta), FLOPs outside the layers, and collective bytes per step."""
-    zero, G, t = A["zero"], A["G"].astype(np.float64), A["tp"].astype(np.float64)
-    per_node = A["per_node"].astype(np.float64)
-    pipelined = A["stages"] > 1
-    nl = A["layers"].astype(np.float64)
-    k, m, intra, inter = _group_link(cluster, p, t, per_node)
+    zero, G, t, p, dp, nl = k.zero, k.G, k.t, k.p, k.dp, k.layers
+    grad_full, grad_shard = states.grad_full, states.grad_shard
+    gk, gm, intra, inter = _group_link(cluster, p, t, k.per_node)
     R = dp / p
-    rk, rm, rintra, rinter = _group_link(cluster, R, p * t, per_node)
+    _, rm, rintra, rinter = _group_link(cluster, R, p * t, k.per_node)
     rlink = (np.where(rm > 1, rinter[0], rintra[0]), np.where(rm > 1, rinter[1], rintra[1]))
-    dk, dm, dintra, dinter = _group_link(cluster, dp, t, per_node)
+    _, dm, dintra, dinter = _group_link(cluster, dp, t, k.per_node)
     dlink = (np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1]))
-    z_eff = np.where(pipelined & (zero == 2), 1, zero)
+    # Pipelines accumulate full-size gradients per stage, so ZeRO-2 reduce-scatters once per step there.
+    z_eff = np.where(k.pipelined & (zero == 2), 1, zero)
     sync = np.where(z_eff == 0, collective_time("all-reduce", grad_full, dp, dlink), 0.0)
-    sync = sync + np.where(z_eff == 1, _rs(grad_full, k, m, intra, inter), 0.0)
+    sync = sync + np.where(z_eff == 1, _rs(grad_full, gk, gm, intra, inter), 0.0)
     sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
-    regather = np.where((zero >= 1) & (zero <= 2), _ag(grad_full, k, m, intra, inter), 0.0)
+    regather = np.where((zero >= 1) & (zero <= 2), _ag(grad_full, gk, gm, intra, inter), 0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
     upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
     dev = cluster.device
@@ -182,12 +183,12 @@ def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     host_state = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
     swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)
-    hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], k, m, intra, inter), 0.0)
-    stage_sum_bytes = v["pre.weight_bytes"] + v["post.weight_bytes"]
-    S = A["stages"].astype(np.float64)
-    sk, sm, sintra, sinter = _group_link(cluster, S, dp * t, per_node)
+    hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
+    stage_sum_bytes = v.pre.weight_bytes + v.post.weight_bytes
+    S = k.stages
+    _, sm, sintra, sinter = _group_link(cluster, S, dp * t, k.per_node)
     slink = (np.where(sm > 1, sinter[0], sintra[0]), np.where(sm > 1, sinter[1], sintra[1]))
-    stage_sum = np.where(pipelined, collective_time("all-reduce", stage_sum_bytes, S, slink), 0.0)
+    stage_sum = np.where(k.pipelined, collective_time("all-reduce", stage_sum_bytes, S, slink), 0.0)
     delta = sync + regather + update + swap + hoisted + stage_sum
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
     elems_upd = upd_bytes / 4.0
@@ -205,7 +206,7 @@ def step_extras(workload: Workload, cluster: Any, A: dict[str, np.ndarray], v: d
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
     # Pipelines replicate embedding and head on every stage: their gradients are summed over `stage`.
-    ar = ar + np.where(pipelined, stage_sum_bytes, 0.0)
+    ar = ar + np.where(k.pipelined, stage_sum_bytes, 0.0)
     return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
             "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "regather": regather,
             "update": update, "swap": swap, "stage_sum": stage_sum}

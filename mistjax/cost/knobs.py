@@ -1,0 +1,89 @@
+"""The cost model's intermediate records: strategies broadcast to one shape (`Knobs`), the layer kinds
+they imply (`LayerKinds`) and the model-state bytes they store (`StateBytes`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from mistjax.core.strategies import StageStrategies
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """`StageStrategies` as float arrays of one broadcast shape (``inflight`` keeps its own axes).
+
+    Only memory depends on the in-flight count, so extra leading axes of it (one per pipeline schedule,
+    as the tuner passes) cost no time work.
+    """
+
+    b: np.ndarray  # micro-batch size per data-parallel rank
+    t: np.ndarray  # tensor-parallel degree
+    dp: np.ndarray  # data-parallel degree
+    p: np.ndarray  # MiCS partition group (the ZeRO group)
+    zero: np.ndarray  # ZeRO stage 0-3 (int)
+    layers: np.ndarray  # layers of the stage
+    remat: np.ndarray  # checkpointed layers (at most `layers`)
+    policy: np.ndarray  # index into the workload's policies (int)
+    wo: np.ndarray  # weight offload ratio
+    go: np.ndarray  # gradient-accumulator offload ratio
+    oo: np.ndarray  # optimizer-state offload ratio
+    ao: np.ndarray  # activation offload ratio
+    inflight: np.ndarray  # micro-batches in flight (its own broadcast axes)
+    G: np.ndarray  # micro-batches per step
+    stages: np.ndarray  # pipeline stages of the plan
+    first: np.ndarray  # bool: runs the pre part
+    last: np.ndarray  # bool: runs the post part
+    nodes: np.ndarray  # nodes of the stage's mesh
+    per_node: np.ndarray  # devices per node of the stage's mesh
+
+    @property
+    def pipelined(self) -> np.ndarray:
+        return self.stages > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.b.shape
+
+    @classmethod
+    def of(cls, st: StageStrategies) -> Knobs:
+        """Broadcast every field but ``inflight`` to one shape; float arrays except the index fields."""
+        names = [f.name for f in fields(st) if f.name != "inflight"]
+        shape = np.broadcast_shapes(*(np.shape(getattr(st, n)) for n in names))
+        a = {n: np.broadcast_to(np.asarray(getattr(st, n)), shape) for n in names}
+        f = {n: a[n].astype(np.float64) for n in names}
+        group = np.where(a["shard_group"] <= 0, a["dp"], a["shard_group"]).astype(np.float64)
+        return cls(b=f["b"], t=f["tp"], dp=f["dp"], p=group, zero=a["zero"].astype(np.int64), layers=f["layers"],
+                   remat=np.minimum(f["remat"], f["layers"]), policy=a["policy"].astype(np.int64), wo=f["wo"],
+                   go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight), G=f["G"], stages=f["stages"],
+                   first=a["first"].astype(bool), last=a["last"].astype(bool), nodes=f["nodes"],
+                   per_node=f["per_node"])
+
+
+@dataclass(frozen=True)
+class LayerKinds:
+    """How many of a stage's layers run as each kind (`mistjax.core.stages`), and what each keeps."""
+
+    n_off: np.ndarray  # leading layers that offload their tagged activations to host
+    n_plain: np.ndarray  # layers that keep their activation-dependent residuals
+    n_remat: np.ndarray  # trailing checkpointed layers
+    saved_plain: np.ndarray  # residual bytes of a plain layer per micro-batch
+    saved_remat: np.ndarray  # residual bytes of a checkpointed layer under its policy (0 without any)
+    saved_off_host: np.ndarray  # bytes an activation-offloaded layer keeps in host memory per micro-batch
+    offload_policy: str  # the analysed policy equal to what activation offload keeps
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Per-device bytes of the model states of a stage (parameters, optimizer state, gradients)."""
+
+    params: np.ndarray  # stored parameters in device memory
+    optimizer: np.ndarray  # optimizer state in device memory
+    grads: np.ndarray  # gradient buffers (accumulators and one micro-batch's gradients)
+    host: np.ndarray  # offloaded parameters, optimizer state and gradient accumulators in host memory
+    grad_full: np.ndarray  # the stage's whole gradient (one copy)
+    grad_shard: np.ndarray  # the stage's gradient as reduce-scattered over the partition group
+
+
+__all__ = ["Knobs", "LayerKinds", "StateBytes"]
