@@ -31,7 +31,7 @@ from mistjax.cost.collectives import (
     zero3_step_comm_time,
 )
 from mistjax.cost.hlo_count import HloCollective, collective_totals, computation_trips, hlo_collectives
-from mistjax.cost.interference import CHANNELS, MASKS, InterferenceParams, mask_name, overlap_time
+from mistjax.cost.interference import overlap_time
 from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, StageStrategies, stage_cost
 from mistjax.cost.ops import (
     DEFAULT_OP_OVERHEAD,
@@ -52,6 +52,7 @@ from mistjax.cost.pipeline_time import (
 )
 from mistjax.cost.predict import Analysis, analyze, plan_strategies, predict
 from mistjax.cost.workload import OPTIMIZERS, ParamLeaf, Workload
+from mistjax.hardware.interference import CHANNELS, MASKS, InterferenceParams, mask_name  # hardware data, re-exported
 
 __all__ = [
     "Analysis",
