@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from mistjax.validate.published import (
         PublishedRunsError,
+        RunFailure,
         load_published,
         point_dict,
         predict_all,
@@ -127,10 +128,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = load_published(args.data)
     except PublishedRunsError as e:
         raise SystemExit(f"bench_published: {e}") from None
-    preds = predict_all(runs)
-    pairs = speedup_pairs(preds)
-    summary = summarize(preds)
-    print(f"{len(preds)} runs from {args.data}\n")
+    results = predict_all(runs)
+    pairs = speedup_pairs(results)
+    summary = summarize(results)
+    preds = [p for p in results if not isinstance(p, RunFailure)]
+    print(f"{len(results)} runs from {args.data}\n")
+    for p in results:
+        if isinstance(p, RunFailure):
+            print(f"NOT PRICED {p.run.id}: {p.error}")
     print(runs_table(preds), "\n")
     if pairs:
         print("Mist over Megatron-LM, same cell (model, cluster, flash flag):\n")
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"note ({len(ids)} run{'s' * (len(ids) > 1)}): {note}" + (f" [{', '.join(ids)}]" if len(ids) < 4 else ""))
     print("\n" + summary_text(summary))
     points = []
-    for p in preds:
+    for p in results:
         d = point_dict(p)
         d["speedup_pairs"] = [q for q in pairs if q["mist"] == p.run.id]
         points.append(d)

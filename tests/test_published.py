@@ -96,6 +96,7 @@ P6 = "points[6] ('mist-tuned-gpt7b-l4x8-flash0')"
         (lambda d: d["points"][0].__setitem__("global_batch", 64), f"{P0}.global_batch: 64 != micro_batch 8"),
         (lambda d: d["points"][0]["parallel"].__setitem__("schedule", "zb-v"), f"{P0}.parallel.schedule"),
         (lambda d: d["points"][0].__setitem__("precision", "int8 weights"), f"{P0}.precision"),
+        (lambda d: d["points"][0].__setitem__("precision", "  "), f"{P0}.precision"),
         (lambda d: d["points"][0].__setitem__("kind", "guessed"), f"{P0}.kind: expected one of"),
         (lambda d: d["points"][0].__setitem__("colour", "red"), f"{P0}: unknown field(s) ['colour']"),
         (lambda d: d["points"][1].__setitem__("id", d["points"][0]["id"]), "points[1] ('mist-readme-megatron-best"),
@@ -257,3 +258,21 @@ def test_bench_on_the_published_runs(tmp_path):
     s = out["summary"]
     assert s["time"]["n"] == 20 and s["memory"]["n"] == 10 and s["memory"]["n_ran"] == 20
     assert all(p["predicted_time_s"] > 0 for p in out["points"])
+
+
+def test_a_run_the_model_cannot_price_is_kept_with_the_reason(tiny_file, tmp_path, monkeypatch, capsys):
+    import mistjax.validate.published as published
+
+    real = published.predict_run
+
+    def flaky(run):
+        if run.id == "mist-pp2":
+            raise ValueError("remat policy 'full' was not analysed")
+        return real(run)
+
+    monkeypatch.setattr(published, "predict_run", flaky)
+    out = _bench().main([str(tiny_file), "--json", str(tmp_path / "out.json")])
+    pts = {p["id"]: p for p in out["points"]}
+    assert len(pts) == 4 and "not analysed" in pts["mist-pp2"]["error"] and "predicted_time_s" not in pts["mist-pp2"]
+    assert out["summary"]["time"]["n"] == 2 and out["summary"]["memory"]["n_ran"] == 3
+    assert "NOT PRICED mist-pp2" in capsys.readouterr().out

@@ -74,6 +74,14 @@ class RunPrediction:
         return None if m is None else max(self.stage_peaks) / (max(m) * MiB)
 
 
+@dataclass(frozen=True)
+class RunFailure:
+    """A run the cost model could not price: kept in the results with the reason, never dropped."""
+
+    run: PublishedRun  # the record
+    error: str  # why (the cost model's or the analysis's message)
+
+
 # ---------------------------------------------------------------------------------------------- building
 def zoo_workload(config: Any, seq_len: int, global_batch: int, policies: tuple[str, ...] | None) -> Workload:
     """The cost model's workload of a zoo model: the one place that builds it (its home is moving to models/)."""
@@ -192,9 +200,19 @@ def predict_run(run: PublishedRun) -> RunPrediction:
                          by_structure=time_by_structure(a, plan), runtime_ok=why is None, notes=tuple(notes))
 
 
-def predict_all(runs: PublishedRuns) -> list[RunPrediction]:
-    """`predict_run` for every point, in file order."""
-    return [predict_run(r) for r in runs.points]
+def predict_all(runs: PublishedRuns) -> list[RunPrediction | RunFailure]:
+    """`predict_run` for every point, in file order; a run that cannot be priced becomes a `RunFailure`."""
+    out: list[RunPrediction | RunFailure] = []
+    for r in runs.points:
+        try:
+            out.append(predict_run(r))
+        except ValueError as e:  # PlanError, analysis errors (unsupported model code), unanalysed policies
+            out.append(RunFailure(run=r, error=f"{type(e).__name__}: {e}"))
+    return out
+
+
+def _priced(preds: list[Any]) -> list[RunPrediction]:
+    return [p for p in preds if isinstance(p, RunPrediction)]
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -204,18 +222,20 @@ def _log_stats(ratios: list[float]) -> dict[str, float | None]:
             "max_abs_log_ratio": max(logs) if logs else None}
 
 
-def summarize(preds: list[RunPrediction]) -> dict[str, dict[str, Any]]:
-    """Time and memory accuracy over the runs that have the measurement.
+def summarize(preds: list[RunPrediction | RunFailure]) -> dict[str, dict[str, Any]]:
+    """Time and memory accuracy over the priced runs that have the measurement.
 
     ``memory`` compares each run's peak (max over stages); ``n_fit`` counts runs that ran and are
-    predicted to fit their card's memory, ``n_ran`` the runs that ran (have a measured step time).
+    predicted to fit their card's memory, ``n_ran`` the runs that ran (have a measured step time; a
+    run the model could not price counts as ran and not fitting).
     """
-    t = [p.time_ratio for p in preds if p.time_ratio is not None]
-    m = [p.memory_ratio for p in preds if p.memory_ratio is not None]
+    priced = _priced(preds)
+    t = [p.time_ratio for p in priced if p.time_ratio is not None]
+    m = [p.memory_ratio for p in priced if p.memory_ratio is not None]
     geo = math.exp(statistics.fmean(math.log(r) for r in t)) if t else None
-    ran = [p for p in preds if p.run.ran]
+    n_fit = sum(p.fits for p in priced if p.run.ran)
     return {"time": {"n": len(t), **_log_stats(t), "geo_mean_ratio": geo},
-            "memory": {"n": len(m), **_log_stats(m), "n_fit": sum(p.fits for p in ran), "n_ran": len(ran)}}
+            "memory": {"n": len(m), **_log_stats(m), "n_fit": n_fit, "n_ran": sum(p.run.ran for p in preds)}}
 
 
 def _cell(run: PublishedRun) -> tuple[Any, ...]:
@@ -224,11 +244,12 @@ def _cell(run: PublishedRun) -> tuple[Any, ...]:
     return (model, mdl.seq_len, hw.preset, hw.nodes, hw.per_node, run.flash_attention)
 
 
-def speedup_pairs(preds: list[RunPrediction]) -> list[dict[str, Any]]:
+def speedup_pairs(preds: list[RunPrediction | RunFailure]) -> list[dict[str, Any]]:
     """Every (Mist run, Megatron-LM run) of one cell (model, cluster, flash flag): speedup = t_megatron / t_mist."""
     out = []
-    for mist in (p for p in preds if p.run.framework == "mist" and p.run.ran):
-        for meg in (p for p in preds if p.run.framework == "megatron" and p.run.ran):
+    priced = [p for p in _priced(preds) if p.run.ran]
+    for mist in (p for p in priced if p.run.framework == "mist"):
+        for meg in (p for p in priced if p.run.framework == "megatron"):
             if _cell(meg.run) != _cell(mist.run):
                 continue
             measured = meg.run.measured.iter_time_s / mist.run.measured.iter_time_s
@@ -238,27 +259,32 @@ def speedup_pairs(preds: list[RunPrediction]) -> list[dict[str, Any]]:
     return out
 
 
-def point_dict(p: RunPrediction) -> dict[str, Any]:
-    """JSON form of one predicted run."""
-    r, a = p.run, p.analysis
+def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
+    """JSON form of one run and its prediction (``error`` instead of predictions for a `RunFailure`)."""
+    r = p.run
     meas = r.measured
-    return {
+    head = {
         "id": r.id, "kind": r.kind, "system": r.system, "framework": r.framework,
         "model": r.model.preset or model_config(r.model).name, "seq_len": r.model.seq_len,
         "cluster": f"{r.hardware.preset}:{r.hardware.nodes}x{r.hardware.per_node}",
         "flash_attention": r.flash_attention, "flash_attention_priced": False, "precision": r.precision,
-        "plan": p.plan.to_dict(),
-        "measured_time_s": meas.iter_time_s, "predicted_time_s": p.step_time, "time_ratio": p.time_ratio,
+        "plan": to_plan(r).to_dict(), "ran": r.ran, "measured_time_s": meas.iter_time_s,
         "measured_stage_peak_mib": list(meas.stage_peak_allocated_mib) if meas.stage_peak_allocated_mib else None,
+    }
+    if isinstance(p, RunFailure):
+        return {**head, "error": p.error}
+    a = p.analysis
+    return {
+        **head, "predicted_time_s": p.step_time, "time_ratio": p.time_ratio,
         "predicted_stage_peak_mib": [x / MiB for x in p.stage_peaks], "memory_ratio": p.memory_ratio,
         "predicted_stage_memory_mib": [{k: v / MiB for k, v in m.items()} for m in a.stage_memory],
         "predicted_stage_host_mib": [x / MiB for x in a.stage_host],
-        "card_memory_mib": p.cluster.device.hbm_bytes / MiB, "fits": p.fits, "ran": r.ran,
+        "card_memory_mib": p.cluster.device.hbm_bytes / MiB, "fits": p.fits,
         "time_by_resource_s": p.by_resource, "time_by_structure_s": p.by_structure,
         "runtime_ok": p.runtime_ok, "notes": list(p.notes),
     }
 
 
-__all__ = ["RESOURCES", "PublishedRunsError", "RunPrediction", "cluster_for", "load_published", "parse_published",
-           "point_dict", "predict_all", "predict_run", "speedup_pairs", "summarize", "time_by_resource",
-           "time_by_structure", "to_plan", "zoo_workload"]
+__all__ = ["RESOURCES", "PublishedRunsError", "RunFailure", "RunPrediction", "cluster_for", "load_published",
+           "parse_published", "point_dict", "predict_all", "predict_run", "speedup_pairs", "summarize",
+           "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]

@@ -239,7 +239,7 @@ def _run(doc: Any, i: int) -> PublishedRun:
     if kind not in KINDS:
         raise o.fail("kind", f"one of {list(KINDS)}")
     precision = o.str("precision")
-    if precision.split()[0].lower() not in PRECISIONS:
+    if (precision.split() or [""])[0].lower() not in PRECISIONS:
         raise o.fail("precision", f"a text starting with one of {list(PRECISIONS)} (e.g. 'fp16 params/grads')")
     model = _model(doc["model"], f"{head}.model")
     hardware = _hardware(doc["hardware"], f"{head}.hardware")
