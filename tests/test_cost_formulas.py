@@ -5,8 +5,8 @@ import pytest
 
 from mistjax import cost
 from mistjax.cost import InterferenceParams, OpTimeTable, overlap_time
-from mistjax.cost.interference import MASKS, NUM_FACTORS
 from mistjax.hardware import ClusterSpec
+from mistjax.hardware.interference import MASKS, NUM_FACTORS
 
 RNG = np.random.default_rng(1234)
 LINK = (1e9, 1e-5)  # 1 GB/s, 10 us per step

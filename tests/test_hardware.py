@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from mistjax.cost.interference import InterferenceParams
 from mistjax.hardware import PRESET_NAMES, Cluster, ClusterSpec, DeviceSpec, LinkModel
+from mistjax.hardware.interference import InterferenceParams
 
 GiB = 2**30
 

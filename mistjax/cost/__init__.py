@@ -40,7 +40,7 @@ from mistjax.cost.collectives import (
     zero3_node_egress_bytes,
     zero3_step_comm_time,
 )
-from mistjax.cost.interference import CHANNELS, MASKS, InterferenceParams, mask_name, overlap_time
+from mistjax.cost.interference import overlap_time
 from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
 from mistjax.cost.ops import (
     DEFAULT_OP_OVERHEAD,
@@ -52,6 +52,7 @@ from mistjax.cost.ops import (
 )
 from mistjax.cost.predict import Analysis, analyze, plan_strategies, predict
 from mistjax.cost.workload import OPTIMIZERS, ParamLeaf, Workload
+from mistjax.hardware.interference import CHANNELS, MASKS, InterferenceParams, mask_name  # hardware data, re-exported
 
 # The project's cost model as the tuner sees it (`mistjax.core.strategies.CostModel`).
 COST_MODEL = CostModel(stage_cost=stage_cost, predict=predict)

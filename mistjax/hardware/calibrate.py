@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.cost.interference import MASKS, InterferenceParams
+from mistjax.hardware.interference import MASKS, InterferenceParams
 from mistjax.hardware.presets import ClusterSpec, DeviceSpec, LinkModel
 
 

@@ -1,38 +1,26 @@
-"""Hardware descriptions for the cost model: devices, links, clusters, presets. SI units throughout.
+"""Hardware descriptions for the cost model: devices, links, clusters and the named presets (SI units).
 
-Two kinds of presets (see ``PRESET_NAMES``):
-
-* ``l4`` and ``a100-40gb`` use the bandwidths Mist FITTED on its clusters (GCP, 8 GPUs per node; Mist
-  digest section 3.4). They are effective numbers, far below link specs, and Mist's planner used
-  them. Collective latencies and 24 of the 28 interference factors were not available and are
-  assumptions (stated in each ``source``).
-* ``a100-80gb``, ``h100``, ``h200``, ``tpu-v5e``, ``tpu-v5p`` come from datasheets
-  (shared/notes/hardware.md): per-direction link bandwidth = half the quoted bidirectional total;
-  no efficiency derating on links (achieved NCCL bus bandwidth is usually 70-90% of it).
-* ``cpu``: rough numbers for the simulated XLA CPU devices of a small dev VM.
-
-Link semantics. ``intra_node[k]`` is the link of a collective among k devices of one node (for
-TPUs a "node" is an ICI slice). ``inter_node[(m, k)]`` is the effective bandwidth of a collective
-over m nodes with k devices taking part on each: for a flat ring it is the bus bandwidth, and for
-MiCS's hierarchical collectives it is the node-level inter-node bandwidth the k devices share. It
-grows with k because each GPU brings its own NIC share (Mist's fits grow almost linearly in k).
-Lookups use the largest key <= the request (Mist: sizes above 8 use the 8 entry).
+Presets are data: one JSON document per name in ``mistjax/hardware/catalog/`` (package data), read
+by `ClusterSpec.from_dict` for the requested shape, each with the source of its numbers.
+``docs/hardware.md`` gives the document schema, the link semantics and the sources.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
+from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from mistjax.cost.interference import InterferenceParams
+from mistjax.hardware.interference import InterferenceParams
 
 GiB = 2**30
 _FORMAT, _VERSION = "mistjax.cluster", 1
@@ -215,24 +203,34 @@ class ClusterSpec:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, doc: Any) -> ClusterSpec:
-        """Build from ``to_dict`` output, validating every field (ValueError naming the field)."""
-        _fields(doc, "cluster", {f.name for f in fields(cls)} | {"format", "version"}, frozenset({"source"}))
+    def from_dict(cls, doc: Any, nodes: int | None = None, per_node: int | None = None) -> ClusterSpec:
+        """Build from a cluster document, validating every field (ValueError naming the field).
+
+        The document is either ``to_dict`` output or a preset file of ``mistjax/hardware/catalog/``,
+        whose links are rules that hold for any shape (``docs/hardware.md`` describes the schema):
+        ``intra_node`` / ``inter_node`` may be objects instead of record lists, and ``device`` may
+        name host-wide totals in ``split_across_devices``.
+
+        Args:
+          doc: the parsed JSON document.
+          nodes: number of nodes; overrides (or stands in for) the document's ``nodes``.
+          per_node: devices per node; overrides (or stands in for) ``devices_per_node``.
+        """
+        given = frozenset(k for k, v in (("nodes", nodes), ("devices_per_node", per_node)) if v is not None)
+        _fields(doc, "cluster", {f.name for f in fields(cls)} | {"format", "version"}, frozenset({"source"}) | given)
         if doc["format"] != _FORMAT or doc["version"] != _VERSION:
             raise ValueError(f"cluster.format/version: expected {_FORMAT!r} v{_VERSION}, "
                              f"got {doc['format']!r} v{doc['version']!r}")
-        dev = doc["device"]
-        _fields(dev, "cluster.device", {f.name for f in fields(DeviceSpec)},
-                frozenset({"source", "usable_memory_fraction"}))
-        dev = {**dev, "host_to_device": _link(dev["host_to_device"], "cluster.device.host_to_device"),
-               "device_to_host": _link(dev["device_to_host"], "cluster.device.device_to_host")}
-        intra = _records(doc["intra_node"], "cluster.intra_node", ("group_size",))
-        inter = _records(doc["inter_node"], "cluster.inter_node", ("nodes", "per_node"))
+        n = doc["nodes"] if nodes is None else nodes
+        k = doc["devices_per_node"] if per_node is None else per_node
+        _check_count("cluster.nodes", n)
+        _check_count("cluster.devices_per_node", k)
         try:
             return cls(
-                name=doc["name"], device=_build(DeviceSpec, dev, "cluster.device"), nodes=doc["nodes"],
-                devices_per_node=doc["devices_per_node"], source=doc.get("source", ""),
-                intra_node={k[0]: v for k, v in intra.items()}, inter_node=inter,
+                name=doc["name"], device=_device(doc["device"], n * k, "cluster.device"), nodes=n,
+                devices_per_node=k, source=doc.get("source", ""),
+                intra_node=_intra_links(doc["intra_node"], k, "cluster.intra_node"),
+                inter_node=_inter_links(doc["inter_node"], k, "cluster.inter_node"),
                 p2p_intra=_link(doc["p2p_intra"], "cluster.p2p_intra"),
                 p2p_inter=_link(doc["p2p_inter"], "cluster.p2p_inter"),
                 interference=InterferenceParams.from_dict(doc["interference"], "cluster.interference"),
@@ -242,7 +240,7 @@ class ClusterSpec:
 
     @classmethod
     def from_json(cls, text: str) -> ClusterSpec:
-        """Parse JSON text written by ``to_json`` (no pickle, no eval)."""
+        """Parse a cluster document (``to_json`` output or a profile in the preset schema); no pickle, no eval."""
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
@@ -252,13 +250,17 @@ class ClusterSpec:
     # -- presets --------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, nodes: int = 1, per_node: int = 8) -> ClusterSpec:
-        """A named preset with ``nodes`` x ``per_node`` devices (``PRESET_NAMES`` lists them)."""
+        """A named preset with ``nodes`` x ``per_node`` devices (``PRESET_NAMES`` lists them).
+
+        Each preset is a JSON document shipped with the package (``mistjax/hardware/catalog/``), read by
+        `from_dict` with the requested shape; its ``source`` fields say where every number comes from.
+        """
         key = name.strip().lower()
-        if key not in _BUILDERS:
+        if key not in PRESET_NAMES:
             raise ValueError(f"unknown hardware preset {name!r}; valid names: {', '.join(PRESET_NAMES)}")
         _check_count("nodes", nodes)
         _check_count("per_node", per_node)
-        return _BUILDERS[key](nodes, per_node)
+        return cls.from_dict(preset_document(key), nodes=nodes, per_node=per_node)
 
     @classmethod
     def parse(cls, spec: str) -> ClusterSpec:
@@ -273,7 +275,25 @@ class ClusterSpec:
 
 Cluster = ClusterSpec  # the name used in design.md
 
-PRESET_NAMES: tuple[str, ...] = ("l4", "a100-40gb", "a100-80gb", "h100", "h200", "tpu-v5e", "tpu-v5p", "cpu")
+# One document per name in mistjax/hardware/catalog/ (package data; the suite checks the two agree).
+PRESET_NAMES: tuple[str, ...] = ("l4", "a100-40gb", "a100-80gb", "h100", "h200", "dgx-a100", "dgx-h100", "tpu-v5e",
+                                 "tpu-v5p", "cpu")
+
+
+@functools.cache
+def _preset_text(name: str) -> str:
+    return resources.files("mistjax.hardware").joinpath("catalog", f"{name}.json").read_text(encoding="utf-8")
+
+
+def preset_document(name: str) -> dict[str, Any]:
+    """The JSON document of preset ``name`` (a fresh copy: link rules, not yet sized to a shape).
+
+    Raises:
+        ValueError: for a name not in ``PRESET_NAMES``.
+    """
+    if name not in PRESET_NAMES:
+        raise ValueError(f"unknown hardware preset {name!r}; valid names: {', '.join(PRESET_NAMES)}")
+    return json.loads(_preset_text(name))
 
 
 # -- JSON validation helpers ---------------------------------------------------------------------
@@ -315,138 +335,67 @@ def _records(doc: Any, path: str, keys: tuple[str, ...]) -> dict[tuple[int, ...]
     return out
 
 
-# -- preset catalogue ----------------------------------------------------------------------------
-# Latencies are assumptions (Mist's fitted per-call constants were not in our digest): per ring
-# step ~2 us on NVLink, 4 us on PCIe, 1 us per ICI hop, 8 us on InfiniBand/RoCE, 30 us on GCP's
-# TCP VM network and TPU DCN; 10 us per host<->device copy.
-_NVLINK_LAT, _PCIE_LAT, _ICI_LAT, _IB_LAT, _TCP_LAT, _COPY_LAT = 2e-6, 4e-6, 1e-6, 8e-6, 30e-6, 10e-6
-_MIST_A100_4WAY = (1.31, 2.63, 2.41, 2.59)  # Mist template-a100 4-way fit (compute, d2d, h2d, d2h)
-_MIST_L4_4WAY = (18.94, 1.26, 50.0, 1.60)  # Mist template-l4 4-way fit
-_FILL = "the other 24 interference factors are generic defaults (InterferenceParams.from_four_way)"
-
-
-def _copy(bandwidth: float) -> LinkModel:
-    return LinkModel(bandwidth, _COPY_LAT)
+# -- link rules of preset documents ---------------------------------------------------------------
+_SPLITTABLE = ("peak_flops", "peak_flops_fp32", "hbm_bytes", "hbm_bandwidth")
 
 
 def _pow2_upto(n: int) -> list[int]:
-    return [2**i for i in range(1, max(8, n).bit_length()) if 2**i <= max(8, n)]
+    """Group sizes 2, 4, 8, ... up to max(8, n): the entries a rule-built link table holds."""
+    top = max(8, n)
+    return [2**i for i in range(1, top.bit_length()) if 2**i <= top]
 
 
-def _mist_cluster(name: str, dev: DeviceSpec, nodes: int, per_node: int, intra_lat: float,
-                  intra_gbs: dict[int, float], inter_gbs: dict[int, tuple[float, ...]],
-                  four_way: tuple[float, ...], source: str) -> ClusterSpec:
-    intra = {k: LinkModel(v * 1e9, intra_lat) for k, v in intra_gbs.items()}
-    inter = {(m, k): LinkModel(v * 1e9, _TCP_LAT)
-             for m, row in inter_gbs.items() for k, v in zip((1, 2, 4, 8), row)}
-    return ClusterSpec(name, dev, nodes, per_node, intra, inter, p2p_intra=intra[2], p2p_inter=inter[(2, 1)],
-                       interference=InterferenceParams.from_four_way(four_way), source=source)
+def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
+    """A `DeviceSpec` from its document; fields named in ``split_across_devices`` are divided among the devices."""
+    _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
+            frozenset({"source", "usable_memory_fraction", "split_across_devices"}))
+    split = doc.get("split_across_devices", [])
+    if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
+        raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "
+                         f"(host-wide totals shared by every device), got {split!r}")
+    dev = {k: v for k, v in doc.items() if k != "split_across_devices"}
+    for f in split:
+        _check_num(path, f, dev[f])
+        dev[f] = dev[f] / num_devices
+    dev["host_to_device"] = _link(dev["host_to_device"], f"{path}.host_to_device")
+    dev["device_to_host"] = _link(dev["device_to_host"], f"{path}.device_to_host")
+    return _build(DeviceSpec, dev, path)
 
 
-def _datasheet_cluster(name: str, dev: DeviceSpec, nodes: int, per_node: int, intra: LinkModel,
-                       nic_per_device: float, inter_lat: float, interference: InterferenceParams,
-                       source: str) -> ClusterSpec:
-    sizes = _pow2_upto(per_node)
-    # k devices per node drive k NIC shares (not capped by the intra link: in MiCS's hierarchical
-    # collectives the intra phase is priced separately; a flat ring is rarely that wide).
-    inter = {(m, k): LinkModel(k * nic_per_device, inter_lat)
-             for m in (2, 4) for k in [1, *sizes]}
-    return ClusterSpec(name, dev, nodes, per_node, dict.fromkeys(sizes, intra), inter, p2p_intra=intra,
-                       p2p_inter=inter[(2, 1)], interference=interference, source=source)
+def _intra_links(doc: Any, per_node: int, path: str) -> dict[int, LinkModel]:
+    """Records ``[{group_size, bandwidth, latency}, ...]`` or the rule ``{"group_sizes": "powers_of_two", ...}``."""
+    if not isinstance(doc, dict):
+        return {k[0]: v for k, v in _records(doc, path, ("group_size",)).items()}
+    _fields(doc, path, {"group_sizes", "bandwidth", "latency"})
+    if doc["group_sizes"] != "powers_of_two":
+        raise ValueError(f"{path}.group_sizes: expected 'powers_of_two' (one link for groups of 2, 4, ... up to "
+                         f"max(8, devices_per_node)), got {doc['group_sizes']!r}")
+    return dict.fromkeys(_pow2_upto(per_node), _link({"bandwidth": doc["bandwidth"], "latency": doc["latency"]}, path))
 
 
-def _l4(nodes: int, per_node: int) -> ClusterSpec:
-    dev = DeviceSpec(
-        "NVIDIA L4", 121e12, 30.3e12, 22.488 * GiB, 300e9, _copy(5.75e9), _copy(6.13e9),
-        # Mist pins clocks at 1050 MHz (about half the boost clock the 121 TFLOPS figure assumes).
-        matmul_efficiency=0.45, memory_efficiency=0.8,
-        source="datasheet peaks (121 TFLOPS bf16, 30.3 fp32, 300 GB/s); memory 22.488 GB as in Mist's L4 "
-               "template; H2D 5.75 / D2H 6.13 GB/s fitted by Mist; efficiencies assumed")
-    return _mist_cluster(
-        "l4", dev, nodes, per_node, _PCIE_LAT, {2: 2.96, 4: 4.16, 8: 4.68},
-        {2: (0.49, 0.98, 1.72, 3.32), 4: (0.46, 0.92, 1.68, 2.97)}, _MIST_L4_4WAY,
-        "Mist artifact template-l4 fits (GCP, 8x L4 per node, PCIe, no NVLink): GPU-GPU bandwidths, 4-way "
-        f"interference factors; {_FILL}; latencies assumed")
+def _inter_links(doc: Any, per_node: int, path: str) -> dict[tuple[int, int], LinkModel]:
+    """Records ``[{nodes, per_node, bandwidth, latency}, ...]`` or a rule (see ``docs/hardware.md``).
 
-
-def _a100_40gb(nodes: int, per_node: int) -> ClusterSpec:
-    dev = DeviceSpec(
-        "NVIDIA A100-SXM4-40GB", 312e12, 19.5e12, 40 * GiB, 1555e9, _copy(5.36e9), _copy(5.85e9),
-        matmul_efficiency=0.8, memory_efficiency=0.85,
-        source="datasheet peaks (312 TFLOPS bf16, 19.5 fp32, 1555 GB/s); 40 GB as in Mist's template; "
-               "H2D 5.36 / D2H 5.85 GB/s fitted by Mist; efficiencies assumed")
-    return _mist_cluster(
-        "a100-40gb", dev, nodes, per_node, _NVLINK_LAT, {2: 139.0, 4: 193.0, 8: 210.0},
-        {2: (1.30, 2.60, 5.42, 10.70), 4: (1.25, 2.49, 5.30, 10.60)}, _MIST_A100_4WAY,
-        "Mist artifact template-a100 fits (GCP, 8x A100-SXM4-40GB per node, NVLink): GPU-GPU bandwidths, "
-        f"4-way interference factors; {_FILL}; latencies assumed")
-
-
-def _nvidia(name: str, label: str, flops: float, fp32: float, mem: float, hbm_bw: float, nvlink_dir: float,
-            pcie_dir: float, nic: float, net_lat: float, note: str) -> Any:
-    def build(nodes: int, per_node: int) -> ClusterSpec:
-        dev = DeviceSpec(label, flops, fp32, mem, hbm_bw, _copy(pcie_dir), _copy(pcie_dir),
-                         matmul_efficiency=0.75, memory_efficiency=0.85,
-                         source=f"datasheet: {note}; FP32 {fp32 / 1e12:g} TFLOPS (NVIDIA datasheet); "
-                                "efficiencies assumed")
-        return _datasheet_cluster(
-            name, dev, nodes, per_node, LinkModel(nvlink_dir, _NVLINK_LAT), nic, net_lat,
-            InterferenceParams.from_four_way(_MIST_A100_4WAY),
-            f"datasheet (shared/notes/hardware.md): {note}; NVLink per direction = half the bidirectional "
-            f"total; 4-way interference borrowed from Mist's A100 fit, {_FILL}; latencies assumed")
-    return build
-
-
-def _tpu(name: str, label: str, flops: float, mem: float, hbm_bw: float, ici_link: float, dcn: float,
-         note: str) -> Any:
-    def build(nodes: int, per_node: int) -> ClusterSpec:
-        dev = DeviceSpec(label, flops, flops / 6, mem, hbm_bw, _copy(1.5e10), _copy(1.5e10),
-                         matmul_efficiency=0.85, memory_efficiency=0.85,
-                         source=f"datasheet: {note}; fp32 = 1/6 of bf16 (HIGHEST precision = 6 bf16 passes); "
-                                "host PCIe ~1.5e10 B/s per chip; efficiencies assumed")
-        return _datasheet_cluster(
-            name, dev, nodes, per_node, LinkModel(2 * ici_link, _ICI_LAT), dcn, _TCP_LAT,
-            InterferenceParams.from_four_way((1.2, 1.2, 1.2, 1.2)),
-            f"datasheet (shared/notes/hardware.md): {note}; a 'node' is one ICI slice; a ring along a torus "
-            "axis uses both directions (2x the one-way link); inter-node = DCN; interference factors are "
-            "placeholders (1.2 four-way), not measured; latencies assumed")
-    return build
-
-
-def _cpu(nodes: int, per_node: int) -> ClusterSpec:
-    n = nodes * per_node  # simulated devices share the host, so each gets 1/n of it
-    link = LinkModel(2e9, 20e-6)
-    dev = DeviceSpec("cpu (simulated XLA device)", 1e11 / n, 1e11 / n, 16 * GiB / n, 2e10 / n, link, link,
-                     matmul_efficiency=0.9, memory_efficiency=0.9,
-                     source="rough: 2-core dev VM, ~1e11 FLOP/s jitted matmul and ~2e10 B/s memory in total, "
-                            "split over the simulated devices; 16 GiB of host RAM shared")
-    return ClusterSpec("cpu", dev, nodes, per_node, dict.fromkeys(_pow2_upto(per_node), link),
-                       {(m, k): link for m in (2, 4) for k in [1, *_pow2_upto(per_node)]},
-                       p2p_intra=link, p2p_inter=link, interference=InterferenceParams.serial(),
-                       source="rough numbers for XLA:CPU simulated devices (collectives are memcpys with "
-                              "rendezvous overhead); every channel competes for the same cores, so the "
-                              "interference model is fully serial")
-
-
-_BUILDERS = {
-    "l4": _l4,
-    "a100-40gb": _a100_40gb,
-    "a100-80gb": _nvidia("a100-80gb", "NVIDIA A100-SXM4-80GB", 312e12, 19.5e12, 80 * GiB, 2039e9, 300e9, 32e9,
-                         12.5e9 / 8, _TCP_LAT, "312 TFLOPS bf16, 80 GB HBM2e at 2039 GB/s, NVLink3 600 GB/s, "
-                         "PCIe Gen4 32 GB/s per direction, GCP A2 100 Gbps per 8-GPU VM"),
-    "h100": _nvidia("h100", "NVIDIA H100-SXM5-80GB", 989e12, 67e12, 80 * GiB, 3.35e12, 450e9, 64e9, 50e9,
-                    _IB_LAT,
-                    "989 TFLOPS bf16, 80 GB HBM3 at 3.35 TB/s, NVLink4 900 GB/s, PCIe Gen5 64 GB/s per "
-                    "direction, 400 Gbps NIC per GPU (DGX-style)"),
-    "h200": _nvidia("h200", "NVIDIA H200-SXM-141GB", 989e12, 67e12, 140 * GiB, 4.8e12, 450e9, 64e9, 50e9,
-                    _IB_LAT, "989 TFLOPS bf16, 141 GB HBM3e (~140 GiB visible) at 4.8 TB/s, NVLink4 900 "
-                    "GB/s, PCIe Gen5 64 GB/s per direction, GCP A3 Ultra 8x400 Gbps"),
-    "tpu-v5e": _tpu("tpu-v5e", "TPU v5e", 197e12, 16 * GiB, 819e9, 4.5e10, 25e9 / 8,
-                    "197 TFLOPS bf16, 16 GB HBM2 at 819 GB/s, ICI 4.5e10 B/s one-way per link, DCN 2x100 "
-                    "Gbps per 8-chip host"),
-    "tpu-v5p": _tpu("tpu-v5p", "TPU v5p", 459e12, 95 * GiB, 2765e9, 9e10, 6.25e9,
-                    "459 TFLOPS bf16, 95 GB HBM2e at 2765 GB/s, ICI 9e10 B/s one-way per link, DCN 50 Gbps "
-                    "per chip"),
-    "cpu": _cpu,
-}
-assert tuple(_BUILDERS) == PRESET_NAMES
+    The rule ``{"nodes": [2, 4], "per_node": "one_and_powers_of_two", "bandwidth_per_device": B, "latency": L}``
+    gives a collective over m nodes with k devices on each ``k * B`` (each device drives its own NIC share);
+    ``"bandwidth": B`` instead gives every entry the same bandwidth.
+    """
+    if not isinstance(doc, dict):
+        return _records(doc, path, ("nodes", "per_node"))  # type: ignore[return-value]
+    _fields(doc, path, {"nodes", "per_node", "bandwidth", "bandwidth_per_device", "latency"},
+            frozenset({"bandwidth", "bandwidth_per_device"}))
+    if ("bandwidth" in doc) == ("bandwidth_per_device" in doc):
+        raise ValueError(f"{path}: give exactly one of 'bandwidth' (every entry) or 'bandwidth_per_device' "
+                         "(k devices per node share k times it)")
+    m_list = doc["nodes"]
+    if (not isinstance(m_list, list) or not m_list or len(set(m_list)) != len(m_list)
+            or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 2 for m in m_list)):
+        raise ValueError(f"{path}.nodes: expected a non-empty list of distinct node counts >= 2, got {m_list!r}")
+    if doc["per_node"] != "one_and_powers_of_two":
+        raise ValueError(f"{path}.per_node: expected 'one_and_powers_of_two' (1, 2, 4, ... up to "
+                         f"max(8, devices_per_node) devices per node), got {doc['per_node']!r}")
+    scale = "bandwidth_per_device" in doc
+    bw = doc["bandwidth_per_device"] if scale else doc["bandwidth"]
+    _link({"bandwidth": bw, "latency": doc["latency"]}, path)  # validates the numbers once
+    return {(m, k): LinkModel(k * bw if scale else bw, doc["latency"])
+            for m in m_list for k in [1, *_pow2_upto(per_node)]}

@@ -1,4 +1,5 @@
-"""Checks of predictions against compiled programs (XLA:CPU here, XLA:GPU deviceless) and measured runs.
+"""Checks of predictions against compiled programs and measured runs (the top layer: may import everything).
 
-The top of the house: it may import every other mistjax package and the model zoo.
+`check` compares the cost model with the compiled XLA:CPU program, `published` with published
+training runs.
 """

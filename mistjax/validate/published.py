@@ -1,0 +1,292 @@
+"""Published training runs against the cost model: equivalent plans, predictions, breakdowns, summary.
+
+For each run of a ``published-runs.json`` file (`mistjax.validate.published_format`) `predict_run` builds
+the equivalent mistjax `Plan` (`to_plan`), the model config, the cluster, and prices the plan with the
+project's cost model (`mistjax.cost.predict.analyze`). It also attributes the predicted step time to
+resources (matmul, memory-bound kernels, collectives, pipeline sends, host copies: how much the
+prediction shrinks when that resource is made free) and to structure (steady micro-batches, pipeline
+fill / drain, once-per-step work). `summarize` and `speedup_pairs` give what
+``scripts/bench_published.py`` prints; docs/benchmarks.md has the measured tables.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mistjax.core.plan import Plan, PlanError, StagePlan
+from mistjax.cost.predict import Analysis, analyze
+from mistjax.cost.workload import Workload
+from mistjax.hardware import ClusterSpec, LinkModel
+from mistjax.validate.published_format import (
+    PublishedRun,
+    PublishedRuns,
+    PublishedRunsError,
+    load_published,
+    model_config,
+    parse_published,
+)
+
+MiB, GiB = 2**20, 2**30
+# Resources whose time `time_by_resource` attributes, in print order; "shared" is what no single one removes.
+RESOURCES = ("matmul", "memory_bound", "collectives", "p2p", "host_copies")
+_FREE = 1e9  # factor that makes a resource free without leaving the validated (finite) range
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """One run priced by the cost model."""
+
+    run: PublishedRun  # the record
+    plan: Plan  # the equivalent mistjax plan
+    cluster: ClusterSpec  # the cluster it was priced on (card memory as the run had it)
+    analysis: Analysis  # the cost model's prediction with its breakdowns
+    by_resource: dict[str, float]  # seconds of the step attributed to each of RESOURCES + "shared"
+    by_structure: dict[str, float]  # seconds: steady micro-batches, pipeline fill/drain, once-per-step
+    runtime_ok: bool  # the mistjax runtime can run the plan as it is
+    notes: tuple[str, ...]  # what the prediction approximates for this run
+
+    @property
+    def step_time(self) -> float:
+        return self.analysis.step_time
+
+    @property
+    def stage_peaks(self) -> tuple[float, ...]:
+        """Predicted device bytes per stage."""
+        return tuple(sum(m.values()) for m in self.analysis.stage_memory)
+
+    @property
+    def fits(self) -> bool:
+        """Every stage's predicted device memory fits the card."""
+        return max(self.stage_peaks) <= self.cluster.device.hbm_bytes
+
+    @property
+    def time_ratio(self) -> float | None:
+        t = self.run.measured.iter_time_s
+        return None if t is None else self.step_time / t
+
+    @property
+    def memory_ratio(self) -> float | None:
+        """Predicted / measured peak (max over stages), where the peak was measured."""
+        m = self.run.measured.stage_peak_allocated_mib
+        return None if m is None else max(self.stage_peaks) / (max(m) * MiB)
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """A run the cost model could not price: kept in the results with the reason, never dropped."""
+
+    run: PublishedRun  # the record
+    error: str  # why (the cost model's or the analysis's message)
+
+
+# ---------------------------------------------------------------------------------------------- building
+def zoo_workload(config: Any, seq_len: int, global_batch: int, policies: tuple[str, ...] | None) -> Workload:
+    """The cost model's workload of a zoo model (`models.workload`)."""
+    import models
+
+    return models.workload(config, seq_len, global_batch, policies=policies)
+
+
+def to_plan(run: PublishedRun) -> Plan:
+    """The mistjax plan equivalent to a run's parallel configuration.
+
+    Per stage: its layer range, ``remat_layers`` checkpointed with the ``full`` policy (Megatron's full
+    uniform recompute is every layer), ZeRO flags from the stage's level (Megatron's distributed
+    optimizer is ZeRO-1) and the offload fractions; DP, TP, micro-batch, accumulation and schedule as
+    given. Plain ZeRO over the data-parallel group (no MiCS partition).
+    """
+    par = run.parallel
+    stages = tuple(StagePlan(layers=s.layers, shard_opt=s.zero >= 1, shard_grads=s.zero >= 2,
+                             shard_weights=s.zero >= 3, remat_layers=s.remat_layers, remat_policy="full",
+                             offload_weights=s.offload_weights, offload_grads=s.offload_grads,
+                             offload_opt=s.offload_opt, offload_acts=s.offload_acts) for s in par.stages)
+    return Plan(stages=stages, micro_batch=par.micro_batch, grad_accum=par.grad_accum, dp=par.dp, tp=par.tp,
+                schedule=par.schedule)
+
+
+def cluster_for(run: PublishedRun) -> ClusterSpec:
+    """The run's hardware preset at its shape, with the card memory the run had (when the file gives it)."""
+    hw = run.hardware
+    cluster = ClusterSpec.preset(hw.preset, nodes=hw.nodes, per_node=hw.per_node)
+    return cluster if hw.card_memory_gib is None else cluster.with_memory(hw.card_memory_gib * GiB)
+
+
+def _policies(plan: Plan) -> tuple[str, ...] | None:
+    """Remat policies to analyse: only ``full`` unless a stage offloads activations (needs every tag policy)."""
+    return None if any(s.offload_acts > 0 for s in plan.stages) else ("full",)
+
+
+def _runtime_check(plan: Plan) -> str | None:
+    """Why the mistjax runtime cannot run ``plan`` today (None: it can)."""
+    if plan.num_stages == 1:
+        return None
+    from mistjax.runtime.pipelined import check_pipelined_plan
+
+    try:
+        check_pipelined_plan(plan)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- breakdowns
+def _scaled(link: LinkModel) -> LinkModel:
+    return LinkModel(link.bandwidth * _FREE, 0.0)
+
+
+def _free(cluster: ClusterSpec, resource: str) -> ClusterSpec:
+    """``cluster`` with one resource made (practically) free."""
+    dev = cluster.device
+    if resource == "matmul":
+        return replace(cluster, device=replace(dev, peak_flops=dev.peak_flops * _FREE,
+                                               peak_flops_fp32=dev.peak_flops_fp32 * _FREE))
+    if resource == "memory_bound":
+        return replace(cluster, device=replace(dev, hbm_bandwidth=dev.hbm_bandwidth * _FREE))
+    if resource == "collectives":
+        return replace(cluster, intra_node={k: _scaled(v) for k, v in cluster.intra_node.items()},
+                       inter_node={k: _scaled(v) for k, v in cluster.inter_node.items()})
+    if resource == "p2p":
+        return replace(cluster, p2p_intra=_scaled(cluster.p2p_intra), p2p_inter=_scaled(cluster.p2p_inter))
+    if resource == "host_copies":
+        return replace(cluster, device=replace(dev, host_to_device=_scaled(dev.host_to_device),
+                                               device_to_host=_scaled(dev.device_to_host)))
+    raise ValueError(f"unknown resource {resource!r}; one of {RESOURCES}")
+
+
+def time_by_resource(workload: Workload, plan: Plan, cluster: ClusterSpec, step: float) -> dict[str, float]:
+    """Seconds of the predicted step each resource accounts for: ``step`` minus the step with it free.
+
+    Serial work adds up exactly; time hidden under overlap is removed by no single resource and is
+    reported as ``shared`` (``step - sum``; it is 0 when nothing overlaps).
+    """
+    out = {r: step - analyze(workload, plan, _free(cluster, r)).step_time for r in RESOURCES}
+    out["shared"] = step - sum(out.values())
+    return {k: _denoise(v, step) for k, v in out.items()}
+
+
+def _denoise(v: float, scale: float) -> float:
+    """0 for float round-off (and the 1e-9 left by a 'free' resource) relative to ``scale``."""
+    return 0.0 if abs(v) <= 1e-6 * scale else v
+
+
+def time_by_structure(a: Analysis, plan: Plan) -> dict[str, float]:
+    """Seconds of the step: G x the slowest stage's micro-batch, pipeline fill / drain, once-per-step work."""
+    steady = plan.grad_accum * max(f + b for f, b in zip(a.stage_fwd, a.stage_bwd))
+    per_step = max(a.prediction.stage_delta) if a.prediction.stage_delta else 0.0
+    return {"steady": steady, "pipeline_fill_drain": _denoise(a.step_time - steady - per_step, a.step_time),
+            "per_step": per_step}
+
+
+# ---------------------------------------------------------------------------------------------- predicting
+def predict_run(run: PublishedRun) -> RunPrediction:
+    """Price one run with the cost model (see the module docstring)."""
+    plan = to_plan(run)
+    cluster = cluster_for(run)
+    config = model_config(run.model, run.dtype)
+    workload = zoo_workload(config, run.model.seq_len, run.global_batch, _policies(plan))
+    a = analyze(workload, plan, cluster)
+    notes = list(a.notes)
+    if run.flash_attention:
+        notes.append("flash_attention: priced as unfused attention (the model has no fused-attention option yet)")
+    if run.dtype != "float32":
+        notes.append(f"{run.precision.split()[0]}: compute in bf16; parameters, gradients and optimizer state "
+                     "priced in fp32 (mistjax's storage)")
+    why = _runtime_check(plan)
+    if why:
+        notes.append(f"runtime cannot run this plan today: {why}")
+    return RunPrediction(run=run, plan=plan, cluster=cluster, analysis=a,
+                         by_resource=time_by_resource(workload, plan, cluster, a.step_time),
+                         by_structure=time_by_structure(a, plan), runtime_ok=why is None, notes=tuple(notes))
+
+
+def predict_all(runs: PublishedRuns) -> list[RunPrediction | RunFailure]:
+    """`predict_run` for every point, in file order; a run that cannot be priced becomes a `RunFailure`."""
+    out: list[RunPrediction | RunFailure] = []
+    for r in runs.points:
+        try:
+            out.append(predict_run(r))
+        except ValueError as e:  # PlanError, analysis errors (unsupported model code), unanalysed policies
+            out.append(RunFailure(run=r, error=f"{type(e).__name__}: {e}"))
+    return out
+
+
+def _priced(preds: list[Any]) -> list[RunPrediction]:
+    return [p for p in preds if isinstance(p, RunPrediction)]
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def _log_stats(ratios: list[float]) -> dict[str, float | None]:
+    logs = [abs(math.log(r)) for r in ratios]
+    return {"median_abs_log_ratio": statistics.median(logs) if logs else None,
+            "max_abs_log_ratio": max(logs) if logs else None}
+
+
+def summarize(preds: list[RunPrediction | RunFailure]) -> dict[str, dict[str, Any]]:
+    """Time and memory accuracy over the priced runs that have the measurement.
+
+    ``memory`` compares each run's peak (max over stages); ``n_fit`` counts runs that ran and are
+    predicted to fit their card's memory, ``n_ran`` the runs that ran (have a measured step time; a
+    run the model could not price counts as ran and not fitting).
+    """
+    priced = _priced(preds)
+    t = [p.time_ratio for p in priced if p.time_ratio is not None]
+    m = [p.memory_ratio for p in priced if p.memory_ratio is not None]
+    geo = math.exp(statistics.fmean(math.log(r) for r in t)) if t else None
+    n_fit = sum(p.fits for p in priced if p.run.ran)
+    return {"time": {"n": len(t), **_log_stats(t), "geo_mean_ratio": geo},
+            "memory": {"n": len(m), **_log_stats(m), "n_fit": n_fit, "n_ran": sum(p.run.ran for p in preds)}}
+
+
+def _cell(run: PublishedRun) -> tuple[Any, ...]:
+    mdl, hw = run.model, run.hardware
+    model = mdl.preset or (mdl.family, mdl.hidden, mdl.layers, mdl.heads, mdl.kv_heads, mdl.ffn, mdl.vocab)
+    return (model, mdl.seq_len, hw.preset, hw.nodes, hw.per_node, run.flash_attention)
+
+
+def speedup_pairs(preds: list[RunPrediction | RunFailure]) -> list[dict[str, Any]]:
+    """Every (Mist run, Megatron-LM run) of one cell (model, cluster, flash flag): speedup = t_megatron / t_mist."""
+    out = []
+    priced = [p for p in _priced(preds) if p.run.ran]
+    for mist in (p for p in priced if p.run.framework == "mist"):
+        for meg in (p for p in priced if p.run.framework == "megatron"):
+            if _cell(meg.run) != _cell(mist.run):
+                continue
+            measured = meg.run.measured.iter_time_s / mist.run.measured.iter_time_s
+            predicted = meg.step_time / mist.step_time
+            out.append({"mist": mist.run.id, "megatron": meg.run.id, "measured_speedup": measured,
+                        "predicted_speedup": predicted, "ratio": predicted / measured})
+    return out
+
+
+def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
+    """JSON form of one run and its prediction (``error`` instead of predictions for a `RunFailure`)."""
+    r = p.run
+    meas = r.measured
+    head = {
+        "id": r.id, "kind": r.kind, "system": r.system, "framework": r.framework,
+        "model": r.model.preset or model_config(r.model).name, "seq_len": r.model.seq_len,
+        "cluster": f"{r.hardware.preset}:{r.hardware.nodes}x{r.hardware.per_node}",
+        "flash_attention": r.flash_attention, "flash_attention_priced": False, "precision": r.precision,
+        "plan": to_plan(r).to_dict(), "ran": r.ran, "measured_time_s": meas.iter_time_s,
+        "measured_stage_peak_mib": list(meas.stage_peak_allocated_mib) if meas.stage_peak_allocated_mib else None,
+    }
+    if isinstance(p, RunFailure):
+        return {**head, "error": p.error}
+    a = p.analysis
+    return {
+        **head, "predicted_time_s": p.step_time, "time_ratio": p.time_ratio,
+        "predicted_stage_peak_mib": [x / MiB for x in p.stage_peaks], "memory_ratio": p.memory_ratio,
+        "predicted_stage_memory_mib": [{k: v / MiB for k, v in m.items()} for m in a.stage_memory],
+        "predicted_stage_host_mib": [x / MiB for x in a.stage_host],
+        "card_memory_mib": p.cluster.device.hbm_bytes / MiB, "fits": p.fits,
+        "time_by_resource_s": p.by_resource, "time_by_structure_s": p.by_structure,
+        "runtime_ok": p.runtime_ok, "notes": list(p.notes),
+    }
+
+
+__all__ = ["RESOURCES", "PublishedRunsError", "RunFailure", "RunPrediction", "cluster_for", "load_published",
+           "parse_published", "point_dict", "predict_all", "predict_run", "speedup_pairs", "summarize",
+           "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
