@@ -1,18 +1,5 @@
-"""Multi-process (multi-host) start-up on JAX's own distributed runtime.
-
-Every process of a run calls `initialize` before any other JAX call. Process 0 hosts JAX's
-coordination service at the coordinator address; the others connect to it. Settings come
-from arguments first, then ``MISTJAX_*`` environment variables, then the ``JAX_*`` ones::
-
-    MISTJAX_COORDINATOR_ADDRESS / JAX_COORDINATOR_ADDRESS   host:port of process 0
-    MISTJAX_NUM_PROCESSES       / JAX_NUM_PROCESSES         number of processes
-    MISTJAX_PROCESS_ID          / JAX_PROCESS_ID            this process, 0 .. n-1
-    MISTJAX_LOCAL_DEVICES                                   CPU devices per process (CPU only)
-
-A dead peer must not leave the others hanging. Two mechanisms bound the wait: a collective
-whose peer vanished fails at once (the TCP connection resets; `peer_failure` turns that into
-a `DistributedError`), and the coordination service declares a process dead after
-``heartbeat_timeout_s`` without heartbeats and then terminates every other process.
+"""Multi-process (multi-host) initialisation with the settings resolved from arguments, ``MISTJAX_*``
+then ``JAX_*`` environment variables (docs/pretraining.md).
 """
 
 from __future__ import annotations

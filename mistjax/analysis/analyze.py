@@ -1,36 +1,5 @@
-"""`analyze_model`: trace a loss at a few sizes and derive its symbolic per-part profile.
-
-How the expressions are obtained (and why this way):
-
-1. The loss is traced with `mistjax.trace.split.trace_loss` at six concrete ``(b, s)`` points
-   plus a check point (default ``b in {2, 3}`` x ``s in {8, 16, 24}``, check ``(4, 32)``).
-   Symbolic-shape tracing (``jax.export.symbolic_shape``) was rejected: the models compare the
-   sequence length with ``max_seq_len``, slice position tables and build masks from it, which
-   symbolic dims handle only in part. Concrete traces always work.
-2. Each trace is split into pre / block / post (`parts.split_parts`) and every part's training
-   forward and backward are traced with ``jax.vjp`` (under ``jax.checkpoint`` for each remat
-   policy). The traces at the seven points are aligned equation by equation and every
-   variable's dims are fitted exactly (`graph.build_graph`), so each value has a polynomial
-   shape in ``b, s``. A size that is not a polynomial of degree <= 1 in b and <= 2 in s, or
-   traces that differ in structure, raise an error rather than give a wrong fit.
-3. Tensor parallelism: the layouts of all values follow from the parameters' logical axes
-   (`tp.propagate`); a value split over ``tensor`` has ``1/t`` of its elements per device, and
-   the collectives needed between layouts are recorded. ``t`` enters only as that divisor.
-4. FLOPs (`flops`), residual bytes and liveness peaks (`memory`) are then sums / maxima of
-   these polynomials, converted to sympy at the end.
-
-What is exact and what is not (for b, s, t where t divides the split sizes, `tp_divisors`):
-
-* Exact w.r.t. the traced program: FLOPs under the conventions of `mistjax.analysis.flops`
-  (equal to a direct trace at any size); weight and output bytes; saved bytes per policy (equal
-  to the residuals ``jax.vjp`` keeps, minus weights, batch inputs and input-independent constants
-  such as masks that XLA folds); Megatron collective bytes and counts (equal to the HLO when the
-  layouts are imposed with `constrain_graph`).
-* Approximate: liveness peaks (unfused-program liveness with view/broadcast aliasing; XLA's
-  fused programs differ by tens of percent either way); XLA:CPU counts 0.1-2.3% more FLOPs
-  (fusion duplicates elementwise producers); ``cond`` costs its costlier branch, ``while`` one
-  trip; under TP a partial sum is held whole on every device until reduced and a gathered copy
-  lives until the value's last use.
+"""`analyze_model`: trace a loss at seven sizes and derive its symbolic per-part profile (FLOPs,
+residuals, liveness peaks, tensor-parallel collectives in b, s, t). How and what is exact: docs/internals.md.
 """
 
 from __future__ import annotations

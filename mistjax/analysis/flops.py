@@ -1,22 +1,4 @@
-"""FLOP counting on jaxprs, with XLA's conventions.
-
-Conventions (checked against ``compiled.cost_analysis()`` on CPU):
-
-* ``dot_general``: ``2 * M * N * K`` (batch dims included in M); convolutions
-  ``2 * out_elems * kernel_elems / out_features``.
-* Elementwise arithmetic, comparisons, selects and dtype converts: 1 FLOP per output element;
-  ``integer_pow`` x**k costs one multiply per step of binary exponentiation.
-* Transcendentals (exp, log, tanh, logistic, rsqrt, sin, pow, ...): 1 per element, counted
-  apart (XLA reports them apart from ``flops``); ``logistic`` also costs 3 FLOPs (XLA expands
-  it to ``1 / (1 + exp(-x))``).
-* Reductions: ``in_elems - out_elems`` (adds / compares).
-* Data movement (reshape, transpose, broadcast, slice, concatenate, pad, gather, iota, converts
-  of names / precision markers) is free; ``scatter-add`` costs one add per update element.
-* Values computed from constants only (masks and rotary tables built from ``iota``) are free
-  when ``fold_constants`` is set, since XLA folds them at compile time.
-* Loops multiply their body by the trip count (``scan`` length; 1 for ``while``, whose count is
-  unknown); ``cond`` counts the most expensive branch (term-wise maximum, an upper bound);
-  ``pjit`` / ``remat`` / ``custom_jvp`` / ``custom_vjp`` bodies are inlined by `build_graph`.
+"""FLOP counting over analysed graphs, with XLA's conventions per primitive (docs/internals.md).
 """
 
 from __future__ import annotations

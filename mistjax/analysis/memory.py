@@ -1,23 +1,4 @@
-"""Liveness-based transient memory of a flattened graph (Mist section 4.2, on jaxprs).
-
-Every value is allocated by the node that defines it and freed after its last use; graph
-outputs live to the end. The peak is the maximum, over program points, of the bytes allocated
-*by the graph itself*: inputs (weights, the layer input, residuals, cotangents) are accounted
-for by the caller and are not counted. Values in ``exclude`` (weight gradients, which the cost
-model holds as gradient state) are not counted either.
-
-Adjustments for XLA, which fuses the jaxpr's elementwise chains:
-
-* no-op primitives (``name``, ``reduce_precision``, same-dtype converts, ``reshape``, ``squeeze``,
-  ``expand_dims``, ``copy``) alias their input's buffer;
-* ``broadcast_in_dim`` and ``iota`` are fused into their consumers and take no memory (unless
-  they are graph outputs), and so are values computed from constants only (causal masks,
-  rotary tables), which XLA folds;
-* every other result is materialised. This is still an upper bound for fused chains: the
-  transient peak is that of the unfused program.
-
-Sizes are polynomials; the peak is a sympy ``Max`` over the program points whose live-set size
-is not dominated term by term by another point's (`poly.max_expr`).
+"""Residual bytes and liveness peaks of analysed graphs, with view/broadcast aliasing (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,33 +1,5 @@
-"""Tensor-parallel layout propagation: which dims are split over ``tensor``, which collectives follow.
-
-Megatron-LM's tensor parallelism with sequence parallelism is derived, not hand-coded: the
-parameter dims whose logical axis is in ``TENSOR_AXES`` (heads, kv_heads, mlp, vocab) start
-split ("model" sharding); the hidden state between layers starts split along its sequence dim
-("sequence" sharding). A forward pass over the flattened jaxpr then assigns every value a layout
--- replicated, split along one dim, or a *partial sum* (each device holds a summand) -- with
-local rules per primitive:
-
-* ``dot_general`` contracting a split dim gives a partial sum (a row-parallel matmul); a split
-  free or batch dim carries over to the result (column-parallel). When both operands are split
-  on unrelated dims, the sequence-split one is all-gathered (Megatron's all-gather before the
-  column-parallel matmuls), else the smaller one.
-* ``reduce_sum`` / ``reduce_max`` over a split dim give a partial sum / max (vocab-parallel
-  cross-entropy); an embedding ``gather`` from a vocab-split table gives a partial sum.
-* A partial sum is resolved where a consumer needs it whole: a reduce-scatter onto the sequence
-  dim when it came from a split weight (row-parallel output, embedding) and has a sequence dim,
-  or when the other operand is split along that dim; an all-reduce otherwise (loss statistics,
-  norm-weight gradients). A partial max is always all-reduced.
-* Elementwise ops follow their split operands (model splits win over sequence splits);
-  replicated operands are sliced locally for free.
-
-The backward pass is analysed the same way on the vjp's backward jaxpr, starting from the
-layouts the forward gave its residuals; this yields Megatron's mirror collectives (e.g. the
-re-gather of the layer input for the weight gradient, reduce-scatter of input gradients,
-all-reduce of the sequence-parallel norm weights' gradients). Collectives are recorded once per
-value and target layout (a gathered copy is reused by later consumers).
-
-The layouts and `constrain_graph` (run a graph under them with GSPMD) are in
-`mistjax.analysis.layout`.
+"""Tensor-parallel layout propagation through a jaxpr graph (Megatron's column/row split with sequence
+parallelism): each value's layout and the collectives between layouts. Rules: docs/internals.md.
 """
 
 from __future__ import annotations

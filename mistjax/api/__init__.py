@@ -83,7 +83,7 @@ def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Pat
       time_limit: seconds for the search.
       workload: the cost model's `Workload`, if the step's model cannot be recognised.
       baselines: baselines to compare with (default: all).
-      cost: the cost-model module (default `mistjax.cost.model`).
+      cost: the cost model (default `mistjax.cost.COST_MODEL`, the interface `mistjax.core.strategies.CostModel`).
     Returns:
       A `ShardedStep` (with ``plan``) or, without a plan, an `AutoShardedStep` with the same
       methods: ``place(state, batch)``, ``__call__(state, batch)``, ``lower(...)`` and ``plan``.

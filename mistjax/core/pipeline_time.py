@@ -3,7 +3,7 @@
 Per-stage inputs carry the stage axis LAST, shape ``(..., S)``; leading axes are candidate plans and
 ``G`` broadcasts against them. ``stable[..., i]`` (T_i) is the forward + backward time of one steady
 micro-batch on stage i, ``delta[..., i]`` (D_i) the extra time of its first and last micro-batches
-(once-per-step work). What the formulas model, and how they were checked: docs/pipelines.md.
+(once-per-step work). What the formulas model, and how they were checked: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def pipeline_time(
 ) -> np.ndarray:
     """Dispatch to ``pipeline_1f1b_time`` or ``pipeline_gpipe_time`` by schedule name.
 
-    ``"1f1b-eager"`` (the lock-step executor's packing of 1F1B, `mistjax.runtime.schedules`) runs the
+    ``"1f1b-eager"`` (the lock-step executor's packing of 1F1B, `mistjax.core.schedules`) runs the
     same per-stage order of work as 1F1B, so Mist's 1F1B formula describes it.
     """
     if schedule in ("1f1b", "1f1b-eager"):
@@ -107,7 +107,7 @@ def pipeline_time(
 def lockstep_microbatch_time(fwd: ArrayLike, bwd: ArrayLike, schedule: ScheduleName = "1f1b") -> np.ndarray:
     """Steady-state seconds one micro-batch costs a stage in the lock-step executor.
 
-    Each tick lasts as long as its slowest stage (`mistjax.runtime.schedules.lockstep_time`). In classic
+    Each tick lasts as long as its slowest stage (`mistjax.core.pipeline_time.lockstep_time`). In classic
     1F1B's steady state a stage runs a forward while its neighbour runs a backward, so a micro-batch
     takes a forward tick and a backward tick, each ``max(fwd, bwd)`` long. GPipe and 1F1B-eager put
     a stage's forward and backward work into ticks of their own kind, so a micro-batch costs

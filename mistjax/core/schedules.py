@@ -5,7 +5,7 @@ be met in an earlier tick, except the last stage's backward, which may follow it
 gradient) in the same tick. ``"gpipe"`` runs all forwards then all backwards (``G`` micro-batches in
 flight); ``"1f1b"`` (PipeDream-flush) warms up with ``min(S - s - 1, G)`` forwards and then alternates
 (``min(S - s, G)`` in flight); ``"1f1b-eager"`` puts every backward at its earliest tick
-(``min(2 (S - s) - 1, G)`` in flight). Trade-offs and measurements: docs/pipelines.md.
+(``min(2 (S - s) - 1, G)`` in flight). Trade-offs and measurements: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,5 @@
-"""Alpha-beta cost of collectives, host copies and p2p sends, plus wire-byte helpers. Pure NumPy.
-
-Every function broadcasts its array arguments (scalars or ``np.ndarray`` of any shape) so the tuner
-can price thousands of strategies in one call. ``nbytes`` is always the size of the *full*
-(unsharded) buffer: the output of an all-gather, the input of a reduce-scatter or all-reduce.
-
-A link is a ``LinkModel`` (or anything with ``.bandwidth`` / ``.latency``) or a ``(bandwidth,
-latency)`` pair of arrays, in bytes/s and seconds. Two cost forms (``model=``):
-
-* ``"ring"`` (default): ``(P-1)*alpha + (P-1)/P * nbytes / bw``; all-reduce is twice that
-  (reduce-scatter + all-gather). ``latency`` is the per-step alpha. (Thakur et al. 2005; MiCS
-  digest section 9.)
-* ``"mist"``: Mist's fitted form ``phi_op * (nbytes/bw * (P-1)/P + b)`` with phi_AG = 1.0,
-  phi_RS = 1.1, phi_AR = 2.1; ``latency`` is then Mist's per-call constant b.
-
-A group of one device, or zero bytes, costs exactly 0: no collective is issued.
-
-Hierarchical (MiCS) collectives on a group of p = k*m devices, k per node on m nodes, with ranks
-node-contiguous: the inter-node link passed in is the *node-level* inter-node bandwidth available
-when k devices per node take part (this is what ``ClusterSpec.collective_link(k, m)`` returns for
-m > 1, and it is also the effective bus bandwidth of a flat ring over the same p devices).
+"""Collective times (alpha-beta, Mist's fitted form, MiCS hierarchical and 2-hop) and wire/egress bytes,
+vectorised over group layouts (formulas: docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""Mist's interference model for four concurrent channels (Mist artifact, ``tools/optimize.py``).
-
-One phase of a layer runs up to four things at once: compute, device<->device collectives (d2d),
-host->device copies (h2d) and device->host copies (d2h). Each has a standalone duration. When a set
-M of channels is busy together, channel k progresses 1/f_{M,k} times slower than alone. The model
-walks the 11 masks with >= 2 channels, largest first: while every channel of M is still busy, the
-phase lasts ``min_k x_k f_{M,k}``; that much (slowed) work is removed from each channel, the
-channel(s) hitting the minimum finish, and the row moves on to a smaller mask. Whatever single
-channel is left runs alone.
-
-Facts worth knowing when choosing factors (all are tested):
-
-* all factors == 1 (perfect overlap): result == max of the inputs;
-* f_{M,k} == |M| for every mask (fair time-slicing, no overlap gain): result == sum of the inputs;
-* any factors >= 1: result >= max of the inputs;
-* if ``sum_{k in M} 1/f_{M,k} >= 1`` for every mask (overlap never worse than running serially):
-  result <= sum of the inputs. Large factors break this bound (f = 100 on a pair is 50x slower than
-  running the two one after the other), which is why factors are validated to be >= 1 but not capped.
+"""Mist's four-channel overlap model: the time of compute, D2D, H2D and D2H work running together
+(docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-device bytes of parameters, gradients and optimizer state, leaf by leaf as the runtime lays them out.
 
-The runtime (`mistjax.runtime.sharding.plan_layouts`) splits tensor-parallel dims by ``t``, splits
+The runtime (`mistjax.core.layout.plan_layouts`) splits tensor-parallel dims by ``t``, splits
 ZeRO-3 parameters / ZeRO-1 optimizer state over the MiCS partition group on one dim chosen by
 `choose_shard_dim` (a leaf with no divisible dim stays whole), and offloads WHOLE leaves chosen by
 `select_offload`. This module applies exactly those functions to the workload's leaf table, once per

@@ -1,27 +1,7 @@
 """The vectorised stage cost: step time and per-device memory of arrays of stage strategies.
 
-`stage_cost(workload, cluster, st)` prices every strategy of `StageStrategies` at once with NumPy
-(no Python loop per strategy). It describes what the runtime does (`mistjax.runtime`):
-
-* Layer loop (`runtime.remat`): of a stage's ``l`` layers the last ``c`` are checkpointed with the
-  stage's policy, the first ``round(ao (l - c))`` offload their tagged activations to host and
-  recompute the rest, the others keep everything. With per-layer fetches (ZeRO-3 gathers, host
-  weights) every layer fetches its weights in its forward and again in its backward: plain layers
-  through the runtime's re-fetching custom VJP (their residuals are only the activation-dependent
-  ones, ``saved[none]``, no fetched weights or views of them), checkpointed and offloaded layers by
-  recomputation. Two fetched layers are live at once (scan of > 2 layers unrolled by 2, forward and
-  backward).
-* Gradients (`runtime.grads`): ZeRO-0/1 accumulate full fp32 gradients and all-reduce (0) or
-  reduce-scatter (1) at the end; ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 reduce-scatters
-  per layer through autodiff; MiCS adds one all-reduce of the shards over the replicas per step.
-  ZeRO-1/2 plans all-gather the updated parameters after the GSPMD optimizer update.
-* Time per layer phase is Mist's: ``I(compute, d2d, h2d, d2h) + TP collectives`` with the
-  four-channel interference model; once-per-step work (gradient sync, optimizer update,
-  ZeRO all-gather, optimizer-state offload traffic) goes to ``delta``.
-
-Memory categories per device: ``params``, ``optimizer``, ``grads``, ``activations``, ``buffers``
-(transients, fetch double buffers, batch). ``host`` (offloaded state, reported separately) is not
-device memory, but XLA:CPU counts it in ``memory_analysis``; `StageCost.xla_cpu_peak` adds it.
+`stage_cost` prices every strategy of a `StageStrategies` at once with NumPy and describes what the
+runtime does; what it charges for each runtime behaviour: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
-"""Whole-plan prediction: `predict` (a `mistjax.plan.Prediction`) and `analyze` (breakdowns).
-
-A `Plan` becomes one `StageStrategies` row per stage and is priced by `stage_cost`. What the
-pipelined runtime adds on top (`mistjax.runtime.pipeline`):
-
-* residual pools are sized to the MAX over stages of slots x rows, and SPMD gives every device the
-  same buffers, so every stage is charged the largest stage's activation memory, on device and (for
-  activation offload, which each stage sets for itself) on host;
-* every device's program holds the code of every stage kind (a two-way cond per kind and tick), so
-  XLA's cost analysis, which counts a loop body once and a cond as its costlier branch, sees the
-  layer bodies of every distinct stage kind once (`Analysis.flops_xla`);
-* every tick sends one activation forward and one cotangent backward (``collective-permute``);
-* the executor is lock-step (each tick lasts as long as its slowest stage), so the step time is
-  `mistjax.runtime.schedules.lockstep_time` of the per-stage forward / backward times, plus the
-  largest once-per-step delta; Mist's formula (`cost.pipeline_time`) is reported for comparison.
+"""`predict` / `analyze`: the cost model's view of one whole `Plan`, stage by stage, priced as the
+runtime's executor runs it (docs/internals.md).
 """
 
 from __future__ import annotations

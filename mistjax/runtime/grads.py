@@ -1,21 +1,6 @@
-"""The loss-and-gradient computation a plan prescribes, as one shard_map over the DP axes.
-
-Inside the shard_map every device holds its own micro-batches (manual ``replica`` and the shard
-axes `SHARD_AXES`) while ``tensor`` stays under GSPMD. Per micro-batch, the model runs with its
-layer scan replaced by the plan's layer loop (remat, per-layer ZeRO-3 gathers, sequence-parallel
-constraints); gradients are synchronised explicitly so the collectives are exactly the plan's:
-
-- ZeRO-3: parameters all-gathered per layer; autodiff turns the gather into a reduce-scatter
-  over the partition group for every micro-batch (hop 1).
-- ZeRO-2: gradients reduce-scattered over the partition group every micro-batch (hop 1).
-- ZeRO-1 / none: gradients accumulate locally; one reduce-scatter (ZeRO-1) or all-reduce at the
-  end of the step.
-- MiCS (partition group smaller than DP): the accumulated shards are all-reduced across
-  replicas once per step, as one bucket (hop 2).
-
-A partition group spanning nodes is gathered hierarchically (`shard_all_gather`: inter-node among
-equal local ranks, then intra-node) and reduce-scattered in the mirrored order
-(`shard_psum_scatter`), so only 1/k of the traffic of k devices per node crosses the network.
+"""The loss-and-gradient computation a plan prescribes, as one shard_map over the data-parallel axes:
+micro-batches, the plan's layer loop, and gradient synchronisation with exactly the plan's ZeRO /
+MiCS collectives (which ones, and when: docs/internals.md).
 """
 
 from __future__ import annotations
@@ -32,10 +17,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
-from mistjax.core.plan import Plan, PlanError
+from mistjax.core.plan import Plan, PlanError, StagePlan
 from mistjax.runtime.remat import make_layer_loop
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
-from mistjax.trace.split import checkpoint_names, evaluate, trace_loss
+from mistjax.trace.split import LayerLoop, TracedLoss, checkpoint_names, evaluate, trace_loss
 
 MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
@@ -175,6 +160,83 @@ def _split_microbatches(x: jax.Array, g: int) -> jax.Array:
     return x.reshape((x.shape[0] // g, g) + x.shape[1:]).swapaxes(0, 1)
 
 
+def _sp_constraint(tp: int) -> Callable[[jax.Array], jax.Array]:
+    """Sequence parallelism between layers: the hidden state split along the sequence over ``tensor``."""
+
+    def constrain(c: jax.Array) -> jax.Array:
+        if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
+            return lax.with_sharding_constraint(c, P(None, "tensor", None))
+        return c
+
+    return constrain
+
+
+def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec], plan: Plan) -> LayerLoop | None:
+    """The plan's layer loop for the traced loss (remat, per-layer fetches, activation offload), or None."""
+    if traced.stack is None:
+        needs_stack = stage.remat_layers > 0 or stage.offload_acts > 0 or any(
+            (s.weights_sharded or s.layout.host) and s.layout.stacked for s in specs)
+        if needs_stack:
+            traced.require_stack()
+        return None
+    st = traced.stack
+    plan.check_layers(st.num_layers)
+    return make_layer_loop(
+        num_layers=st.num_layers, remat_layers=stage.remat_layers, policy=stage.remat_policy,
+        gather=[None if i is None else make_fetch(specs[i], True) for i in st.xs_leaf],
+        carry_constraint=_sp_constraint(plan.tp), offload_layers=stage.offloaded_layers,
+        offload_names=checkpoint_names(st.body))
+
+
+MicrobatchGrad = Callable[[list[jax.Array], list[jax.Array]], tuple[jax.Array, Any, list[jax.Array]]]
+
+
+def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
+                     layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool]) -> MicrobatchGrad:
+    """``(params, micro_batch) -> (loss, aux, grads)`` of one micro-batch, run as the plan says."""
+    tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
+    layer_loop = _layer_loop(traced, plan.stages[0], specs, plan)
+    stacked = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
+
+    def read_param(i: int, v: jax.Array) -> jax.Array:
+        fetch = make_fetch(specs[i], False) if i not in stacked else None
+        return v if fetch is None else fetch(v)
+
+    def loss(pl: list[jax.Array], rl: list[jax.Array]) -> tuple[jax.Array, Any]:
+        outs = evaluate(traced, pl, rl, layer_loop=layer_loop, read_param=read_param, block=tp_block)
+        out = jax.tree.unflatten(traced.out_tree, outs)
+        return (out[0], out[1]) if has_aux else (out, None)
+
+    def grad(p_local: list[jax.Array], mb: list[jax.Array]) -> tuple[jax.Array, Any, list[jax.Array]]:
+        (value, aux), g = jax.value_and_grad(loss, has_aux=True)(p_local, mb)
+        # The gradient of a host-streamed weight arrives in host memory (transpose of the fetch).
+        g = [_to_device(gi, s.layout.host) for gi, s in zip(g, specs)]
+        g = [_scatter(gi, s) if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
+        return value, aux, g
+
+    return grad
+
+
+def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
+                G: int, acc_host: Sequence[bool]) -> tuple[list[jax.Array], jax.Array, Any]:
+    """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host)."""
+    mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
+    if G == 1:
+        loss, aux, acc = grad(p_local, mb0)
+        return acc, loss, aux
+    shapes = jax.eval_shape(grad, p_local, mb0)[2]
+    acc0 = [_to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
+
+    def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
+        loss, aux, g = grad(p_local, [x[i] if b else x for x, b in zip(mbs, is_batch)])
+        # Offloaded accumulators come in, take this micro-batch's gradient and go back out.
+        return [_to_host(_to_device(a, h) + gi, h) for a, gi, h in zip(acc, g, acc_host)], (loss, aux)
+
+    acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
+    acc = [_to_device(a, h) for a, h in zip(acc, acc_host)]
+    return acc, jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
+
+
 def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, rest: tuple[Any, ...], *,
                            plan: Plan, mesh: Mesh, layouts: Sequence[LeafLayout], global_batch: int) -> Any:
     """``jax.value_and_grad(fun, has_aux)(params, *rest)`` run the way `plan` says.
@@ -198,77 +260,19 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     r_leaves, r_tree = jax.tree.flatten(rest)
     specs = [GradSpec(lay, stage.zero_stage if lay.role == PARAM else 0) for lay in layouts]
     is_batch = [jnp.ndim(x) > 0 and x.shape[0] == global_batch for x in r_leaves]
-    G, dp, tp = plan.grad_accum, plan.dp, plan.tp
-    full_params = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves]
+    G, scale = plan.grad_accum, 1.0 / (plan.dp * plan.grad_accum)
+    full_params = jax.tree.unflatten(p_tree, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves])
     # Gradient accumulators kept in host memory between micro-batches (only worth it when G > 1).
     grad_sizes = [s.layout.nbytes_elems if s.layout.stacked else 0 for s in specs]
     acc_host = [h and n > 0 for h, n in zip(select_offload(grad_sizes, stage.offload_grads), grad_sizes)]
 
-    gather = make_fetch
-    def sp_constraint(c: jax.Array) -> jax.Array:
-        if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
-            return lax.with_sharding_constraint(c, P(None, "tensor", None))
-        return c
-
     def body(p_local: list[jax.Array], r_local: list[jax.Array]) -> Any:
         mbs = [_split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
-        mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
-        traced = trace_loss(lambda p, *r: fun(p, *r), jax.tree.unflatten(p_tree, full_params),
-                            *jax.tree.unflatten(r_tree, mb0))
-        # Megatron's column / row split with sequence parallelism inside each layer (None when tp == 1).
-        tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=tp, batch=is_batch)
-        needs_stack = stage.remat_layers > 0 or any(
-            (s.weights_sharded or s.layout.host) and s.layout.stacked for s in specs)
-        layer_loop = None
-        if traced.stack is not None:
-            st = traced.stack
-            plan.check_layers(st.num_layers)
-            gathers = [None if i is None else gather(specs[i], True) for i in st.xs_leaf]
-            layer_loop = make_layer_loop(
-                num_layers=st.num_layers, remat_layers=stage.remat_layers, policy=stage.remat_policy,
-                gather=gathers, carry_constraint=sp_constraint,
-                offload_layers=stage.offloaded_layers,
-                offload_names=checkpoint_names(st.body))
-        elif needs_stack or stage.offload_acts > 0:
-            traced.require_stack()
-        stacked = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
-
-        def read_param(i: int, v: jax.Array) -> jax.Array:
-            g = gather(specs[i], False) if i not in stacked else None
-            return v if g is None else g(v)
-
-        def mb_loss(pl: list[jax.Array], rl: list[jax.Array]) -> tuple[jax.Array, Any]:
-            outs = evaluate(traced, pl, rl, layer_loop=layer_loop, read_param=read_param, block=tp_block)
-            out = jax.tree.unflatten(traced.out_tree, outs)
-            return (out[0], out[1]) if has_aux else (out, None)
-
-        def one(mb: list[jax.Array]) -> tuple[jax.Array, Any, list[jax.Array]]:
-            (loss, aux), g = jax.value_and_grad(mb_loss, has_aux=True)(p_local, mb)
-            # The gradient of a host-streamed weight arrives in host memory (transpose of the fetch).
-            g = [_to_device(gi, s.layout.host) for gi, s in zip(g, specs)]
-            g = [_scatter(gi, s) if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
-            return loss, aux, g
-
-        if G == 1:
-            loss, aux, acc = one(mb0)
-            loss_sum, aux_sum = loss, aux
-        else:
-            acc0 = [_to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(jax.eval_shape(one, mb0)[2], acc_host)]
-
-            def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
-                mb = [x[i] if b else x for x, b in zip(mbs, is_batch)]
-                loss, aux, g = one(mb)
-                # Offloaded accumulators come in, take this micro-batch's gradient and go back out.
-                acc = [_to_host(_to_device(a, h) + gi, h) for a, gi, h in zip(acc, g, acc_host)]
-                return acc, (loss, aux)
-
-            acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
-            acc = [_to_device(a, h) for a, h in zip(acc, acc_host)]
-            loss_sum = jnp.sum(losses)
-            aux_sum = jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
-        grads = _finish_grads(acc, specs, plan, mesh)
-        scale = 1.0 / (dp * G)
-        grads = [g * jnp.asarray(scale, g.dtype) for g in grads]
+        mb0 = jax.tree.unflatten(r_tree, [x[0] if b else x for x, b in zip(mbs, is_batch)])
+        traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)
+        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch)
+        acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host)
+        grads = [g * jnp.asarray(scale, g.dtype) for g in _finish_grads(acc, specs, plan, mesh)]
         loss = psum_live(loss_sum, DP_AXES, mesh) * scale
         aux = jax.tree.map(lambda a: psum_live(a, DP_AXES, mesh) * (scale if jnp.issubdtype(a.dtype, jnp.inexact)
                                                                    else 1), aux_sum)

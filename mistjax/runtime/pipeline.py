@@ -3,7 +3,7 @@
 The model comes as three pure functions: ``pre(pre_params, mb) -> h`` (embedding), ``block(layer_params,
 h) -> h`` (one layer) and ``post(post_params, h, mb) -> loss`` (norm, head, mean loss of the micro-batch).
 `pipeline_value_and_grad` runs them as ``S`` stages over the ``stage`` mesh axis with a static schedule
-table (`mistjax.runtime.schedules`) and returns the mean loss over ``G`` micro-batches and its gradients.
+table (`mistjax.core.schedules`) and returns the mean loss over ``G`` micro-batches and its gradients.
 
 How it works
 ------------
@@ -463,7 +463,7 @@ def pipeline_value_and_grad(
         microbatches: leaves ``[G, ...]``; leaf dim 1 is the batch (split over `dp_axes` if given).
         mesh: the device mesh; `stage_axis` must have ``S`` devices.
         stage_layers: ``[a_s, b_s)`` per stage (contiguous from 0; uneven allowed).
-        schedule: "1f1b" (default), "gpipe" or "1f1b-eager" (see `mistjax.runtime.schedules`).
+        schedule: "1f1b" (default), "gpipe" or "1f1b-eager" (see `mistjax.core.schedules`).
         remat_layers: per stage, how many of its *last* layers are checkpointed (default none).
         remat_policy: per stage (or one for all): "full" | "dots" | "names:a,b".
         offload_layers: per stage, how many of its *first* layers offload their ``checkpoint_name``-tagged

@@ -1,20 +1,6 @@
-"""Remat (activation checkpointing) policies by name, and the layer loop that applies them.
-
-A stage with ``l`` layers and ``remat_layers = c`` runs its first ``l - c`` layers normally and
-checkpoints the last ``c`` (Mist's convention: the last blocks of a stage are recomputed, since
-their activations would be freed soonest anyway). Per-layer weight fetches (ZeRO-3 all-gathers,
-host->device copies of offloaded weights) happen inside each layer and are tagged `GATHERED`.
-
-Every layer that fetches its weights fetches them again in its backward pass, so ZeRO-3 / weight
-offload keep no fetched weights between forward and backward on any layer kind:
-
-* plain layers run under a per-layer ``jax.custom_vjp`` (`_refetching_layer`): the forward keeps
-  only the ``jax.vjp`` residuals that depend on the carry or the consts (`runtime.residuals`), the
-  backward re-fetches and rebuilds the weight-only ones (casts, views) from a fresh vjp. A
-  name-based policy such as ``save_anything_except_these_names(GATHERED)`` cannot do this: it still
-  saves the untagged values computed from the gathered weight;
-* checkpointed and activation-offloaded layers recompute everything their policy does not save,
-  the `GATHERED` fetch included.
+"""The layer loop of a stage: remat segments, per-layer weight fetches (ZeRO-3 gathers, host copies)
+and the re-fetching custom VJP that keeps no fetched weights between forward and backward
+(docs/internals.md).
 """
 
 from __future__ import annotations

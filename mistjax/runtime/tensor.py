@@ -1,36 +1,5 @@
-"""Megatron tensor parallelism for the layer block: run it under the analysis's propagated layouts.
-
-With only the parameters' ``tensor`` shardings and the sequence-parallel hidden state between
-layers, GSPMD picks its own collectives inside a layer (it all-gathers weights, all-reduces where
-Megatron reduce-scatters, all-to-alls around grouped-query attention). `tensor_parallel_block`
-instead evaluates one layer with every value constrained to the layout `mistjax.analysis.tp`
-propagates for it (the layouts the cost model prices), so the compiled program runs Megatron's
-schedule with sequence parallelism:
-
-* forward: all-gather of the sequence-split hidden state before the column-parallel matmuls (QKV,
-  MLP-in), a reduce-scatter of each row-parallel output (attention out, MLP-out) back onto the
-  sequence; kv heads split like the query heads (no all-to-all);
-* backward: autodiff transposes the constraints, and three custom VJPs (`_Collectives`) give the
-  conversions Megatron's mirrors: the gathered input of a column-parallel matmul is not kept but
-  all-gathered again for the weight gradient (the layer keeps only its 1/t sequence shard), and its
-  gradient is reduce-scattered back onto the sequence (a plain replicated constraint would keep
-  the gathered copy and transpose to an all-reduce + slice); the cotangent of a row-parallel
-  output is all-gathered once for the transposed matmul and its weight gradient (in a parallel
-  block, once for both branches); sequence-parallel norm weights' gradients are all-reduced.
-
-The layouts need symbolic sizes (a partial sum is reduce-scattered onto the *sequence* dim, which
-only a fit over several sizes can tell from e.g. the hidden size), so the loss is traced again at
-six more ``(b, s)`` points around the runtime's micro-batch, exactly like `analyze_model` does.
-The returned block is used through the ``block`` argument of `mistjax.trace.split.evaluate` /
-`run_block`; it works inside ``lax.scan``, ``jax.checkpoint`` (remat segments) and the runtime's
-re-fetching custom VJP (ZeRO-3), because it is an ordinary traceable function.
-
-GSPMD still reduces each partial matmul result on its own where Megatron sums them first (the
-gradient of a gathered input read by three matmuls, e.g. q, k, v, is reduce-scattered three
-times; XLA:CPU moreover emits each as an all-reduce + slice): the analysis records that
-multiplicity as ``summands`` (`CollectiveRecord`), and `mistjax.cost.check` compares like with
-like. tests/test_tensor_parallel.py checks that the compiled layers' collectives are exactly the
-analysis's, forward, backward and recompute.
+"""Megatron tensor parallelism for the layer block: run it under the analysis's propagated layouts, with
+custom VJPs for the conversions, so the compiled program does Megatron's collectives (docs/internals.md).
 """
 
 from __future__ import annotations

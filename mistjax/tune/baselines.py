@@ -1,19 +1,5 @@
-"""Baselines and ablation steps, all as search spaces of the same tuner and cost model.
-
-Baselines (design principle 5, honest baselines; Mist digest §6.4):
-
-* ``megatron``: Megatron-LM's space: power-of-two dp x tp x pp, micro-batch {1, 2, 4}, full
-  recompute of every layer, distributed optimizer (ZeRO-1), uniform layers.
-* ``zero3-fsdp``: ZeRO-3 / FSDP over all devices, with or without full activation checkpointing.
-* ``mics``: MiCS alone: ZeRO-3 inside partition groups, replicated across them.
-* ``mist``: Mist's own space without our additions (no MiCS groups, full-layer recompute only).
-
-mistjax's space contains every one of them, so with the same cost model its plan is never worse.
-
-Ablation steps (Mist §6.6), each adding one dimension to the previous: 3D parallelism (ZeRO-1,
-full recompute, no offload, imbalance-unaware K = 1) -> + ZeRO-2/3 -> + checkpoint tuning ->
-+ offload -> + imbalance-aware Pareto sampling (K = 30) -> + mistjax's additions (MiCS, policies)
--> + the 1F1B-eager schedule (lock-step 1F1B at GPipe's speed, `mistjax.runtime.schedules`).
+"""The baselines (Megatron-LM, ZeRO-3/FSDP, MiCS, Mist's own space) and the ablation steps, as search
+spaces on the same tuner and cost model (docs/internals.md).
 """
 
 from __future__ import annotations

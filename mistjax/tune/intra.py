@@ -1,26 +1,6 @@
-"""Intra-stage tuning: price stage strategies of one outer key with vectorised cost-model calls.
-
-For an outer key (TP, stage count S, micro-batch b, hence dp and G, and the uniform stage mesh), the
-candidates are all combinations of
-
-* stage slot i (slot 0 holds the embedding, slot S-1 the head; one stage holds both; every slot is
-  priced with the first stage's ``min(S, G)`` micro-batches in flight, because the SPMD pipeline
-  sizes all stages' activation pools alike),
-* layer count l (Mist's window around L/S),
-* remat option r = (checkpointed layers c <= l, policy),
-* strategy x = (ZeRO level, MiCS group, weight / grad / optimizer / activation offload ratios),
-
-laid out as ``[S, J, R, X]`` tables of stable time, delta and feasibility under the memory limit
-(Mist's DOCO, §5.2; two objectives, stable and delta). Every call prices whole arrays; the only
-Python loops run over chunks of strategies (bounding the memory of the model's temporaries), over
-the handful of strategy families (ZeRO level x MiCS group) and over outer keys.
-
-Pricing everything is what Mist does, but our cost model costs ~10 us per strategy, and the full
-space of a 22B model on 32 GPUs has ~10^8 strategies. The tuner therefore prices in layers
-(`mistjax.tune.inter.tune_key`): a family's zero-offload strategies first, their cheapest remat
-option as a lower bound, and offloaded strategies only where that bound can still beat the best
-plan. `family_bounds` gives those bounds. They are exact when time never falls and memory never
-rises as an offload ratio or the checkpointed-layer count grows (checked in the tests).
+"""Intra-stage tuning: price the stage strategies of one outer key with vectorised cost-model calls into
+``[slot, layers, remat, strategy]`` tables, pricing offloaded strategies only where bounds allow
+(docs/internals.md).
 """
 
 from __future__ import annotations
@@ -170,7 +150,7 @@ def price_pairs(workload: Any, cluster: Any, cost: CostModel, tables: StageTable
                 # The SPMD pipeline runs in lock-step: in classic 1F1B's steady state a micro-batch takes
                 # a forward tick and a backward tick on every stage, each as long as the slowest stage's,
                 # so a stage costs 2 max(fwd, bwd) per micro-batch rather than fwd + bwd (1F1B-eager:
-                # fwd + bwd; `runtime.schedules.lockstep_time` is what `cost.predict` charges). Pricing it
+                # fwd + bwd; `core.pipeline_time.lockstep_time` is what `cost.predict` charges). Pricing it
                 # so keeps the MILP's ranking that of the prediction.
                 steady = lockstep_microbatch_time(np.broadcast_to(out.fwd, sub)[i], np.broadcast_to(out.bwd, sub)[i],
                                                   name)

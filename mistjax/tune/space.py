@@ -75,7 +75,7 @@ class SearchSpace:
         pareto_k: Pareto points sampled per stage key for the MILP (Mist: 30; 1 = imbalance-unaware).
         schedules: pipeline schedules tried for S > 1. The lock-step executor pays classic 1F1B's
             ``max(F, B)`` ticks; ``1f1b-eager`` runs at GPipe's speed but keeps up to ``2 (S - s) - 1``
-            micro-batches in flight (`mistjax.runtime.schedules`). Megatron and Mist use ``("1f1b",)``.
+            micro-batches in flight (`mistjax.core.schedules`). Megatron and Mist use ``("1f1b",)``.
         executable: only plans the runtime can run: pipelined plans share ZeRO and state-offload
             settings over stages and do not offload gradient accumulators (`check_pipelined_plan`); the
             search leaves activation offload out of pipelines (the runtime runs it, per stage).
@@ -171,7 +171,7 @@ class OuterKey:
     grad_accum: int
     nodes: int  # nodes of one stage's mesh
     per_node: int  # devices of one stage on each of its nodes
-    schedule: str = "1f1b"  # pipeline schedule (`runtime.schedules.SCHEDULE_NAMES`); "1f1b" when S == 1
+    schedule: str = "1f1b"  # pipeline schedule (`core.schedules.SCHEDULE_NAMES`); "1f1b" when S == 1
 
 
 def _pow2(n: int) -> bool:

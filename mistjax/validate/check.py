@@ -1,32 +1,6 @@
-"""Check the cost model against XLA's compiled programs (used by tests and scripts/bench_costmodel.py).
-
-A cell is (model preset, sequence length, global batch, plan). `measure_cell` compiles the runtime's
-real train step (``mistjax.autoshard(step, jax.devices(), plan=plan).lower(state, batch).compile()``
-on abstract AdamW state) and reads what XLA:CPU reports; `compare_cell` puts the model's matching
-figures next to it. What is compared, like with like:
-
-* memory: ``argument + output + temp - alias`` (`core.hlo.memory_stats`) vs the model's
-  `Analysis.xla_cpu_peak` (device peak + host-placed bytes: XLA:CPU counts host buffers as ordinary);
-* FLOPs: ``flops + transcendentals`` of ``cost_analysis()`` vs `Analysis.flops_xla`, the model's
-  count with every loop body counted once (the micro-batch scan, each layer segment's scan with
-  its unroll), as XLA:CPU counts them;
-* collectives: result bytes per kind, each instruction times the trip counts of the loops around
-  it (`core.hlo.collective_bytes` with ``executed=True``), vs `Analysis.collective_bytes` (ZeRO / DP / pipeline) plus,
-  for ``tp > 1``, `tp_collective_bytes` (Megatron's tensor-parallel collectives per step).
-
-How the tensor-parallel prediction is put in XLA:CPU's terms (``form="xla-cpu"``): GSPMD emits a
-reduce-scatter as an all-reduce of the full buffer + a local dynamic-slice, and XLA:CPU has no pass
-turning that pair back into a reduce-scatter (GPU's ``ReduceScatterCreator``); and GSPMD reduces
-each partial matmul result on its own where Megatron sums them first (the input gradient of the
-gathered hidden state read by q, k and v is three reductions), the analysis's ``summands``. So a
-predicted reduce-scatter of ``nbytes`` (full buffer) with ``m`` summands is counted as all-reduces
-of ``m x nbytes`` result bytes, exactly the test in tests/test_analysis.py
-(``test_tp_collectives_match_compiled_hlo``). ``form="gspmd"`` keeps reduce-scatters (result
-``m x nbytes / t``, what a GPU build shows), ``form="megatron"`` is the cost model's figure
-(``nbytes / t`` per reduce-scatter, one per partial sum). The prediction matches the compiled
-program when the runtime runs the layers under the analysis's layouts
-(`mistjax.runtime.tensor.tensor_parallel_block`); the pre / post parts (embedding, head, loss) are
-left to GSPMD by the runtime, which there chooses nearly the same collectives.
+"""Check the cost model against XLA's compiled programs (tests and scripts/bench_costmodel.py): per cell,
+memory, FLOPs and collective bytes predicted next to what XLA:CPU compiled. What is compared with
+what: docs/internals.md.
 """
 
 from __future__ import annotations
