@@ -18,7 +18,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s+(?P<op>" + "|".join(OPS) +
                     r")(?P<start>-start)?\((?P<rest>.*)$")
-_TOKEN = re.compile(r"\(|\)|(pred|[subf]\d+)\[([\d,]*)\](?:\{[^}]*\})?")
+_TOKEN = re.compile(r"\(|\)|(pred|bf16|[subfc]\d+)\[([\d,]*)\](?:\{[^}]*\})?")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # Replica groups as XLA prints them: explicit ``{{0,1},{2,3}}``, iota ``[2,2]<=[4]T(1,0)``, or (for
@@ -78,11 +78,12 @@ def shape_bytes(text: str) -> list[tuple[str, int]]:
     return _arrays(parse_type(text))
 
 
-def result_arrays(type_text: str, is_async: bool) -> list[tuple[str, int]]:
-    """The arrays a collective produces: its whole type, or for an async ``-start`` the second entry of
-    its ``(operands, results, ...)`` tuple (an all-reduce-start is typed as its result alone)."""
+def result_arrays(op: str, type_text: str, is_async: bool) -> list[tuple[str, int]]:
+    """The arrays a collective produces: its whole type, or for an async ``-start`` what XLA:GPU prints
+    as its results: an all-reduce-start is typed as its result(s); an all-gather / reduce-scatter /
+    collective-permute start as ``(operand(s), result(s), ...)``, whose second entry is the result."""
     t = parse_type(type_text)
-    if is_async and isinstance(t, list) and len(t) > 1:
+    if is_async and op != "all-reduce" and isinstance(t, list) and len(t) > 1:
         t = t[1]
     return _arrays(t)
 
@@ -164,7 +165,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         m = _INSTR.match(line)
         if not m:
             continue
-        arrays = result_arrays(m["type"], bool(m["start"]))
+        arrays = result_arrays(m["op"], m["type"], bool(m["start"]))
         if not arrays:
             continue
         g = _GROUPS.search(m["rest"])
