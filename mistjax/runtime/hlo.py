@@ -16,7 +16,7 @@ _OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\((?P<rest>.*)$", re.M)
-_SHAPE = re.compile(r"\b(pred|[subf]\d+)\[([\d,]*)\]")
+_SHAPE = re.compile(r"\b(pred|bf16|[subf]\d+)\[([\d,]*)\]")  # bf16 needs its own branch: "f16" inside it has no \b
 # Replica groups as XLA prints them: explicit ``{{0,1},{2,3}}``, iota ``[2,2]<=[4]T(1,0)``, or (for
 # collectives GSPMD/Shardy emit) mesh axes ``mesh['a'=2,'b'=4](, device_ids=(...))? {'b'}``.
 _GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}(?:,\{[\d,]*\})*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
