@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -80,12 +81,89 @@ def build_plan(cell: Cell, num_layers: int, devices: int) -> Any:
     return Plan(stages=stages, dp=dp, **glob)
 
 
-def run_cell(cell: Cell, top: int) -> dict[str, Any]:
+def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
+    """(dtype, dims) of an array type like ``bf16[8,2048]``; ("", ()) for tuples and tokens."""
+    m = re.fullmatch(r"(\w+)\[([\d,]*)\]", shape.strip())
+    return (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) if m else ("", ())
+
+
+def param_shapes(state: Any, arg_shapes: list[str]) -> set[tuple[int, ...]]:
+    """Per-layer shapes of the parameters: global (a gathered ZeRO-3 weight) and as stored (TP / ZeRO shards)."""
+    import jax
+
+    out = set()
+    for x in jax.tree.leaves(state.params):
+        shape = tuple(x.shape)
+        out |= {shape, shape[1:]} if len(shape) > 2 else {shape}
+    for s in arg_shapes:
+        shape = _dims(s)[1]
+        out |= {shape, shape[1:]} if len(shape) > 2 else {shape}
+    return {s for s in out if len(s) >= 2}
+
+
+def categorise(buf: dict[str, Any], cfg: Any, seq: int, shapes: set[tuple[int, ...]], stacks: set[int],
+               tp: int) -> str:
+    """A coarse label for a value live at XLA's peak: what the memory model should charge it as.
+
+    Heuristic on shapes (GPT-1.3B has hidden == seq == 2048, so the order of the tests matters): attention
+    scores are [..., heads (or batch x heads), s, s]; a parameter-shaped value is a parameter's per-layer
+    shape, alone or under one layer-stack dim; logits carry the vocabulary; activations a token dim.
+    """
+    dtype, dims = _dims(buf["shape"])
+    op = buf["op_name"]
+    if buf["kind"] == "argument":
+        return ("state: params" if ".params" in op else "state: optimizer" if "opt_state" in op else
+                "state: other") + f" ({dtype})"
+    where = " [cond output copy]" if op.endswith("/cond") else ""
+    heads = max(cfg.num_heads // tp, 1)
+    if len(dims) >= 3 and dims[-1] == dims[-2] == seq and dims[-3] % heads == 0:
+        return f"attention scores/probs ({dtype}){where}"
+    core = dims
+    while len(core) > 2 and core[0] == 1:
+        core = core[1:]
+    if core in shapes or (len(core) > 2 and core[0] in stacks and core[1:] in shapes):
+        return f"param-shaped ({dtype}, {buf['kind']}): grads / accumulators / weight copies"
+    if cfg.vocab_size in dims:
+        return f"logits-sized ({dtype})"
+    if any(d % seq == 0 for d in dims if d >= seq):
+        return f"activations ({dtype}){where}"
+    return f"other ({buf['kind']})"
+
+
+def breakdown(rec: dict[str, Any], cfg: Any, seq: int, state: Any, plan: Any) -> dict[str, int]:
+    """Bytes live at XLA's peak by `categorise` label, largest first."""
+    bufs = rec["xla_gpu"]["peak_buffers"]
+    shapes = param_shapes(state, [b["shape"] for b in bufs if b["kind"] == "argument"])
+    stacks = {cfg.num_layers, *(st.num_layers for st in plan.stages), max(st.num_layers for st in plan.stages)}
+    out: dict[str, int] = {}
+    for b in bufs:
+        key = categorise(b, cfg, seq, shapes, stacks, plan.tp)
+        out[key] = out.get(key, 0) + b["nbytes"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+# `categorise` labels -> the cost model's memory categories (first matching prefix). Parameter-shaped fp32
+# temporaries are mostly per-micro-batch gradients, but in pipelines also stage-layout weight copies.
+MODEL_OF = (("state: params", "params"), ("state: optimizer", "optimizer"), ("state: other", "params"),
+            ("param-shaped (f32", "grads"), ("attention", "activations"), ("activations", "activations"),
+            ("logits", "buffers"), ("param-shaped (", "buffers"), ("other", "buffers"))
+MODEL_CATEGORIES = ("params", "optimizer", "grads", "activations", "buffers")
+
+
+def as_model_categories(breakdown: dict[str, int]) -> dict[str, int]:
+    """XLA's live bytes at the peak summed into the cost model's categories (`MODEL_OF`)."""
+    out = dict.fromkeys(MODEL_CATEGORIES, 0)
+    for label, nbytes in breakdown.items():
+        out[next(cat for prefix, cat in MODEL_OF if label.startswith(prefix))] += nbytes
+    return out
+
+
+def run_cell(cell: Cell, top: int, dump: str | None = None) -> dict[str, Any]:
     import models
     from mistjax.cost.predict import analyze
     from mistjax.cost.workload import Workload
     from mistjax.hardware import ClusterSpec
-    from mistjax.validate.gpu_aot import predicted_split, verify_model
+    from mistjax.validate.gpu_aot import predicted_split, verify_model, zoo_step
 
     cfg = models.get_config(cell.model).replace(dtype="bfloat16")
     cluster = ClusterSpec.parse(cell.cluster)
@@ -93,7 +171,8 @@ def run_cell(cell: Cell, top: int) -> dict[str, Any]:
     t = time.perf_counter()
     analysis = analyze(Workload.from_model(cfg, cell.seq, cell.global_batch), plan, cluster)
     t_model = time.perf_counter() - t
-    report = verify_model(cfg, cell.seq, cell.global_batch, plan, cluster)
+    keep = os.path.join(dump, cell.id) if dump else None
+    report = verify_model(cfg, cell.seq, cell.global_batch, plan, cluster, keep_dump=keep)
     pred = predicted_split(analysis)
     stage = int(pred["stage"])
     rec = {"id": cell.id, "model": cell.model, "seq": cell.seq, "global_batch": cell.global_batch,
@@ -103,7 +182,8 @@ def run_cell(cell: Cell, top: int) -> dict[str, Any]:
                          "peak_per_stage": [sum(m.values()) for m in analysis.stage_memory]},
            "xla_gpu": report.to_dict(), "measured_gib": cell.measured_gib,
            "peak_err": pred["peak"] / report.peak - 1.0, "model_seconds": t_model}
-    rec["xla_gpu"]["peak_buffers"] = rec["xla_gpu"]["peak_buffers"][:max(top, 40)]
+    rec["breakdown"] = breakdown(rec, cfg, cell.seq, zoo_step(cfg, cell.seq, cell.global_batch)[0], plan)
+    rec["xla_categories"] = as_model_categories(rec["breakdown"])
     return rec
 
 
@@ -119,19 +199,29 @@ def print_cell(rec: dict[str, Any], top: int) -> None:
     print(f"  {'rest (temp + new outputs)':28s} {p['rest'] / GiB:10.2f} {rest / GiB:10.2f}")
     print(f"  {'peak':28s} {p['peak'] / GiB:10.2f} {x['peak'] / GiB:10.2f}   (pred/xla - 1 = {rec['peak_err']:+.3f}; "
           f"published measured {meas})")
-    cats = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p["categories"].items())
-    print(f"  predicted categories (stage {p['stage']}): {cats}; host {p['host'] / GiB:.2f}")
+    print(f"  {'by category, GiB':28s} " + " ".join(f"{c:>11s}" for c in MODEL_CATEGORIES) + "   host")
+    label = f"predicted (stage {p['stage']})"
+    print(f"  {label:28s} "
+          + " ".join(f"{p['categories'].get(c, 0) / GiB:11.2f}" for c in MODEL_CATEGORIES) + f" {p['host'] / GiB:6.2f}")
+    print(f"  {'XLA:GPU, live at the peak':28s} "
+          + " ".join(f"{rec['xla_categories'][c] / GiB:11.2f}" for c in MODEL_CATEGORIES))
     print(f"  XLA: temp {mem['temp'] / GiB:.2f}, output {mem['output'] / GiB:.2f}, alias {mem['alias'] / GiB:.2f}, "
           f"host temp {mem['host_temp'] / GiB:.2f}; fits {x['capacity'] / GiB:.1f} GiB card: {x['fits']}; "
           f"compile {x['compile_seconds']:.0f} s")
     for note in x["notes"]:
         print(f"  note: {note}")
-    colls = ", ".join(f"{k} {c['count']} ({c['async_pairs']} async, {c['overlapped']} overlapped, "
-                      f"{c['bytes_per_step'] / GiB:.2f} GiB/step)" for k, c in x["collectives"].items())
+    colls = ", ".join(f"{k} {c['count']} ({c['async_pairs']} async, {c['overlapped']} overlapped, {c['in_loops']} "
+                      f"in loops, {c['bytes_per_step'] / GiB:.2f} GiB/step)" for k, c in x["collectives"].items())
     print(f"  collectives: {colls}")
     if x["flops"]:
         print(f"  HloCostAnalysis: {x['flops']:.3e} flops, {x['bytes_accessed']:.3e} bytes accessed (loop bodies once)")
-    print(f"  largest values live at XLA's peak ({top}):")
+    live = sum(rec["breakdown"].values())
+    print(f"  what is live at XLA's peak ({live / GiB:.2f} GiB of values: XLA's list, which differs from the peak by "
+          "fragmentation and by loop values sharing a buffer):")
+    for k, v in rec["breakdown"].items():
+        print(f"    {v / GiB:8.2f} GiB  {k}")
+    if top:
+        print(f"  largest values live at XLA's peak ({top}):")
     for b in x["peak_buffers"][:top]:
         print(f"    {b['nbytes'] / 2**20:9.1f} MiB {b['kind']:10s} {b['shape']:30s} {b['op_name'][-80:]}")
 
@@ -141,7 +231,15 @@ def main() -> None:
     ap.add_argument("--json", help="write the cells and the summary to this file")
     ap.add_argument("--cells", help="comma-separated cell ids (default: all)")
     ap.add_argument("--top", type=int, default=16, help="live buffers to print per cell")
+    ap.add_argument("--dump", help="keep XLA's dumps (HLO, buffer assignment, memory-usage report) in DIR/<cell>")
+    ap.add_argument("--reprint", help="print the tables of a JSON written by --json (no compiles)")
     args = ap.parse_args()
+    if args.reprint:
+        with open(args.reprint) as f:
+            for rec in json.load(f)["cells"]:
+                rec["xla_categories"] = as_model_categories(rec["breakdown"])
+                print_cell(rec, args.top)
+        return
     from mistjax.validate.gpu_aot import plugin_problem
 
     problem = plugin_problem()
@@ -153,7 +251,7 @@ def main() -> None:
         sys.exit(f"unknown cell ids {sorted(wanted - {c.id for c in cells})}; known: {[c.id for c in CELLS]}")
     recs = []
     for cell in cells:
-        rec = run_cell(cell, args.top)
+        rec = run_cell(cell, args.top, args.dump)
         recs.append(rec)
         print_cell(rec, args.top)
         sys.stdout.flush()

@@ -121,7 +121,7 @@ def test_zero3_shards_the_state_over_eight_h100s():
     assert z3.collectives["all-gather"].overlapped > 0  # the per-layer gathers run under compute
     for r in (z0, z3):
         live = sum(b.nbytes for b in r.peak_buffers)
-        assert 0.7 * r.peak <= live <= r.peak  # XLA's peak values add up to memory_analysis (fragmentation aside)
+        assert 0.7 * r.peak <= live <= 1.02 * r.peak  # the values XLA lists at its peak add up to memory_analysis
         assert any(b.kind == "argument" and b.op_name.startswith("state.params") for b in r.peak_buffers)
         assert r.flops is None or r.flops > 0
 

@@ -179,6 +179,7 @@ class CollectiveStats:
     async_pairs: int  # of them, split into -start / -done
     overlapped: int  # async pairs with compute scheduled between start and done
     bytes_per_step: int  # result bytes per device per step (loop trips counted)
+    in_loops: int = 0  # of the instructions, those inside loop bodies / branches (per layer, micro-batch, tick)
 
 
 @dataclass(frozen=True)
@@ -251,13 +252,16 @@ def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
 
     totals = collective_totals(hlo_text)
     pairs = async_collectives(hlo_text)
-    ops = [c.op for c in hlo_collectives(hlo_text)]
+    found = hlo_collectives(hlo_text)
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", hlo_text, re.M)
     out = {}
-    for kind in sorted(set(ops)):
+    for kind in sorted({c.op for c in found}):
         mine = [p for p in pairs if p.op == kind and p.done]
-        out[kind] = CollectiveStats(count=ops.count(kind),
-                                    async_pairs=len(mine), overlapped=sum(1 for p in mine if p.compute_between),
-                                    bytes_per_step=int(totals.get(kind, 0)))
+        out[kind] = CollectiveStats(count=sum(1 for c in found if c.op == kind), async_pairs=len(mine),
+                                    overlapped=sum(1 for p in mine if p.compute_between),
+                                    bytes_per_step=int(totals.get(kind, 0)),
+                                    in_loops=sum(1 for c in found if c.op == kind and entry
+                                                 and c.computation != entry.group(1)))
     return out
 
 
@@ -413,7 +417,7 @@ def format_verification(report: GpuAotReport, analysis: Any | None = None) -> st
         lines.append(f"  host memory: arguments {mem.host_argument / unit:.2f}, temp {mem.host_temp / unit:.2f}")
     for note in report.notes:
         lines.append(f"  note: {note}")
-    colls = ", ".join(f"{k} {c.count} ({c.async_pairs} async, {c.overlapped} overlapped)"
+    colls = ", ".join(f"{k} {c.count} ({c.async_pairs} async, {c.overlapped} overlapped, {c.in_loops} in loops)"
                       for k, c in report.collectives.items())
     lines.append(f"  collectives: {colls or 'none'}")
     if report.peak_buffers:
