@@ -216,8 +216,8 @@ def print_cell(rec: dict[str, Any], top: int) -> None:
     if x["flops"]:
         print(f"  HloCostAnalysis: {x['flops']:.3e} flops, {x['bytes_accessed']:.3e} bytes accessed (loop bodies once)")
     live = sum(rec["breakdown"].values())
-    print(f"  what is live at XLA's peak ({live / GiB:.2f} GiB of values: XLA's list, which differs from the peak by "
-          "fragmentation and by loop values sharing a buffer):")
+    print(f"  what is live at XLA's peak ({live / GiB:.2f} GiB in distinct buffers; the rest of the peak is "
+          "XLA's packing slack):")
     for k, v in rec["breakdown"].items():
         print(f"    {v / GiB:8.2f} GiB  {k}")
     if top:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mistjax.cost.hlo_count import HloInstruction, instructions, tuple_element
 from mistjax.runtime.hlo import shape_bytes
@@ -55,6 +56,27 @@ def peak_rows(live_range_text: str) -> list[tuple[str, tuple[int, ...], int]]:
             index = tuple(int(i) for i in m.group(2).split(",") if i)
             rows.append((m.group(1), index, int(m.group(3))))
     return rows
+
+
+_ALLOCATION = re.compile(r"^allocation (\d+): size \d+")
+_VALUE = re.compile(r"^\s*value: <\d+ ([\w.\-]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)")
+
+
+def buffer_slices(buffer_assignment_text: str) -> dict[str, tuple[int, int]]:
+    """Value name (``while.167{2}``) -> (allocation, offset) from XLA's ``*-buffer-assignment.txt``.
+
+    Values that share a slice (a loop's init, its body parameter and its result) are one buffer."""
+    out: dict[str, tuple[int, int]] = {}
+    alloc = -1
+    for line in buffer_assignment_text.splitlines():
+        a = _ALLOCATION.match(line)
+        if a:
+            alloc = int(a.group(1))
+            continue
+        v = _VALUE.match(line)
+        if v and alloc >= 0:
+            out.setdefault(f"{v.group(1)}{v.group(2) or '{}'}", (alloc, int(v.group(4))))
+    return out
 
 
 def _callers(table: dict[str, HloInstruction]) -> dict[str, tuple[HloInstruction, int]]:
@@ -102,8 +124,11 @@ def _strip_layout(type_text: str) -> str:
     return _LAYOUT.sub("", type_text).strip()
 
 
-def peak_buffers(live_range_text: str, hlo_text: str) -> list[LiveBuffer]:
-    """Every value live at the peak, largest first, with its shape, kind and JAX op_name."""
+def peak_buffers(live_range_text: str, hlo_text: str, buffer_assignment_text: str = "") -> list[LiveBuffer]:
+    """Every buffer live at the peak, largest first, with its shape, kind and JAX op_name.
+
+    With the buffer assignment, values sharing one slice are reported once (the most telling of them:
+    an argument, else a loop carry, else the first), so the sizes add up to XLA's peak."""
     table = instructions(hlo_text)
     callers = _callers(table)
     entry = _ENTRY.search(hlo_text)
@@ -126,16 +151,29 @@ def peak_buffers(live_range_text: str, hlo_text: str) -> list[LiveBuffer]:
         # XLA escapes the quotes of state paths (``state.params[\\'embed\\']``) in op_name metadata.
         out.append(LiveBuffer(f"{name}{{{','.join(map(str, index))}}}", nbytes, shape, kind,
                               op_name.replace("\\'", "'")))
+    if buffer_assignment_text:
+        out = _one_per_slice(out, buffer_slices(buffer_assignment_text))
     return sorted(out, key=lambda b: -b.nbytes)
+
+
+def _one_per_slice(bufs: list[LiveBuffer], slices: dict[str, tuple[int, int]]) -> list[LiveBuffer]:
+    rank = {"argument": 0, "loop-carry": 1, "temp": 2}
+    best: dict[Any, LiveBuffer] = {}
+    for b in bufs:
+        key = slices.get(b.value, b.value)
+        if key not in best or (rank[b.kind], not b.op_name) < (rank[best[key].kind], not best[key].op_name):
+            best[key] = b
+    return list(best.values())
 
 
 def peak_from_dump(dump_dir: str | Path) -> list[LiveBuffer]:
     """`peak_buffers` of the XLA:GPU dump in ``dump_dir`` (empty if XLA wrote no live-range file)."""
     live = find_dump(dump_dir, "after_optimizations-live-range.txt")
     hlo = find_dump(dump_dir, "gpu_after_optimizations.txt")
+    assignment = find_dump(dump_dir, "after_optimizations-buffer-assignment.txt")
     if live is None or hlo is None:
         return []
-    return peak_buffers(live.read_text(), hlo.read_text())
+    return peak_buffers(live.read_text(), hlo.read_text(), assignment.read_text() if assignment else "")
 
 
 def buffer_nbytes(shape: str) -> int:
@@ -143,4 +181,5 @@ def buffer_nbytes(shape: str) -> int:
     return sum(b for _, b in shape_bytes(shape))
 
 
-__all__ = ["LiveBuffer", "buffer_nbytes", "find_dump", "peak_buffers", "peak_from_dump", "peak_rows"]
+__all__ = ["LiveBuffer", "buffer_nbytes", "buffer_slices", "find_dump", "peak_buffers", "peak_from_dump",
+           "peak_rows"]
