@@ -128,7 +128,7 @@ def test_zero3_shards_the_state_over_eight_h100s():
 
 @needs_plugin
 def test_tensor_parallel_splits_the_layer_weights_on_two_l4s():
-    r = _report("l4:1x2", micro_batch=8, tp=2)
+    r = _report("l4:1x2", micro_batch=16, tp=2)
     entry = [i for i in instructions(r.hlo_text).values() if i.opcode == "parameter"
              and i.op_name.replace("\\'", "'").startswith("state.params['layers']['mlp']['wi']")]
     assert entry and f",{TINY.ffn_size // 2}]" in entry[0].type  # [layers, hidden, ffn / 2] per device
