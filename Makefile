@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# The dev extras install the CUDA plugin (deviceless XLA:GPU compiles); without a GPU driver its start-up
+# check fails loudly unless JAX is told to use the CPU.
+export JAX_PLATFORMS ?= cpu
 
 .PHONY: demo test lint bench clean
 

@@ -3,7 +3,7 @@
 Examples:
   mistjax plan --model gpt3-22b --cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096
   mistjax plan --model llama-7b --cluster l4:1x8 --global-batch 128 --seq-len 2048 --json plan.json --plot plots/
-  mistjax explain plan.json --model llama-7b --cluster l4:1x8 --seq-len 2048
+  mistjax explain plan.json --model llama-7b --cluster l4:1x8 --seq-len 2048 --verify   # XLA:GPU's memory too
   mistjax calibrate --out profile.json          # then: mistjax plan --cluster profile.json ...
 """
 
@@ -73,6 +73,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import mistjax
 
     cluster = load_cluster(args.cluster, args.memory_gib)
+    if args.verify:
+        _verify_ready(cluster)
     workload = _workload(args)
     print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
           f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
@@ -88,7 +90,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot), result)
-    return 0
+    return _verify(workload, plan, cluster) if args.verify else 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -100,9 +102,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     print(plan.summary())
     if args.model is None:
+        if args.verify:
+            raise CliError("--verify compiles the plan for a model: pass --model (and --cluster, --seq-len)")
         print("(pass --model, --cluster, --seq-len and --global-batch for the predicted time and memory)")
         return 0
     cluster = load_cluster(args.cluster, args.memory_gib)
+    if args.verify:
+        _verify_ready(cluster)
     if args.global_batch is None:
         args.global_batch = plan.global_batch
     workload = _workload(args)
@@ -118,7 +124,36 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  note: {note}")
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
-    return 0
+    return _verify(workload, plan, cluster, report) if args.verify else 0
+
+
+def _verify_ready(cluster: Any) -> None:
+    """Fail before any tuning or analysis if ``--verify`` cannot run (plugin missing, no GPU spec)."""
+    from mistjax.validate.gpu_aot import plugin_problem, target_for
+
+    problem = plugin_problem()
+    if problem:
+        raise CliError(f"--verify: {problem}")
+    try:
+        target_for(cluster)
+    except ValueError as e:
+        raise CliError(f"--verify: {e}") from e
+
+
+def _verify(workload: Any, plan: Plan, cluster: Any, analysis: Any = None) -> int:
+    """Compile ``plan`` for ``cluster``'s GPUs (XLA:GPU, deviceless, in a JAX_PLATFORMS=cpu subprocess) and
+    print XLA's per-device memory next to the prediction; exit status 1 if XLA says it does not fit."""
+    from mistjax.cost.predict import analyze
+    from mistjax.validate.gpu_aot import GpuAotUnavailable, format_verification, verify_in_subprocess
+
+    print(f"verifying on XLA:GPU for {cluster.nodes}x{cluster.devices_per_node} {cluster.device.name} "
+          "(deviceless compile; minutes at full scale)...", flush=True)
+    try:
+        report = verify_in_subprocess(workload.config, workload.seq_len, workload.global_batch, plan, cluster)
+    except (GpuAotUnavailable, ValueError) as e:
+        raise CliError(f"--verify: {e}") from e
+    print(format_verification(report, analysis or analyze(workload, plan, cluster)))
+    return 0 if report.fits else 1
 
 
 def _plots(workload: Any, plan: Plan, cluster: Any, out: Path, result: Any = None) -> None:
@@ -161,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
         q.add_argument("--memory-gib", type=float, default=None, help="override device memory (emulate smaller cards)")
         q.add_argument("--plot", default=None, help="write PNG plots into this folder")
+        q.add_argument("--verify", action="store_true",
+                       help="compile the plan for the cluster's GPUs with XLA:GPU (deviceless AOT, no GPU needed) "
+                            "and print its per-device memory next to the prediction; exit status 1 if it does not "
+                            "fit (needs pip install 'mistjax[gpu-aot]')")
 
     q = sub.add_parser("plan", help="tune a plan and compare it with the baselines",
                        description="Tune a plan for a model on a cluster. Example: mistjax plan --model gpt3-22b "

@@ -183,6 +183,127 @@ def collective_bytes(hlo_text: str, *, executed: bool = False) -> dict[str, int]
     return dict(totals)
 
 
+def _top_level(type_text: str) -> list[str]:
+    """The top-level elements of an HLO tuple type ``(a, (b, c), d)``; a non-tuple type is one element."""
+    text = type_text.strip()
+    if not text.startswith("("):
+        return [text]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0:
+                out.append(text[start:i])
+        elif ch == "," and depth == 1:
+            out.append(text[start:i])
+            start = i + 1
+    return [e.strip() for e in out if e.strip()]
+
+
+@dataclass(frozen=True)
+class AsyncCollective:
+    """One async collective of a scheduled (GPU) HLO module: its ``-start`` and what runs before its ``-done``."""
+
+    op: str  # all-reduce | all-gather | reduce-scatter | collective-permute | all-to-all
+    name: str  # the -start instruction's name
+    computation: str  # the computation holding the pair (a while body runs once per iteration)
+    done: bool  # a matching -done was found in the same computation
+    compute_between: int  # compute instructions (fusions, custom calls, dots, ...) scheduled between start and done
+
+
+# Instructions that only move or name data; everything else between a start and its done is compute.
+_NON_COMPUTE = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start", "copy-done",
+                "opt-barrier", "after-all", "partition-id", "replica-id")
+_ANY_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_DONE_OPERAND = re.compile(r"^%?([\w.\-]+)")
+
+
+def async_collectives(hlo_text: str) -> list[AsyncCollective]:
+    """Every async collective (``-start`` / ``-done`` pair) of a scheduled HLO module, in schedule order.
+
+    XLA:GPU splits collectives into ``-start`` / ``-done``; the latency-hiding scheduler places compute
+    between them when it can overlap. ``compute_between == 0`` means the pair runs as if synchronous.
+    """
+    out: list[AsyncCollective] = []
+    comp = ""
+    open_: dict[str, tuple[str, int]] = {}  # start name -> (op, index into `out`)
+    seq: list[str] = []  # opcodes of the current computation, in order
+    starts_at: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        h = _computation_head(line)
+        if h:
+            comp, seq, open_, starts_at = h.group(2), [], {}, {}
+            continue
+        m = _ANY_INSTR.match(line)
+        if not m:
+            continue
+        name, opcode, rest = m.group(1), m.group(3), m.group(4)
+        base = opcode.removesuffix("-start").removesuffix("-done")
+        if opcode.endswith("-start") and base in OPS:
+            open_[name] = (base, len(out))
+            starts_at[name] = len(seq)
+            out.append(AsyncCollective(base, name, comp, False, 0))
+        elif opcode.endswith("-done") and base in OPS:
+            d = _DONE_OPERAND.match(rest)
+            start = d.group(1) if d else ""
+            if start in open_:
+                _, i = open_.pop(start)
+                between = sum(1 for op in seq[starts_at[start] + 1:] if op not in _NON_COMPUTE
+                              and not op.endswith(("-start", "-done")))
+                out[i] = AsyncCollective(out[i].op, start, comp, True, between)
+        seq.append(opcode)
+    return out
+
+
+@dataclass(frozen=True)
+class HloInstruction:
+    """One instruction of an HLO module text, as much as memory reports need."""
+
+    name: str  # instruction name without the leading %
+    type: str  # its HLO type, e.g. ``bf16[8,2048]{1,0}`` or a tuple type
+    opcode: str  # fusion, parameter, while, tuple, ...
+    computation: str  # the computation holding it
+    operands: tuple[str, ...]  # operand instruction names, in order
+    op_name: str  # the JAX op_name metadata ("" if none); a state path for entry parameters
+    attrs: str  # the rest of the line after the operands (body=, calls=, metadata, ...)
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def instructions(hlo_text: str) -> dict[str, HloInstruction]:
+    """Every instruction of an HLO module text by name (names are unique within a module)."""
+    out: dict[str, HloInstruction] = {}
+    comp = ""
+    for line in hlo_text.splitlines():
+        h = _computation_head(line)
+        if h:
+            comp = h.group(2)
+            continue
+        m = _ANY_INSTR.match(line)
+        if not m:
+            continue
+        rest = m.group(4)
+        close = rest.find(")")
+        args, attrs = (rest[:close], rest[close + 1:]) if close >= 0 else (rest, "")
+        op = _OP_NAME.search(attrs)
+        out[m.group(1)] = HloInstruction(m.group(1), _COMMENT.sub("", m.group(2)), m.group(3), comp,
+                                         tuple(re.findall(r"%([\w.\-]+)", args)), op.group(1) if op else "", attrs)
+    return out
+
+
+def tuple_element(type_text: str, index: tuple[int, ...]) -> str:
+    """The element at ShapeIndex ``index`` of an HLO (tuple) type (``()`` is the type itself)."""
+    for i in index:
+        parts = _top_level(type_text)
+        if i >= len(parts):
+            return ""
+        type_text = parts[i]
+    return type_text
+
+
 def memory_stats(compiled: Any) -> dict[str, int]:
     """Per-device bytes from ``compiled.memory_analysis()``; ``peak`` = argument + output + temp - alias.
 
@@ -205,5 +326,6 @@ def host_placed_params(hlo_text: str) -> int:
     return inputs.count("S(5)")
 
 
-__all__ = ["OPS", "Collective", "collective_bytes", "collectives", "computation_trips", "host_placed_params",
-           "memory_stats", "parse_type", "replica_group_size", "result_arrays", "shape_bytes"]
+__all__ = ["OPS", "AsyncCollective", "Collective", "HloInstruction", "async_collectives", "collective_bytes",
+           "collectives", "computation_trips", "host_placed_params", "instructions", "memory_stats", "parse_type",
+           "replica_group_size", "result_arrays", "shape_bytes", "tuple_element"]

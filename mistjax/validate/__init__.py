@@ -1,5 +1,6 @@
 """Checks of predictions against compiled programs and measured runs (the top layer: may import everything).
 
-`check` compares the cost model with the compiled XLA:CPU program, `published` with published
-training runs.
+`check` compares the cost model with the compiled XLA:CPU program, `gpu_aot` compiles a plan for the
+target GPU cluster deviceless (XLA:GPU's own per-device memory and collectives), `published` predicts
+published training runs.
 """

@@ -1,0 +1,467 @@
+"""Verify a plan on the target GPU without the GPU: XLA:GPU deviceless AOT compiles.
+
+`compile_plan` builds compile-only devices for a cluster (``get_topology_desc(platform="cuda",
+target_config=SPEC, topology="1xNODESxPER_NODE")``, the spec being one of `gpu_targets/`), applies the
+plan through the real runtime (`mistjax.runtime.step.ShardedStep` on abstract state and batch: no array
+is ever allocated, so full-scale models compile in seconds to minutes), compiles with XLA:GPU and returns
+a `GpuAotReport`: per-device memory (`memory_analysis`), whether it fits the card, the async collectives
+of the scheduled GPU HLO, XLA's HloCostAnalysis, and what is live at the memory peak.
+
+Requirements: the CUDA plugin (``pip install 'mistjax[gpu-aot]'``: jax-cuda12-plugin / -pjrt pinned to
+jax, nvidia-cuda-nvcc-cu12 for ptxas and libdevice; no CUDA runtime wheels) and, on a machine without a
+GPU driver, a process started with ``JAX_PLATFORMS=cpu`` (otherwise the plugin's CUDA version check fails
+and no cuda topology can be made). `verify_in_subprocess` runs the compile in a fresh
+``JAX_PLATFORMS=cpu`` process, whatever the caller's platform state; the CLI's ``--verify`` uses it.
+
+Limits (docs/cost_model.md): no autotuning deviceless (default GEMM tiles); ``memory_analysis`` leaves out
+allocator, cuBLAS/cuDNN and NCCL overheads; and compile-only devices have no host memory space, so jaxlib
+drops ``memory_kind="pinned_host"`` from the state's shardings: state the plan offloads is counted on the
+device (`GpuAotReport.offloaded_state` says how much). Activation offload (in-program placement) is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.resources
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mistjax.core.hlo import async_collectives, collective_bytes, collectives
+from mistjax.plan import Plan, format_bytes
+from mistjax.validate.peak import LiveBuffer, peak_from_dump
+
+INSTALL_HINT = "pip install 'mistjax[gpu-aot]'"
+# mistjax hardware preset -> XLA GpuTargetConfigProto text spec in mistjax/validate/gpu_targets/.
+TARGET_SPECS: dict[str, str] = {
+    "l4": "l4.txtpb",
+    "a100-40gb": "a100_sxm_40.txtpb",
+    "a100-80gb": "a100_sxm_80.txtpb",
+    "h100": "h100_sxm.txtpb",
+    "h200": "h200.txtpb",
+}
+_SPEC_NAME = re.compile(r'^device_description_str:\s*"([^"]*)"', re.M)
+_SPEC_MEMORY = re.compile(r"device_memory_size:\s*(\d+)")
+
+
+class GpuAotUnavailable(RuntimeError):
+    """The deviceless XLA:GPU compile cannot run here (plugin missing, or the platform was set up wrong)."""
+
+
+# ------------------------------------------------------------------------------------------- targets
+@dataclass(frozen=True)
+class GpuTarget:
+    """One XLA:GPU target spec."""
+
+    preset: str  # the mistjax hardware preset it stands for (`TARGET_SPECS`)
+    spec_file: str  # file name in mistjax/validate/gpu_targets/
+    device_kind: str  # the spec's device description, e.g. "NVIDIA H100 80GB HBM3"
+    memory_bytes: int  # the spec's device_memory_size (XLA's memory limit for its remat pass)
+
+    def config_text(self) -> str:
+        """The GpuTargetConfigProto text (comments included; the text-format parser skips them)."""
+        return importlib.resources.files("mistjax.validate").joinpath("gpu_targets", self.spec_file).read_text()
+
+
+def load_target(preset: str) -> GpuTarget:
+    """The target spec of a hardware preset (``l4``, ``a100-40gb``, ``a100-80gb``, ``h100``, ``h200``)."""
+    key = preset.strip().lower()
+    if key not in TARGET_SPECS:
+        raise ValueError(f"no XLA:GPU target spec for {preset!r}; deviceless GPU compiles know "
+                         f"{', '.join(TARGET_SPECS)}")
+    text = importlib.resources.files("mistjax.validate").joinpath("gpu_targets", TARGET_SPECS[key]).read_text()
+    name, mem = _SPEC_NAME.search(text), _SPEC_MEMORY.search(text)
+    return GpuTarget(key, TARGET_SPECS[key], name.group(1) if name else key, int(mem.group(1)) if mem else 0)
+
+
+def target_for(cluster: Any) -> GpuTarget:
+    """The spec for a `ClusterSpec`: by preset name, else by its device name (calibrated profiles)."""
+    if cluster.name.lower() in TARGET_SPECS:
+        return load_target(cluster.name)
+    for preset in TARGET_SPECS:
+        target = load_target(preset)
+        if target.device_kind.lower() == cluster.device.name.lower():
+            return target
+    raise ValueError(f"no XLA:GPU target spec for cluster {cluster.name!r} (device {cluster.device.name!r}); "
+                     f"deviceless GPU compiles know the presets {', '.join(TARGET_SPECS)}")
+
+
+# ------------------------------------------------------------------------------------- availability
+def plugin_problem() -> str | None:
+    """Why the deviceless GPU compile cannot run in this environment, or None if its packages are there."""
+    import jax
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return f"the JAX CUDA plugin (jax-cuda12-plugin) is not installed; {INSTALL_HINT}"
+    try:
+        version = importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        version = jax.__version__
+    if version != jax.__version__:
+        return f"jax-cuda12-plugin {version} does not match jax {jax.__version__}; {INSTALL_HINT}"
+    nvcc = importlib.util.find_spec("nvidia.cuda_nvcc")
+    roots = list(nvcc.submodule_search_locations or ()) if nvcc else []
+    if not any((Path(r) / "nvvm" / "libdevice" / "libdevice.10.bc").is_file() for r in roots):
+        return f"nvidia-cuda-nvcc-cu12 (ptxas and libdevice for XLA:GPU) is not installed; {INSTALL_HINT}"
+    return None
+
+
+def _platform_problem() -> str:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return ("the CUDA plugin could not register a cuda topology in this process (JAX_PLATFORMS="
+            f"{platforms!r}); without a GPU driver the process must start with JAX_PLATFORMS=cpu, e.g. "
+            "`JAX_PLATFORMS=cpu python ...`, or use mistjax.validate.gpu_aot.verify_in_subprocess")
+
+
+def compile_only_devices(target: GpuTarget, nodes: int, per_node: int) -> list[Any]:
+    """``nodes * per_node`` compile-only XLA:GPU devices of ``target``, node-major."""
+    from jax.experimental import topologies
+
+    problem = plugin_problem()
+    if problem:
+        raise GpuAotUnavailable(problem)
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target.config_text(),
+                                            topology=f"1x{nodes}x{per_node}")
+    except (NotImplementedError, RuntimeError) as e:
+        raise GpuAotUnavailable(f"{_platform_problem()} ({e})") from e
+    return sorted(topo.devices, key=lambda d: d.id)
+
+
+def device_mesh(devices: list[Any], nodes: int) -> Any:
+    """The devices as a ``(node, gpu)`` mesh, so the runtime knows the node boundaries (MiCS, TP checks)."""
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(devices, dtype=object).reshape(nodes, len(devices) // nodes), ("node", "gpu"))
+
+
+# ---------------------------------------------------------------------------------------- the report
+@dataclass(frozen=True)
+class DeviceMemory:
+    """XLA's ``memory_analysis()`` of one device's program, in bytes."""
+
+    argument: int  # inputs: the state shards (params, optimizer state, step) and the batch shard
+    output: int  # outputs: the new state and the metrics
+    alias: int  # output bytes that reuse donated input buffers
+    temp: int  # XLA's temp allocation: every other value live during the step (grads, activations, ...)
+    host_argument: int = 0  # inputs placed in host memory
+    host_output: int = 0  # outputs placed in host memory
+    host_temp: int = 0  # host-memory temporaries (offloaded activations)
+
+    @property
+    def peak(self) -> int:
+        """Device bytes the step needs: argument + output + temp - alias."""
+        return self.argument + self.output + self.temp - self.alias
+
+    @classmethod
+    def of(cls, compiled: Any) -> DeviceMemory:
+        m = compiled.memory_analysis()
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes,
+                   m.host_argument_size_in_bytes, m.host_output_size_in_bytes, m.host_temp_size_in_bytes)
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    """The collectives of one kind in the scheduled GPU HLO."""
+
+    count: int  # instructions (each async pair or sync op once; loop bodies once)
+    async_pairs: int  # of them, split into -start / -done
+    overlapped: int  # async pairs with compute scheduled between start and done
+    bytes_per_step: int  # result bytes per device per step (loop trips counted)
+    in_loops: int = 0  # of the instructions, those inside loop bodies / branches (per layer, micro-batch, tick)
+
+
+@dataclass(frozen=True)
+class GpuAotReport:
+    """What XLA:GPU compiled for one plan on one cluster (per device: SPMD devices run one program)."""
+
+    cluster: str  # e.g. "l4:1x2"
+    device_kind: str  # the compile-only devices' kind, e.g. "NVIDIA L4"
+    num_devices: int  # devices the program was compiled for
+    memory: DeviceMemory  # XLA's memory analysis of one device
+    capacity: float  # bytes of one card (the cluster's device memory, --memory-gib applied)
+    budget: float  # bytes a plan may use per device (cluster.memory_budget(): capacity x usable fraction)
+    xla_memory_limit: int  # the spec's device_memory_size, XLA's own limit
+    collectives: dict[str, CollectiveStats]  # by kind
+    flops: float | None  # HloCostAnalysis FLOPs of the optimised module (None if the private call failed)
+    bytes_accessed: float | None  # HloCostAnalysis bytes accessed (after GPU fusion)
+    offloaded_state: int  # state bytes per device the plan keeps on host that XLA:GPU counts on device
+    peak_buffers: tuple[LiveBuffer, ...]  # values live at the memory peak, largest first (if dumped)
+    compile_seconds: float  # lower + compile wall time
+    notes: tuple[str, ...] = ()  # caveats of this compile
+    hlo_text: str = field(default="", repr=False, compare=False)  # the optimised, scheduled GPU HLO
+
+    @property
+    def peak(self) -> int:
+        return self.memory.peak
+
+    @property
+    def fits(self) -> bool:
+        """XLA:GPU's per-device peak is within the card's memory."""
+        return self.memory.peak <= self.capacity
+
+    def to_dict(self, with_hlo: bool = False) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if not with_hlo:
+            out.pop("hlo_text")
+        out["peak"], out["fits"] = self.peak, self.fits
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GpuAotReport:
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        return cls(**{**d, "memory": DeviceMemory(**d["memory"]),
+                      "collectives": {k: CollectiveStats(**v) for k, v in d["collectives"].items()},
+                      "peak_buffers": tuple(LiveBuffer(**b) for b in d["peak_buffers"]),
+                      "notes": tuple(d.get("notes", ()))})
+
+
+def xla_cost_analysis(compiled: Any) -> dict[str, float] | None:
+    """XLA's HloCostAnalysis of a compiled (compile-only) executable's optimised module, or None.
+
+    PRIVATE API: ``compiled.cost_analysis()`` returns None for compile-only executables, so this calls
+    ``jax._src.lib._jax.hlo_module_cost_analysis`` on the CPU client with the optimised GPU module (jax
+    0.10.2). It counts a loop body once and cuBLAS / cuDNN custom calls as 0 FLOPs. Any failure (the
+    private call moved) returns None rather than breaking a verification.
+    """
+    try:
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
+    except Exception:  # noqa: BLE001 - private API: any failure means "not available"
+        return None
+
+
+def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
+    """Per-kind collective counts of a scheduled GPU HLO (`mistjax.core.hlo`)."""
+
+    totals = collective_bytes(hlo_text, executed=True)
+    pairs = async_collectives(hlo_text)
+    found = collectives(hlo_text)
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", hlo_text, re.M)
+    out = {}
+    for kind in sorted({c.op for c in found}):
+        mine = [p for p in pairs if p.op == kind and p.done]
+        out[kind] = CollectiveStats(count=sum(1 for c in found if c.op == kind), async_pairs=len(mine),
+                                    overlapped=sum(1 for p in mine if p.compute_between),
+                                    bytes_per_step=int(totals.get(kind, 0)),
+                                    in_loops=sum(1 for c in found if c.op == kind and entry
+                                                 and c.computation != entry.group(1)))
+    return out
+
+
+def _offloaded_state_bytes(step: Any, state: Any) -> int:
+    """Per-device bytes of the state leaves the plan puts in host memory (their device shard shapes)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    total = 0
+    for x, lay in zip(jax.tree.leaves(state), step.layouts or ()):
+        if lay.host:
+            shard = NamedSharding(step.mesh, lay.spec()).shard_shape(tuple(np.shape(x)))
+            total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def compile_plan(train_step: Any, state: Any, batch: Any, plan: Plan, cluster: Any, *,
+                 breakdown: bool = True, keep_dump: str | Path | None = None) -> GpuAotReport:
+    """Compile ``train_step`` under ``plan`` for ``cluster``'s GPUs, deviceless, and report it.
+
+    Args:
+      train_step: ``train_step(state, batch) -> (state, metrics)``, gradients by `mistjax.value_and_grad`.
+      state: the train state, abstract (``nnx.eval_shape`` / ``jax.ShapeDtypeStruct`` leaves) or concrete.
+      batch: the global batch (``jax.ShapeDtypeStruct`` leaves are enough).
+      plan: the plan to apply (its device count must equal the cluster's).
+      cluster: a `mistjax.hardware.ClusterSpec` with an XLA:GPU spec (`target_for`).
+      breakdown: also dump XLA's buffer assignment and list what is live at the peak (a little slower).
+      keep_dump: keep XLA's dump (HLO, buffer assignment, memory-usage report) in this folder.
+    Raises:
+      GpuAotUnavailable: the plugin is missing or the process was not started with JAX_PLATFORMS=cpu.
+    """
+    from mistjax.runtime.step import ShardedStep
+
+    target = target_for(cluster)
+    devices = compile_only_devices(target, cluster.nodes, cluster.devices_per_node)
+    t0 = time.perf_counter()
+    step = ShardedStep(train_step, device_mesh(devices, cluster.nodes), plan)
+    lowered = step.lower(state, batch)
+    with tempfile.TemporaryDirectory(prefix="mistjax-gpu-aot-") as tmp:
+        dump = str(keep_dump or tmp)
+        options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if breakdown or keep_dump else {}
+        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        seconds = time.perf_counter() - t0
+        peak = tuple(peak_from_dump(dump)) if options else ()
+    text = compiled.as_text()
+    cost = xla_cost_analysis(compiled)
+    offloaded = _offloaded_state_bytes(step, state)
+    notes = []
+    if offloaded:
+        notes.append(f"the plan keeps {format_bytes(offloaded)} of state per device in host memory; compile-only "
+                     "devices have no host memory space, so XLA:GPU counts it in the device arguments")
+    if cost is None:
+        notes.append("XLA's HloCostAnalysis (private API) was not available")
+    return GpuAotReport(
+        cluster=f"{cluster.name}:{cluster.nodes}x{cluster.devices_per_node}", device_kind=devices[0].device_kind,
+        num_devices=len(devices), memory=DeviceMemory.of(compiled), capacity=float(cluster.device.hbm_bytes),
+        budget=float(cluster.memory_budget()), xla_memory_limit=target.memory_bytes,
+        collectives=collective_stats(text), flops=None if cost is None else float(cost.get("flops", 0.0)),
+        bytes_accessed=None if cost is None else float(cost.get("bytes accessed", 0.0)), offloaded_state=offloaded,
+        peak_buffers=peak, compile_seconds=seconds, notes=tuple(notes), hlo_text=text)
+
+
+# ---------------------------------------------------------------------------------- the zoo's step
+def zoo_step(config: Any, seq_len: int, global_batch: int, learning_rate: float = 1e-3) -> tuple[Any, Any, Any]:
+    """Abstract (state, batch) and the train step of a `models.ModelConfig` with AdamW, as the cost
+    model's `Workload.from_model` assumes (``mistjax.value_and_grad`` of the zoo's cross-entropy)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import mistjax
+    import models
+    from mistjax.train.loss import make_loss_fn
+    from mistjax.train.state import TrainState
+
+    state = nnx.eval_shape(lambda: TrainState.create(models.build(config, rngs=nnx.Rngs(0)),
+                                                     optax.adamw(learning_rate)))
+    loss_fn = make_loss_fn(state.graphdef)
+
+    def train_step(state: Any, batch: Any) -> Any:
+        loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    tokens = jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32)
+    return state, {"inputs": tokens, "targets": tokens}, train_step
+
+
+def verify_model(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any,
+                 **options: Any) -> GpuAotReport:
+    """`compile_plan` of the zoo model ``config`` (see `zoo_step`) in this process."""
+    state, batch, step = zoo_step(config, seq_len, global_batch)
+    return compile_plan(step, state, batch, plan, cluster, **options)
+
+
+def verify_in_subprocess(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any, *,
+                         timeout: float = 1800.0) -> GpuAotReport:
+    """`verify_model` in a fresh ``JAX_PLATFORMS=cpu`` Python process (safe whatever this process's JAX
+    platform state is). Raises `GpuAotUnavailable` with the reason when the compile cannot run."""
+    problem = plugin_problem()  # imports jax but initialises no backend
+    if problem:
+        raise GpuAotUnavailable(problem)
+    target_for(cluster)  # a cluster without an XLA:GPU spec fails here, before a process is started
+    with tempfile.TemporaryDirectory(prefix="mistjax-verify-") as tmp:
+        paths = {k: Path(tmp) / f"{k}.json" for k in ("model", "plan", "cluster", "out")}
+        paths["model"].write_text(json.dumps(dataclasses.asdict(config)))
+        paths["plan"].write_text(plan.to_json())
+        paths["cluster"].write_text(cluster.to_json())
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        cmd = [sys.executable, "-m", "mistjax.validate.gpu_aot", "--model", str(paths["model"]), "--plan",
+               str(paths["plan"]), "--cluster", str(paths["cluster"]), "--seq-len", str(seq_len),
+               "--global-batch", str(global_batch), "--out", str(paths["out"])]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise GpuAotUnavailable(f"the XLA:GPU compile did not finish within {timeout:.0f} s") from e
+        if proc.returncode != 0 or not paths["out"].is_file():
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "cudart_stub" not in ln
+                     and "absl::InitializeLog" not in ln]
+            raise GpuAotUnavailable("the XLA:GPU compile failed:\n  " + "\n  ".join(lines[-12:]))
+        return GpuAotReport.from_dict(json.loads(paths["out"].read_text()))
+
+
+# ------------------------------------------------------------------------------------- comparison
+def predicted_split(analysis: Any) -> dict[str, float]:
+    """The model's prediction in XLA's terms, for the stage with the largest peak: ``state`` (params +
+    optimizer, what XLA counts as arguments), ``rest`` (grads + activations + buffers), ``peak``, and
+    ``host`` (bytes the model places on host, which deviceless XLA:GPU counts on the device for state)."""
+    mems = analysis.stage_memory
+    i = int(np.argmax([sum(m.values()) for m in mems]))
+    m = mems[i]
+    state = m.get("params", 0.0) + m.get("optimizer", 0.0)
+    return {"state": state, "rest": sum(m.values()) - state, "peak": sum(m.values()),
+            "host": float(analysis.stage_host[i]), "stage": float(i)}
+
+
+def format_verification(report: GpuAotReport, analysis: Any | None = None) -> str:
+    """A short table: XLA:GPU's per-device memory next to the prediction, the fit verdict, collectives."""
+    pred = predicted_split(analysis) if analysis is not None else None
+    mem = report.memory
+    unit, uname = (2**30, "GiB") if max(mem.peak, pred["peak"] if pred else 0) >= 2**30 else (2**20, "MiB")
+    lines = [f"XLA:GPU deviceless compile for {report.num_devices} x {report.device_kind} "
+             f"({report.compile_seconds:.0f} s), per device in {uname}:",
+             f"  {'':36s} {'predicted':>10s} {'XLA:GPU':>10s}"]
+
+    def row(label: str, p: float | None, x: float) -> None:
+        lines.append(f"  {label:36s} {'-' if p is None else f'{p / unit:.2f}':>10s} {x / unit:10.2f}")
+
+    row("state (params, optimizer: arguments)", pred and pred["state"], mem.argument)
+    row("rest (grads, activations: temp)", pred and pred["rest"], mem.peak - mem.argument)
+    row("peak", pred and pred["peak"], mem.peak)
+    if mem.host_temp or mem.host_argument:
+        lines.append(f"  host memory: arguments {mem.host_argument / unit:.2f}, temp {mem.host_temp / unit:.2f}")
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    colls = ", ".join(f"{k} {c.count} ({c.async_pairs} async, {c.overlapped} overlapped, {c.in_loops} in loops)"
+                      for k, c in report.collectives.items())
+    lines.append(f"  collectives: {colls or 'none'}")
+    if report.peak_buffers:
+        lines.append("  largest values live at XLA's peak:")
+        for b in report.peak_buffers[:6]:
+            lines.append(f"    {format_bytes(b.nbytes):>10s} {b.kind:10s} {b.shape:26s} {b.op_name[-64:]}")
+    need, card = format_bytes(mem.peak), format_bytes(report.capacity)
+    if not report.fits:
+        lines.append(f"  does not fit: XLA:GPU needs {need} of {card} per device")
+    elif mem.peak > report.budget:
+        lines.append(f"  fits the card, barely: XLA:GPU needs {need} of {card}, above the planning budget of "
+                     f"{format_bytes(report.budget)}")
+    else:
+        lines.append(f"  fits: XLA:GPU needs {need} of {card} per device")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- subprocess entry point
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from mistjax.hardware.presets import ClusterSpec
+    from models.config import ModelConfig
+
+    p = argparse.ArgumentParser(description="Compile a plan deviceless for XLA:GPU and write the report JSON "
+                                            "(run with JAX_PLATFORMS=cpu).")
+    p.add_argument("--model", required=True, help="models.ModelConfig fields as JSON")
+    p.add_argument("--plan", required=True, help="plan JSON")
+    p.add_argument("--cluster", required=True, help="ClusterSpec JSON or a preset spec like l4:1x2")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--out", required=True, help="where to write the report JSON")
+    args = p.parse_args(argv)
+    config = ModelConfig(**json.loads(Path(args.model).read_text()))
+    cluster = (ClusterSpec.from_json(Path(args.cluster).read_text()) if Path(args.cluster).is_file()
+               else ClusterSpec.parse(args.cluster))
+    report = verify_model(config, args.seq_len, args.global_batch, Plan.load(args.plan), cluster)
+    Path(args.out).write_text(json.dumps(report.to_dict()))
+    return 0
+
+
+__all__ = ["INSTALL_HINT", "TARGET_SPECS", "CollectiveStats", "DeviceMemory", "GpuAotReport", "GpuAotUnavailable",
+           "GpuTarget", "collective_stats", "compile_only_devices", "compile_plan", "device_mesh",
+           "format_verification", "load_target", "plugin_problem", "predicted_split", "target_for",
+           "verify_in_subprocess", "verify_model", "xla_cost_analysis", "zoo_step"]
+
+if __name__ == "__main__":
+    sys.exit(_main())

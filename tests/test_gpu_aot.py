@@ -1,0 +1,148 @@
+"""Deviceless XLA:GPU compiles of small plans (`mistjax.validate.gpu_aot`), and the HLO readers they use.
+
+The compile cells need the CUDA plugin (``pip install 'mistjax[gpu-aot]'``, part of the dev extras) and
+skip with the reason when it is absent; the reader tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+
+import models
+from mistjax.cli import main
+from mistjax.core.hlo import async_collectives, collective_bytes, instructions
+from mistjax.hardware import ClusterSpec
+from mistjax.plan import format_bytes, uniform_plan
+from mistjax.validate import gpu_aot
+from mistjax.validate.peak import peak_buffers
+
+PROBLEM = gpu_aot.plugin_problem()
+needs_plugin = pytest.mark.skipif(PROBLEM is not None, reason=f"deviceless XLA:GPU compile unavailable: {PROBLEM}")
+TINY = models.get_config("gpt3-tiny").replace(dtype="bfloat16")
+
+GPU_HLO = """HloModule jit_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (carry: (s32[], bf16[16,16])) -> (s32[], bf16[16,16]) {
+  %carry = (s32[], bf16[16,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%carry), index=0
+  %acc = bf16[16,16]{1,0} get-tuple-element(%carry), index=1
+  ROOT %out = (s32[], bf16[16,16]{1,0}) tuple(%i, %acc)
+}
+
+ENTRY %main (p0: bf16[8,16], p1: f32[4,4]) -> f32[2,4] {
+  %p0 = bf16[8,16]{1,0} parameter(0), metadata={op_name="state.params[\\'w\\'].value"}
+  %p1 = f32[4,4]{1,0} parameter(1), metadata={op_name="batch"}
+  %all-gather-start = (bf16[8,16]{1,0}, bf16[16,16]{1,0}) all-gather-start(%p0), channel_id=1, dimensions={0}
+  %fusion.1 = f32[4,4]{1,0} fusion(%p1), kind=kLoop, calls=%add, metadata={op_name="jit(step)/mul"}
+  %ag = bf16[16,16]{1,0} all-gather-done(%all-gather-start)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[16,16]{1,0}) tuple(%zero, %ag)
+  %while.1 = (s32[], bf16[16,16]{1,0}) while(%init), condition=%add, body=%body
+  %reduce-scatter-start = ((f32[4,4], bf16[16,16]), (f32[2,4], bf16[8,16])) reduce-scatter-start(%fusion.1, %ag)
+  %reduce-scatter-done = (f32[2,4]{1,0}, bf16[8,16]{1,0}) reduce-scatter-done(%reduce-scatter-start)
+  ROOT %r = f32[2,4]{1,0} get-tuple-element(%reduce-scatter-done), index=0
+}
+"""
+LIVE = """HloLiveRange (max 9):
+  Live ranges at 6 (peak):
+    p0{}: 256 bytes (cumulative: 256 bytes)
+    carry{1}: 512 bytes (cumulative: 768 bytes)
+    fusion.1{}: 64 bytes (cumulative: 832 bytes)
+  Stack trace breakdown for peak usage: 832 bytes
+"""
+
+
+def test_gpu_hlo_reader_counts_async_and_combined_collectives():
+    # bf16 results count (the dtype regex once skipped "bf16"); a combined reduce-scatter-start's result is
+    # its second tuple (f32[2,4] + bf16[8,16] = 32 + 256 bytes), not its second operand.
+    assert collective_bytes(GPU_HLO, executed=True) == {"all-gather": 16 * 16 * 2,
+                                                        "reduce-scatter": 2 * 4 * 4 + 8 * 16 * 2}
+    pairs = {p.op: p for p in async_collectives(GPU_HLO)}
+    assert pairs["all-gather"].done and pairs["all-gather"].compute_between == 1  # the fusion overlaps it
+    assert pairs["reduce-scatter"].done and pairs["reduce-scatter"].compute_between == 0
+    assert instructions(GPU_HLO)["p0"].op_name == "state.params[\\'w\\'].value"
+
+
+def test_peak_buffers_name_arguments_and_loop_carries():
+    bufs = {b.value: b for b in peak_buffers(LIVE, GPU_HLO)}
+    assert bufs["p0{}"].kind == "argument" and bufs["p0{}"].op_name == "state.params['w'].value"
+    assert bufs["carry{1}"].kind == "loop-carry" and bufs["carry{1}"].shape == "bf16[16,16]"
+    assert bufs["fusion.1{}"].kind == "temp" and bufs["fusion.1{}"].op_name == "jit(step)/mul"
+    assert [b.nbytes for b in peak_buffers(LIVE, GPU_HLO)] == [512, 256, 64]
+
+
+def test_targets_cover_the_gpu_presets():
+    for preset in gpu_aot.TARGET_SPECS:
+        target = gpu_aot.load_target(preset)
+        card = ClusterSpec.preset(preset, 1, 2).device.hbm_bytes
+        assert 0.9 < target.memory_bytes / card < 1.1, preset  # the spec's memory is the preset's card
+        assert gpu_aot.target_for(ClusterSpec.preset(preset, 1, 2)) == target
+    with pytest.raises(ValueError, match="l4, a100-40gb"):
+        gpu_aot.target_for(ClusterSpec.preset("tpu-v5e", 1, 4))
+
+
+def test_missing_plugin_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+    assert "pip install 'mistjax[gpu-aot]'" in gpu_aot.plugin_problem()
+    with pytest.raises(gpu_aot.GpuAotUnavailable, match="jax-cuda12-plugin"):
+        gpu_aot.compile_only_devices(gpu_aot.load_target("l4"), 1, 2)
+    plan = tmp_path / "plan.json"
+    uniform_plan(TINY.num_layers, 2, micro_batch=2).save(plan)
+    args = ["explain", str(plan), "--model", "gpt3-tiny", "--cluster", "l4:1x2", "--global-batch", "4",
+            "--seq-len", "32", "--verify"]
+    assert main(args) == 2
+    assert "mistjax[gpu-aot]" in capsys.readouterr().err
+
+
+@functools.cache
+def _report(cluster: str, **plan_kwargs):
+    cl = ClusterSpec.parse(cluster)
+    plan = uniform_plan(TINY.num_layers, cl.num_devices, **plan_kwargs)
+    return gpu_aot.verify_model(TINY, 32, 16, plan, cl)
+
+
+@needs_plugin
+def test_zero3_shards_the_state_over_eight_h100s():
+    z0 = _report("h100:1x8", micro_batch=2, shard_opt=False)
+    z3 = _report("h100:1x8", micro_batch=2, shard_opt=True, shard_grads=True, shard_weights=True)
+    assert z0.device_kind == "NVIDIA H100 80GB HBM3" and z0.num_devices == 8 and z0.fits
+    assert 7.0 < z0.memory.argument / z3.memory.argument <= 8.0  # fp32 params + Adam moments split 8 ways
+    assert z3.collectives["all-gather"].async_pairs > 0 and z3.collectives["reduce-scatter"].async_pairs > 0
+    assert z3.collectives["all-gather"].overlapped > 0  # the per-layer gathers run under compute
+    for r in (z0, z3):
+        live = sum(b.nbytes for b in r.peak_buffers)
+        assert 0.7 * r.peak <= live <= 1.02 * r.peak  # the values XLA lists at its peak add up to memory_analysis
+        assert any(b.kind == "argument" and b.op_name.startswith("state.params") for b in r.peak_buffers)
+        assert r.flops is None or r.flops > 0
+
+
+@needs_plugin
+def test_tensor_parallel_splits_the_layer_weights_on_two_l4s():
+    r = _report("l4:1x2", micro_batch=16, tp=2)
+    entry = [i for i in instructions(r.hlo_text).values() if i.opcode == "parameter"
+             and i.op_name.replace("\\'", "'").startswith("state.params['layers']['mlp']['wi']")]
+    assert entry and f",{TINY.ffn_size // 2}]" in entry[0].type  # [layers, hidden, ffn / 2] per device
+    assert any(c.async_pairs for c in r.collectives.values())
+
+
+@needs_plugin
+def test_cli_verify_flags_a_plan_that_does_not_fit(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    uniform_plan(TINY.num_layers, 2, micro_batch=2).save(plan)
+    args = ["explain", str(plan), "--model", "gpt3-tiny", "--cluster", "l4:1x2", "--global-batch", "4",
+            "--seq-len", "32", "--memory-gib", "0.001", "--verify"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "XLA:GPU deviceless compile for 2 x NVIDIA L4" in out
+    assert "does not fit: XLA:GPU needs" in out and f"of {format_bytes(0.001 * 2**30)}" in out
