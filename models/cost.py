@@ -15,15 +15,20 @@ _PROFILES: dict[tuple[ModelConfig, tuple[str, ...] | None], ModelProfile] = {}
 
 
 def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: str = "adamw",
-             policies: tuple[str, ...] | None = None) -> Workload:
+             policies: tuple[str, ...] | None = None, *, master_weights: bool | None = None,
+             grad_dtype: str | None = None) -> Workload:
     """Analyse ``config``'s loss abstractly (no parameters are allocated).
 
     Args:
-      config: a zoo `ModelConfig` (`models.get_config`).
+      config: a zoo `ModelConfig` (`models.get_config`); ``param_dtype`` is how the train state stores
+        the weights.
       seq_len: sequence length.
       global_batch: sequences per step.
       optimizer: ``adamw`` (default), ``adam``, ``sgd`` or ``momentum``.
       policies: remat policies to analyse (default: the analysis's defaults).
+      master_weights: the optimizer keeps an fp32 master copy (`mistjax.with_master_weights`); default:
+        whenever the weights are stored in 16 bits, as Megatron-LM and Mist train.
+      grad_dtype: dtype gradients are accumulated and reduced in (None: the weights' own).
     """
     abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
@@ -31,9 +36,10 @@ def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: st
     key = (config, None if policies is None else tuple(policies))
     if key not in _PROFILES:
         _PROFILES[key] = analyze_model(loss_fn, params, policies=policies)
+    master = config.param_dtype != "float32" if master_weights is None else master_weights
     return Workload.from_loss(loss_fn, params, seq_len=seq_len, global_batch=global_batch, optimizer=optimizer,
                               name=config.name, policies=policies, compute_dtype=config.dtype,
-                              profile=_PROFILES[key])
+                              master_weights=master, grad_dtype=grad_dtype, profile=_PROFILES[key])
 
 
 __all__ = ["workload"]

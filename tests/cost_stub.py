@@ -33,6 +33,7 @@ class Workload:
     global_batch: int
     optimizer: str = "adamw"
     policies: tuple[str, ...] = ("none", "full", "dots")
+    grad_dtype: str | None = None
 
     @classmethod
     def from_model(cls, config: Any, seq_len: int, global_batch: int, optimizer: str = "adamw") -> Workload:

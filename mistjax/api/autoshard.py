@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
+from mistjax.api.precision import MasterWeightsState
 from mistjax.core.layout import OPT, PARAM
 from mistjax.core.plan import Plan, PlanError, Prediction
 from mistjax.core.strategies import CostModel
@@ -113,23 +114,31 @@ def _resized_batch(args: tuple[Any, ...], global_batch: int, seq_len: int) -> An
     return resize
 
 
-def _optimizer(state: Any, analysis: StepAnalysis) -> str:
-    """The `OPTIMIZERS` entry whose state copies per parameter match the optimizer leaves' bytes."""
+def _optimizer_state(state: Any, analysis: StepAnalysis) -> dict[str, Any]:
+    """How the step's optimizer state is stored: the `OPTIMIZERS` entry whose moments per parameter match,
+    a master copy (`with_master_weights`), and the bytes per state element."""
     leaves = jax.tree.leaves(state)
-    size = {r: sum(int(np.prod(np.shape(x))) for x, role in zip(leaves, analysis.roles) if role == r)
-            for r in (PARAM, OPT)}
-    copies = round(size[OPT] / size[PARAM]) if size[PARAM] else 0
-    by_copies = {c: name for name, (c, _, _) in reversed(OPTIMIZERS.items())}
-    return by_copies.get(copies, "adamw")
+    opt = [x for x, role in zip(leaves, analysis.roles) if role == OPT]
+    param_elems = sum(int(np.prod(np.shape(x))) for x, role in zip(leaves, analysis.roles) if role == PARAM)
+    opt_elems = sum(int(np.prod(np.shape(x))) for x in opt)
+    master = any(isinstance(node, MasterWeightsState) for node in
+                 jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, MasterWeightsState)))
+    moments = (round(opt_elems / param_elems) if param_elems else 0) - int(master)
+    by_moments = {c: name for name, (c, _, _) in reversed(OPTIMIZERS.items())}
+    itemsize = max((np.dtype(x.dtype).itemsize for x in opt), default=4,
+                   key=lambda i: sum(int(np.prod(np.shape(x))) for x in opt if np.dtype(x.dtype).itemsize == i))
+    return {"optimizer": by_moments.get(moments, "adamw"), "master_weights": master, "state_itemsize": int(itemsize)}
 
 
-def step_workload(loss: LossCall, state: Any, analysis: StepAnalysis, batch: Any, global_batch: int) -> Workload:
-    """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer."""
+def step_workload(loss: LossCall, state: Any, analysis: StepAnalysis, batch: Any, global_batch: int,
+                  grad_dtype: str | None = None) -> Workload:
+    """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer state."""
     seq = _seq_len(batch, global_batch)
     return Workload.from_loss(loss.fun, loss.args[0], seq_len=seq, global_batch=global_batch,
-                              optimizer=_optimizer(state, analysis), name=f"step-{analysis.params_fingerprint[:8]}",
+                              name=f"step-{analysis.params_fingerprint[:8]}",
                               batch_fn=_resized_batch(loss.args[1:], global_batch, seq),
-                              compute_dtype=_matmul_dtype(loss))
+                              compute_dtype=_matmul_dtype(loss), grad_dtype=grad_dtype,
+                              **_optimizer_state(state, analysis))
 
 
 def _matmul_dtype(loss: LossCall) -> str:

@@ -28,6 +28,7 @@ PLAN_MESH_AXES = ("stage", "replica", "shard", "tensor")
 # Remat policies a stage may name; "names:a,b" saves only the listed checkpoint_name tags.
 REMAT_POLICIES = ("full", "dots")
 OFFLOAD_FIELDS = ("offload_weights", "offload_grads", "offload_opt", "offload_acts")
+GRAD_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class PlanError(ValueError):
@@ -124,6 +125,9 @@ class Plan:
     tp: int = 1  # tensor-parallel degree (Megatron column/row split + sequence parallel)
     shard_group: int = 0  # MiCS partition group p (divides dp); 0 means dp (plain ZeRO)
     schedule: str = "1f1b"  # pipeline schedule when there are several stages
+    # dtype gradients are accumulated and reduced in (None: each parameter's own dtype; Megatron-LM
+    # accumulates and reduces bf16 models' gradients in "float32", Mist keeps them in the 16-bit dtype)
+    grad_dtype: str | None = None
     prediction: Prediction | None = None  # the cost model's view when the plan was chosen
     fingerprints: dict[str, str] = field(default_factory=dict)  # model / mesh / hardware / batch
     schema_version: int = SCHEMA_VERSION
@@ -181,6 +185,9 @@ class Plan:
                             "(MiCS partition groups tile the data-parallel ranks)")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r}: use one of {SCHEDULES}")
+        if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
+            raise PlanError(f"grad_dtype={self.grad_dtype!r} is not supported: use one of {GRAD_DTYPES} or null "
+                            "(each parameter's own dtype)")
         for i, stage in enumerate(self.stages):
             stage.validate(i)
         if self.stages[0].layers[0] != 0:
@@ -303,6 +310,8 @@ class Plan:
                          f"{self.replicas} replicas (2-hop gradient sync)")
         if self.tp > 1:
             lines.append("  tensor parallel: Megatron column/row split with sequence parallelism")
+        if self.grad_dtype is not None:
+            lines.append(f"  gradients accumulated and reduced in {self.grad_dtype}")
         hdr = f"  {'stage':>5} {'layers':>9} {'ZeRO':>4} {'remat':>12} {'off w/g/o/a':>19}"
         lines.append(hdr)
         for i, s in enumerate(self.stages):
@@ -337,7 +346,7 @@ def params_fingerprint(params: Any) -> str:
 
 
 def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int = 1, micro_batch: int = 1,
-                 grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b",
+                 grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b", grad_dtype: str | None = None,
                  **stage_fields: Any) -> Plan:
     """A plan with evenly split stages that all share `stage_fields` (handy for tests and baselines)."""
     if num_devices % (stages * tp):
@@ -353,7 +362,7 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
             fields["remat_layers"] = min(fields["remat_layers"], b - a)
         stage_plans.append(StagePlan(layers=(a, b), **fields))
     return Plan(stages=tuple(stage_plans), micro_batch=micro_batch, grad_accum=grad_accum, dp=dp, tp=tp,
-                shard_group=shard_group, schedule=schedule)
+                shard_group=shard_group, schedule=schedule, grad_dtype=grad_dtype)
 
 
 __all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "uniform_plan", "params_fingerprint", "PLAN_MESH_AXES",

@@ -82,6 +82,9 @@ class WorkloadLike(Protocol):
     @property
     def policies(self) -> tuple[str, ...]: ...  # remat policy names `StageStrategies.policy` indexes
 
+    @property
+    def grad_dtype(self) -> str | None: ...  # dtype gradients are accumulated and reduced in (plans carry it)
+
     def fingerprint(self) -> str: ...  # short stable hash of model, sizes, batch and optimizer
 
     def supports_tp(self, tp: int) -> bool: ...  # whether tensor parallelism of degree tp applies

@@ -82,8 +82,9 @@ class StateBytes:
     optimizer: np.ndarray  # optimizer state in device memory
     grads: np.ndarray  # gradient buffers (accumulators and one micro-batch's gradients)
     host: np.ndarray  # offloaded parameters, optimizer state and gradient accumulators in host memory
-    grad_full: np.ndarray  # the stage's whole gradient (one copy)
+    grad_full: np.ndarray  # the stage's whole gradient (one copy, in the gradient dtype)
     grad_shard: np.ndarray  # the stage's gradient as reduce-scattered over the partition group
+    param_full: np.ndarray  # the stage's whole parameters (one copy, in their storage dtype)
 
 
 __all__ = ["Knobs", "LayerKinds", "StateBytes"]

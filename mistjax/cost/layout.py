@@ -37,27 +37,34 @@ class LeafTotals:
     opt_layer_host: float  # optimizer state of one layer in host memory
     opt_other_dev: float  # optimizer state of the non-stacked leaves in device memory
     opt_other_host: float  # ... in host memory
-    g_layer_shard: float  # one layer's gradient as reduce-scattered over the group (unsplittable leaves whole)
-    g_other_shard: float  # the non-stacked gradient as reduce-scattered
+    g_layer_shard: float  # one layer's gradient (in the gradient dtype) as reduce-scattered over the group
+    g_other_shard: float  # the non-stacked gradient as reduce-scattered (unsplittable leaves whole)
     acc_layer_host_frac: float  # fraction of the stacked gradient accumulators kept in host memory
     w_layer_fetch: float  # bytes of one layer that are fetched per use (ZeRO-3 gathered or host-streamed)
     w_other_fetch: float  # non-stacked bytes gathered once per micro-batch (ZeRO-3)
 
 
-def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, go: float) -> LeafTotals:
-    """`LeafTotals` for one knob combination (the scalar rules of `plan_layouts`)."""
-    L = wl.num_layers
-    lay, opt_sizes = [], []
+def _local_elements(wl: Workload, tp: int, p: int) -> list[tuple[float, bool]]:
+    """Per leaf: elements on one device after the tensor split, and whether ZeRO / MiCS can split it ``p`` ways."""
+    out = []
     for leaf in wl.leaves:
         shape, ax = leaf.shape, leaf.axes
         tdims: tuple[int, ...] = ()
         if tp > 1 and ax is not None and len(ax) == len(shape):
             tdims = tuple(d for d, n in enumerate(ax) if n in TENSOR_AXES)
-        local = leaf.size // (tp if tdims else 1)
         sdim = choose_shard_dim(shape, ax, tdims, leaf.stacked, p, tp) if leaf.size > 1 else None
-        shardable = sdim is not None
-        lay.append((leaf, local * leaf.itemsize, shardable))
-        opt_sizes.append(leaf.size)
+        out.append((leaf.size / (tp if tdims else 1), sdim is not None))
+    return out
+
+
+def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, go: float) -> LeafTotals:
+    """`LeafTotals` for one knob combination (the scalar rules of `plan_layouts`).
+
+    Bytes per element: parameters in their own dtype, gradients in the workload's gradient dtype, and every
+    optimizer-state copy (moments, master weights) in ``state_itemsize``.
+    """
+    L = wl.num_layers
+    local = _local_elements(wl, tp, p)
     # Offload choices, by element counts over whole leaves, exactly as the runtime picks them.
     opt_idx = [i for i, x in enumerate(wl.leaves) if x.size > 1]
     opt_host_sel = select_offload([wl.leaves[i].size for i in opt_idx] * wl.opt_copies, oo)
@@ -68,11 +75,11 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
         sum(wl.leaves[i].size for i in st_idx), 1)
     t = dict.fromkeys(FIELDS, 0.0)
     n_opt = len(opt_idx)
-    for i, (leaf, nbytes, shardable) in enumerate(lay):
+    for i, (leaf, (elems, shardable)) in enumerate(zip(wl.leaves, local)):
         per = (1.0 / L) if leaf.stacked else 1.0
         key = "layer" if leaf.stacked else "other"
+        nbytes = elems * leaf.itemsize
         w_sh = nbytes / p if (shardable and zero >= 3) else nbytes
-        sh = nbytes / p if shardable else nbytes
         host = w_host.get(i, False)
         t[f"w_{key}_dev"] += 0.0 if host else w_sh * per
         if key == "layer":
@@ -80,9 +87,11 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
             t["w_layer_fetch"] += nbytes * per if (host or (shardable and zero >= 3)) else 0.0
         else:
             t["w_other_fetch"] += nbytes if (shardable and zero >= 3) else 0.0
-        t[f"w_{key}_shard"] += sh * per
-        t[f"g_{key}_shard"] += sh * per
-        o = nbytes / p if (shardable and zero >= 1) else nbytes
+        t[f"w_{key}_shard"] += (nbytes / p if shardable else nbytes) * per
+        g_bytes = elems * wl.grad_itemsize(leaf)
+        t[f"g_{key}_shard"] += (g_bytes / p if shardable else g_bytes) * per
+        o_bytes = elems * wl.state_itemsize
+        o = o_bytes / p if (shardable and zero >= 1) else o_bytes
         if i in opt_idx:
             j = opt_idx.index(i)
             for c in range(wl.opt_copies):

@@ -82,22 +82,25 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     params = stored * lt["w_layer_dev"] + lt["w_other_dev"]
     optimizer = stored * lt["opt_layer_dev"] + lt["opt_other_dev"]
     host = stored * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
-    full_layer = v.block.weight_bytes
-    full_other = v.pre.weight_bytes + v.post.weight_bytes
+    param_layer = v.block.weight_bytes
+    param_other = v.pre.weight_bytes + v.post.weight_bytes
+    scale = workload.grad_scale
+    full_layer, full_other = param_layer * scale, param_other * scale  # in the gradient dtype
     grad_full = nl * full_layer + full_other
     grad_shard = nl * lt["g_layer_shard"] + lt["g_other_shard"]
     on_dev = 1 - lt["acc_layer_host_frac"]
     acc_full = nl * full_layer * on_dev + full_other
     acc_shard = nl * lt["g_layer_shard"] * on_dev + lt["g_other_shard"]
     # Single stage: G == 1 -> one set of gradients (full unless ZeRO-3); G > 1 -> accumulator + one
-    # micro-batch's gradients. Pipelines: fp32 accumulators of Lmax rows plus replicated pre/post.
+    # micro-batch's gradients. Pipelines: accumulators of Lmax rows (at least fp32) plus replicated pre/post.
     mb_grads = np.where(zero >= 3, grad_shard, grad_full)
     acc = np.where(zero >= 2, acc_shard, acc_full)
     grads_single = np.where(G > 1, acc + mb_grads, mb_grads)
-    grads_pipe = grad_full + np.where(zero >= 1, grad_shard, 0.0)
+    grads_pipe = (nl * param_layer + param_other) * workload.pipeline_grad_scale + np.where(zero >= 1, grad_shard, 0.0)
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
     return StateBytes(params=params, optimizer=optimizer, grads=np.where(k.pipelined, grads_pipe, grads_single),
-                      host=host + np.where(G > 1, acc_host, 0.0), grad_full=grad_full, grad_shard=grad_shard)
+                      host=host + np.where(G > 1, acc_host, 0.0), grad_full=grad_full, grad_shard=grad_shard,
+                      param_full=nl * param_layer + param_other)
 
 
 def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds

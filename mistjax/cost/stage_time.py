@@ -126,7 +126,8 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], gk, gm, intra, inter), 0.0)
     h2d_link, d2h_link = cluster.device.host_to_device, cluster.device.device_to_host
     fetch_h2d = np.where(lt["w_layer_host"] > 0, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
-    full_layer = blk.weight_bytes
+    # ZeRO-3's reduce-scatter is the fetch's transpose (parameter dtype); ZeRO-2 scatters in the gradient dtype.
+    full_layer = blk.weight_bytes * np.where(zero >= 3, 1.0, workload.grad_scale)
     rs_each = ((zero >= 3) | ((zero == 2) & ~k.pipelined)) & (p > 1)
     grad_rs = np.where(rs_each, _rs(full_layer, gk, gm, intra, inter), 0.0)
     acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
@@ -175,7 +176,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     sync = np.where(z_eff == 0, collective_time("all-reduce", grad_full, dp, dlink), 0.0)
     sync = sync + np.where(z_eff == 1, _rs(grad_full, gk, gm, intra, inter), 0.0)
     sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
-    regather = np.where((zero >= 1) & (zero <= 2), _ag(grad_full, gk, gm, intra, inter), 0.0)
+    regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter), 0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
     upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
     dev = cluster.device
@@ -191,9 +192,10 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     stage_sum = np.where(k.pipelined, collective_time("all-reduce", stage_sum_bytes, S, slink), 0.0)
     delta = sync + regather + update + swap + hoisted + stage_sum
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
-    elems_upd = upd_bytes / 4.0
-    elems_full = grad_full / 4.0
-    acc_elems = np.where(zero >= 2, grad_shard, grad_full) / 4.0
+    g_item = workload.param_itemsize * workload.grad_scale  # bytes per gradient element
+    elems_upd = upd_bytes / g_item
+    elems_full = grad_full / g_item
+    acc_elems = np.where(zero >= 2, grad_shard, grad_full) / g_item
     flops = elems_upd * (opt_flops + opt_trans) + elems_full + np.where(G > 1, G * acc_elems, 0.0)
     flops_xla = elems_upd * (opt_flops + opt_trans) + elems_full + np.where(G > 1, acc_elems, 0.0)
     # Collective result bytes per step (per device, fp32 as computed), excluding tensor parallelism.
@@ -201,7 +203,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     # Every layer gathers its weights twice per micro-batch (forward, backward re-fetch); XLA hoists the
     # loop-invariant gather of the non-stacked weights out of the micro-batch scan.
     ag = np.where(z3, G * 2.0 * nl * fetch + other, 0.0)
-    ag = ag + np.where((zero >= 1) & (zero <= 2) & (p > 1), grad_full, 0.0)
+    ag = ag + np.where((zero >= 1) & (zero <= 2) & (p > 1), states.param_full, 0.0)
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0

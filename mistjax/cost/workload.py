@@ -56,8 +56,11 @@ class Workload:
     leaves: tuple[ParamLeaf, ...] = field(repr=False)  # every parameter leaf in flat order
     seq_len: int = 1024  # tokens per sequence
     global_batch: int = 1  # sequences per optimizer step
-    optimizer: str = "adamw"  # key of OPTIMIZERS
+    optimizer: str = "adamw"  # key of OPTIMIZERS (state copies per parameter, update FLOPs)
     compute_dtype: str = "float32"  # dtype the matmuls run in (fp32 runs at the device's fp32 peak)
+    master_weights: bool = False  # the optimizer state also holds a master copy of every parameter
+    state_itemsize: int = 4  # bytes per element of each optimizer-state copy (fp32 moments and master)
+    grad_dtype: str | None = None  # dtype gradients are accumulated and reduced in (None: the parameters')
     # Per-device state totals by knob combination (`cost.layout.totals_over`): lives with the workload.
     layout_cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -69,6 +72,7 @@ class Workload:
     @classmethod
     def from_loss(cls, loss_fn: Any, params: Any, *, seq_len: int, global_batch: int, optimizer: str = "adamw",
                   name: str = "custom", policies: tuple[str, ...] | None = None, compute_dtype: str = "float32",
+                  master_weights: bool = False, state_itemsize: int = 4, grad_dtype: str | None = None,
                   batch_fn: Any = None, profile: ModelProfile | None = None) -> Workload:
         """Analyse ``loss_fn(params, batch)`` over token batches (`mistjax.analysis.analyze_model`).
 
@@ -81,6 +85,10 @@ class Workload:
           name: model name (informational; part of the fingerprint).
           policies: remat policies to analyse (default: the analysis's defaults).
           compute_dtype: dtype the matmuls run in (``float32`` prices them at the fp32 peak).
+          master_weights: the optimizer keeps a master copy of the (16-bit) parameters
+            (`mistjax.api.precision.with_master_weights`).
+          state_itemsize: bytes per element of each optimizer-state copy.
+          grad_dtype: dtype gradients are accumulated and reduced in (None: the parameters' own).
           batch_fn: ``(b, s) -> (batch, ...)``, the loss's other arguments at micro-batch ``b`` and sequence
             length ``s`` (default: int32 ``{"inputs", "targets"}`` token batches).
           profile: an already computed profile of this loss (skips the analysis).
@@ -90,7 +98,8 @@ class Workload:
             profile = analyze_model(loss_fn, params, policies=policies, **extra)
         prof = profile
         return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params),
-                   seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype)
+                   seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype,
+                   master_weights=master_weights, state_itemsize=state_itemsize, grad_dtype=grad_dtype)
 
     # ------------------------------------------------------------------------------ derived
     @property
@@ -104,7 +113,28 @@ class Workload:
 
     @property
     def opt_copies(self) -> int:
-        return OPTIMIZERS[self.optimizer][0]
+        """Parameter-sized arrays in the optimizer state (moments, plus the master copy)."""
+        return OPTIMIZERS[self.optimizer][0] + int(self.master_weights)
+
+    @property
+    def param_itemsize(self) -> int:
+        """Bytes per element of the layer stack's parameters (their storage dtype)."""
+        return next((x.itemsize for x in self.leaves if x.stacked), self.leaves[0].itemsize if self.leaves else 4)
+
+    @property
+    def grad_scale(self) -> float:
+        """Gradient bytes per parameter byte (the gradient dtype against the storage dtype)."""
+        return np.dtype(self.grad_dtype).itemsize / self.param_itemsize if self.grad_dtype else 1.0
+
+    @property
+    def pipeline_grad_scale(self) -> float:
+        """The same for the SPMD pipeline's accumulators, which hold at least fp32 without a gradient dtype."""
+        return (np.dtype(self.grad_dtype).itemsize if self.grad_dtype else max(self.param_itemsize, 4)) / \
+            self.param_itemsize
+
+    def grad_itemsize(self, leaf: ParamLeaf) -> int:
+        """Bytes per element of a leaf's gradient accumulator and reductions."""
+        return np.dtype(self.grad_dtype).itemsize if self.grad_dtype else leaf.itemsize
 
     def policy_index(self, name: str) -> int:
         """Index of a remat policy name (``none`` for layers that are not checkpointed)."""
@@ -136,6 +166,7 @@ class Workload:
     def fingerprint(self) -> str:
         """Short stable hash of the model, its sizes, the batch and the optimizer."""
         doc = {"name": self.name, "seq": self.seq_len, "batch": self.global_batch, "opt": self.optimizer,
+               "master": self.master_weights, "state_itemsize": self.state_itemsize, "grad_dtype": self.grad_dtype,
                "leaves": [[list(x.shape), x.itemsize, x.stacked] for x in self.leaves],
                "layers": self.num_layers}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]

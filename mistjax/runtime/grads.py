@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
@@ -45,6 +45,38 @@ class GradSpec:
         return self.zero >= 1 and self.layout.shard_dim is not None
 
 
+def _widen_for_reduction(x: jax.Array) -> Any:
+    """The dtype a reduction collective of ``x`` runs in: fp32 for a 16-bit float on XLA:CPU (inside a partly
+    manual shard_map it fails to compile 16-bit psum / psum_scatter, and it computes them in fp32
+    anyway); None elsewhere (GPUs and TPUs reduce 16-bit values natively)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    cpu = device is not None and device.platform == "cpu"
+    return jnp.float32 if cpu and x.dtype in (jnp.bfloat16, jnp.float16) else None
+
+
+def psum(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
+    """``lax.psum`` (16-bit floats through fp32 on XLA:CPU, see `_widen_for_reduction`)."""
+    wide = _widen_for_reduction(x)
+    return lax.psum(x, axis) if wide is None else lax.psum(x.astype(wide), axis).astype(x.dtype)
+
+
+def psum_scatter(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """Tiled ``lax.psum_scatter`` (16-bit floats through fp32 on XLA:CPU, see `_widen_for_reduction`)."""
+    wide = _widen_for_reduction(x)
+    y = x if wide is None else x.astype(wide)
+    y = lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
+    return y if wide is None else y.astype(x.dtype)
+
+
+def _all_gather(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """Tiled ``lax.all_gather``; on XLA:CPU a 16-bit float is gathered in fp32, so that the reduce-scatter
+    autodiff transposes it into compiles there (see `_widen_for_reduction`)."""
+    wide = _widen_for_reduction(x)
+    y = x if wide is None else x.astype(wide)
+    y = lax.all_gather(y, axis, axis=dim, tiled=True)
+    return y if wide is None else y.astype(x.dtype)
+
+
 def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> list[jax.Array]:
     """All-reduce several arrays as one flat bucket per dtype (one collective, not one per leaf)."""
     out: list[jax.Array | None] = [None] * len(values)
@@ -52,7 +84,7 @@ def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> l
     for i, v in enumerate(values):
         by_dtype.setdefault(v.dtype, []).append(i)
     for idx in by_dtype.values():
-        flat = lax.psum(jnp.concatenate([values[i].reshape(-1) for i in idx]), axis)
+        flat = psum(jnp.concatenate([values[i].reshape(-1) for i in idx]), axis)
         offset = 0
         for i in idx:
             n = values[i].size
@@ -77,7 +109,7 @@ def shard_all_gather(x: jax.Array, axis: int) -> jax.Array:
     re-layout; autodiff transposes this into `shard_psum_scatter`'s order.
     """
     for name in _live_shard_axes():
-        x = lax.all_gather(x, name, axis=axis, tiled=True)
+        x = _all_gather(x, name, axis)
     return x
 
 
@@ -89,34 +121,38 @@ def shard_psum_scatter(x: jax.Array, dim: int) -> jax.Array:
     ranks on the 1/L block, so only that block crosses the network — the mirror of the gather.
     """
     for name in reversed(_live_shard_axes()):
-        x = lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
+        x = psum_scatter(x, name, dim)
     return x
 
 
 def regather_updated_params(leaves: Sequence[Any], inputs: Sequence[Any], layouts: Sequence[LeafLayout],
                             plan: Plan, mesh: Mesh) -> list[Any]:
-    """Replicate the updated ZeRO-1/2 parameters with the hierarchical all-gather.
+    """All-gather the updated ZeRO-1/2 parameters from their shards, in their storage dtype.
 
-    Under ZeRO-1/2 the optimizer updates each parameter on its 1/p shard (its gradient and state
-    are sharded) and the stored parameter is whole, so the step ends with an all-gather of every
-    updated parameter. Left to GSPMD that gather is one flat collective over the partition group;
-    when the group spans nodes, route it through `shard_all_gather` instead (the cost model prices
-    this re-gather hierarchically). Leaves the step did not change (same object as its input) and
-    host-resident ones are left to XLA; with the group inside one node nothing changes at all.
+    Under ZeRO-1/2 the optimizer updates each parameter on its 1/p shard (its gradient and state are
+    sharded) and the stored parameter is whole, so the step ends with an all-gather of every updated
+    parameter. The updated value is pinned to the sharded layout first, so the update (and, with master
+    weights, the cast to the 16-bit storage dtype) runs on the shard and the gather moves storage-dtype
+    bytes, as Megatron-LM's distributed optimizer does (left alone, GSPMD gathered the fp32 value before
+    the cast). When the group spans nodes, the gather is `shard_all_gather`'s hierarchical one.
+    Leaves the step did not change (same object as its input) and host-resident ones are left to XLA.
     """
-    if mesh.shape[SHARD_AXES[0]] == 1 or plan.stages[0].zero_stage not in (1, 2):
+    if plan.stages[0].zero_stage not in (1, 2):
         return list(leaves)
+    hierarchical = mesh.shape[SHARD_AXES[0]] > 1
     out = list(leaves)
     for i, (x, before, lay) in enumerate(zip(leaves, inputs, layouts)):
         if lay.role != PARAM or lay.sharded or lay.shard_dim is None or lay.host or x is before:
             continue
-        # Manual over every mesh axis with the full storage spec in and the same spec minus the
-        # shard split out: only the partition-group gather moves data. (Left auto, GSPMD gathered
-        # tensor-split and stage-split leaves across `tensor` / `stage` around the map.)
-        gather = jax.shard_map(lambda v, d=lay.shard_dim: shard_all_gather(v, d), mesh=mesh,
-                               in_specs=dataclasses.replace(lay, sharded=True).spec(), out_specs=lay.spec(),
-                               check_vma=False)
-        out[i] = gather(x)
+        sharded = dataclasses.replace(lay, sharded=True).spec()
+        x = lax.with_sharding_constraint(x, NamedSharding(mesh, sharded))
+        if hierarchical:
+            # Manual over every mesh axis with the full storage spec in and the same spec minus the
+            # shard split out: only the partition-group gather moves data. (Left auto, GSPMD gathered
+            # tensor-split and stage-split leaves across `tensor` / `stage` around the map.)
+            x = jax.shard_map(lambda v, d=lay.shard_dim: shard_all_gather(v, d), mesh=mesh, in_specs=sharded,
+                              out_specs=lay.spec(), check_vma=False)(x)
+        out[i] = x
     return out
 
 
@@ -150,7 +186,12 @@ def psum_live(x: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:
     """`lax.psum` over the axes of `axes` that have more than one device (XLA rejects the others
     when every manual axis is trivial)."""
     live = tuple(a for a in axes if mesh.shape[a] > 1)
-    return lax.psum(x, live) if live else x
+    return jax.tree.map(lambda v: psum(v, live), x) if live else x
+
+
+def grad_dtype_of(plan: Plan, g: jax.Array) -> jax.Array:
+    """``g`` in the dtype the plan accumulates and reduces gradients in (its own without `Plan.grad_dtype`)."""
+    return g if plan.grad_dtype is None else g.astype(jnp.dtype(plan.grad_dtype))
 
 
 def _split_microbatches(x: jax.Array, g: int) -> jax.Array:
@@ -209,8 +250,9 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
 
     def grad(p_local: list[jax.Array], mb: list[jax.Array]) -> tuple[jax.Array, Any, list[jax.Array]]:
         (value, aux), g = jax.value_and_grad(loss, has_aux=True)(p_local, mb)
-        # The gradient of a host-streamed weight arrives in host memory (transpose of the fetch).
-        g = [_to_device(gi, s.layout.host) for gi, s in zip(g, specs)]
+        # The gradient of a host-streamed weight arrives in host memory (transpose of the fetch); it is
+        # accumulated and reduced in the plan's gradient dtype.
+        g = [grad_dtype_of(plan, _to_device(gi, s.layout.host)) for gi, s in zip(g, specs)]
         g = [_scatter(gi, s) if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
         return value, aux, g
 

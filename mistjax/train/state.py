@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from mistjax.api.precision import with_master_weights
+
 
 @struct.dataclass
 class TrainState:
@@ -27,11 +29,20 @@ class TrainState:
     tx: optax.GradientTransformation = struct.field(pytree_node=False)  # the optimizer
 
     @classmethod
-    def create(cls, model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
-        """Split `model` into its graph and parameters and initialise the optimizer."""
+    def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *, param_dtype: Any = None) -> TrainState:
+        """Split `model` into its graph and parameters and initialise the optimizer.
+
+        Args:
+          model: the model, with its parameters at full precision.
+          tx: the optimizer (wrap it in `mistjax.api.precision.with_master_weights` for 16-bit weights).
+          param_dtype: store the parameters in this dtype (e.g. ``"bfloat16"``); the optimizer is
+            initialised from the full-precision values first, so a master copy starts exact.
+        """
         graphdef, params = nnx.split(model, nnx.Param)
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                   graphdef=graphdef, tx=tx)
+        opt_state = tx.init(params)
+        if param_dtype is not None:
+            params = jax.tree.map(lambda x: x.astype(jnp.dtype(param_dtype)), params)
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, graphdef=graphdef, tx=tx)
 
     def apply_gradients(self, grads: Any) -> TrainState:
         """One optimizer step with `grads` (same structure as `params`)."""
@@ -45,9 +56,13 @@ class TrainState:
 
 
 def make_optimizer(learning_rate: float = 3e-4, *, warmup_steps: int = 0, total_steps: int = 0,
-                   weight_decay: float = 0.1, clip_norm: float | None = 1.0, b2: float = 0.95
-                   ) -> optax.GradientTransformation:
-    """AdamW with optional linear warm-up + cosine decay and global-norm clipping."""
+                   weight_decay: float = 0.1, clip_norm: float | None = 1.0, b2: float = 0.95,
+                   master_weights: bool = False) -> optax.GradientTransformation:
+    """AdamW with optional linear warm-up + cosine decay and global-norm clipping.
+
+    With ``master_weights`` the whole chain runs on an fp32 master copy of 16-bit parameters
+    (`mistjax.api.precision.with_master_weights`).
+    """
     schedule: optax.Schedule | float = learning_rate
     if total_steps > 0:
         schedule = optax.warmup_cosine_decay_schedule(
@@ -55,4 +70,5 @@ def make_optimizer(learning_rate: float = 3e-4, *, warmup_steps: int = 0, total_
             max(total_steps, warmup_steps + 1), end_value=learning_rate * 0.1)
     chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
     chain.append(optax.adamw(schedule, b2=b2, weight_decay=weight_decay))
-    return optax.chain(*chain)
+    tx = optax.chain(*chain)
+    return with_master_weights(tx) if master_weights else tx

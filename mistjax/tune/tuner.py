@@ -229,7 +229,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
         frontier.append(_key_record(key, choice, bounds[i], "searched"))
         if choice is not None and (best is None or choice.objective < best[1].objective):
             best = (tables, choice)
-            found.append((choice.objective, build_plan(tables, choice),
+            found.append((choice.objective, build_plan(tables, choice).replace(grad_dtype=workload.grad_dtype),
                           _pareto_data(tables, choice, space.pareto_k, space.executable)))
     seconds = time.perf_counter() - t0
     if timed_out:
