@@ -17,6 +17,8 @@ Conventions (checked against ``compiled.cost_analysis()`` on CPU):
 * Loops multiply their body by the trip count (``scan`` length; 1 for ``while``, whose count is
   unknown); ``cond`` counts the most expensive branch (term-wise maximum, an upper bound);
   ``pjit`` / ``remat`` / ``custom_jvp`` / ``custom_vjp`` bodies are inlined by `build_graph`.
+* cuDNN attention primitives are priced like the blockwise kernel (`mistjax.analysis.fused.cudnn_flops`);
+  ``count_graph(..., select=...)`` counts a subset of nodes (e.g. the fused-attention units).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from jax.extend import core as jex
 
+from mistjax.analysis.fused import CUDNN, cudnn_flops
 from mistjax.analysis.graph import Graph, Node, build_graph, constant_nodes, names
 from mistjax.analysis.poly import ZERO, Poly, prod
 
@@ -121,6 +124,8 @@ def node_flops(node: Node, shapes: Shapes) -> FlopCount:
         return FlopCount(2 * out_elems * kernel, ZERO, ZERO)
     if p in FREE:
         return ZERO_FLOPS
+    if p in CUDNN:
+        return FlopCount(*cudnn_flops(p, node.params, ins, node.ins[0].aval.dtype.itemsize))
     if p in TRANSCENDENTAL:
         return FlopCount(ZERO, out_elems * EXTRA_FLOPS.get(p, 0), out_elems)
     if p in REDUCTIONS:
@@ -143,14 +148,21 @@ def default_shapes(graph: Graph) -> Callable[[Node], Shapes]:
 
 
 def count_graph(
-    graph: Graph, shapes: Callable[[Node], Shapes] | None = None, *, fold_constants: bool = True
+    graph: Graph,
+    shapes: Callable[[Node], Shapes] | None = None,
+    *,
+    fold_constants: bool = True,
+    select: Callable[[Node], bool] | None = None,
 ) -> FlopCount:
-    """FLOPs of a flattened graph (loops multiplied by their trip counts)."""
+    """FLOPs of a flattened graph (loops multiplied by their trip counts).
+
+    ``select``: count only the top-level nodes it accepts (a loop it accepts is counted whole).
+    """
     shapes = shapes or default_shapes(graph)
     skip = constant_nodes(graph) if fold_constants else set()
     acc = ZERO_FLOPS
     for n in graph.nodes:
-        if n in skip:
+        if n in skip or (select is not None and not select(n)):
             continue
         if n.prim in ("scan", "while"):
             acc = acc + count_graph(n.subs[0], shapes, fold_constants=fold_constants).scale(n.length)

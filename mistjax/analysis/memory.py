@@ -18,6 +18,9 @@ Adjustments for XLA, which fuses the jaxpr's elementwise chains:
 
 Sizes are polynomials; the peak is a sympy ``Max`` over the program points whose live-set size
 is not dominated term by term by another point's (`poly.max_expr`).
+
+A blockwise fused-attention loop (`mistjax.analysis.fused`) is traced with one block of ``s`` keys;
+``large_blocks=True`` prices its body as it is above ``s = B`` (`fused.per_block`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex
 
+from mistjax.analysis.fused import per_block
 from mistjax.analysis.graph import Graph, constant_nodes, names
 from mistjax.analysis.poly import ZERO, Poly, prune_dominated
 
@@ -80,7 +84,12 @@ def nbytes_fn(graph: Graph, local_dims: Callable[[Any], tuple[Poly, ...]] | None
 
 
 def peak_candidates(
-    graph: Graph, size: SizeFn, *, exclude: Iterable[Any] = (), extra: Sequence[tuple[int, Any, Poly]] = ()
+    graph: Graph,
+    size: SizeFn,
+    *,
+    exclude: Iterable[Any] = (),
+    extra: Sequence[tuple[int, Any, Poly]] = (),
+    large_blocks: bool = False,
 ) -> list[Poly]:
     """Live bytes at each program point of ``graph`` (pruned to the non-dominated ones).
 
@@ -91,6 +100,8 @@ def peak_candidates(
       extra: ``(node index, var, bytes)`` buffers created right before a node (collective
         copies: a gathered input, a reduce-scattered partial sum) living until the var's last
         use.
+      large_blocks: price the bodies of blockwise fused-attention loops for ``s`` above their
+        block size (`fused.per_block`) instead of as traced (one block of ``s`` keys).
     """
     root = alias_roots(graph)
     excluded = {root.get(v, v) for v in exclude if _is_var(v)}
@@ -131,7 +142,10 @@ def peak_candidates(
             frees.setdefault(last.get(r, i), []).append(b)
         inner: list[Poly] = [ZERO]
         for g in n.subs:
-            inner.extend(peak_candidates(g, size))
+            if large_blocks and n.unit_block:  # a blockwise attention loop: its body above s = block
+                inner.extend(per_block(c, n.unit_block) for c in peak_candidates(g, size))
+            else:
+                inner.extend(peak_candidates(g, size, large_blocks=large_blocks))
         cands.extend(live + c for c in prune_dominated(inner))
         for b in frees.pop(i, ()):
             live = live - b
