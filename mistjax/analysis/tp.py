@@ -430,6 +430,25 @@ class Propagator:
 
     _scatter = _scatter_add
 
+    def _dot_product_attention_fwd_wrapper(self, n: Node, mult: Poly) -> tuple[list[State], list[State]]:
+        """cuDNN attention: heads split over ``tensor`` stay local (q, k, v, o, dO on their heads dim, the
+        log-sum-exp ``[b, heads, s]`` on dim 1); without a head split everything is gathered."""
+        heads = 1 if int(n.params.get("layout", 0)) == 1 else 2
+
+        def want(v: Any, split: bool) -> State:
+            rank = 0 if isinstance(v, jex.Literal) else len(self.g.shape(v))
+            if not split or rank not in (3, 4):
+                return REP
+            return Shard(heads if rank == 4 else 1)
+
+        q = self.st(n.ins[0])
+        split = isinstance(q, Shard) and q.dim == heads and not q.seq
+        ins = self._want_all(n, [want(v, split) for v in n.ins], mult)
+        return ins, [want(v, split) for v in n.outs]
+
+    _dot_product_attention_bwd_wrapper = _dot_product_attention_fwd_wrapper
+    _dot_product_attention_fwd = _dot_product_attention_bwd = _dot_product_attention_fwd_wrapper
+
     def _iota(self, n: Node, mult: Poly) -> tuple[list[State], list[State]]:
         return [REP] * len(n.ins), [REP] * len(n.outs)
 
