@@ -260,6 +260,18 @@ def test_fused_block_tp_collectives_are_the_unfused_ones(profiles):
     assert all(term.is_number or term.has(T) for term in sp.Add.make_args(none))
 
 
+def test_block_sizes_the_fit_cannot_follow_are_refused():
+    cfg = models.get_config("llama-tiny").replace(attention_block=16)  # 1, 1, 2, 2 blocks at s = 8..32
+    gd, state = nnx.split(nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0))))
+    with pytest.raises(ValueError, match=r"16 keys per block.*>= 32 \(default 128\)"):
+        analyze_model(make_loss_fn(gd), state, policies=("none",))
+    # Blocks dividing every traced length fit exactly (4 blocks of 8 at s = 32): no Piecewise needed.
+    _, prof = _profile("llama-tiny", attention="blockwise", attention_block=8)
+    peak = sp.lambdify((B, S, T), prof.block.bwd_peak_bytes["none"], "numpy")
+    assert peak(1, 4096, 1) / peak(1, 2048, 1) == pytest.approx(2.0, rel=0.02)  # traced per block of 8: linear
+    assert sp.degree(sp.expand(prof.block.bwd_flops), S) == 2
+
+
 @pytest.fixture
 def cudnn_traceable(monkeypatch):
     """Test-only: lets cuDNN attention TRACE on this CPU machine (its version probe replaced; never lowered)."""

@@ -46,7 +46,7 @@ import sympy as sp
 from jax.extend import core as jex
 
 from mistjax.analysis.flops import FlopCount, count_graph
-from mistjax.analysis.fused import unit_bytes
+from mistjax.analysis.fused import check_blocks, unit_bytes
 from mistjax.analysis.graph import Graph, build_graph
 from mistjax.analysis.memory import alias_roots, nbytes_fn, peak_candidates
 from mistjax.analysis.parts import WEIGHT, PartFn, split_parts, vjp_jaxprs
@@ -414,6 +414,7 @@ def analyze_model(
     traced = [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points]
     if traced[0].stack is not None:
         check_block_primitives(traced[0].stack.body)
+        check_blocks(traced[0].stack.body, [s for _, s in points])
     parts = [split_parts(t) for t in traced]
     tags = block_tags(parts[0]["block"])
     if policies is None:

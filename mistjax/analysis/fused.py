@@ -73,6 +73,32 @@ def unit_of(name: str) -> tuple[str, int | None] | None:
     return m.group(1), (int(m.group(2)) if m.group(2) else None)
 
 
+def check_blocks(closed: Any, seq_lens: Sequence[int]) -> None:
+    """Refuse a blockwise kernel whose block count is not a polynomial of the traced sequence lengths.
+
+    The kernel uses ``ceil(s / B)`` key blocks: a fit over ``seq_lens`` is exact when ``B`` divides every
+    traced length or is at least the longest one.
+
+    Raises:
+      ValueError: naming the block size and the fixes.
+    """
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            m = UNIT_JIT.match(str(eqn.params.get("name", ""))) if "name" in eqn.params else None
+            block = int(m.group(2)) if m and m.group(2) else None
+            if block and block < max(seq_lens) and any(s % block for s in seq_lens):
+                raise ValueError(
+                    f"the layer block runs a blockwise fused-attention kernel with {block} keys per block; the "
+                    f"analysis traces sequence lengths {sorted(set(seq_lens))}, where its number of blocks "
+                    f"(ceil(s / {block})) is not a polynomial in s. Use a block size (ModelConfig.attention_block "
+                    f"for models/) >= {max(seq_lens)} (default 128) or one dividing every traced length, or pass "
+                    f"analysis points whose sequence lengths are multiples of {block}")
+            for sub in jex.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+
+
 def cudnn_flops(prim: str, params: dict[str, Any], ins: Sequence[tuple[Poly, ...]], itemsize: int
                 ) -> tuple[Poly, Poly, Poly]:
     """``(matmul, elementwise, transcendental)`` FLOPs of a cuDNN attention primitive (per device).
@@ -129,4 +155,4 @@ def unit_bytes(calls: Sequence[UnitCall], nbytes: Any) -> Poly:
     return total
 
 
-__all__ = ["CUDNN", "UNIT_JIT", "UnitCall", "cudnn_flops", "per_block", "unit_bytes", "unit_of"]
+__all__ = ["CUDNN", "UNIT_JIT", "UnitCall", "check_blocks", "cudnn_flops", "per_block", "unit_bytes", "unit_of"]
