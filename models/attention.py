@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-DEFAULT_BLOCK_SIZE = 128  # keys per block: as fast as XLA's unfused attention on CPU from s ~ 1k (docs/guide.md)
+DEFAULT_BLOCK_SIZE = 128  # keys per block: the fastest on CPU at s = 1-2k, ahead of XLA unfused (docs/guide.md)
 FWD_NAME = "fused_attention_fwd"  # name prefix of the blockwise forward's jit (see the module docstring)
 BWD_NAME = "fused_attention_bwd"
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
