@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+from models.attention import DEFAULT_BLOCK_SIZE
+
 FAMILIES = ("gpt3", "llama", "falcon")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTIONS = ("xla", "reference")
+# "fused": cuDNN flash attention where the GPU takes it, else the blockwise kernel (models.attention);
+# "blockwise" / "cudnn": one of them always; "xla" / "reference": unfused (probabilities saved, O(s^2)).
+ATTENTIONS = ("fused", "blockwise", "cudnn", "xla", "reference")
 
 # Mist evaluation sizes (paper section 6.2): size -> (hidden, layers, heads). Vocab is 50304 everywhere.
 MIST_SIZES: dict[str, tuple[int, int, int]] = {
@@ -47,7 +51,8 @@ class ModelConfig:
     norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm
     dtype: str = "float32"  # compute dtype name ("float32" | "bfloat16" | "float16")
     param_dtype: str = "float32"  # storage dtype of the master weights
-    attention: str = "xla"  # "xla": jax.nn.dot_product_attention | "reference": einsum + fp32 softmax
+    attention: str = "fused"  # one of ATTENTIONS: "fused" (default) | "blockwise" | "cudnn" | "xla" | "reference"
+    attention_block: int = DEFAULT_BLOCK_SIZE  # keys per block of the blockwise kernel ("fused" / "blockwise")
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -81,6 +86,9 @@ class ModelConfig:
                 raise bad(field, f"unknown dtype {getattr(self, field)!r}; use one of {DTYPES}")
         if self.attention not in ATTENTIONS:
             raise bad("attention", f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
+        if (not isinstance(self.attention_block, numbers.Integral) or isinstance(self.attention_block, bool)
+                or self.attention_block <= 0):
+            raise bad("attention_block", f"must be a positive integer (keys per block), got {self.attention_block!r}")
 
     @property
     def head_dim(self) -> int:

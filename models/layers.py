@@ -24,6 +24,7 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import blockwise_attention, cudnn_attention, cudnn_unsupported, fused_attention
 from models.config import ModelConfig
 
 INIT_STD = 0.02  # Megatron's init_method_std
@@ -143,6 +144,9 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Causal self-attention with grouped-query heads and optional partial rotary embedding.
 
+    The attention core is ``config.attention``: fused (`models.attention`: cuDNN or the blockwise kernel,
+    O(seq) residuals) by default, or unfused (``xla`` / ``reference``: the probabilities are saved).
+
     Kernels: q ``[embed, heads, head_dim]``, k/v ``[embed, kv_heads, head_dim]``, out
     ``[heads, head_dim, embed]``.
     """
@@ -157,6 +161,7 @@ class Attention(nnx.Module):
                              ("heads", "head_dim", "embed"), config)
         self.rotary_dims = config.rotary_dims
         self.attention = config.attention
+        self.attention_block = config.attention_block
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
@@ -164,9 +169,22 @@ class Attention(nnx.Module):
         k = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt)), "qkv_proj")
         v = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt)), "qkv_proj")
         q, k = apply_rotary(q, self.rotary_dims), apply_rotary(k, self.rotary_dims)
-        attend = xla_attention if self.attention == "xla" else reference_attention
-        out = checkpoint_name(attend(q, k, v), "attn_out")
+        out = checkpoint_name(self.attend(q, k, v), "attn_out")
         return jnp.einsum("btnd,nde->bte", out, self.wo[...].astype(dt))
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Causal attention core with the configured kernel (``ModelConfig.attention``)."""
+        if self.attention == "fused":  # the fused kernels' saved output and lse share the output's tag
+            return fused_attention(q, k, v, block_size=self.attention_block, residual_name="attn_out")
+        if self.attention == "blockwise":
+            return blockwise_attention(q, k, v, block_size=self.attention_block, residual_name="attn_out")
+        if self.attention == "cudnn":
+            reason = cudnn_unsupported(q.shape[-1], q.dtype)
+            if reason is not None:
+                raise ValueError(f"ModelConfig.attention='cudnn' cannot run here: {reason}; use 'fused' (cuDNN "
+                                 "where supported, else the blockwise kernel) or 'blockwise'")
+            return cudnn_attention(q, k, v)
+        return xla_attention(q, k, v) if self.attention == "xla" else reference_attention(q, k, v)
 
 
 class GeluMLP(nnx.Module):

@@ -143,13 +143,18 @@ def test_jaxpr_has_one_top_level_scan_over_stacked_params(tiny_models, name):
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_xla_and_reference_attention_agree(tiny_models, name):
+@pytest.mark.parametrize("attention,block", [("xla", 128), ("blockwise", 128), ("blockwise", 5)])
+def test_attention_kernels_agree_with_reference(tiny_models, name, attention, block):
     model, cfg = tiny_models[name], models.get_config(name)
-    assert cfg.attention == "xla"
+    assert cfg.attention == "fused"  # the default: on CPU the blockwise kernel
+    other = models.build(cfg.replace(attention=attention, attention_block=block), rngs=nnx.Rngs(0))
     ref_model = models.build(cfg.replace(attention="reference"), rngs=nnx.Rngs(0))
+    nnx.update(other, nnx.state(model, nnx.Param))
     nnx.update(ref_model, nnx.state(model, nnx.Param))
     tokens = _tokens(cfg)
-    np.testing.assert_allclose(_forward(model, tokens), _forward(ref_model, tokens), rtol=1e-5, atol=1e-5)
+    ref = _forward(ref_model, tokens)
+    np.testing.assert_allclose(_forward(other, tokens), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_forward(model, tokens), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -213,7 +218,8 @@ BASE = models.get_config("llama-tiny")
     ({"rotary_pct": 0.3}, "rotary_pct"),  # 2.4 dims: not an integer
     ({"rotary_pct": 1.5}, "rotary_pct"), ({"rotary_pct": -0.25}, "rotary_pct"),
     ({"family": "bert"}, "family"), ({"dtype": "float64"}, "dtype"), ({"param_dtype": "int8"}, "param_dtype"),
-    ({"attention": "flash"}, "attention"), ({"norm_eps": 0.0}, "norm_eps"),
+    ({"attention": "flash"}, "attention"), ({"attention_block": 0}, "attention_block"),
+    ({"attention_block": True}, "attention_block"), ({"norm_eps": 0.0}, "norm_eps"),
     ({"family": "gpt3"}, "rotary_pct"),  # gpt3 has learned positions, llama-tiny has rotary 0.25
 ])
 def test_config_validation(changes, field):

@@ -16,10 +16,11 @@ from jax.extend import core as jex
 
 from mistjax.analysis.block import activation_state, weight_state
 from mistjax.analysis.flops import FlopCount, count_graph
+from mistjax.analysis.fused import check_blocks, unit_bytes
 from mistjax.analysis.graph import Graph, build_graph
 from mistjax.analysis.memory import alias_roots, nbytes_fn, peak_candidates
 from mistjax.analysis.parts import WEIGHT, PartFn, split_parts, vjp_jaxprs
-from mistjax.analysis.poly import ZERO, Poly, T, max_expr, prune_dominated, total
+from mistjax.analysis.poly import ZERO, Poly, S, T, max_expr, prune_dominated, total
 from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
 from mistjax.analysis.tp import REP, Shard, State, TPResult, propagate
 from mistjax.core.axes import leaf_axes
@@ -81,27 +82,45 @@ class PassAnalysis:
         st = self.final.get(v, REP) if state is _FINAL else state
         return nbytes_fn(self.g, lambda u: self.res.local_dims(self.g, u, st))(v)
 
-    def flops(self) -> FlopCount:
-        def shapes(n: Any) -> tuple[list, list]:
-            ins, outs = self.res.node_states[n]
-            return (
-                [self.res.local_dims(self.g, v, s) for v, s in zip(n.ins, ins)],
-                [self.res.local_dims(self.g, v, s) for v, s in zip(n.outs, outs)],
-            )
+    def _shapes(self, n: Any) -> tuple[list, list]:
+        ins, outs = self.res.node_states[n]
+        return (
+            [self.res.local_dims(self.g, v, s) for v, s in zip(n.ins, ins)],
+            [self.res.local_dims(self.g, v, s) for v, s in zip(n.outs, outs)],
+        )
 
-        return count_graph(self.g, shapes)
+    def flops(self) -> FlopCount:
+        return count_graph(self.g, self._shapes)
 
     def peak(self, exclude: Sequence[Any] = ()) -> sp.Expr:
+        """Transient peak bytes; with blockwise fused attention, ``Piecewise`` on ``s <= block``."""
+        small = self._peak(exclude, large_blocks=False)
+        blocks = [n.unit_block for n in self.g.walk() if n.unit_block and n.subs]
+        if not blocks:
+            return small
+        large = self._peak(exclude, large_blocks=True)
+        return small if large == small else sp.Piecewise((small, sp.Le(S, min(blocks))), (large, True))
+
+    def _peak(self, exclude: Sequence[Any], *, large_blocks: bool) -> sp.Expr:
         tp = peak_candidates(
             self.g,
             lambda v: self.local_bytes(v, self.res.states.get(v, REP)),
             exclude=exclude,
             extra=self.res.extra,
+            large_blocks=large_blocks,
         )
-        one = peak_candidates(self.g, nbytes_fn(self.g), exclude=exclude)
+        one = peak_candidates(self.g, nbytes_fn(self.g), exclude=exclude, large_blocks=large_blocks)
         if set(prune_dominated([c.at_t1() for c in tp])) == set(one):
             return max_expr(tp)
         return sp.Piecewise((max_expr(one), sp.Eq(T, 1)), (max_expr(tp), True))
+
+    def fused_flops(self) -> FlopCount:
+        """FLOPs inside fused-attention units (`mistjax.analysis.fused`)."""
+        return count_graph(self.g, self._shapes, select=lambda n: n.unit is not None)
+
+    def fused_bytes(self) -> Poly:
+        """Bytes the fused-attention calls read and write on one device (one kernel's memory traffic)."""
+        return unit_bytes(self.g.units, self.local_bytes)
 
     def collectives(self, phase: str) -> list[Collective]:
         return [
@@ -242,6 +261,9 @@ def _analyze_part(
         tp_recompute=tp_re,
         tp_divisors=tuple(sorted((d.to_sympy() for d in divisors if d != Poly.const(1)), key=str)),
         notes=tuple(notes),
+        fused_flops=(fwd0.fused_flops() + bwd0.fused_flops()).total.to_sympy(),
+        fused_matmul_flops=(fwd0.fused_flops() + bwd0.fused_flops()).matmul.to_sympy(),
+        fused_bytes=(fwd0.fused_bytes() + bwd0.fused_bytes()).to_sympy(),
     ), passes
 
 
@@ -326,6 +348,7 @@ def analyze_model(
     traced = [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points]
     if traced[0].stack is not None:
         check_block_primitives(traced[0].stack.body)
+        check_blocks(traced[0].stack.body, [s for _, s in points])
     parts = [split_parts(t) for t in traced]
     tags = block_tags(parts[0]["block"])
     if policies is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from jax.extend import core as jex
 
+from mistjax.analysis.fused import CUDNN, cudnn_flops
 from mistjax.analysis.graph import Graph, Node, build_graph, constant_nodes, names
 from mistjax.analysis.poly import ZERO, Poly, prod
 
@@ -103,6 +104,8 @@ def node_flops(node: Node, shapes: Shapes) -> FlopCount:
         return FlopCount(2 * out_elems * kernel, ZERO, ZERO)
     if p in FREE:
         return ZERO_FLOPS
+    if p in CUDNN:
+        return FlopCount(*cudnn_flops(p, node.params, ins, node.ins[0].aval.dtype.itemsize))
     if p in TRANSCENDENTAL:
         return FlopCount(ZERO, out_elems * EXTRA_FLOPS.get(p, 0), out_elems)
     if p in REDUCTIONS:
@@ -125,14 +128,21 @@ def default_shapes(graph: Graph) -> Callable[[Node], Shapes]:
 
 
 def count_graph(
-    graph: Graph, shapes: Callable[[Node], Shapes] | None = None, *, fold_constants: bool = True
+    graph: Graph,
+    shapes: Callable[[Node], Shapes] | None = None,
+    *,
+    fold_constants: bool = True,
+    select: Callable[[Node], bool] | None = None,
 ) -> FlopCount:
-    """FLOPs of a flattened graph (loops multiplied by their trip counts)."""
+    """FLOPs of a flattened graph (loops multiplied by their trip counts).
+
+    ``select``: count only the top-level nodes it accepts (a loop it accepts is counted whole).
+    """
     shapes = shapes or default_shapes(graph)
     skip = constant_nodes(graph) if fold_constants else set()
     acc = ZERO_FLOPS
     for n in graph.nodes:
-        if n in skip:
+        if n in skip or (select is not None and not select(n)):
             continue
         if n.prim in ("scan", "while"):
             acc = acc + count_graph(n.subs[0], shapes, fold_constants=fold_constants).scale(n.length)

@@ -12,6 +12,10 @@ Call-like equations (``pjit``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call
 ``closed_call``, ``shard_map``) are inlined, so a `Graph` is a flat list of leaf `Node`s; loops
 and conditionals (``scan``, ``while``, ``cond``) keep their bodies as nested graphs with a trip
 count (a fitted polynomial for ``scan``; 1 for ``while``, whose count is unknown).
+
+Fused attention (`mistjax.analysis.fused`): the nodes inlined from a blockwise kernel's named ``jit``
+and cuDNN's attention primitives carry the unit's name (``Node.unit``), and every such call is listed in
+``Graph.units``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex
 
+from mistjax.analysis.fused import UnitCall, unit_of
 from mistjax.analysis.poly import Poly, fit_dim
 
 CALL_PARAMS = {  # primitive -> param holding the inlined jaxpr
@@ -60,6 +65,8 @@ class Node:
     eqn: Any  # the reference equation (source info for messages)
     subs: list[Graph] = field(default_factory=list)  # scan/while body, cond branches
     length: Poly | None = None  # trip count of a scan / while
+    unit: str | None = None  # the fused-attention kernel this node belongs to (mistjax.analysis.fused)
+    unit_block: int | None = None  # keys per block of that kernel when it is blockwise
 
 
 @dataclass(eq=False)
@@ -72,6 +79,7 @@ class Graph:
     outvars: list[Any]
     dims: dict[Any, tuple[Poly, ...]]  # shared by nested graphs: var -> fitted dims
     consts: dict[Any, Any] = field(default_factory=dict)  # shared: constvar -> value (inlined ones too)
+    units: list[UnitCall] = field(default_factory=list)  # fused-attention calls (top-level graph only)
 
     def shape(self, v: Any) -> tuple[Poly, ...]:
         if isinstance(v, jex.Literal):
@@ -111,6 +119,8 @@ class _Builder:
         self.points = list(points)
         self.dims: dict[Any, tuple[Poly, ...]] = {}
         self.consts: dict[Any, Any] = {}
+        self.units: list[UnitCall] = []
+        self.unit: tuple[str, int | None] | None = None  # (name, block) of the fused kernel being inlined
 
     def fit(self, ref: Any, others: Sequence[Any]) -> None:
         if not _is_var(ref) or ref in self.dims:
@@ -168,6 +178,10 @@ class _Builder:
                 self.fit(v, [o.outvars[j] for o in others])
             inner = _call_jaxpr(eqn)
             if inner is not None:
+                unit = unit_of(str(eqn.params.get("name", ""))) if self.unit is None else None
+                outer_unit = self.unit
+                if unit is not None:
+                    self.unit = (str(eqn.params["name"]), unit[1])
                 ij, consts = _open(inner)
                 self.consts.update(zip(ij.constvars, consts))
                 oijs = [_open(_call_jaxpr(o))[0] for o in others]
@@ -181,6 +195,10 @@ class _Builder:
                     if _is_var(v):
                         ov = ij.outvars[j]
                         env[v] = env.get(ov, ov) if _is_var(ov) else ov
+                if unit is not None:
+                    self.unit = outer_unit
+                    self.units.append(UnitCall(str(eqn.params["name"]), unit[0], unit[1],
+                                               tuple(sub(v) for v in eqn.invars), tuple(sub(v) for v in eqn.outvars)))
                 continue
             node = Node(
                 prim=name,
@@ -188,7 +206,13 @@ class _Builder:
                 ins=[sub(v) for v in eqn.invars],
                 outs=list(eqn.outvars),
                 eqn=eqn,
+                unit=self.unit[0] if self.unit else None,
+                unit_block=self.unit[1] if self.unit else None,
             )
+            leaf_unit = unit_of(name) if self.unit is None else None
+            if leaf_unit is not None:  # cuDNN attention: one primitive per call
+                node.unit = name
+                self.units.append(UnitCall(name, leaf_unit[0], None, tuple(node.ins), tuple(node.outs)))
             if name == "scan":
                 node.subs = [self.graph(eqn.params["jaxpr"], [o.params["jaxpr"] for o in others])]
                 node.length = (
@@ -256,4 +280,7 @@ def build_graph(
     """
     if others and len(points) != len(others) + 1:
         raise ValueError("need one (b, s) point per trace")
-    return _Builder(points if others else ()).graph(ref, list(others))
+    builder = _Builder(points if others else ())
+    g = builder.graph(ref, list(others))
+    g.units = builder.units
+    return g

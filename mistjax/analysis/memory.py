@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex
 
+from mistjax.analysis.fused import per_block
 from mistjax.analysis.graph import Graph, constant_nodes, names
 from mistjax.analysis.poly import ZERO, Poly, prune_dominated
 
@@ -61,7 +62,12 @@ def nbytes_fn(graph: Graph, local_dims: Callable[[Any], tuple[Poly, ...]] | None
 
 
 def peak_candidates(
-    graph: Graph, size: SizeFn, *, exclude: Iterable[Any] = (), extra: Sequence[tuple[int, Any, Poly]] = ()
+    graph: Graph,
+    size: SizeFn,
+    *,
+    exclude: Iterable[Any] = (),
+    extra: Sequence[tuple[int, Any, Poly]] = (),
+    large_blocks: bool = False,
 ) -> list[Poly]:
     """Live bytes at each program point of ``graph`` (pruned to the non-dominated ones).
 
@@ -72,6 +78,8 @@ def peak_candidates(
       extra: ``(node index, var, bytes)`` buffers created right before a node (collective
         copies: a gathered input, a reduce-scattered partial sum) living until the var's last
         use.
+      large_blocks: price the bodies of blockwise fused-attention loops for ``s`` above their
+        block size (`fused.per_block`) instead of as traced (one block of ``s`` keys).
     """
     root = alias_roots(graph)
     excluded = {root.get(v, v) for v in exclude if _is_var(v)}
@@ -112,7 +120,10 @@ def peak_candidates(
             frees.setdefault(last.get(r, i), []).append(b)
         inner: list[Poly] = [ZERO]
         for g in n.subs:
-            inner.extend(peak_candidates(g, size))
+            if large_blocks and n.unit_block:  # a blockwise attention loop: its body above s = block
+                inner.extend(per_block(c, n.unit_block) for c in peak_candidates(g, size))
+            else:
+                inner.extend(peak_candidates(g, size, large_blocks=large_blocks))
         cands.extend(live + c for c in prune_dominated(inner))
         for b in frees.pop(i, ()):
             live = live - b

@@ -89,6 +89,11 @@ class PartProfile:
       tp_divisors: sizes ``t`` must divide (heads, kv heads, MLP width, vocabulary, and the
         sequence length under sequence parallelism).
       notes: anything the analysis approximated.
+      fused_flops / fused_matmul_flops: of the forward + backward FLOPs (no remat), those inside
+        fused-attention kernels (`mistjax.analysis.fused`: the blockwise kernel's named jits, cuDNN's
+        primitives), all of it / the matmul share; a cost model may price them as one kernel.
+      fused_bytes: bytes those kernels read and write (q, k, v, o, lse; backward also dO, dq, dk,
+        dv): their memory traffic as single kernels.
     """
 
     name: str
@@ -107,6 +112,9 @@ class PartProfile:
     tp_recompute: Mapping[str, Mapping[str, sp.Expr]]
     tp_divisors: tuple[sp.Expr, ...]
     notes: tuple[str, ...] = ()
+    fused_flops: sp.Expr = sp.Integer(0)
+    fused_matmul_flops: sp.Expr = sp.Integer(0)
+    fused_bytes: sp.Expr = sp.Integer(0)
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -144,6 +152,9 @@ class PartProfile:
             "weight_bytes": self.weight_bytes,
             "weight_params": self.weight_params,
             "output_bytes": self.output_bytes,
+            "fused_flops": self.fused_flops,
+            "fused_matmul_flops": self.fused_matmul_flops,
+            "fused_bytes": self.fused_bytes,
         }
         for pol in self.policies:
             out[f"saved_bytes[{pol}]"] = self.saved_bytes[pol]

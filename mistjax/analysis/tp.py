@@ -402,6 +402,25 @@ class Propagator:
 
     _scatter = _scatter_add
 
+    def _dot_product_attention_fwd_wrapper(self, n: Node, mult: Poly) -> tuple[list[State], list[State]]:
+        """cuDNN attention: heads split over ``tensor`` stay local (q, k, v, o, dO on their heads dim, the
+        log-sum-exp ``[b, heads, s]`` on dim 1); without a head split everything is gathered."""
+        heads = 1 if int(n.params.get("layout", 0)) == 1 else 2
+
+        def want(v: Any, split: bool) -> State:
+            rank = 0 if isinstance(v, jex.Literal) else len(self.g.shape(v))
+            if not split or rank not in (3, 4):
+                return REP
+            return Shard(heads if rank == 4 else 1)
+
+        q = self.st(n.ins[0])
+        split = isinstance(q, Shard) and q.dim == heads and not q.seq
+        ins = self._want_all(n, [want(v, split) for v in n.ins], mult)
+        return ins, [want(v, split) for v in n.outs]
+
+    _dot_product_attention_bwd_wrapper = _dot_product_attention_fwd_wrapper
+    _dot_product_attention_fwd = _dot_product_attention_bwd = _dot_product_attention_fwd_wrapper
+
     def _iota(self, n: Node, mult: Poly) -> tuple[list[State], list[State]]:
         return [REP] * len(n.ins), [REP] * len(n.outs)
 
@@ -438,12 +457,35 @@ class Propagator:
         body_in = ins[: nc + ncar] + [
             Shard(s.dim - 1, s.seq) if isinstance(s, Shard) else s for s in ins[nc + ncar :]
         ]
+        ins[nc : nc + ncar] = body_in[nc : nc + ncar] = self._carry_layouts(n, body_in, mult)
         for v, s in zip(body.invars, body_in):
             self.res.states[v] = s
         targets: list[State | None] = list(ins[nc : nc + ncar]) + [None] * (len(body.outvars) - ncar)
         ys = self.run(body, mult * n.length, out_targets=targets)[ncar:]
         ys_out = [Shard(s.dim + 1, s.seq) if isinstance(s, Shard) else REP for s in ys]
         return ins, ins[nc : nc + ncar] + ys_out
+
+    def _carry_layouts(self, n: Node, body_in: list[State], mult: Poly) -> list[State]:
+        """Layouts of a scan's carries: a replicated initial carry that the body turns into a split one
+        (an accumulator started from zeros and updated with per-head values) starts split, which is a
+        local slice of the replicated value; otherwise every trip would end in an all-gather.
+
+        Found by trial propagations of the body (nothing recorded) until the carry layouts are stable.
+        """
+        nc, ncar = n.params["num_consts"], n.params["num_carry"]
+        body = n.subs[0]
+        carry = list(body_in[nc : nc + ncar])
+        for _ in range(ncar + 1):
+            trial = Propagator(self.g, dict(self.res.states), sequence_parallel=self.sp,
+                               param_vars=list(self.param), model_sizes=list(self.model_sizes))
+            trial.summands = dict(self.summands)
+            trial.res.states.update(zip(body.invars, body_in[:nc] + carry + body_in[nc + ncar :]))
+            finals = trial.run(body, mult * n.length)[:ncar]
+            new = [f if c is REP and isinstance(f, Shard) else c for c, f in zip(carry, finals)]
+            if new == carry:
+                break
+            carry = new
+        return carry
 
 
 def propagate(
