@@ -8,6 +8,12 @@ from arguments first, then ``MISTJAX_*`` environment variables, then the ``JAX_*
     MISTJAX_NUM_PROCESSES       / JAX_NUM_PROCESSES         number of processes
     MISTJAX_PROCESS_ID          / JAX_PROCESS_ID            this process, 0 .. n-1
     MISTJAX_LOCAL_DEVICES                                   CPU devices per process (CPU only)
+    MISTJAX_TRANSFER_ADDRESS                                host:port for cross-process device_put
+
+Pipelined plans move activations between processes with ``jax.device_put``; on CPU that needs
+each process to listen on a transfer socket (``jax_cross_host_transfer_socket_address``). With a
+loopback coordinator (several processes on one machine) each process takes the port after the
+coordinator's plus its id; otherwise set ``MISTJAX_TRANSFER_ADDRESS`` per process.
 
 A dead peer must not leave the others hanging. Two mechanisms bound the wait: a collective
 whose peer vanished fails at once (the TCP connection resets; `peer_failure` turns that into
@@ -164,6 +170,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return setup
     if jax.distributed.is_initialized():
         return setup
+    _configure_transfers(setup)
     # If not every process connects in time, JAX's runtime aborts the process with a message
     # about "another task" dying. A watchdog that fires first says what actually went wrong.
     watchdog = threading.Timer(timeout_s, _join_timed_out, args=(setup, timeout_s))
@@ -186,6 +193,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     finally:
         watchdog.cancel()
     return setup
+
+
+def _configure_transfers(setup: ProcessSetup) -> None:
+    """Give this process a cross-process transfer socket (see module doc)."""
+    address = os.environ.get("MISTJAX_TRANSFER_ADDRESS")
+    if not address and setup.coordinator is not None:
+        host, _, port = setup.coordinator.rpartition(":")
+        if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+            address = f"{host}:{int(port) + 1 + setup.process_id}"
+    if address:
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
 
 
 def _join_timed_out(setup: ProcessSetup, timeout_s: float) -> None:

@@ -32,6 +32,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import type_handlers as ocp_types
 
+from mistjax.runtime.mpmd_state import per_leaf_on_host
+
 META_FORMAT = 1  # version of the metadata layout below
 _SEP = "/"
 
@@ -92,7 +94,6 @@ def tree_to_state(tree: dict[str, Any], template: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
-@jax.jit
 def _checksums(leaves: list[jax.Array]) -> jax.Array:
     """Per leaf: the uint32 wrap-around sum of its bits, plain and position-weighted.
 
@@ -114,7 +115,8 @@ def _checksums(leaves: list[jax.Array]) -> jax.Array:
 
 def checksums(state: Any) -> dict[str, list[int]]:
     """`_checksums` of every leaf of `state`, keyed by leaf name (JSON-ready)."""
-    values = np.asarray(_checksums(jax.tree.leaves(state)))
+    # A pipelined plan's state lives on several sub-meshes: checksum each mesh's leaves on it.
+    values = per_leaf_on_host(_checksums, jax.tree.leaves(state))
     return {name: [int(a), int(b)] for name, (a, b) in zip(_leaf_names(state), values)}
 
 
