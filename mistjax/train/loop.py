@@ -121,7 +121,9 @@ def make_global_batch(step: ShardedStep, batch: dict[str, np.ndarray]) -> dict[s
 
 
 def _leaves_finite(leaves: list[jax.Array]) -> jax.Array:
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+    on_device = [jax.device_put(x, jax.memory.Space.Device) if jax.typeof(x).memory_space == jax.memory.Space.Host
+                 else x for x in leaves]  # offloaded leaves are read on device
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in on_device])
 
 
 def _all_finite(tree: Any) -> bool:
@@ -214,6 +216,8 @@ def _prepare(cfg: TrainConfig, mesh: Any, ckpt: Checkpointer | None) -> _Setup:
         if ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
             _check_compatible(newest, cfg, plan, ckpt.directory)
     start = 0
+    if ckpt is not None:
+        ckpt.check_savable(state)  # before any training work
     if ckpt is not None and cfg.resume:
         restored = ckpt.restore_latest(state)
         if restored is None:
