@@ -68,6 +68,27 @@ def time_steps(step, state, batch, steps: int) -> tuple[list[dict], object]:
     return rows, state
 
 
+def dispatch_floor(calls: int = 300) -> dict[str, float]:
+    """Host ms per call of a 1-element jitted add on a 2-device sub-mesh, and of a device_put of it to
+    another sub-mesh: what any op costs the host here, whatever it computes."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devs = jax.devices()
+    a, b = Mesh(devs[0:2], ("x",)), Mesh(devs[2:4], ("x",))
+    x = jax.device_put(jnp.zeros((2,)), NamedSharding(a, P("x")))
+    add = jax.jit(lambda v: v + 1)
+    dst = NamedSharding(b, P("x"))
+    out = {}
+    for name, fn in (("program", lambda: add(x)), ("transfer", lambda: jax.device_put(x, dst))):
+        jax.block_until_ready(fn())
+        t0 = time.perf_counter()
+        ys = [fn() for _ in range(calls)]
+        out[name] = 1e3 * (time.perf_counter() - t0) / calls
+        jax.block_until_ready(ys)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt3-tiny")
@@ -83,6 +104,9 @@ def main() -> None:
     if a.idle:
         cfgs.append((a.model, a.layers, 2, "idle"))
     records, memory = [], []
+    floor = dispatch_floor()
+    print(f"dispatch floor: {floor['program']:.3f} ms per jitted program, {floor['transfer']:.3f} ms per device_put",
+          flush=True)
     for name, layers, seq, kind in cfgs:
         cfg = models.get_config(name).replace(num_layers=layers)
         state0 = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), make_optimizer(1e-3))
@@ -127,6 +151,7 @@ def main() -> None:
               f"{m['temp'] / 1024:>9.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": records, "stage_memory": memory, "devices": n,
+                                            "dispatch_floor_ms": floor,
                                             "jax": jax.__version__}, indent=2))
 
 

@@ -108,6 +108,8 @@ class MpmdStep:
         self.issue: list[Op] = issue_order(plan.schedule, self.S, plan.grad_accum, plan.virtual_stages)
         self.rows = StageRows(tuple(s.layers[0] for s in plan.stages), tuple(s.layers[1] for s in plan.stages))
         self.stats = DispatchStats()
+        self._avals: dict[Any, jax.ShapeDtypeStruct] = {}
+        self._replicated = [NamedSharding(m, P()) for m in self.meshes]
         self._ready = False
 
     # ================================================================== setup
@@ -325,10 +327,14 @@ class MpmdStep:
 
     def _contrib_aval(self, v: Any, lay: Any, source: int, at: int) -> jax.ShapeDtypeStruct:
         """A contribution of `source` to materialised value `v`, as received on stage `at` (replicated)."""
-        shape = list(v.aval.shape)
-        if isinstance(lay, Rows):
-            shape[lay.dim] = self.rows.count(source)
-        return jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype, sharding=NamedSharding(self.meshes[at], P()))
+        key = (v, source, at)
+        if key not in self._avals:
+            shape = list(v.aval.shape)
+            if isinstance(lay, Rows):
+                shape[lay.dim] = self.rows.count(source)
+            self._avals[key] = jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype,
+                                                    sharding=NamedSharding(self.meshes[at], P()))
+        return self._avals[key]
 
     def _targets(self, k: int, r: int) -> list[tuple[tuple[Any, ...], Any]]:
         prop, ts = self.prop, self.ts
@@ -666,7 +672,7 @@ class MpmdStep:
                 else:
                     ct_in, acc = out if out is not None else (None, None)
                     ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float),
-                                                     h_float, _float_only(progs[k - 1]), k, k - 1)
+                                                     h_float, progs[k - 1].ct_shardings(), k, k - 1)
                 if self.local[k]:
                     self._accs[k] = (acc, lacc)
             else:
@@ -675,7 +681,7 @@ class MpmdStep:
                 if self.local[k]:
                     self._accs[k] = (acc, lacc)
                 ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float),
-                                                 h_float, _float_only(progs[k - 1]), k, k - 1)
+                                                 h_float, progs[k - 1].ct_shardings(), k, k - 1)
         self.stats.residual_bytes = [n * b for n, b in zip(self.stats.residuals_in_flight, self.residual_bytes())]
         grads: list[list[Any]] = []
         loss = aux = None
@@ -768,7 +774,7 @@ class MpmdStep:
                         v = g[1]
                         lay = prop.layout[v]
                         srcs = contributors(lay, self.K)
-                        twins[(t, v)] = [self._transfer(contribs[(v, s)], NamedSharding(self.meshes[t], P()),
+                        twins[(t, v)] = [self._transfer(contribs[(v, s)], self._replicated[t],
                                                         src_stage=s, dst_stage=t,
                                                         aval=self._contrib_aval(v, lay, s, t)) for s in srcs]
         return new_pieces, self._metrics(metric_parts)
@@ -785,7 +791,7 @@ class MpmdStep:
                 if lay == Whole(prop.ALL):
                     per_group[d].append(parts[(m, d)])
                     continue
-                recv = [self._transfer(parts[(m, s)], NamedSharding(self.group_meshes[d], P()), src_stage=s,
+                recv = [self._transfer(parts[(m, s)], self._replicated[d], src_stage=s,
                                        dst_stage=d, aval=self._contrib_aval(v, lay, s, d)) for s in srcs]
                 if self.metric_combine[m]:
                     combine_inputs[d].append(recv)
@@ -886,10 +892,6 @@ class MpmdStep:
             out.append({"stage": k, "group": k % self.S, "layers": self.plan.stages[k].layers,
                         "leaves": [self.infos[i] for i in self.held[k]], "elements": kinds})
         return out
-
-
-def _float_only(prog: StagePrograms) -> list[NamedSharding]:
-    return [s for s, f in zip(prog.h_shardings(), prog.h_float) if f]
 
 
 def _leading_dim(batch: Any) -> int:

@@ -180,7 +180,14 @@ class StagePrograms:
         return [P(DP_AXES) if b else P() for b in self.info.is_batch] if self.spec.uses_batch else []
 
     def h_shardings(self) -> list[NamedSharding]:
-        return [activation_sharding(self.spec.mesh, a, self.info.tp) for a in self.info.h_avals]
+        if "h_shardings" not in self._cache:  # looked up per dispatched op: computed once
+            self._cache["h_shardings"] = [activation_sharding(self.spec.mesh, a, self.info.tp)
+                                          for a in self.info.h_avals]
+        return self._cache["h_shardings"]
+
+    def ct_shardings(self) -> list[NamedSharding]:
+        """Shardings of the cotangents this stage receives (its activation's float leaves)."""
+        return [s for s, f in zip(self.h_shardings(), self.h_float) if f]
 
     def grad_local_shape(self, j: int) -> tuple[int, ...]:
         """One device's gradient of held parameter `j` (split over the partition group under ZeRO-2/3)."""
@@ -191,11 +198,14 @@ class StagePrograms:
         return tuple(shape)
 
     def acc_avals(self) -> list[jax.ShapeDtypeStruct]:
+        if "acc_avals" in self._cache:
+            return self._cache["acc_avals"]
         dp = self.info.dp
         out = []
         for j in range(len(self.grad_specs)):
             shape = (dp, *self.grad_local_shape(j))
             out.append(jax.ShapeDtypeStruct(shape, _acc_dtype(self._param_dtype(j)), sharding=self._acc_sharding(j)))
+        self._cache["acc_avals"] = out
         return out
 
     def _param_dtype(self, j: int) -> Any:
@@ -216,9 +226,12 @@ class StagePrograms:
 
     def grad_shardings(self) -> list[NamedSharding]:
         """Where `finish` leaves each gradient: the ZeRO >= 1 split over the partition group, TP dims."""
-        return [NamedSharding(self.spec.mesh, dataclasses.replace(g.layout, sharded=g.out_sharded, host=False,
+        if "grad_shardings" not in self._cache:
+            self._cache["grad_shardings"] = [
+                NamedSharding(self.spec.mesh, dataclasses.replace(g.layout, sharded=g.out_sharded, host=False,
                                                                   stage_split=False).spec())
                 for g in self.grad_specs]
+        return self._cache["grad_shardings"]
 
     # ------------------------------------------------------------------ the stage function
     def _layer_loop(self) -> Callable[..., Any]:
