@@ -570,8 +570,8 @@ class MpmdStep:
 
     # ================================================================== one step
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        self.plan.check_batch(_leading_dim(batch))  # the programs are compiled for this batch size
         if not self._ready:
-            self.plan.check_batch(_leading_dim(batch))
             self._setup(state, batch)
         t0 = time.perf_counter()
         self.stats = DispatchStats()
