@@ -19,6 +19,7 @@ offload keep no fetched weights between forward and backward on any layer kind:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,6 +70,32 @@ def layer_segments(num_layers: int, remat_layers: int, offload_layers: int) -> l
 def offloaded_layers(num_layers: int, remat_layers: int, ratio: float) -> int:
     """Layers whose activations go to host for an activation offload `ratio` (of the non-remat layers)."""
     return int(round(ratio * (num_layers - min(remat_layers, num_layers))))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageKind:
+    """What makes one pipeline stage's layer code differ from another's (first / last, and how many of
+    its layers are activation-offloaded, plain and checkpointed with which policy)."""
+
+    first: bool
+    last: bool
+    num_offload: int  # leading layers whose tagged activations go to host (the rest is recomputed)
+    num_plain: int  # then layers run without checkpointing
+    num_remat: int  # trailing layers run under jax.checkpoint(policy)
+    policy: str | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_offload + self.num_plain + self.num_remat
+
+
+def stage_kind(stage: int, num_stages: int, num_layers: int, remat_layers: int, policy: str | None,
+               offload_layers: int = 0) -> StageKind:
+    """The kind of stage `stage` (the cost model counts each distinct kind's code once, as XLA's cost
+    analysis of one SPMD program did). The layer order is `layer_segments`'."""
+    n_off = min(offload_layers, num_layers - remat_layers)
+    return StageKind(stage == 0, stage == num_stages - 1, n_off, num_layers - remat_layers - n_off, remat_layers,
+                     policy if remat_layers else None)
 
 
 Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]

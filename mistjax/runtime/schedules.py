@@ -1,4 +1,9 @@
-"""Pipeline schedule tables for the lock-step SPMD executor in `mistjax.runtime.pipeline`.
+"""Lock-step pipeline schedule tables, as the cost model prices pipelines (`mistjax.cost.predict`).
+
+The executor no longer runs these tables: pipelined plans run on the MPMD executor
+(`mistjax.runtime.mpmd`), whose per-group orders and host issue order are `runtime.mpmd_schedule`'s
+(no ticks). The tables, `lockstep_time` and `in_flight` stay for the cost model, the tuner's search
+space (`SCHEDULE_NAMES`) and the plots until the cost model describes the MPMD executor.
 
 A schedule is a pair of integer tables ``fwd[t, s]`` / ``bwd[t, s]``: the micro-batch that stage ``s``
 runs forward / backward in tick ``t`` (``-1`` = idle). Every tick a stage may run one forward and then
@@ -19,7 +24,7 @@ Three tables are provided:
   ``G + 2S - 2`` ticks. In flight on stage ``s``: ``min(2 (S - s) - 1, G)``, still independent of ``G``
   but up to twice classic 1F1B's.
 
-Trade-off (why ``"1f1b"`` is the default). The executor is lock-step: a tick ends in a ``ppermute``, so
+Trade-off (why ``"1f1b"`` was the default). A lock-step executor ends every tick in a ``ppermute``, so
 it lasts as long as the slowest stage's work in it (`lockstep_time`). In classic 1F1B's steady state a
 stage runs F while its neighbour runs B, so every tick costs ``max(F, B)``: with ``B = 2F`` the modelled
 step time is up to +33% over GPipe (+26% at S=4, G=16), more with remat (B = 3F). The eager table packs
@@ -28,10 +33,6 @@ but it keeps up to ``2 (S - s) - 1`` micro-batches of activations instead of ``S
 (Mist's cost model) charges 1F1B with ``S - s`` micro-batches in flight, so the memory-faithful classic
 table is the default: a mis-predicted step time costs throughput, a mis-predicted peak is an OOM. Plans
 with memory headroom can ask for ``"1f1b-eager"`` (the cost model should then charge ``2 (S - s) - 1``).
-
-The slot allocator (`tick_program`) turns a schedule into the per-(tick, stage) buffer slots the
-executor reads and writes, sized by interval colouring (optimal for interval graphs), so every buffer
-holds exactly the number of micro-batches the table keeps alive.
 """
 
 from __future__ import annotations
@@ -42,10 +43,8 @@ import numpy as np
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "1f1b-eager")
 
-# Instants inside a tick (fractions of it), used to order buffer writes and reads in `tick_program`:
-# the forward reads its input and writes its residuals, the last stage writes its seed cotangent,
-# the backward reads residuals and cotangent, and the ppermute'd messages land at the end.
-_F_AT, _SEED_AT, _B_AT, _RECV_AT = 0.1, 0.2, 0.3, 0.9
+# Instants inside a tick (fractions of it) ordering a stage's forward before its backward (`in_flight`).
+_F_AT, _B_AT = 0.1, 0.3
 
 
 class ScheduleError(ValueError):
@@ -258,76 +257,6 @@ def _overlaps(intervals: list[tuple[float, float]]) -> list[int]:
     return [sum(a <= lo <= b for a, b in intervals) for lo, _ in intervals] or [0]
 
 
-def _colour(intervals: list[tuple[float, float]]) -> tuple[list[int], int]:
-    """Assign slots to closed intervals so that overlapping ones differ; returns (slots, slot count).
-
-    Greedy by start time, reusing the free slot that was released first; optimal for interval graphs.
-    """
-    order = sorted(range(len(intervals)), key=lambda k: intervals[k][0])
-    slot_end: list[float] = []
-    slots = [-1] * len(intervals)
-    for k in order:
-        lo, hi = intervals[k]
-        free = [j for j, end in enumerate(slot_end) if end < lo]
-        j = min(free, key=lambda j: slot_end[j]) if free else len(slot_end)
-        if j == len(slot_end):
-            slot_end.append(hi)
-        slot_end[j] = hi
-        slots[k] = j
-    return slots, len(slot_end)
-
-
-# Columns of the per-(tick, stage) program the executor scans over.
-F_MB, F_XSLOT, F_RSLOT, F_SEED, B_MB, B_RSLOT, B_CSLOT, RX_SLOT, RC_SLOT = range(9)
-NUM_COLUMNS = 9
-
-
-class TickProgram(NamedTuple):
-    """A schedule compiled to buffer slots.
-
-    ``table[t, s]`` holds, by column: ``F_MB`` forward micro-batch; ``F_XSLOT`` input-queue slot it
-    reads (stage > 0); ``F_RSLOT`` residual slot it writes; ``F_SEED`` cotangent-queue slot the last
-    stage's seed goes to; ``B_MB`` backward micro-batch; ``B_RSLOT`` residual slot and ``B_CSLOT``
-    cotangent slot it reads; ``RX_SLOT`` / ``RC_SLOT`` input / cotangent-queue slot that the message
-    arriving at the end of the tick goes to. ``-1`` everywhere a column does not apply.
-    """
-
-    table: np.ndarray  # int32 [T, S, NUM_COLUMNS]
-    residual_slots: np.ndarray  # [S] micro-batches of saved activations each stage keeps
-    input_slots: int  # activation-queue depth (max over stages)
-    cotangent_slots: int  # cotangent-queue depth (max over stages)
-
-
-def tick_program(sched: Schedule) -> TickProgram:
-    """Allocate buffer slots for a (checked) schedule; see `TickProgram`."""
-    check_schedule(sched)
-    f_tick, b_tick = _op_ticks(sched)
-    S, G = f_tick.shape
-    table = np.full((sched.num_ticks, S, NUM_COLUMNS), -1, np.int32)
-    res_slots = np.zeros(S, np.int64)
-    x_depth = c_depth = 1
-    for s in range(S):
-        table[f_tick[s], s, F_MB] = np.arange(G)
-        table[b_tick[s], s, B_MB] = np.arange(G)
-        slots, res_slots[s] = _colour([(f_tick[s, i] + _F_AT, b_tick[s, i] + _B_AT) for i in range(G)])
-        table[f_tick[s], s, F_RSLOT] = slots
-        table[b_tick[s], s, B_RSLOT] = slots
-        if s > 0:  # activation of mb i lands at the end of F(s-1, i) and is read by F(s, i)
-            slots, n = _colour([(f_tick[s - 1, i] + _RECV_AT, f_tick[s, i] + _F_AT) for i in range(G)])
-            table[f_tick[s - 1], s, RX_SLOT] = slots
-            table[f_tick[s], s, F_XSLOT] = slots
-            x_depth = max(x_depth, n)
-        if s < S - 1:  # cotangent lands at the end of B(s+1, i)
-            slots, n = _colour([(b_tick[s + 1, i] + _RECV_AT, b_tick[s, i] + _B_AT) for i in range(G)])
-            table[b_tick[s + 1], s, RC_SLOT] = slots
-        else:  # the last stage's forward writes the seed cotangent mid-tick
-            slots, n = _colour([(f_tick[s, i] + _SEED_AT, b_tick[s, i] + _B_AT) for i in range(G)])
-            table[f_tick[s], s, F_SEED] = slots
-        table[b_tick[s], s, B_CSLOT] = slots
-        c_depth = max(c_depth, n)
-    return TickProgram(table, res_slots, x_depth, c_depth)
-
-
-__all__ = ["SCHEDULE_NAMES", "Schedule", "ScheduleError", "TickProgram", "bubble_fraction", "check_schedule",
+__all__ = ["SCHEDULE_NAMES", "Schedule", "ScheduleError", "bubble_fraction", "check_schedule",
            "eager_one_f_one_b_schedule", "gpipe_schedule", "in_flight", "lockstep_time", "make_schedule",
-           "one_f_one_b_bound", "one_f_one_b_schedule", "tick_program"]
+           "one_f_one_b_bound", "one_f_one_b_schedule"]
