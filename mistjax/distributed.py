@@ -151,6 +151,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return setup
     if jax.distributed.is_initialized():
         return setup
+    _configure_transfers(setup)
     # If not every process connects in time, JAX's runtime aborts the process with a message
     # about "another task" dying. A watchdog that fires first says what actually went wrong.
     watchdog = threading.Timer(timeout_s, _join_timed_out, args=(setup, timeout_s))
@@ -173,6 +174,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     finally:
         watchdog.cancel()
     return setup
+
+
+def _configure_transfers(setup: ProcessSetup) -> None:
+    """Give this process a cross-process transfer socket (see module doc)."""
+    address = os.environ.get("MISTJAX_TRANSFER_ADDRESS")
+    if not address and setup.coordinator is not None:
+        host, _, port = setup.coordinator.rpartition(":")
+        if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+            address = f"{host}:{int(port) + 1 + setup.process_id}"
+    if address:
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
 
 
 def _join_timed_out(setup: ProcessSetup, timeout_s: float) -> None:

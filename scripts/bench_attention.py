@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 from mistjax.analysis import analyze_model, compile_profile  # noqa: E402
-from mistjax.train.loss import make_loss_fn  # noqa: E402
+from models import make_loss_fn  # noqa: E402
 from models.attention import blockwise_attention  # noqa: E402
 from models.layers import Attention, xla_attention  # noqa: E402
 

@@ -41,9 +41,7 @@ PLANS = {
     "remat dots": dict(ZERO[1], remat_layers=4, remat_policy="dots"),
     "offload opt": dict(ZERO[1], offload_opt=1.0),
     "offload w+g G4": dict(ZERO[3], offload_weights=1.0, offload_grads=1.0, grad_accum=4),
-    "pp2 1f1b G4": dict(ZERO[1], stages=2, grad_accum=4),
-    "pp2 gpipe G4": dict(ZERO[1], stages=2, grad_accum=4, schedule="gpipe"),
-}
+}  # pipelined plans run one program per stage and phase: scripts/bench_mpmd.py
 
 
 def measure(name: str, batch_size: int, seq_len: int) -> list[dict]:

@@ -109,6 +109,9 @@ def test_against_xla_small_grid():
     _check(records, mem_median=0.05, mem_max=0.15, flops_max=0.02, coll_max=0.01)
 
 
+@pytest.mark.xfail(reason="pipelined plans now run on the MPMD executor (one program per stage and phase); "
+                          "the cost model and its compiled-program check still describe the lock-step SPMD "
+                          "program (mistjax/cost is being updated by the lead)", strict=True, raises=Exception)
 def test_against_xla_pipelined():
     """A pipelined plan: every stage kind's code counted once for FLOPs; tick sends and the stage sum of
     embedding / head gradients in the collectives; no resharding of the stacked parameters."""

@@ -26,9 +26,9 @@ from mistjax.analysis.analyze import check_block_primitives
 from mistjax.analysis.fused import SCORE_CASTS, SCORE_ELEMENTWISE, per_block, unit_of
 from mistjax.analysis.poly import Poly
 from mistjax.train.data import SyntheticTokens
-from mistjax.train.loss import make_loss_fn
 from mistjax.train.state import TrainState
 from models import attention as fa
+from models import make_loss_fn
 from models.layers import Attention, reference_attention, xla_attention
 
 SHAPES = [  # (batch, seq, heads, kv_heads, head_dim, block)

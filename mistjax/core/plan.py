@@ -125,6 +125,10 @@ class Plan:
     tp: int = 1  # tensor-parallel degree (Megatron column/row split + sequence parallel)
     shard_group: int = 0  # MiCS partition group p (divides dp); 0 means dp (plain ZeRO)
     schedule: str = "1f1b"  # pipeline schedule when there are several stages
+    # Chunks of layers per pipeline device group (Megatron's interleaved 1F1B when > 1): `stages` then
+    # lists len(stages) virtual stages in layer order, and virtual stage k runs on device group
+    # k % (len(stages) // virtual_stages).
+    virtual_stages: int = 1
     # dtype gradients are accumulated and reduced in (None: each parameter's own dtype; Megatron-LM
     # accumulates and reduces bf16 models' gradients in "float32", Mist keeps them in the 16-bit dtype)
     grad_dtype: str | None = None
@@ -144,8 +148,13 @@ class Plan:
         return len(self.stages)
 
     @property
+    def device_stages(self) -> int:
+        """Pipeline device groups (physical stages): ``num_stages / virtual_stages``."""
+        return self.num_stages // self.virtual_stages
+
+    @property
     def num_devices(self) -> int:
-        return self.num_stages * self.dp * self.tp
+        return self.device_stages * self.dp * self.tp
 
     @property
     def replicas(self) -> int:
@@ -161,7 +170,7 @@ class Plan:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return dict(zip(PLAN_MESH_AXES, (self.num_stages, self.replicas, self.shard_group, self.tp)))
+        return dict(zip(PLAN_MESH_AXES, (self.device_stages, self.replicas, self.shard_group, self.tp)))
 
     def stage_kind(self, index: int) -> StageKind:
         """What makes stage ``index``'s code differ from the others' (`mistjax.core.stages`)."""
@@ -176,7 +185,7 @@ class Plan:
                             f"(this mistjax reads version {SCHEMA_VERSION}); re-run the tuner")
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
-        for name in ("micro_batch", "grad_accum", "dp", "tp", "shard_group"):
+        for name in ("micro_batch", "grad_accum", "dp", "tp", "shard_group", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer")
@@ -185,6 +194,20 @@ class Plan:
                             "(MiCS partition groups tile the data-parallel ranks)")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r}: use one of {SCHEDULES}")
+        if self.num_stages % self.virtual_stages:
+            raise PlanError(f"virtual_stages={self.virtual_stages} must divide the {self.num_stages} stages: "
+                            "list every chunk of every device group, in layer order")
+        if self.virtual_stages > 1:
+            groups = self.device_stages
+            if groups < 2:
+                raise PlanError(f"virtual_stages={self.virtual_stages} needs at least two device groups, "
+                                f"but the {self.num_stages} stages make {groups}; use fewer virtual stages")
+            if self.schedule == "1f1b-eager":
+                raise PlanError("schedule 1f1b-eager has no interleaved form; use 1f1b (interleaved 1F1B) or "
+                                "gpipe with virtual_stages > 1")
+            if self.schedule == "1f1b" and self.grad_accum % groups:
+                raise PlanError(f"interleaved 1F1B runs micro-batches in groups of the {groups} device groups: "
+                                f"grad_accum={self.grad_accum} must be a multiple of {groups}")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype={self.grad_dtype!r} is not supported: use one of {GRAD_DTYPES} or null "
                             "(each parameter's own dtype)")
@@ -201,7 +224,7 @@ class Plan:
         """Raise `PlanError` unless the plan uses exactly `num_devices` devices."""
         if num_devices != self.num_devices:
             raise PlanError(
-                f"the plan needs {self.num_devices} devices (stages {self.num_stages} x dp {self.dp} x "
+                f"the plan needs {self.num_devices} devices (stages {self.device_stages} x dp {self.dp} x "
                 f"tp {self.tp}) but the mesh has {num_devices}; tune for this mesh or pass a plan made "
                 "for it")
 
@@ -300,8 +323,10 @@ class Plan:
     # ---------------------------------------------------------------- display
     def summary(self) -> str:
         """A human-readable description of the plan and its prediction."""
+        groups = (f"{self.device_stages} stage(s) of {self.virtual_stages} interleaved chunks"
+                  if self.virtual_stages > 1 else f"{self.num_stages} stage(s)")
         lines = [
-            f"Plan: {self.num_stages} stage(s) x dp {self.dp} x tp {self.tp} = {self.num_devices} devices, "
+            f"Plan: {groups} x dp {self.dp} x tp {self.tp} = {self.num_devices} devices, "
             f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batch(es)/step "
             f"(global batch {self.global_batch}), schedule {self.schedule if self.num_stages > 1 else '-'}",
         ]
@@ -310,6 +335,9 @@ class Plan:
                          f"{self.replicas} replicas (2-hop gradient sync)")
         if self.tp > 1:
             lines.append("  tensor parallel: Megatron column/row split with sequence parallelism")
+        if self.virtual_stages > 1:
+            lines.append(f"  interleaved: stage k below is chunk k // {self.device_stages} of device group "
+                         f"k % {self.device_stages}")
         if self.grad_dtype is not None:
             lines.append(f"  gradients accumulated and reduced in {self.grad_dtype}")
         hdr = f"  {'stage':>5} {'layers':>9} {'ZeRO':>4} {'remat':>12} {'off w/g/o/a':>19}"

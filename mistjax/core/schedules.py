@@ -17,10 +17,8 @@ from numpy.typing import ArrayLike
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "1f1b-eager")
 
-# Instants inside a tick (fractions of it) that order buffer writes and reads: the forward reads its
-# input and writes its residuals, the last stage writes its seed cotangent, the backward reads
-# residuals and cotangent, and messages sent between stages land at the end.
-F_AT, SEED_AT, B_AT, RECV_AT = 0.1, 0.2, 0.3, 0.9
+# Instants inside a tick (fractions of it) ordering a stage's forward before its backward (`in_flight`).
+F_AT, B_AT = 0.1, 0.3
 
 
 class ScheduleError(ValueError):
@@ -224,6 +222,6 @@ def inflight_microbatches(
     raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULE_NAMES}")
 
 
-__all__ = ["B_AT", "F_AT", "RECV_AT", "SEED_AT", "SCHEDULE_NAMES", "Schedule", "ScheduleError", "check_schedule",
+__all__ = ["B_AT", "F_AT", "SCHEDULE_NAMES", "Schedule", "ScheduleError", "check_schedule",
            "eager_one_f_one_b_schedule", "gpipe_schedule", "in_flight", "inflight_microbatches", "make_schedule",
            "one_f_one_b_schedule", "op_ticks"]

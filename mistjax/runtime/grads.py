@@ -290,14 +290,8 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     """
     stage = plan.stages[0]
     if plan.num_stages > 1:
-        from mistjax.runtime.pipelined import pipelined_value_and_grad
-
-        # The schedule accumulates full-size gradients per stage, so ZeRO-2 reduce-scatters once per step.
-        zero = stage.zero_stage if stage.zero_stage != 2 else 1
-        specs = [GradSpec(lay, zero if lay.role == PARAM else 0) for lay in layouts]
-        return pipelined_value_and_grad(
-            fun, has_aux, params, rest, plan=plan, mesh=mesh, layouts=layouts, global_batch=global_batch,
-            specs=specs, finish=lambda acc: _finish_grads(acc, specs, plan, mesh), fetch=make_fetch)
+        raise PlanError("pipelined plans run on the MPMD executor (mistjax.runtime.mpmd, through ShardedStep), "
+                        "not as one program")
     p_leaves, p_tree = jax.tree.flatten(params)
     r_leaves, r_tree = jax.tree.flatten(rest)
     specs = [GradSpec(lay, stage.zero_stage if lay.role == PARAM else 0) for lay in layouts]

@@ -70,7 +70,7 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                     gather: Sequence[Callable[[Any], Any] | None],
                     carry_constraint: Callable[[Any], Any] | None = None,
                     offload_layers: int = 0, offload_names: Sequence[str] = (),
-                    ) -> Callable[..., tuple[list[Any], list[Any]]]:
+                    refetch_plain: bool = False) -> Callable[..., tuple[list[Any], list[Any]]]:
     """A layer loop for `mistjax.trace.split.evaluate`.
 
     Args:
@@ -82,6 +82,10 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
       carry_constraint: applied to the hidden state between layers (sequence parallelism).
       offload_layers: the first `offload_layers` layers offload their tagged activations to host.
       offload_names: the checkpoint_name tags of a layer (what offloading moves).
+      refetch_plain: run plain layers under the re-fetching custom VJP even without fetches, so their
+        residuals hold only activation-dependent values (the MPMD pipeline keeps a stage's residuals
+        between its forward and backward programs, where a weight-only one would be one more copy of
+        the stage's weights per micro-batch in flight).
     """
     any_gather = any(g is not None for g in gather)
 
@@ -99,7 +103,7 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
 
         # Plain layers: with fetches, the re-fetching custom VJP (consts go in as an argument: a
         # custom_vjp must not close over values being differentiated); without, a plain function.
-        plain = functools.partial(_refetching_layer(apply), consts) if any_gather else layer
+        plain = functools.partial(_refetching_layer(apply), consts) if any_gather or refetch_plain else layer
         fns = {"plain": plain,
                "remat": jax.checkpoint(layer, policy=remat_policy(policy)),
                "offload": jax.checkpoint(layer, policy=offload_policy(offload_names))}

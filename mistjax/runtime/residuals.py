@@ -1,11 +1,11 @@
 """Split a layer's ``jax.vjp`` residuals into activation-dependent and weight-only leaves.
 
-Both executors that stream weights per layer need the same trick: keep between forward and
-backward only the residuals that depend on the activation, and rebuild the rest in the backward
-from the (re-fetched) weights. A name-based ``jax.checkpoint`` policy cannot express this (it still
-saves the untagged casts / views computed from a tagged weight). `runtime.pipeline` stores the
-activation-dependent leaves in residual pools; `runtime.remat` keeps them as the residuals of a
-per-layer ``jax.custom_vjp``.
+Keep between forward and backward only the residuals that depend on the activation, and rebuild
+the rest in the backward from the (re-fetched) weights. A name-based ``jax.checkpoint`` policy cannot
+express this (it still saves the untagged casts / views computed from a tagged weight).
+`runtime.remat` keeps them as the residuals of a per-layer ``jax.custom_vjp``; the MPMD pipeline
+(`runtime.mpmd_stage`) returns a stage's activation-dependent leaves from its forward program and
+puts them back in its backward program.
 
 How: `classify` traces ``jax.vjp(fn, w, h)`` once and walks its jaxpr to find which residual leaves
 depend on `h`. In the backward a fresh ``jax.vjp(fn, w, zero_h)`` supplies the treedef and the

@@ -25,6 +25,7 @@ from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
 from mistjax.runtime.mesh import build_plan_mesh
+from mistjax.runtime.mpmd import MpmdStep
 from mistjax.trace.split import trace_loss
 
 TrainStep = Callable[[Any, Any], tuple[Any, Any]]
@@ -141,12 +142,18 @@ class _Runtime:
 
 
 class ShardedStep:
-    """A train step bound to a plan and a mesh (see `mistjax.autoshard`)."""
+    """A train step bound to a plan and a mesh (see `mistjax.autoshard`).
+
+    Plans with several stages run on the MPMD pipeline executor (`mistjax.runtime.mpmd`): the placed
+    state is then the user's structure with `StagedArray` leaves (per-stage pieces), `gather` turns it
+    back into whole arrays, and `compile_stages` gives each stage's programs for inspection.
+    """
 
     def __init__(self, train_step: TrainStep, mesh: Mesh | Any, plan: Plan) -> None:
         self.train_step = train_step
         self.plan = plan
         self.mesh = build_plan_mesh(mesh, plan)
+        self._mpmd: MpmdStep | None = MpmdStep(train_step, mesh, plan) if plan.num_stages > 1 else None
         self.layouts: list[LeafLayout] | None = None
         self.analysis: StepAnalysis | None = None
         self._jitted: Any = None
@@ -217,8 +224,15 @@ class ShardedStep:
 
         The layout comes from tracing the step, which needs a batch (or its shapes); without one,
         the layout is derived once the first batch arrives and `place` uses the state's `params`
-        field to find the parameters.
+        field to find the parameters. A pipelined plan needs the batch (its stages' placement comes
+        from splitting the step) and returns `StagedArray` leaves.
         """
+        if self._mpmd is not None:
+            if batch is None:
+                raise PlanError("placing the state of a pipelined plan needs a batch (or its shapes): "
+                                "step.place(state, batch)")
+            self.plan.check_batch(_leading_dim(batch))
+            return self._mpmd.place(state, batch)
         if self.layouts is None:
             if batch is None:
                 leaves, tree = jax.tree.flatten(state)
@@ -231,14 +245,34 @@ class ShardedStep:
 
     def batch_shardings(self, batch: Any) -> Any:
         """The shardings `__call__` expects for `batch` (for building global arrays per process)."""
+        if self._mpmd is not None:
+            return self._mpmd.batch_shardings(batch)
         return self._batch_shardings(batch)
 
     def place_batch(self, batch: Any) -> Any:
         """Shard a global batch over the plan's data-parallel axes."""
-        return jax.device_put(batch, self._batch_shardings(batch))
+        return jax.device_put(batch, self.batch_shardings(batch))
+
+    def gather(self, state: Any) -> Any:
+        """A placed state as the user's structure with whole host arrays (pipelined plans' `StagedArray`
+        leaves reassembled); other leaves are fetched with ``jax.device_get``."""
+        if self._mpmd is not None:
+            return self._mpmd.gather(state)
+        return jax.device_get(state)
+
+    def compile_stages(self, state: Any, batch: Any, phases: Any = None, *, compile: bool = True
+                       ) -> dict[tuple[int, str], Any]:
+        """Pipelined plans: every (stage, phase) program, compiled (see `MpmdStep.compile_stages`)."""
+        if self._mpmd is None:
+            raise PlanError("compile_stages is for pipelined plans; use lower(state, batch).compile()")
+        self.plan.check_batch(_leading_dim(batch))
+        return self._mpmd.compile_stages(state, batch, phases, compile=compile)
 
     def lower(self, state: Any, batch: Any) -> Any:
         """Lower the compiled step for inspection (``.compile().as_text()``, ``memory_analysis()``)."""
+        if self._mpmd is not None:
+            raise PlanError("a pipelined plan runs one program per (stage, phase), not one program; inspect "
+                            "them with step.compile_stages(state, batch)")
         self._ensure(state, batch)
         state_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state,
                                 self._state_shardings)
@@ -247,6 +281,8 @@ class ShardedStep:
         return self._jitted.lower(state_in, batch_in)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        if self._mpmd is not None:
+            return self._mpmd(state, batch)
         self._ensure(state, batch)
         state = jax.device_put(state, self._state_shardings)
         return self._jitted(state, self.place_batch(batch))

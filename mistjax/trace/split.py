@@ -235,6 +235,58 @@ def post_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequ
     return [_read(env, v) for v in jaxpr.outvars]
 
 
+def scan_operands(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any],
+                  which: Sequence[int]) -> list[Any]:
+    """Evaluate only the layer scan's operands at positions `which` (into its consts + carry).
+
+    Only the equations those operands need run, so `param_leaves` may hold placeholders for the
+    parameters they do not read (e.g. a pipeline stage recomputing batch-only scan constants).
+    """
+    stack = traced.require_stack()
+    jaxpr = traced.closed.jaxpr
+    targets = [jaxpr.eqns[stack.eqn_index].invars[j] for j in which]
+    env = _inputs_env(traced, param_leaves, rest_leaves)
+    _run_needed(jaxpr, range(stack.eqn_index), targets, env)
+    return [_read(env, v) for v in targets]
+
+
+@dataclass(frozen=True)
+class PartUsage:
+    """Which parameters the parts around the layer stack read (indices into the flat params)."""
+
+    pre: frozenset[int]  # read by the equations the scan's operands need (embedding, ...)
+    post: frozenset[int]  # read after the scan, or by the pre equations the post part recomputes
+    const_needs_params: tuple[bool, ...]  # per scan const operand: computed from parameters
+
+
+def part_usage(traced: TracedLoss) -> PartUsage:
+    """Classify the parameters by the part of the loss that reads them (`pre_part` / `post_part`)."""
+    stack = traced.require_stack()
+    jaxpr = traced.closed.jaxpr
+    scan = jaxpr.eqns[stack.eqn_index]
+    params = {v: i for i, v in enumerate(jaxpr.invars[: traced.num_param_leaves])}
+
+    def slice_params(indices: Sequence[int], targets: Sequence[Any]) -> set[int]:
+        needed = {v for v in targets if isinstance(v, jex.Var)}
+        for k in reversed(list(indices)):
+            eqn = jaxpr.eqns[k]
+            if any(v in needed for v in eqn.outvars):
+                needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
+        return {params[v] for v in needed if v in params}
+
+    pre = slice_params(range(stack.eqn_index), scan.invars[: stack.num_consts + stack.num_carry])
+    after = [jaxpr.eqns[k] for k in range(stack.eqn_index + 1, len(jaxpr.eqns))]
+    post_free = free_vars(after, jaxpr.outvars, defined=set(scan.outvars))
+    post = slice_params(range(stack.eqn_index), post_free)
+    dependent = set(params)
+    for eqn in jaxpr.eqns[: stack.eqn_index]:
+        if any(isinstance(v, jex.Var) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    consts = scan.invars[: stack.num_consts]
+    return PartUsage(frozenset(pre), frozenset(post),
+                     tuple(isinstance(v, jex.Var) and v in dependent for v in consts))
+
+
 def _inputs_env(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any]) -> dict[Any, Any]:
     jaxpr = traced.closed.jaxpr
     env = dict(zip(jaxpr.constvars, traced.closed.consts))

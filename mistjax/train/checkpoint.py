@@ -32,6 +32,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import type_handlers as ocp_types
 
+from mistjax.runtime.mpmd_state import per_leaf_on_host
+
 META_FORMAT = 1  # version of the metadata layout below
 _SEP = "/"
 
@@ -92,7 +94,6 @@ def tree_to_state(tree: dict[str, Any], template: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 
-@jax.jit
 def _checksums(leaves: list[jax.Array]) -> jax.Array:
     """Per leaf: the uint32 wrap-around sum of its bits, plain and position-weighted.
 
@@ -101,6 +102,8 @@ def _checksums(leaves: list[jax.Array]) -> jax.Array:
     """
     sums = []
     for x in leaves:
+        if jax.typeof(x).memory_space == jax.memory.Space.Host:  # offloaded leaves: read on device
+            x = jax.device_put(x, jax.memory.Space.Device)
         if x.dtype == jnp.bool_:
             bits = x.astype(jnp.uint32)
         else:
@@ -114,7 +117,8 @@ def _checksums(leaves: list[jax.Array]) -> jax.Array:
 
 def checksums(state: Any) -> dict[str, list[int]]:
     """`_checksums` of every leaf of `state`, keyed by leaf name (JSON-ready)."""
-    values = np.asarray(_checksums(jax.tree.leaves(state)))
+    # A pipelined plan's state lives on several sub-meshes: checksum each mesh's leaves on it.
+    values = per_leaf_on_host(_checksums, jax.tree.leaves(state))
     return {name: [int(a), int(b)] for name, (a, b) in zip(_leaf_names(state), values)}
 
 
@@ -179,6 +183,24 @@ class Checkpointer:
         return meta
 
     # -------------------------------------------------------------- save / restore
+    @staticmethod
+    def check_savable(state: Any) -> None:
+        """Raise `CheckpointError` if orbax cannot save `state` in this run.
+
+        In a multi-process run orbax saves only global arrays: an array held entirely by one process
+        (a pipeline stage placed on one process's devices by an MPMD plan) is refused as host-local.
+        """
+        if jax.process_count() == 1:
+            return
+        local = [name for name, x in zip(_leaf_names(state), jax.tree.leaves(state))
+                 if isinstance(x, jax.Array) and x.is_fully_addressable]
+        if local:
+            raise CheckpointError(
+                f"cannot checkpoint this state across {jax.process_count()} processes: {len(local)} arrays (e.g. "
+                f"{local[0]}) live on one process's devices only (a pipeline stage placed within one process), "
+                "which orbax refuses to save as global arrays. Run without --ckpt-dir, or use a plan whose "
+                "stages span processes")
+
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start saving `state` as checkpoint `step`; returns once the arrays are on the host.
 

@@ -26,6 +26,7 @@ import models
 from mistjax.api import autoshard, value_and_grad
 from mistjax.core.plan import Plan, PlanError, uniform_plan
 from mistjax.distributed import DistributedError, is_primary, peer_failure
+from mistjax.runtime.mpmd_state import is_staged, per_leaf_on_host
 from mistjax.runtime.step import ShardedStep
 from mistjax.train.checkpoint import Checkpointer, CheckpointError
 from mistjax.train.data import MemmapTokens, SyntheticTokens
@@ -119,10 +120,16 @@ def make_global_batch(step: ShardedStep, batch: dict[str, np.ndarray]) -> dict[s
                         batch, shardings)
 
 
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                              if jnp.issubdtype(x.dtype, jnp.inexact)]))
+def _leaves_finite(leaves: list[jax.Array]) -> jax.Array:
+    on_device = [jax.device_put(x, jax.memory.Space.Device) if jax.typeof(x).memory_space == jax.memory.Space.Host
+                 else x for x in leaves]  # offloaded leaves are read on device
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in on_device])
+
+
+def _all_finite(tree: Any) -> bool:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    # Per leaf, on the leaf's own devices (a pipelined plan's state lives on several sub-meshes).
+    return bool(np.all(per_leaf_on_host(_leaves_finite, leaves)))
 
 
 def _run_meta(cfg: TrainConfig, plan: Plan) -> dict[str, Any]:
@@ -209,6 +216,8 @@ def _prepare(cfg: TrainConfig, mesh: Any, ckpt: Checkpointer | None) -> _Setup:
         if ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
             _check_compatible(newest, cfg, plan, ckpt.directory)
     start = 0
+    if ckpt is not None:
+        ckpt.check_savable(state)  # before any training work
     if ckpt is not None and cfg.resume:
         restored = ckpt.restore_latest(state)
         if restored is None:
@@ -251,7 +260,7 @@ def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -
     result = TrainResult(plan=setup.plan, start_step=start)
     meta = _run_meta(cfg, setup.plan)
     tokens = cfg.global_batch * cfg.seq_len
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params, is_leaf=is_staged))
     log = MetricsLog(cfg.metrics, start, enabled=is_primary())
     bar = _progress(cfg.steps, start, progress and is_primary())
     failed_peer = False

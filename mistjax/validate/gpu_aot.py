@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from mistjax.core.hlo import async_collectives, collective_bytes, collectives
-from mistjax.plan import Plan, format_bytes
+from mistjax.core.plan import Plan, format_bytes
 from mistjax.validate.peak import LiveBuffer, peak_from_dump
 
 INSTALL_HINT = "pip install 'mistjax[gpu-aot]'"
@@ -334,8 +334,8 @@ def zoo_step(config: Any, seq_len: int, global_batch: int, learning_rate: float 
 
     import mistjax
     import models
-    from mistjax.train.loss import make_loss_fn
     from mistjax.train.state import TrainState
+    from models import make_loss_fn
 
     state = nnx.eval_shape(lambda: TrainState.create(models.build(config, rngs=nnx.Rngs(0)),
                                                      optax.adamw(learning_rate)))

@@ -1,0 +1,905 @@
+"""The MPMD pipeline executor: one program per (stage, phase) on each stage's own devices.
+
+A plan with several stages runs here (`ShardedStep` delegates to `MpmdStep`). Each (virtual) stage
+``k`` has its own sub-mesh (device group ``k % S`` of the plan mesh), its own one-stage plan (layer
+count, ZeRO level, MiCS group, remat, offload ratios) and its own programs (`mpmd_stage`): forward
+and backward per micro-batch (fused on the last stage), ``finish`` (the stage's gradient sync), and
+the update rounds the step splits into (`mpmd_update`). Nothing is compiled for the largest stage:
+every stage allocates only what its own programs need.
+
+The host drives one step as a single sequence of operations (`mpmd_schedule.issue_order`): each
+device group runs its queue in that order, and JAX's asynchronous dispatch lets the groups overlap.
+Activations and cotangents move between stages with ``jax.device_put`` to the receiver's sharding
+(the sender's program already produced that layout); accumulators and optimizer state are donated,
+received buffers never are. In a multi-process run every process walks the same sequence, runs the
+programs of the stages it holds devices of, and takes part in the transfers it sends or receives
+(JAX's cross-host transfers; `configure_cross_host_transfers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mistjax.core.axes import leaf_axes
+from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts, select_offload
+from mistjax.core.plan import Plan, PlanError, params_fingerprint
+from mistjax.runtime.grads import regather_updated_params
+from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, build_plan_mesh
+from mistjax.runtime.mpmd_schedule import Op, issue_order
+from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
+from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
+from mistjax.runtime.mpmd_update import (
+    Propagation,
+    Rows,
+    StageRows,
+    Whole,
+    combine,
+    contributors,
+    stage_eval,
+    state_names,
+    trace_step,
+)
+from mistjax.runtime.tensor import tensor_parallel_block
+from mistjax.trace.split import NoLayerStackError, part_usage, pre_part, trace_loss
+
+
+@dataclass
+class DispatchStats:
+    """What the host did in the last step (for the cost model and `scripts/bench_mpmd.py`)."""
+
+    programs: int = 0  # jitted programs dispatched
+    transfers: int = 0  # jax.device_put calls (one may move several arrays)
+    host_s: float = 0.0  # host seconds spent issuing the step (the devices may still be running)
+    by_kind: dict[str, int] = field(default_factory=dict)  # programs per phase
+    residuals_in_flight: list[int] = field(default_factory=list)  # per stage: most micro-batches' residuals held
+    residual_bytes: list[int] = field(default_factory=list)  # per stage: those residuals' bytes per device
+
+    @property
+    def ops(self) -> int:
+        return self.programs + self.transfers
+
+
+@dataclass
+class _Round:
+    """One update program of one stage (see `mpmd_update`)."""
+
+    groups: list[tuple[Any, ...]]  # input groups: ("state", i) | ("grad", j) | ("loss",) | ("aux", a) |
+    #                                ("batch", b) | ("twin", var) | ("rest", r)
+    outputs: list[tuple[Any, ...]]  # ("contrib", var) | ("state", i) | ("metric", m) | ("rest", r)
+    program: Callable[..., Any]
+    sizes: list[int]  # arrays per input group
+    avals: list[Any]  # one aval per input array (abstract lowering)
+
+
+def configure_cross_host_transfers(address: str) -> None:
+    """Enable JAX's cross-process ``device_put`` (needed on CPU for pipelines spanning processes).
+
+    Args:
+      address: ``host:port`` this process listens on for transfers; one per process.
+    """
+    jax.config.update("jax_cross_host_transfer_socket_address", address)
+
+
+class MpmdStep:
+    """A train step run as an MPMD pipeline (see module docstring); used through `ShardedStep`."""
+
+    def __init__(self, train_step: Callable[[Any, Any], tuple[Any, Any]], mesh: Mesh | Any, plan: Plan) -> None:
+        if plan.num_stages < 2:
+            raise PlanError("the MPMD executor runs plans with several stages")
+        self.train_step, self.plan = train_step, plan
+        self.mesh = build_plan_mesh(mesh, plan)
+        self.S, self.K = plan.device_stages, plan.num_stages
+        self.group_meshes = [Mesh(self.mesh.devices[d: d + 1], RUNTIME_MESH_AXES, axis_types=self.mesh.axis_types)
+                             for d in range(self.S)]
+        self.meshes = [self.group_meshes[k % self.S] for k in range(self.K)]
+        me = jax.process_index()
+        self.local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
+        self.issue: list[Op] = issue_order(plan.schedule, self.S, plan.grad_accum, plan.virtual_stages)
+        self.rows = StageRows(tuple(s.layers[0] for s in plan.stages), tuple(s.layers[1] for s in plan.stages))
+        self.stats = DispatchStats()
+        self._avals: dict[Any, jax.ShapeDtypeStruct] = {}
+        self._replicated = [NamedSharding(m, P()) for m in self.meshes]
+        self._ready = False
+
+    # ================================================================== setup
+    def _abstract_state(self, state: Any) -> Any:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), np.dtype(x.dtype)), state,
+                            is_leaf=is_staged)
+
+    def _setup(self, state: Any, batch: Any) -> None:
+        plan = self.plan
+        abstract = self._abstract_state(state)
+        abatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype)), batch)
+        ts = trace_step(self.train_step, abstract, abatch)
+        self.ts, call = ts, ts.call
+        s_leaves, self.state_tree = jax.tree.flatten(abstract)
+        self.state_avals = s_leaves
+        self.param_index = ts.param_state_index()
+        vg = ts.vg
+        n_params = call.num_params
+        p_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vg.invars[:n_params]]
+        rest_vars = vg.invars[n_params:]
+        self.rest_vars = rest_vars
+        gb = plan.global_batch
+        is_batch = tuple(bool(v.aval.shape) and v.aval.shape[0] == gb for v in rest_vars)
+        if not any(is_batch):
+            raise PlanError(f"no argument of the loss has the global batch ({gb}) as its leading dim; a pipelined "
+                            "plan splits the batch into micro-batches")
+        mb = plan.micro_batch
+        mb_avals = tuple(jax.ShapeDtypeStruct((mb, *v.aval.shape[1:]) if b else v.aval.shape, v.aval.dtype)
+                         for v, b in zip(rest_vars, is_batch))
+        args = jax.tree.unflatten(call.args_tree, [*p_avals, *mb_avals])
+        traced = trace_loss(call.fun, args[0], *args[1:])
+        if traced.stack is None:
+            raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer parameters; "
+                            "build the layers with nnx.scan / nn.scan / lax.scan over stacked params, or use a plan "
+                            "with one stage")
+        stack = traced.require_stack()
+        plan.check_layers(stack.num_layers)
+        if any(i is None for i in stack.xs_leaf):
+            raise NoLayerStackError("the layer scan iterates over values that are not parameters; a pipeline can "
+                                    "only split scans over stacked parameters")
+        scan = traced.closed.jaxpr.eqns[stack.eqn_index]
+        if len(scan.outvars) > stack.num_carry:
+            raise NoLayerStackError("the layer scan returns per-layer outputs besides its carry, which a pipeline "
+                                    "cannot pass between stages; return only the hidden state from the scan")
+        usage = part_usage(traced)
+        fingerprint = params_fingerprint(args[0])
+        plan.check_model(fingerprint)
+        self.fingerprint = fingerprint
+        consts, carry = jax.eval_shape(lambda p, r: pre_part(traced, p, r), p_avals, list(mb_avals))
+        h_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+                        [*(consts[j] for j, dep in enumerate(usage.const_needs_params) if dep), *carry])
+        aux_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.out_avals[1:]) \
+            if call.has_aux else ()
+        axes = leaf_axes(abstract)
+        self.axes = axes
+        stacked = set(stack.stacked_leaves)
+        self.stacked = stacked
+        # Which stages hold each parameter: stacked ones by rows; the pre part's on the first stage, the
+        # post part's on the last (both for a tied embedding); unused ones on the first.
+        holders = []
+        for j in range(n_params):
+            if j in stacked:
+                holders.append(None)
+                continue
+            h = set()
+            if j in usage.pre or j not in usage.post:
+                h.add(0)
+            if j in usage.post:
+                h.add(self.K - 1)
+            holders.append(frozenset(h))
+        param_layouts = [Rows(0) if h is None else Whole(h) for h in holders]
+        names = state_names(abstract)
+        batch_names = ["batch" + (n and "/" + n) for n in state_names(abatch)]
+        self.prop = Propagation(ts, num_stages=self.K, param_layouts=param_layouts, names=names,
+                                batch_names=batch_names, num_layers=stack.num_layers)
+        self._place_leaves(names)
+        tp_layouts = self._tensor_layouts(p_avals, stacked, [axes[i] for i in self.param_index])
+        info = LossInfo(fun=call.fun, has_aux=call.has_aux, traced=traced, usage=usage, is_batch=is_batch,
+                        mb_avals=mb_avals, h_avals=h_avals, aux_avals=aux_avals, grad_accum=plan.grad_accum,
+                        dp=plan.dp, tp=plan.tp)
+        info.tp_block = tensor_parallel_block(call.fun, traced, layouts=tp_layouts, tp=plan.tp, batch=is_batch)
+        self.info = info
+        self.programs = [self._stage_programs(k) for k in range(self.K)]
+        self.rounds = {(k, r): self._build_round(k, r) for k in range(self.K)
+                       for r in range(1, self.prop.num_rounds + 1)}
+        self.prologue = {k: self._build_prologue(k) for k in range(self.K) if self._uses_batch(k)}
+        self._metric_plan()
+        self._accs: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}
+        self._ready = True
+
+    def _tensor_layouts(self, p_avals: Sequence[Any], stacked: set[int], axes: Sequence[Any]) -> list[LeafLayout]:
+        """Global layouts of the parameters (their tensor-parallel dims, for the Megatron block)."""
+        plan = self.plan
+        whole = Plan(stages=(dataclasses.replace(plan.stages[0], layers=(0, plan.num_layers)),),
+                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp,
+                     shard_group=plan.shard_group)
+        return plan_layouts(list(p_avals), [PARAM] * len(p_avals), [j in stacked for j in range(len(p_avals))], whole,
+                            list(axes))
+
+    def _place_leaves(self, names: list[str]) -> None:
+        """Per state leaf: which stages hold a piece, and each piece's layout on its stage."""
+        prop, plan = self.prop, self.plan
+        infos = []
+        for i, (lay, aval) in enumerate(zip(prop.state_layout, self.state_avals)):
+            if isinstance(lay, Rows):
+                if lay.dim != 0 or not aval.shape or aval.shape[0] != plan.num_layers:
+                    raise PlanError(f"state leaf {names[i]} is split by layers along dim {lay.dim}; a pipelined "
+                                    "plan keeps stacked leaves split along their leading layer dim")
+                infos.append(StagedInfo(True, tuple(range(self.K)), tuple(aval.shape), np.dtype(aval.dtype).name,
+                                        tuple(s.layers for s in plan.stages)))
+            else:
+                infos.append(StagedInfo(False, tuple(sorted(lay.stages)), tuple(aval.shape),
+                                        np.dtype(aval.dtype).name))
+        self.infos = infos
+        param_of = {i: j for j, i in enumerate(self.param_index)}
+        self.held: list[list[int]] = []
+        self.layouts: list[dict[int, LeafLayout]] = []
+        self.one_stage_plans: list[Plan] = []
+        for k, sp in enumerate(plan.stages):
+            held = [i for i, inf in enumerate(infos) if k in inf.stages]
+            n = sp.layers[1] - sp.layers[0]
+            local = [jax.ShapeDtypeStruct((n, *self.state_avals[i].shape[1:]) if infos[i].rows
+                                          else self.state_avals[i].shape, self.state_avals[i].dtype) for i in held]
+            # Optimizer state: leaves with logical axes (Flax / optax mirrors) or placed like a parameter
+            # by the update's propagation (plain pytrees); counters and other replicated leaves are "other".
+            roles = [PARAM if i in param_of else OPT if self.axes[i] is not None or prop.state_layout[i] !=
+                     Whole(prop.ALL) else OTHER for i in held]
+            one = Plan(stages=(dataclasses.replace(sp, layers=(0, n)),), micro_batch=plan.micro_batch,
+                       grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, shard_group=plan.shard_group)
+            lays = plan_layouts(local, roles, [infos[i].rows for i in held], one, [self.axes[i] for i in held])
+            for what, ratio, role in (("offload_opt", sp.offload_opt, OPT), ("offload_weights", sp.offload_weights,
+                                                                              PARAM)):
+                if ratio > 0 and not any(lay.host for lay in lays if lay.role == role):
+                    warnings.warn(f"stage {k}: {what}={ratio} moves nothing to host memory (no leaf of that kind "
+                                  "is large enough on this stage)", stacklevel=3)
+            self.held.append(held)
+            self.layouts.append(dict(zip(held, lays)))
+            self.one_stage_plans.append(one)
+
+    def piece_sharding(self, i: int, k: int) -> NamedSharding:
+        """Storage sharding of state leaf `i`'s piece on stage `k`."""
+        lay = self.layouts[k][i]
+        return NamedSharding(self.meshes[k], lay.spec(), memory_kind="pinned_host" if lay.host else None)
+
+    def _stage_programs(self, k: int) -> StagePrograms:
+        held_params = [j for j, i in enumerate(self.param_index) if i in self.layouts[k]]
+        lays = [self.layouts[k][self.param_index[j]] for j in held_params]
+        sp = self.plan.stages[k]
+        sizes = [lay.nbytes_elems if lay.stacked else 0 for lay in lays]
+        acc_host = [h and n > 0 for h, n in zip(select_offload(sizes, sp.offload_grads), sizes)]
+        spec = StageSpec(index=k, num_stages=self.K, layers=sp.layers, plan=self.one_stage_plans[k],
+                         mesh=self.meshes[k], params=tuple(held_params), layouts=tuple(lays),
+                         acc_host=tuple(acc_host), uses_batch=self._uses_batch(k))
+        return StagePrograms(spec, self.info)
+
+    def _uses_batch(self, k: int) -> bool:
+        """The first stage (pre part), the last (post part), and any stage recomputing batch-only consts."""
+        return k == 0 or k == self.K - 1 or bool(self.info.bconst_positions)
+
+    # ------------------------------------------------------------------ update rounds
+    def _inputs_of(self, k: int, r: int) -> list[tuple[Any, ...]]:
+        """Every input group stage `k` could read in round `r` (pruned to the used ones later)."""
+        prop, ts = self.prop, self.ts
+        groups: list[tuple[Any, ...]] = [("state", i) for i in self.held[k]]
+        n_aux = ts.call.num_aux
+        if k == self.K - 1:
+            groups += [("loss",)] + [("aux", a) for a in range(n_aux)]
+        groups += [("grad", j) for j, i in enumerate(self.param_index) if i in self.layouts[k]]
+        groups += [("batch", b) for b in range(len(ts.batch_vars))]
+        groups += [("twin", v) for v in prop.mat if prop.level[v] <= r - 2]
+        return groups
+
+    def _group_vars(self, g: tuple[Any, ...]) -> Any:
+        ts, n_aux = self.ts, self.ts.call.num_aux
+        kind = g[0]
+        if kind == "state":
+            return ts.state_vars[g[1]]
+        if kind == "loss":
+            return ts.vg.outvars[0]
+        if kind == "aux":
+            return ts.vg.outvars[1 + g[1]]
+        if kind == "grad":
+            return ts.vg.outvars[1 + n_aux + g[1]]
+        if kind == "batch":
+            return ts.batch_vars[g[1]]
+        return ("twin", g[1])
+
+    def _group_avals(self, k: int, g: tuple[Any, ...]) -> list[Any]:
+        """Avals (with shardings) of the arrays of input group `g` on stage `k`."""
+        kind = g[0]
+        mesh = self.meshes[k]
+        if kind == "state":
+            return [self._piece_aval(g[1], k)]
+        if kind in ("loss", "aux"):
+            v = self._group_vars(g)
+            return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, P()))]
+        if kind == "grad":
+            prog = self.programs[k]
+            jj = prog.spec.params.index(g[1])
+            piece = self._piece_aval(self.param_index[g[1]], k)
+            sources = self.infos[self.param_index[g[1]]].stages if not self.infos[self.param_index[g[1]]].rows \
+                else (k,)
+            return [jax.ShapeDtypeStruct(piece.shape, piece.dtype, sharding=prog.grad_shardings()[jj])] * len(sources)
+        if kind == "batch":
+            v = self.ts.batch_vars[g[1]]
+            spec = P(DP_AXES) if v.aval.shape and v.aval.shape[0] == self.plan.global_batch else P()
+            return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))]
+        v = g[1]
+        lay = self.prop.layout[v]
+        return [self._contrib_aval(v, lay, s, k) for s in contributors(lay, self.K)]
+
+    def _piece_aval(self, i: int, k: int) -> jax.ShapeDtypeStruct:
+        lay = self.layouts[k][i]
+        return jax.ShapeDtypeStruct(lay.shape, self.state_avals[i].dtype, sharding=self.piece_sharding(i, k))
+
+    def _contrib_aval(self, v: Any, lay: Any, source: int, at: int) -> jax.ShapeDtypeStruct:
+        """A contribution of `source` to materialised value `v`, as received on stage `at` (replicated)."""
+        key = (v, source, at)
+        if key not in self._avals:
+            shape = list(v.aval.shape)
+            if isinstance(lay, Rows):
+                shape[lay.dim] = self.rows.count(source)
+            self._avals[key] = jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype,
+                                                    sharding=NamedSharding(self.meshes[at], P()))
+        return self._avals[key]
+
+    def _targets(self, k: int, r: int) -> list[tuple[tuple[Any, ...], Any]]:
+        prop, ts = self.prop, self.ts
+        out: list[tuple[tuple[Any, ...], Any]] = []
+        for v in prop.mat:
+            if prop.level[v] == r - 1 and k in contributors(prop.layout[v], self.K):
+                out.append((("contrib", v), v))
+        if r == prop.num_rounds:
+            for i in self.held[k]:
+                nv = ts.new_state_vars[i]
+                if nv is ts.state_vars[i]:
+                    continue  # unchanged: the old piece is kept
+                out.append((("state", i), ("twin", nv) if i in prop.out_twin else nv))
+            for m, v in enumerate(ts.metric_vars):
+                if k in self._metric_sources(v):
+                    out.append((("metric", m), v))
+        return out
+
+    def _metric_sources(self, v: Any) -> list[int]:
+        lay = Whole(self.prop.ALL) if isinstance(v, jex.Literal) else self.prop.layout[v]
+        if lay == Whole(self.prop.ALL):
+            return list(range(self.S))  # each device group computes its own copy
+        return contributors(lay, self.K)
+
+    def _make_env_fn(self, k: int, groups: list[tuple[Any, ...]], sizes: list[int],
+                     targets: list[tuple[tuple[Any, ...], Any]]) -> Callable[..., list[Any]]:
+        prop = self.prop
+
+        def fn(*flat: Any) -> list[Any]:
+            env: dict[Any, Any] = {}
+            pos = 0
+            for g, n in zip(groups, sizes):
+                arrays = list(flat[pos: pos + n])
+                pos += n
+                if g[0] == "state" and self.layouts[k][g[1]].host:
+                    arrays = [jax.device_put(a, jax.memory.Space.Device) for a in arrays]
+                if g[0] == "grad":
+                    value = arrays[0] if n == 1 else sum(arrays[1:], arrays[0])  # a tied parameter's summands
+                elif g[0] == "twin":
+                    value = combine(prop.layout[g[1]], arrays)
+                else:
+                    value = arrays[0]
+                env[self._group_vars(g)] = value
+            outs = stage_eval(prop, k, self.rows, env, [t for _, t in targets])
+            return self._regather(k, targets, outs, env)
+
+        return fn
+
+    def _regather(self, k: int, targets: list[tuple[tuple[Any, ...], Any]], outs: list[Any],
+                  env: dict[Any, Any]) -> list[Any]:
+        """Updated ZeRO-1/2 parameters re-gathered hierarchically when the partition group spans nodes."""
+        if self.meshes[k].shape[SHARD_AXES[0]] == 1:
+            return outs
+        idx = [j for j, (key, _) in enumerate(targets) if key[0] == "state" and
+               self.layouts[k][key[1]].role == PARAM]
+        if not idx:
+            return outs
+        lays = [self.layouts[k][targets[j][0][1]] for j in idx]
+        new = regather_updated_params([outs[j] for j in idx], [None] * len(idx), lays, self.one_stage_plans[k],
+                                      self.meshes[k])
+        outs = list(outs)
+        for j, x in zip(idx, new):
+            outs[j] = x
+        return outs
+
+    def _build_program(self, k: int, groups: list[tuple[Any, ...]], targets: list[tuple[tuple[Any, ...], Any]],
+                       donate_kinds: tuple[str, ...]) -> _Round:
+        """Jit stage `k`'s evaluation of `targets`, keeping only the input groups it reads."""
+        sizes = [len(self._group_avals(k, g)) for g in groups]
+        avals = [a for g in groups for a in self._group_avals(k, g)]
+        probe = jax.make_jaxpr(self._make_env_fn(k, groups, sizes, targets))(
+            *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+        used_vars = {v for e in probe.jaxpr.eqns for v in e.invars if isinstance(v, jex.Var)}
+        used_vars |= {v for v in probe.jaxpr.outvars if isinstance(v, jex.Var)}
+        keep, pos = [], 0
+        for g, n in zip(groups, sizes):
+            if any(v in used_vars for v in probe.jaxpr.invars[pos: pos + n]):
+                keep.append(g)
+            pos += n
+        sizes = [len(self._group_avals(k, g)) for g in keep]
+        avals = [a for g in keep for a in self._group_avals(k, g)]
+        fn = self._make_env_fn(k, keep, sizes, targets)
+        out_sh = []
+        for key, _ in targets:
+            if key[0] == "state":
+                out_sh.append(self.piece_sharding(key[1], k))
+            else:
+                out_sh.append(NamedSharding(self.meshes[k], P()))
+        donate, pos = [], 0
+        new_state = {key[1] for key, _ in targets if key[0] == "state"}
+        for g, n in zip(keep, sizes):
+            if g[0] in donate_kinds and (g[0] != "state" or g[1] in new_state):
+                donate += range(pos, pos + n)
+            pos += n
+        prog = jax.jit(fn, out_shardings=out_sh, donate_argnums=tuple(donate))
+        return _Round(keep, [key for key, _ in targets], prog, sizes, avals)
+
+    def _build_round(self, k: int, r: int) -> _Round:
+        final = r == self.prop.num_rounds
+        return self._build_program(k, self._inputs_of(k, r), self._targets(k, r),
+                                   ("state",) if final else ())
+
+    def _build_prologue(self, k: int) -> _Round | None:
+        """Stage `k`'s loss arguments computed from the step's inputs (None if they are all inputs)."""
+        targets = []
+        for r, v in enumerate(self.rest_vars):
+            if isinstance(v, jex.Var) and v not in self.ts.batch_vars:
+                targets.append((("rest", r), v))
+        if not targets:
+            return None
+        groups = [("state", i) for i in self.held[k]] + [("batch", b) for b in range(len(self.ts.batch_vars))]
+        return self._build_program(k, groups, targets, ())
+
+    def _metric_plan(self) -> None:
+        """Which metrics need combining on the device groups after the last round."""
+        self.metric_combine: list[bool] = []
+        for v in self.ts.metric_vars:
+            lay = None if isinstance(v, jex.Literal) else self.prop.layout[v]
+            self.metric_combine.append(isinstance(lay, Rows) or (lay is not None and not isinstance(lay, Whole)))
+        self._combine_programs: dict[int, Any] = {}
+
+    # ================================================================== placement
+    def place(self, state: Any, batch: Any) -> Any:
+        """The state as `StagedArray` leaves with each piece on its stage (see `mpmd_state`)."""
+        if not self._ready:
+            self._setup(state, batch)
+        leaves = jax.tree.leaves(state, is_leaf=is_staged)
+        if any(is_staged(x) for x in leaves):
+            self._check_staged(leaves)
+            return state
+        return jax.tree.unflatten(self.state_tree, [self._place_leaf(i, x) for i, x in enumerate(leaves)])
+
+    def _check_staged(self, leaves: Sequence[Any]) -> None:
+        if len(leaves) != len(self.infos) or any(not is_staged(x) or x.info != inf for x, inf in zip(leaves,
+                                                                                                      self.infos)):
+            raise PlanError("the state was placed for another plan or model; pass the state returned by this "
+                            "step's place() or __call__, or an unplaced state")
+
+    def _place_leaf(self, i: int, x: Any) -> StagedArray:
+        info = self.infos[i]
+        host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) and x.is_fully_addressable else x
+        pieces = []
+        for n, k in enumerate(info.stages):
+            value = host[info.bounds[n][0]: info.bounds[n][1]] if info.rows else host
+            sh = self.piece_sharding(i, k)
+            value = np.asarray(value)
+            pieces.append(jax.make_array_from_callback(value.shape, sh, lambda idx, v=value: v[idx],
+                                                       dtype=value.dtype))
+        return StagedArray(pieces, info)
+
+    def gather(self, state: Any) -> Any:
+        """The user's structure with whole host arrays (every piece brought to this process)."""
+        if jax.process_count() > 1:
+            state = jax.tree.map(self._replicate_piece_everywhere, state, is_leaf=is_staged)
+        return gather_state(state)
+
+    def _replicate_piece_everywhere(self, x: Any) -> Any:
+        if not is_staged(x):
+            return x
+        pieces = []
+        for k, p in zip(x.info.stages, x.pieces):
+            full = NamedSharding(self.mesh, P())
+            parts = []
+            for d in range(self.S):
+                local = self._transfer(p, NamedSharding(self.group_meshes[d], P()), src_stage=k, dst_stage=d)
+                if self.local[d]:
+                    parts.extend(s.data for s in local.addressable_shards)
+            pieces.append(jax.make_array_from_single_device_arrays(p.shape, full, parts, dtype=p.dtype))
+        return StagedArray(pieces, x.info)
+
+    # ================================================================== batch
+    def batch_shardings(self, batch: Any) -> Any:
+        """The batch over the whole plan mesh: split over DP, replicated over the stages."""
+        gb = self.plan.global_batch
+        return jax.tree.map(lambda x: NamedSharding(self.mesh, P(DP_AXES) if np.ndim(x) and np.shape(x)[0] == gb
+                                                    else P()), batch)
+
+    def _stage_batch(self, batch: Any) -> list[list[jax.Array]]:
+        """Per device group, the batch leaves on its sub-mesh (no copies for a batch placed by
+        `batch_shardings`)."""
+        leaves = jax.tree.leaves(batch)
+        shardings = jax.tree.leaves(self.batch_shardings(batch))
+        out: list[list[jax.Array]] = [[] for _ in range(self.S)]
+        for x, sh in zip(leaves, shardings):
+            if not (isinstance(x, jax.Array) and x.sharding == sh):
+                value = np.asarray(x)
+                x = jax.make_array_from_callback(value.shape, sh, lambda idx, v=value: v[idx], dtype=value.dtype)
+            for d in range(self.S):
+                devices = set(self.group_meshes[d].devices.flat)
+                shards = [s.data for s in x.addressable_shards if s.device in devices]
+                out[d].append(jax.make_array_from_single_device_arrays(
+                    x.shape, NamedSharding(self.group_meshes[d], sh.spec), shards, dtype=x.dtype))
+        return out
+
+    # ================================================================== transfers
+    def _transfer(self, x: Any, dst: NamedSharding, *, src_stage: int, dst_stage: int,
+                  aval: Any = None) -> Any:
+        """``jax.device_put`` between stages, by the processes that send or receive it."""
+        src_local, dst_local = self.local[src_stage], self.local[dst_stage]
+        if self.meshes[src_stage] is self.meshes[dst_stage] or not (src_local or dst_local):
+            if x is not None and x.sharding != dst and src_local:
+                self.stats.transfers += 1
+                return jax.device_put(x, dst)
+            return x
+        if x is None:  # produced by another process: a handle with no local shards
+            src = NamedSharding(self.meshes[src_stage], dst.spec, memory_kind=dst.memory_kind)
+            x = jax.make_array_from_single_device_arrays(aval.shape, src, [], dtype=aval.dtype)
+        self.stats.transfers += 1
+        return jax.device_put(x, dst)
+
+    def _send(self, arrays: list[Any], avals: list[Any], dst: list[NamedSharding], src_stage: int,
+              dst_stage: int) -> list[Any]:
+        """Several arrays from one stage to another in one ``device_put`` call."""
+        if self.meshes[src_stage] is self.meshes[dst_stage]:
+            return arrays
+        if not (self.local[src_stage] or self.local[dst_stage]):
+            return [None] * len(arrays)
+        xs = []
+        for x, a, d in zip(arrays, avals, dst):
+            if x is None:
+                src = NamedSharding(self.meshes[src_stage], d.spec, memory_kind=d.memory_kind)
+                x = jax.make_array_from_single_device_arrays(a.shape, src, [], dtype=a.dtype)
+            xs.append(x)
+        self.stats.transfers += 1
+        return list(jax.device_put(xs, dst))
+
+    def _run(self, kind: str, k: int, fn: Callable[..., Any], *args: Any) -> Any:
+        if not self.local[k]:
+            return None
+        self.stats.programs += 1
+        self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0) + 1
+        return fn(*args)
+
+    # ================================================================== one step
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        self.plan.check_batch(_leading_dim(batch))  # the programs are compiled for this batch size
+        if not self._ready:
+            self._setup(state, batch)
+        t0 = time.perf_counter()
+        self.stats = DispatchStats()
+        state = self.place(state, batch)
+        leaves = jax.tree.leaves(state, is_leaf=is_staged)
+        self._check_staged(leaves)
+        pieces = [dict(zip(x.info.stages, x.pieces)) for x in leaves]
+        groups_batch = self._stage_batch(batch)
+        mbs = self._microbatches(pieces, groups_batch)
+        grads, loss, aux = self._pipeline(pieces, mbs)
+        grads = self._share_tied_grads(grads)
+        new_pieces, metrics = self._update(pieces, grads, loss, aux, groups_batch)
+        new_leaves = []
+        for i, inf in enumerate(self.infos):
+            new_leaves.append(StagedArray([new_pieces[i].get(k, pieces[i][k]) for k in inf.stages], inf))
+        self.stats.host_s = time.perf_counter() - t0
+        return jax.tree.unflatten(self.state_tree, new_leaves), metrics
+
+    def _rest_leaves(self, k: int, pieces: list[dict[int, Any]], groups_batch: list[list[Any]]) -> list[Any]:
+        """The loss's non-parameter arguments on stage `k` (whole batch leaves, before splitting)."""
+        batch_pos = {v: b for b, v in enumerate(self.ts.batch_vars)}
+        state_pos = {v: i for i, v in enumerate(self.ts.state_vars)}
+        prologue = self.prologue.get(k)
+        computed: dict[int, Any] = {}
+        if prologue is not None:
+            args = self._gather_inputs(k, prologue, pieces, {}, None, None, None, groups_batch)
+            outs = self._run("prologue", k, prologue.program, *args)
+            computed = {key[1]: o for key, o in zip(prologue.outputs, outs or [None] * len(prologue.outputs))}
+        out = []
+        for r, v in enumerate(self.rest_vars):
+            if isinstance(v, jex.Literal):
+                out.append(jax.device_put(jnp.asarray(v.val, v.aval.dtype), NamedSharding(self.meshes[k], P()))
+                           if self.local[k] else None)
+            elif v in batch_pos:
+                out.append(groups_batch[k % self.S][batch_pos[v]])
+            elif r in computed:
+                out.append(computed[r])
+            else:
+                out.append(pieces[state_pos[v]][k])
+        return out
+
+    def _microbatches(self, pieces: list[dict[int, Any]], groups_batch: list[list[Any]]) -> list[list[list[Any]]]:
+        """Per stage and micro-batch, the loss's rest leaves (batch leaves split; the others whole)."""
+        G = self.plan.grad_accum
+        is_batch = self.info.is_batch
+        out: list[list[list[Any]]] = []
+        per_group: dict[int, list[list[Any]]] = {}
+        for k in range(self.K):
+            if not self.programs[k].spec.uses_batch:
+                out.append([[] for _ in range(G)])
+                continue
+            d = k % self.S
+            if d not in per_group:
+                rest = self._rest_leaves(k, pieces, groups_batch)
+                split = self._run("split", k, self.programs[k].split(), [x for x, b in zip(rest, is_batch) if b])
+                per_mb = []
+                for i in range(G):
+                    it = iter(split[i]) if split is not None else iter([None] * sum(is_batch))
+                    per_mb.append([next(it) if b else x for x, b in zip(rest, is_batch)])
+                per_group[d] = per_mb
+            out.append(per_group[d])
+        return out
+
+    def _pipeline(self, pieces: list[dict[int, Any]], mbs: list[list[list[Any]]]) -> tuple[Any, Any, Any]:
+        """Run the schedule; returns per stage its finished gradients, and the loss and aux sums."""
+        K = self.K
+        params = [[pieces[self.param_index[j]][k] for j in self.programs[k].spec.params] for k in range(K)]
+        for k in range(K):
+            if k not in self._accs and self.local[k]:
+                self._accs[k] = self.programs[k].init_accumulators()
+        h_recv: dict[tuple[int, int], Any] = {}
+        ct_recv: dict[tuple[int, int], Any] = {}
+        res: dict[tuple[int, int], Any] = {}
+        progs = self.programs
+        live = [0] * K
+        self.stats.residuals_in_flight = [0] * K
+        h_avals = progs[0].h_global_avals()
+        h_float = [a for a, f in zip(h_avals, progs[0].h_float) if f]
+        for op in self.issue:
+            k, i = op.stage, op.mb
+            pr = progs[k]
+            acc, lacc = self._accs.get(k, (None, None))
+            if op.kind == "F":
+                args = (params[k], mbs[k][i]) if k == 0 else (params[k], h_recv.pop((k, i)), mbs[k][i])
+                out = self._run("forward", k, pr.forward(), *args)
+                h, r = out if out is not None else (None, None)
+                res[(k, i)] = r
+                live[k] += 1
+                self.stats.residuals_in_flight[k] = max(self.stats.residuals_in_flight[k], live[k])
+                h_recv[(k + 1, i)] = self._send(list(h) if h is not None else [None] * len(h_avals), h_avals,
+                                                progs[k + 1].h_shardings(), k, k + 1)
+            elif op.kind == "B":
+                ct = ct_recv.pop((k, i))
+                out = self._run("backward", k, pr.backward(), params[k], res.pop((k, i)), ct, acc)
+                live[k] -= 1
+                if k == 0:
+                    acc = out[0] if out is not None else None
+                else:
+                    ct_in, acc = out if out is not None else (None, None)
+                    ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float),
+                                                     h_float, progs[k - 1].ct_shardings(), k, k - 1)
+                if self.local[k]:
+                    self._accs[k] = (acc, lacc)
+            else:
+                out = self._run("last", k, pr.last(), params[k], h_recv.pop((k, i)), mbs[k][i], acc, lacc)
+                ct_in, acc, lacc = out if out is not None else (None, None, None)
+                if self.local[k]:
+                    self._accs[k] = (acc, lacc)
+                ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float),
+                                                 h_float, progs[k - 1].ct_shardings(), k, k - 1)
+        self.stats.residual_bytes = [n * b for n, b in zip(self.stats.residuals_in_flight, self.residual_bytes())]
+        grads: list[list[Any]] = []
+        loss = aux = None
+        for k in range(K):
+            acc, lacc = self._accs.get(k, (None, None))
+            out = self._run("finish", k, progs[k].finish(), acc, lacc if k == K - 1 else [])
+            if out is None:
+                grads.append([None] * len(progs[k].spec.params))
+                continue
+            g, sums, acc, lacc_new = out
+            self._accs[k] = (acc, lacc_new if k == K - 1 else lacc)
+            grads.append(list(g))
+            if k == K - 1:
+                loss, aux = sums[0], list(sums[1:])
+        return grads, loss, aux
+
+    def _share_tied_grads(self, grads: list[list[Any]]) -> dict[tuple[int, int], list[Any]]:
+        """Per (stage, parameter): the gradient summands it adds (a tied parameter gets every holder's)."""
+        out: dict[tuple[int, int], list[Any]] = {}
+        for k in range(self.K):
+            for jj, j in enumerate(self.programs[k].spec.params):
+                out[(k, j)] = [grads[k][jj]]
+        for j, i in enumerate(self.param_index):
+            info = self.infos[i]
+            if info.rows or len(info.stages) < 2:
+                continue
+            for t in info.stages:
+                tj = self.programs[t].spec.params.index(j)
+                dst = self.programs[t].grad_shardings()[tj]
+                parts = []
+                for s in info.stages:
+                    sj = self.programs[s].spec.params.index(j)
+                    x = grads[s][sj]
+                    if s != t:
+                        aval = jax.ShapeDtypeStruct(self.layouts[s][i].shape, self.state_avals[i].dtype)
+                        if self.local[s] and x is not None and x.sharding.spec != dst.spec:
+                            x = jax.device_put(x, NamedSharding(self.meshes[s], dst.spec))  # sender reshards first
+                            self.stats.transfers += 1
+                        x = self._transfer(x, dst, src_stage=s, dst_stage=t, aval=aval)
+                    parts.append(x)
+                out[(t, j)] = parts
+        return out
+
+    def _gather_inputs(self, k: int, rnd: _Round, pieces: list[dict[int, Any]], twins: dict[tuple[int, Any], list],
+                       grads: dict[tuple[int, int], list[Any]] | None, loss: Any, aux: Any,
+                       groups_batch: list[list[Any]]) -> list[Any]:
+        args: list[Any] = []
+        for g in rnd.groups:
+            kind = g[0]
+            if kind == "state":
+                args.append(pieces[g[1]][k])
+            elif kind == "loss":
+                args.append(loss)
+            elif kind == "aux":
+                args.append(aux[g[1]])
+            elif kind == "grad":
+                args.extend(grads[(k, g[1])])
+            elif kind == "batch":
+                args.append(groups_batch[k % self.S][g[1]])
+            else:
+                args.extend(twins[(k, g[1])])
+        return args
+
+    def _update(self, pieces: list[dict[int, Any]], grads: dict[tuple[int, int], list[Any]], loss: Any, aux: Any,
+                groups_batch: list[list[Any]]) -> tuple[list[dict[int, Any]], Any]:
+        prop = self.prop
+        R = prop.num_rounds
+        twins: dict[tuple[int, Any], list[Any]] = {}
+        new_pieces: list[dict[int, Any]] = [{} for _ in self.infos]
+        metric_parts: dict[tuple[int, int], Any] = {}  # (metric, source stage) -> contribution
+        for r in range(1, R + 1):
+            contribs: dict[tuple[Any, int], Any] = {}
+            for k in range(self.K):
+                rnd = self.rounds[(k, r)]
+                args = self._gather_inputs(k, rnd, pieces, twins, grads, loss, aux, groups_batch)
+                outs = self._run(f"update{r}", k, rnd.program, *args)
+                outs = outs if outs is not None else [None] * len(rnd.outputs)
+                for key, o in zip(rnd.outputs, outs):
+                    if key[0] == "contrib":
+                        contribs[(key[1], k)] = o
+                    elif key[0] == "state":
+                        new_pieces[key[1]][k] = o
+                    else:
+                        metric_parts[(key[1], k)] = o
+            for t in range(self.K):
+                for r2 in range(r + 1, R + 1):
+                    for g in self.rounds[(t, r2)].groups:
+                        if g[0] != "twin" or prop.level[g[1]] != r - 1 or (t, g[1]) in twins:
+                            continue
+                        v = g[1]
+                        lay = prop.layout[v]
+                        srcs = contributors(lay, self.K)
+                        twins[(t, v)] = [self._transfer(contribs[(v, s)], self._replicated[t],
+                                                        src_stage=s, dst_stage=t,
+                                                        aval=self._contrib_aval(v, lay, s, t)) for s in srcs]
+        return new_pieces, self._metrics(metric_parts)
+
+    def _metrics(self, parts: dict[tuple[int, int], Any]) -> Any:
+        """Every metric as an ordinary array replicated over the whole plan mesh."""
+        ts, prop = self.ts, self.prop
+        per_group: list[list[Any]] = [[] for _ in range(self.S)]
+        combine_inputs: list[list[list[Any]]] = [[] for _ in range(self.S)]
+        for m, v in enumerate(ts.metric_vars):
+            srcs = self._metric_sources(v)
+            lay = Whole(prop.ALL) if isinstance(v, jex.Literal) else prop.layout[v]
+            for d in range(self.S):
+                if lay == Whole(prop.ALL):
+                    per_group[d].append(parts[(m, d)])
+                    continue
+                recv = [self._transfer(parts[(m, s)], self._replicated[d], src_stage=s,
+                                       dst_stage=d, aval=self._contrib_aval(v, lay, s, d)) for s in srcs]
+                if self.metric_combine[m]:
+                    combine_inputs[d].append(recv)
+                    per_group[d].append(None)
+                else:
+                    per_group[d].append(recv[0])
+        if any(self.metric_combine):
+            for d in range(self.S):
+                prog = self._combine_program(d)
+                outs = self._run("metrics", d, prog, combine_inputs[d])
+                it = iter(outs if outs is not None else [None] * sum(self.metric_combine))
+                per_group[d] = [next(it) if c else x for x, c in zip(per_group[d], self.metric_combine)]
+        full = NamedSharding(self.mesh, P())
+        out = []
+        for m, v in enumerate(ts.metric_vars):
+            bufs = [s.data for d in range(self.S) if self.local[d] for s in per_group[d][m].addressable_shards]
+            aval = v.aval
+            out.append(jax.make_array_from_single_device_arrays(aval.shape, full, bufs, dtype=aval.dtype))
+        return jax.tree.unflatten(ts.metrics_tree, out)
+
+    def _combine_program(self, d: int) -> Callable[..., Any]:
+        if d not in self._combine_programs:
+            lays = [self.prop.layout[v] for v, c in zip(self.ts.metric_vars, self.metric_combine) if c]
+            sh = NamedSharding(self.group_meshes[d], P())
+            self._combine_programs[d] = jax.jit(lambda groups: [combine(lay, g) for lay, g in zip(lays, groups)],
+                                                out_shardings=[sh] * len(lays))
+        return self._combine_programs[d]
+
+    # ================================================================== inspection
+    def residual_bytes(self) -> list[int]:
+        """Per stage: bytes per device its forward keeps for one micro-batch (0 on the last stage)."""
+        return [0 if k == self.K - 1 else self.programs[k].classify().nbytes for k in range(self.K)]
+
+    def compile_stages(self, state: Any, batch: Any, phases: Sequence[str] | None = None, *,
+                       compile: bool = True) -> dict[tuple[int, str], Any]:
+        """Every program of every local stage: ``{(stage, phase): jax.stages.Compiled}`` (or ``Lowered``
+        with ``compile=False``).
+
+        Phases: ``forward`` / ``backward`` (stages before the last), ``last``, ``finish``, ``split``
+        (stages reading the batch), ``update1`` ... (the update rounds); `phases` picks some. Each has its
+        own ``memory_analysis()``: the stage's memory, not the largest stage's.
+        """
+        if not self._ready:
+            self._setup(state, batch)
+        want = set(phases) if phases is not None else None
+        out: dict[tuple[int, str], Any] = {}
+
+        def add(k: int, phase: str, lower: Callable[[], Any]) -> None:
+            if want is None or phase in want:
+                low = lower()
+                out[(k, phase)] = low.compile() if compile else low
+
+        for k, pr in enumerate(self.programs):
+            if not self.local[k]:
+                continue
+            params = pr.param_avals()
+            acc, lacc = pr.acc_avals(), pr.loss_acc_avals()
+            mb = pr.mb_global_avals()
+            h = pr.h_global_avals()
+            hf = [a for a, f in zip(h, pr.h_float) if f]
+            if k < self.K - 1:
+                if want is None or {"forward", "backward"} & want:
+                    fwd = pr.forward().lower(params, mb) if k == 0 else pr.forward().lower(params, h, mb)
+                    fwd_c = fwd.compile() if compile or want is None or "backward" in want else None
+                    if want is None or "forward" in want:
+                        out[(k, "forward")] = fwd_c if compile else fwd
+                    if want is None or "backward" in want:
+                        res = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                               for a, s in zip(fwd.out_info[1], fwd_c.output_shardings[1])]
+                        add(k, "backward", lambda pr=pr, params=params, res=res, hf=hf, acc=acc:
+                            pr.backward().lower(params, res, hf, acc))
+            else:
+                add(k, "last", lambda pr=pr, params=params, h=h, mb=mb, acc=acc, lacc=lacc:
+                    pr.last().lower(params, h, mb, acc, lacc))
+            add(k, "finish", lambda pr=pr, k=k, acc=acc, lacc=lacc:
+                pr.finish().lower(acc, lacc if k == self.K - 1 else []))
+            if pr.spec.uses_batch:
+                add(k, "split", lambda pr=pr, k=k: pr.split().lower(self._batch_avals(k)))
+            for r in range(1, self.prop.num_rounds + 1):
+                rnd = self.rounds[(k, r)]
+                add(k, f"update{r}", lambda rnd=rnd: rnd.program.lower(*rnd.avals))
+        return out
+
+    def _batch_avals(self, k: int) -> list[jax.ShapeDtypeStruct]:
+        sh = NamedSharding(self.meshes[k], P(DP_AXES))
+        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)
+                for v, b in zip(self.rest_vars, self.info.is_batch) if b]
+
+    def stage_summary(self) -> list[dict[str, Any]]:
+        """Per stage: layers, what it holds (embedding / head), its pieces' memory kinds."""
+        out = []
+        for k in range(self.K):
+            kinds: dict[str, int] = {}
+            for i in self.held[k]:
+                lay = self.layouts[k][i]
+                kinds[lay.role + ("@host" if lay.host else "")] = kinds.get(lay.role + ("@host" if lay.host else ""),
+                                                                            0) + lay.nbytes_elems
+            out.append({"stage": k, "group": k % self.S, "layers": self.plan.stages[k].layers,
+                        "leaves": [self.infos[i] for i in self.held[k]], "elements": kinds})
+        return out
+
+
+def _leading_dim(batch: Any) -> int:
+    dims = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
+    if not dims:
+        raise PlanError("the batch has no array with a leading batch dimension")
+    return max(dims)
+
+
+__all__ = ["DispatchStats", "MpmdStep", "configure_cross_host_transfers"]

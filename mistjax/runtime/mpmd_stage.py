@@ -1,0 +1,505 @@
+"""One pipeline stage's programs for the MPMD executor: forward, backward, fused last stage, finish.
+
+Each stage of an MPMD plan runs on its own sub-mesh ``(stage=1, replica, shard_node, shard_local,
+tensor)`` with its own one-stage `Plan` (its layer count, ZeRO level, remat, offload). A stage's
+programs are the unpipelined runtime's machinery (`mistjax.runtime.grads`) restricted to its layers:
+one ``jax.shard_map`` manual over the data-parallel axes with ``tensor`` left to GSPMD; parameters
+fetched as the stage's layouts say (`grads.make_fetch`: ZeRO-3 all-gathers, host->device copies); the
+plan's layer loop (`remat.make_layer_loop`: checkpointed / activation-offloaded / plain layers, the
+re-fetching custom VJP, the Megatron block of `runtime.tensor`); gradients reduce-scattered per
+micro-batch under ZeRO-2 and synchronised once per step by `finish` (`grads._finish_grads`).
+
+The stage function maps ``(held params, (activation in, micro-batch))`` to the activation out (or,
+on the last stage, to the loss): the first stage runs the loss's pre part (embedding, `trace.split`),
+the last its post part (head, loss); scan constants computed from the batch alone are recomputed on
+every stage, those computed from parameters travel with the activation.
+
+* ``forward``: ``jax.vjp`` of the stage function; it returns the activation and only the residual
+  leaves that depend on the activation or the micro-batch (`residuals.classify`), so no weight, fetched
+  weight or weight-derived value is kept between the programs. Plain layers run under the re-fetching
+  VJP (`refetch_plain`), so a layer's weight-only residuals are dropped too.
+* ``backward``: a fresh ``jax.vjp`` at a zero activation supplies the weight-only residuals (ZeRO-3 /
+  offloaded weights are fetched again, as in the unpipelined runtime), the stored leaves go back in
+  (`residuals.restore_vjp`), and the weight gradients are added into the donated accumulator.
+* ``last``: forward, loss and backward of one micro-batch on the last stage in one program; it keeps
+  no residuals and never the logits.
+* ``finish``: the end-of-step gradient synchronisation over the stage's data-parallel devices, the
+  ``1 / (dp G)`` scale, the loss, and zeroed accumulators for the next step (in the donated buffers).
+* ``split``: the stage's batch leaves into ``G`` micro-batches without moving rows across devices.
+
+Per-device values that live between programs (residuals, accumulators, loss sums) are global arrays
+whose leading dim is split over the data-parallel axes (a scalar gets a leading dim of one first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mistjax.core.layout import DP_AXES, PARAM, LeafLayout
+from mistjax.core.plan import Plan
+from mistjax.core.stages import offloaded_layers
+from mistjax.runtime.grads import (
+    MANUAL_AXES,
+    GradSpec,
+    _finish_grads,
+    _scatter,
+    _split_microbatches,
+    _to_device,
+    _to_host,
+    make_fetch,
+    psum_live,
+)
+from mistjax.runtime.remat import make_layer_loop
+from mistjax.runtime.residuals import Residuals, classify, restore_vjp
+from mistjax.trace.split import (
+    BlockFn,
+    PartUsage,
+    TracedLoss,
+    checkpoint_names,
+    post_part,
+    pre_part,
+    run_block,
+    scan_operands,
+)
+
+PyTree = Any
+
+
+@dataclass
+class LossInfo:
+    """What every stage needs to know about the user's loss (shared by all stages of a plan)."""
+
+    fun: Callable[..., Any]  # the loss ``fun(params, *rest)``
+    has_aux: bool  # fun returns (loss, aux)
+    traced: TracedLoss  # fun traced at one device's micro-batch (global parameter shapes)
+    usage: PartUsage  # which parameters the pre / post parts read
+    is_batch: tuple[bool, ...]  # per rest leaf: split over DP and micro-batches
+    mb_avals: tuple[jax.ShapeDtypeStruct, ...]  # per rest leaf: one device's micro-batch (non-batch: whole)
+    h_avals: tuple[jax.ShapeDtypeStruct, ...]  # one device's activation: param-dependent consts, then carry
+    aux_avals: tuple[jax.ShapeDtypeStruct, ...]  # per aux leaf of the loss
+    grad_accum: int  # G
+    dp: int  # data-parallel degree of every stage
+    tp: int  # tensor-parallel degree of every stage
+    tp_block: BlockFn | None = None  # Megatron layer block (tp > 1)
+
+    @property
+    def num_params(self) -> int:
+        return self.traced.num_param_leaves
+
+    @property
+    def pconst_positions(self) -> list[int]:
+        """Scan const operands computed from parameters (sent with the activation)."""
+        return [j for j, dep in enumerate(self.usage.const_needs_params) if dep]
+
+    @property
+    def bconst_positions(self) -> list[int]:
+        """Scan const operands computed from the batch alone (recomputed on every stage)."""
+        return [j for j, dep in enumerate(self.usage.const_needs_params) if not dep]
+
+
+@dataclass
+class StageSpec:
+    """One (virtual) pipeline stage: its layers, its own plan and sub-mesh, the parameters it holds."""
+
+    index: int  # virtual stage k (chunk order)
+    num_stages: int  # K virtual stages in the plan
+    layers: tuple[int, int]  # [start, end) of the model's layer stack
+    plan: Plan  # one-stage plan of this stage's layers and memory choices (layers (0, n))
+    mesh: Mesh  # the stage's devices as the runtime mesh with a size-1 stage axis
+    params: tuple[int, ...]  # flat loss-parameter indices held here, ascending
+    layouts: tuple[LeafLayout, ...]  # per held parameter: its storage layout on this stage
+    acc_host: tuple[bool, ...]  # per held parameter: gradient accumulator kept in host memory
+    uses_batch: bool = True  # reads the loss's other arguments (first / last stage, batch-only consts)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+def activation_sharding(mesh: Mesh, aval: Any, tp: int) -> NamedSharding:
+    """How an activation leaves one stage and enters the next: batch over DP, sequence over tensor (SP)."""
+    if not aval.shape:
+        return NamedSharding(mesh, P())
+    if tp > 1 and len(aval.shape) == 3 and aval.shape[1] % tp == 0 and jnp.issubdtype(aval.dtype, jnp.inexact):
+        return NamedSharding(mesh, P(DP_AXES, "tensor", None))
+    return NamedSharding(mesh, P(DP_AXES))
+
+
+def _local_dp(x: jax.Array) -> jax.Array:
+    """A per-device value as the local block of a global array split over DP on a leading dim."""
+    return x[None] if x.ndim == 0 else x
+
+
+def _acc_dtype(dtype: Any) -> np.dtype:
+    return np.dtype(jnp.promote_types(dtype, jnp.float32)) if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(dtype)
+
+
+@dataclass
+class StagePrograms:
+    """The jitted programs of one stage (built on first use; see module docstring)."""
+
+    spec: StageSpec
+    info: LossInfo
+    _cache: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sp = self.spec
+        zero = sp.plan.stages[0].zero_stage
+        self.grad_specs = [GradSpec(lay, zero if lay.role == PARAM else 0) for lay in sp.layouts]
+        self.pos = {i: j for j, i in enumerate(sp.params)}
+        self.num_h = len(self.info.h_avals)
+        self.h_float = [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in self.info.h_avals]
+
+    # ------------------------------------------------------------------ layouts
+    def _param_in_specs(self) -> list[P]:
+        return [g.layout.manual_spec(sharded=g.weights_sharded) for g in self.grad_specs]
+
+    @property
+    def mb_avals(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """One device's micro-batch of the loss's other arguments (none if the stage does not read them)."""
+        return self.info.mb_avals if self.spec.uses_batch else ()
+
+    def _mb_specs(self) -> list[P]:
+        return [P(DP_AXES) if b else P() for b in self.info.is_batch] if self.spec.uses_batch else []
+
+    def h_shardings(self) -> list[NamedSharding]:
+        if "h_shardings" not in self._cache:  # looked up per dispatched op: computed once
+            self._cache["h_shardings"] = [activation_sharding(self.spec.mesh, a, self.info.tp)
+                                          for a in self.info.h_avals]
+        return self._cache["h_shardings"]
+
+    def ct_shardings(self) -> list[NamedSharding]:
+        """Shardings of the cotangents this stage receives (its activation's float leaves)."""
+        return [s for s, f in zip(self.h_shardings(), self.h_float) if f]
+
+    def grad_local_shape(self, j: int) -> tuple[int, ...]:
+        """One device's gradient of held parameter `j` (split over the partition group under ZeRO-2/3)."""
+        g = self.grad_specs[j]
+        shape = list(g.layout.shape)
+        if (g.weights_sharded or g.scatter_each_microbatch) and g.layout.shard_dim is not None:
+            shape[g.layout.shard_dim] //= self.spec.plan.shard_group
+        return tuple(shape)
+
+    def acc_avals(self) -> list[jax.ShapeDtypeStruct]:
+        if "acc_avals" in self._cache:
+            return self._cache["acc_avals"]
+        dp = self.info.dp
+        out = []
+        for j in range(len(self.grad_specs)):
+            shape = (dp, *self.grad_local_shape(j))
+            out.append(jax.ShapeDtypeStruct(shape, _acc_dtype(self._param_dtype(j)), sharding=self._acc_sharding(j)))
+        self._cache["acc_avals"] = out
+        return out
+
+    def _param_dtype(self, j: int) -> Any:
+        return self.info.traced.closed.jaxpr.invars[self.spec.params[j]].aval.dtype
+
+    def _acc_sharding(self, j: int) -> NamedSharding:
+        lay = self.grad_specs[j].layout
+        entries = ["tensor" if d in lay.tensor_dims else None for d in range(len(lay.shape))]
+        return NamedSharding(self.spec.mesh, P(DP_AXES, *entries),
+                             memory_kind="pinned_host" if self.spec.acc_host[j] else None)
+
+    def loss_acc_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """Per-device sums of the loss and of every aux leaf over the step's micro-batches."""
+        dp = self.info.dp
+        sh = NamedSharding(self.spec.mesh, P(DP_AXES))
+        return [jax.ShapeDtypeStruct((dp, *a.shape), _acc_dtype(a.dtype), sharding=sh)
+                for a in (jax.ShapeDtypeStruct((), np.float32), *self.info.aux_avals)]
+
+    def grad_shardings(self) -> list[NamedSharding]:
+        """Where `finish` leaves each gradient: the ZeRO >= 1 split over the partition group, TP dims."""
+        if "grad_shardings" not in self._cache:
+            self._cache["grad_shardings"] = [
+                NamedSharding(self.spec.mesh, dataclasses.replace(g.layout, sharded=g.out_sharded, host=False,
+                                                                  stage_split=False).spec())
+                for g in self.grad_specs]
+        return self._cache["grad_shardings"]
+
+    # ------------------------------------------------------------------ the stage function
+    def _layer_loop(self) -> Callable[..., Any]:
+        sp, st = self.spec, self.info.traced.require_stack()
+        plan = sp.plan.stages[0]
+        gathers = [make_fetch(self.grad_specs[self.pos[i]], True) for i in st.xs_leaf]
+        tp = self.info.tp
+
+        def sp_constraint(c: jax.Array) -> jax.Array:
+            if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
+                return lax.with_sharding_constraint(c, P(None, "tensor", None))
+            return c
+
+        n = sp.num_layers
+        return make_layer_loop(num_layers=n, remat_layers=plan.remat_layers, policy=plan.remat_policy,
+                               gather=gathers, carry_constraint=sp_constraint,
+                               offload_layers=offloaded_layers(n, plan.remat_layers, plan.offload_acts),
+                               offload_names=checkpoint_names(st.body), refetch_plain=True)
+
+    def stage_fn(self) -> Callable[[list[Any], tuple[list[Any], list[Any]]], list[Any]]:
+        """``fn(held params, (activation, micro-batch))`` -> activation out, or ``[loss, *aux]`` (last)."""
+        sp, info = self.spec, self.info
+        traced, st = info.traced, info.traced.require_stack()
+        loop = self._layer_loop()
+        pconst, bconst = info.pconst_positions, info.bconst_positions
+        nc = st.num_consts
+
+        def fn(p_held: list[Any], hx: tuple[list[Any], list[Any]]) -> list[Any]:
+            h, mb = hx
+            leaves: list[Any] = [None] * info.num_params
+            stacked = set(st.stacked_leaves)
+            for j, i in enumerate(sp.params):
+                f = None if i in stacked else make_fetch(self.grad_specs[j], False)
+                leaves[i] = p_held[j] if f is None else f(p_held[j])
+            if sp.first:
+                consts, carry = pre_part(traced, leaves, mb)
+            else:
+                carry = list(h[len(pconst):])
+                consts = [None] * nc
+                for j, v in zip(pconst, h[: len(pconst)]):
+                    consts[j] = v
+                for j, v in zip(bconst, scan_operands(traced, leaves, mb, bconst)):
+                    consts[j] = v
+            xs = [p_held[self.pos[i]] for i in st.xs_leaf]
+            body = lambda c, car, x: run_block(st, c, car, x, info.tp_block)  # noqa: E731
+            carry, _ = loop(body, list(consts), list(carry), xs)
+            if sp.last:
+                return post_part(traced, leaves, mb, carry)
+            return [*(consts[j] for j in pconst), *carry]
+
+        return fn
+
+    def _zero_hx(self) -> tuple[list[Any], list[Any]]:
+        h = [jnp.zeros(a.shape, a.dtype) for a in self.info.h_avals] if not self.spec.first else []
+        return h, [jnp.zeros(a.shape, a.dtype) for a in self.mb_avals]
+
+    def _add_grads(self, acc: list[jax.Array], g: list[jax.Array]) -> list[jax.Array]:
+        out = []
+        for a, gi, spec, host in zip(acc, g, self.grad_specs, self.spec.acc_host):
+            gi = _to_device(gi, spec.layout.host)  # a host-streamed weight's gradient arrives in host memory
+            if spec.scatter_each_microbatch:
+                gi = _scatter(gi, spec)
+            a = _to_device(a, host)
+            out.append(_to_host(a + gi[None].astype(a.dtype), host))
+        return out
+
+    def _shard_map(self, body: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+        return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=MANUAL_AXES, check_vma=False)
+
+    def param_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """The held parameters as stored on this stage (global piece shapes, storage shardings)."""
+        out = []
+        for j, g in enumerate(self.grad_specs):
+            lay = g.layout
+            sh = NamedSharding(self.spec.mesh, lay.spec(), memory_kind="pinned_host" if lay.host else None)
+            out.append(jax.ShapeDtypeStruct(lay.shape, self._param_dtype(j), sharding=sh))
+        return out
+
+    def h_global_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """The activation entering this stage as global arrays (one device's block x DP on dim 0)."""
+        return [jax.ShapeDtypeStruct(_dp_global(a.shape, self.info.dp), a.dtype, sharding=s)
+                for a, s in zip(self.info.h_avals, self.h_shardings())]
+
+    def mb_global_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """One micro-batch's rest leaves as global arrays on this stage."""
+        mesh = self.spec.mesh
+        return [jax.ShapeDtypeStruct(_dp_global(a.shape, self.info.dp) if b else a.shape, a.dtype,
+                                     sharding=NamedSharding(mesh, P(DP_AXES) if b else P()))
+                for a, b in zip(self.mb_avals, self.info.is_batch)]
+
+    def classify(self) -> Residuals:
+        """Which of the stage's vjp residual leaves `forward` keeps (traced abstractly inside the
+        stage's shard_map, whose fetches and collectives need the manual axes)."""
+        if "residuals" not in self._cache:
+            fn, box = self.stage_fn(), []
+
+            def body(p: list[Any], h: list[Any], mb: list[Any]) -> jax.Array:
+                box.append(classify(fn, p, (h, mb)))
+                return jnp.zeros(())
+
+            run = self._shard_map(body, (self._param_in_specs(), self._h_in_specs(), self._mb_specs()), P())
+            jax.eval_shape(run, self.param_avals(), self.h_global_avals() if not self.spec.first else [],
+                           self.mb_global_avals())
+            self._cache["residuals"] = box[0]
+        return self._cache["residuals"]
+
+    def _h_in_specs(self) -> list[P]:
+        return [P(DP_AXES) if a.shape else P() for a in self.info.h_avals] if not self.spec.first else []
+
+    # ------------------------------------------------------------------ programs
+    def forward(self) -> Callable[..., Any]:
+        """``(params, h, mb) -> (h_out, stored residuals)``; the first stage takes no ``h``."""
+        if "forward" in self._cache:
+            return self._cache["forward"]
+        fn, first = self.stage_fn(), self.spec.first
+
+        def body(p: list[Any], h: list[Any], mb: list[Any]) -> Any:
+            res = classify(fn, p, (h, mb))
+            if len(res.stored) != n_res:
+                raise RuntimeError("the stage's residuals changed between two traces of the same program")
+            out, vjp = jax.vjp(fn, p, (h, mb))
+            return out, [_local_dp(r) for r in res.take(vjp)]
+
+        n_res = len(self.classify().stored)
+        run = self._shard_map(body, (self._param_in_specs(), self._h_in_specs(), self._mb_specs()),
+                              ([P(DP_AXES) if a.shape else P() for a in self.info.h_avals], [P(DP_AXES)] * n_res))
+        out_sh = (self.h_shardings(), [None] * n_res)
+        if first:
+            prog = jax.jit(lambda p, mb: run(p, [], mb), out_shardings=out_sh)
+        else:
+            prog = jax.jit(run, out_shardings=out_sh)
+        self._cache["forward"] = prog
+        return prog
+
+    def backward(self) -> Callable[..., Any]:
+        """``(params, stored, ct_out, acc) -> (ct_in, acc)``; the first stage returns only ``acc``."""
+        if "backward" in self._cache:
+            return self._cache["backward"]
+        fn, first, res = self.stage_fn(), self.spec.first, self.classify()
+
+        def body(p: list[Any], stored: list[Any], ct: list[Any], acc: list[Any]) -> Any:
+            stored = [s.reshape(shape) for s, (shape, *_) in zip(stored, res.avals)]
+            zero = self._zero_hx()
+            live = classify(fn, p, zero)
+            fresh = jax.vjp(fn, p, zero)[1]
+            ct_full = [c if f else np.zeros(a.shape, jax.dtypes.float0)
+                       for c, f, a in zip(ct, self.h_float, self.info.h_avals)]
+            g_p, (g_h, _) = restore_vjp(fresh, live, stored)(ct_full)
+            acc = self._add_grads(acc, list(g_p))
+            g_h = [g for g, f in zip(g_h, self.h_float) if f]
+            return (acc,) if first else (g_h, acc)
+
+        h_float_specs = [P(DP_AXES) if a.shape else P() for a, f in zip(self.info.h_avals, self.h_float) if f]
+        acc_specs = [P(DP_AXES)] * len(self.spec.params)
+        outs = (acc_specs,) if first else (h_float_specs, acc_specs)
+        run = self._shard_map(body, (self._param_in_specs(), [P(DP_AXES)] * len(res.stored), h_float_specs,
+                                     acc_specs), outs)
+        acc_sh = [a.sharding for a in self.acc_avals()]
+        h_sh = [s for s, f in zip(self.h_shardings(), self.h_float) if f]
+        prog = jax.jit(run, out_shardings=(acc_sh,) if first else (h_sh, acc_sh), donate_argnums=(3,))
+        self._cache["backward"] = prog
+        return prog
+
+    def last(self) -> Callable[..., Any]:
+        """``(params, h, mb, acc, loss_acc) -> (ct_in, acc, loss_acc)`` on the last stage."""
+        if "last" in self._cache:
+            return self._cache["last"]
+        fn, first = self.stage_fn(), self.spec.first
+        n_aux = len(self.info.aux_avals)
+
+        def body(p: list[Any], h: list[Any], mb: list[Any], acc: list[Any], lacc: list[Any]) -> Any:
+            h_int = [x for x, f in zip(h, self.h_float) if not f]
+
+            def loss(p: list[Any], hf: list[Any]) -> tuple[jax.Array, list[Any]]:
+                fi, ii = iter(hf), iter(h_int)
+                full = [next(fi) if f else next(ii) for f in self.h_float]
+                outs = fn(p, (full, mb))
+                return outs[0], outs[1:]
+
+            hf = [x for x, f in zip(h, self.h_float) if f]
+            (value, aux), (g_p, g_h) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, hf)
+            acc = self._add_grads(acc, list(g_p))
+            sums = [value, *aux]
+            lacc = [a + jnp.asarray(v, a.dtype)[None] for a, v in zip(lacc, sums)]
+            return (acc, lacc) if first else (g_h, acc, lacc)
+
+        h_specs = [P(DP_AXES) if a.shape else P() for a in self.info.h_avals]
+        h_float_specs = [s for s, f in zip(h_specs, self.h_float) if f]
+        acc_specs = [P(DP_AXES)] * len(self.spec.params)
+        l_specs = [P(DP_AXES)] * (1 + n_aux)
+        outs = (acc_specs, l_specs) if first else (h_float_specs, acc_specs, l_specs)
+        run = self._shard_map(body, (self._param_in_specs(), self._h_in_specs(), self._mb_specs(),
+                                     acc_specs, l_specs), outs)
+        acc_sh = [a.sharding for a in self.acc_avals()]
+        l_sh = [a.sharding for a in self.loss_acc_avals()]
+        h_sh = [s for s, f in zip(self.h_shardings(), self.h_float) if f]
+        out_sh = (acc_sh, l_sh) if first else (h_sh, acc_sh, l_sh)
+        if first:
+            prog = jax.jit(lambda p, mb, acc, lacc: run(p, [], mb, acc, lacc), out_shardings=out_sh,
+                           donate_argnums=(2, 3))
+        else:
+            prog = jax.jit(run, out_shardings=out_sh, donate_argnums=(3, 4))
+        self._cache["last"] = prog
+        return prog
+
+    def finish(self) -> Callable[..., Any]:
+        """``(acc, loss_acc) -> (grads, [loss, *aux], zeroed acc, zeroed loss_acc)`` (the sums are None
+        on stages other than the last)."""
+        if "finish" in self._cache:
+            return self._cache["finish"]
+        info, sp = self.info, self.spec
+        scale = 1.0 / (info.dp * info.grad_accum)
+        n_l = 1 + len(info.aux_avals) if sp.last else 0
+
+        def body(acc: list[Any], lacc: list[Any]) -> Any:
+            local = [_to_device(a, h)[0] for a, h in zip(acc, sp.acc_host)]
+            grads = _finish_grads(local, self.grad_specs, sp.plan, sp.mesh)
+            grads = [(g * jnp.asarray(scale, g.dtype)).astype(self._param_dtype(j)) for j, g in enumerate(grads)]
+            sums = []
+            for k, a in enumerate(lacc):
+                total = psum_live(a[0], DP_AXES, sp.mesh)
+                sums.append(total * scale if k == 0 or jnp.issubdtype(a.dtype, jnp.inexact) else total)
+            zeros = [_to_host(jnp.zeros_like(_to_device(a, h)), h) for a, h in zip(acc, sp.acc_host)]
+            return grads, sums, zeros, [jnp.zeros_like(a) for a in lacc]
+
+        acc_specs = [P(DP_AXES)] * len(sp.params)
+        g_specs = [g.layout.manual_spec(sharded=g.out_sharded) for g in self.grad_specs]
+        run = self._shard_map(body, (acc_specs, [P(DP_AXES)] * n_l),
+                              (g_specs, [P()] * n_l, acc_specs, [P(DP_AXES)] * n_l))
+        acc_sh = [a.sharding for a in self.acc_avals()]
+        l_sh = [a.sharding for a in self.loss_acc_avals()][:n_l]
+        prog = jax.jit(run, out_shardings=(self.grad_shardings(), [NamedSharding(sp.mesh, P())] * n_l, acc_sh, l_sh),
+                       donate_argnums=(0, 1))
+        self._cache["finish"] = prog
+        return prog
+
+    def init_accumulators(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """Zero gradient accumulators (and loss sums on the last stage) in their shardings."""
+        avals = self.acc_avals()
+        lavals = self.loss_acc_avals() if self.spec.last else []
+        make = jax.jit(lambda: ([jnp.zeros(a.shape, a.dtype) for a in avals],
+                                [jnp.zeros(a.shape, a.dtype) for a in lavals]),
+                       out_shardings=([a.sharding for a in avals], [a.sharding for a in lavals]))
+        return make()
+
+    def split(self) -> Callable[..., Any]:
+        """``(batch leaves) -> [G][batch leaves]``: each device's rows into ``G`` micro-batches."""
+        if "split" in self._cache:
+            return self._cache["split"]
+        G = self.info.grad_accum
+
+        def body(xs: list[Any]) -> Any:
+            parts = [_split_microbatches(x, G) for x in xs]
+            return [[p[i] for p in parts] for i in range(G)]
+
+        n = sum(self.info.is_batch)
+        run = self._shard_map(body, ([P(DP_AXES)] * n,), [[P(DP_AXES)] * n] * G)
+        sh = NamedSharding(self.spec.mesh, P(DP_AXES))
+        prog = jax.jit(run, out_shardings=[[sh] * n] * G)
+        self._cache["split"] = prog
+        return prog
+
+
+def _dp_global(local: tuple[int, ...], dp: int) -> tuple[int, ...]:
+    """The global shape of per-device blocks stacked over the DP axes on dim 0."""
+    return (local[0] * dp, *local[1:]) if local else local
+
+
+__all__ = ["LossInfo", "StagePrograms", "StageSpec", "activation_sharding"]
