@@ -127,9 +127,9 @@ def test_1f1b_has_no_tick_barrier():
     issue = ms.issue_order("1f1b", S, G)
     assert ms.dependency_depth(issue, S) == {"forward": G + S - 1, "backward": G + S - 1}
     assert ms.simulated_time(issue, S) == pytest.approx((G + S - 1) * 3.0)
-    from mistjax.core import schedules
+    from mistjax.core import pipeline_time, schedules
 
-    lockstep = schedules.lockstep_time(schedules.make_schedule("1f1b", S, G), 1.0, 2.0)
+    lockstep = pipeline_time.lockstep_time(schedules.make_schedule("1f1b", S, G), 1.0, 2.0)
     assert lockstep == pytest.approx(1.26 * (G + S - 1) * 3.0, rel=0.01)
     # The last stage fuses forward and backward, so it keeps no residuals at all.
     np.testing.assert_array_equal(ms.residuals_in_flight(issue), [4, 3, 2, 0])
@@ -271,7 +271,7 @@ def test_each_stage_compiles_only_what_its_plan_holds(uneven):
     """Every stage's programs have their own memory: stage 0 (ZeRO-3) receives a quarter of its weights,
     its backward keeps the gradient accumulators in host memory; only stage 1's update reads optimizer
     state from host memory."""
-    from mistjax.runtime import hlo
+    from mistjax.core import hlo
 
     step, new, *_ = uneven
     progs = step.compile_stages(new, make_batch(), ["forward", "backward", "last", "update2"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mistjax.core import pipeline_time as ptime
 from mistjax.core import schedules as sch
 
 # ------------------------------------------------------------------------------------- schedule tables
@@ -22,7 +23,7 @@ def test_schedule_tables(num_stages, num_mb):
         counts = sch.check_schedule(sched)  # every F and B once, dependencies respected
         if name == "1f1b":
             np.testing.assert_array_equal(counts, np.minimum(S - np.arange(S), G))
-            sch.check_schedule(sched, sch.one_f_one_b_bound(S, G))
+            sch.check_schedule(sched, sch.inflight_microbatches(np.arange(S), S, G))
             assert sched.num_ticks == 2 * (G + S - 1)
             assert ((sched.fwd >= 0) & (sched.bwd >= 0)).sum() == 0  # one op per stage per tick
             for s in range(S):  # warm-up S-s-1 forwards, then one more before the first backward
@@ -34,16 +35,16 @@ def test_schedule_tables(num_stages, num_mb):
             np.testing.assert_array_equal(counts, np.minimum(2 * (S - np.arange(S)) - 1, G))
             assert sched.num_ticks == G + 2 * S - 2
         # Textbook bubble (S-1)/(G+S-1) with equal F and B costs, for every table.
-        assert sch.bubble_fraction(S, G, name) == pytest.approx((S - 1) / (G + S - 1))
+        assert ptime.bubble_fraction(S, G, name) == pytest.approx((S - 1) / (G + S - 1))
 
 
 def test_lockstep_penalty_of_classic_1f1b():
     S, G = 4, 16
-    gpipe = sch.lockstep_time(sch.gpipe_schedule(S, G), 1.0, 2.0)
+    gpipe = ptime.lockstep_time(sch.gpipe_schedule(S, G), 1.0, 2.0)
     assert gpipe == pytest.approx((G + S - 1) * 3.0)
-    assert sch.lockstep_time(sch.eager_one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(gpipe)
-    assert sch.lockstep_time(sch.one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(72.0)  # +26%
-    assert sch.bubble_fraction(S, G, "1f1b", 1.0, 2.0) > sch.bubble_fraction(S, G, "gpipe", 1.0, 2.0)
+    assert ptime.lockstep_time(sch.eager_one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(gpipe)
+    assert ptime.lockstep_time(sch.one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(72.0)  # +26%
+    assert ptime.bubble_fraction(S, G, "1f1b", 1.0, 2.0) > ptime.bubble_fraction(S, G, "gpipe", 1.0, 2.0)
 
 
 def test_check_schedule_rejects_bad_tables():
@@ -55,4 +56,4 @@ def test_check_schedule_rejects_bad_tables():
     with pytest.raises(sch.ScheduleError, match="does not follow"):
         sch.check_schedule(sch.Schedule(swapped, bwd))
     with pytest.raises(sch.ScheduleError, match="holds"):
-        sch.check_schedule(sch.gpipe_schedule(3, 4), sch.one_f_one_b_bound(3, 4))
+        sch.check_schedule(sch.gpipe_schedule(3, 4), sch.inflight_microbatches(np.arange(3), 3, 4))
