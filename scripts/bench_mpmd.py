@@ -33,8 +33,8 @@ from flax import nnx  # noqa: E402
 
 import mistjax  # noqa: E402
 import models  # noqa: E402
-from mistjax.plan import Plan, StagePlan  # noqa: E402
 from mistjax.core import hlo  # noqa: E402
+from mistjax.plan import Plan, StagePlan  # noqa: E402
 from mistjax.train.data import SyntheticTokens  # noqa: E402
 from mistjax.train.loop import make_train_step  # noqa: E402
 from mistjax.train.state import TrainState, make_optimizer  # noqa: E402

@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import mistjax
+from mistjax.core import pipeline_order as ms
 from mistjax.plan import Plan, PlanError, StagePlan
-from mistjax.runtime import mpmd_schedule as ms
 from mistjax.runtime.mpmd_state import StagedArray
 from mistjax.runtime.mpmd_update import Rows, UpdateError, Whole
 

@@ -188,14 +188,27 @@ def _part_passes(
     return fwd, PassAnalysis(bwd_g, bres)
 
 
+def _depends_on(graph: Graph, seeds: set[Any]) -> set[Any]:
+    """Every value of ``graph`` computed from one of ``seeds`` (loops and conds: all outputs, conservatively)."""
+    dep = set(seeds)
+    for n in graph.nodes:
+        if any(isinstance(v, jex.Var) and v in dep for v in n.ins):
+            dep.update(n.outs)
+    return dep
+
+
 def _saved(fwd: PassAnalysis, part: PartFn) -> Poly:
+    """Residual bytes a part keeps per micro-batch: distinct buffers that depend on its activation or
+    other non-weight inputs. Weight-only residuals (casts and views of the weights) are not kept: the
+    runtime rebuilds them in the backward from the weights (`runtime.remat`'s re-fetching layer VJP)."""
     nd, no = len(part.diff), part.num_outputs
-    skip = {v for v, k in zip(fwd.g.invars[:nd], part.diff_kind) if k == WEIGHT}
-    skip |= set(fwd.g.invars[nd:]) | set(fwd.g.constvars)
+    weights = {v for v, k in zip(fwd.g.invars[:nd], part.diff_kind) if k == WEIGHT}
+    skip = weights | set(fwd.g.invars[nd:]) | set(fwd.g.constvars)
+    live = _depends_on(fwd.g, {v for v in fwd.g.invars if v not in weights})
     root = alias_roots(fwd.g)
     by_root: dict[Any, Any] = {}  # distinct buffers: aliases of one value are kept once
     for v in fwd.g.outvars[no:]:
-        if isinstance(v, jex.Var) and root.get(v, v) is not None:  # None: a folded constant
+        if isinstance(v, jex.Var) and root.get(v, v) is not None and v in live:  # None: a folded constant
             by_root.setdefault(root.get(v, v), v)
     return total(fwd.local_bytes(v) for r, v in by_root.items() if r not in skip)
 

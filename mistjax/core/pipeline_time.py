@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mistjax.core.schedules import SCHEDULE_NAMES, Schedule, ScheduleError, make_schedule
+from mistjax.core.schedules import SCHEDULE_NAMES, ScheduleError
 
 ScheduleName = Literal["1f1b", "gpipe", "1f1b-eager"]
 
@@ -94,8 +94,7 @@ def pipeline_time(
 ) -> np.ndarray:
     """Dispatch to ``pipeline_1f1b_time`` or ``pipeline_gpipe_time`` by schedule name.
 
-    ``"1f1b-eager"`` (the lock-step executor's packing of 1F1B, `mistjax.core.schedules`) runs the
-    same per-stage order of work as 1F1B, so Mist's 1F1B formula describes it.
+    ``"1f1b-eager"`` runs the same per-stage order of work as 1F1B, so Mist's 1F1B formula describes it.
     """
     if schedule in ("1f1b", "1f1b-eager"):
         return pipeline_1f1b_time(stable, delta, num_microbatches)
@@ -104,55 +103,16 @@ def pipeline_time(
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
 
 
-def lockstep_microbatch_time(fwd: ArrayLike, bwd: ArrayLike, schedule: ScheduleName = "1f1b") -> np.ndarray:
-    """Steady-state seconds one micro-batch costs a stage in the lock-step executor.
-
-    Each tick lasts as long as its slowest stage (`mistjax.core.pipeline_time.lockstep_time`). In classic
-    1F1B's steady state a stage runs a forward while its neighbour runs a backward, so a micro-batch
-    takes a forward tick and a backward tick, each ``max(fwd, bwd)`` long. GPipe and 1F1B-eager put
-    a stage's forward and backward work into ticks of their own kind, so a micro-batch costs
-    ``fwd + bwd``.
-    """
-    if schedule not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULE_NAMES)}")
-    f, b = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
-    return 2.0 * np.maximum(f, b) if schedule == "1f1b" else f + b
-
-
-def lockstep_time(sched: Schedule, fwd_cost: ArrayLike = 1.0, bwd_cost: ArrayLike = 2.0) -> float:
-    """Step time of the lock-step executor: each tick lasts as long as its slowest stage.
-
-    Args:
-        sched: the schedule table (`mistjax.core.schedules`).
-        fwd_cost: seconds of one micro-batch forward, scalar or per stage ``[S]``.
-        bwd_cost: the same for a backward (include recompute for remat stages).
-    """
-    fwd, bwd = np.asarray(sched.fwd), np.asarray(sched.bwd)
-    S = fwd.shape[1]
-    f = np.broadcast_to(np.asarray(fwd_cost, float), (S,))
-    b = np.broadcast_to(np.asarray(bwd_cost, float), (S,))
-    return float(((fwd >= 0) * f + (bwd >= 0) * b).max(axis=1).sum())
-
-
-def bubble_fraction(num_stages: ArrayLike, num_microbatches: ArrayLike, schedule: ScheduleName = "1f1b",
-                    fwd_cost: float = 1.0, bwd_cost: float = 1.0) -> np.ndarray:
-    """Idle fraction of the lock-step step time, ``1 - G (F + B) / lockstep_time``.
-
-    With equal forward and backward costs this is the textbook ``(S - 1) / (G + S - 1)`` for all three
-    tables (vectorised over ``num_stages`` and ``num_microbatches``); with ``bwd_cost != fwd_cost``
-    classic 1F1B also pays the lock-step penalty, which needs the table (scalar sizes only).
-    """
+def bubble_fraction(num_stages: ArrayLike, num_microbatches: ArrayLike, schedule: ScheduleName = "1f1b") -> np.ndarray:
+    """Idle fraction of each stage of a pipeline of equal stages: ``(S - 1) / (G + S - 1)``, for GPipe and
+    1F1B alike (1F1B only bounds the activations in flight). Vectorised."""
     if schedule not in SCHEDULE_NAMES:
         raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULE_NAMES}")
     s = np.asarray(num_stages, dtype=np.float64)
     g = np.asarray(num_microbatches, dtype=np.float64)
     if np.any(s < 1) or np.any(g < 1):
         raise ValueError("num_stages and num_microbatches must be >= 1")
-    if fwd_cost == bwd_cost:
-        return (s - 1) / (g + s - 1)
-    sched = make_schedule(schedule, int(s), int(g))
-    return np.asarray(1.0 - g * (fwd_cost + bwd_cost) / lockstep_time(sched, fwd_cost, bwd_cost))
+    return (s - 1) / (g + s - 1)
 
 
-__all__ = ["bubble_fraction", "exposed_delta", "lockstep_microbatch_time", "lockstep_time", "pipeline_1f1b_time",
-           "pipeline_gpipe_time", "pipeline_time"]
+__all__ = ["bubble_fraction", "exposed_delta", "pipeline_1f1b_time", "pipeline_gpipe_time", "pipeline_time"]

@@ -201,12 +201,13 @@ def _overlaps(intervals: list[tuple[float, float]]) -> list[int]:
 def inflight_microbatches(
     stage: ArrayLike, num_stages: ArrayLike, num_microbatches: ArrayLike, schedule: str = "1f1b"
 ) -> np.ndarray:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak, vectorised.
+    """Micro-batches whose residuals stage ``stage`` (0-based) holds at its peak, vectorised, as the MPMD
+    executor runs the schedule (`mistjax.core.pipeline_order.residuals_in_flight`, tested equal).
 
     1F1B: ``min(S - stage, G)`` (warm-up forwards S - stage - 1, Mist's p, plus the current one).
     GPipe: G (every forward finishes before the first backward).
     1F1B-eager: ``min(2 (S - stage) - 1, G)`` (backward i waits ``2 (S - stage) - 2`` ticks after forward i).
-    Equal to `in_flight` of the tables (tested).
+    The last stage runs each micro-batch's forward and backward in one program: one, transiently.
     """
     st = np.asarray(stage, dtype=np.int64)
     s = np.asarray(num_stages, dtype=np.int64)
@@ -214,12 +215,14 @@ def inflight_microbatches(
     if np.any(st < 0) or np.any(st >= s):
         raise ValueError("stage must be in [0, num_stages)")
     if schedule == "1f1b":
-        return np.minimum(s - st, g)
-    if schedule == "gpipe":
-        return np.broadcast_to(g, np.broadcast_shapes(st.shape, s.shape, g.shape)).copy()
-    if schedule == "1f1b-eager":
-        return np.minimum(2 * (s - st) - 1, g)
-    raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULE_NAMES}")
+        n = np.minimum(s - st, g)
+    elif schedule == "gpipe":
+        n = np.broadcast_to(g, np.broadcast_shapes(st.shape, s.shape, g.shape)).copy()
+    elif schedule == "1f1b-eager":
+        n = np.minimum(2 * (s - st) - 1, g)
+    else:
+        raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULE_NAMES}")
+    return np.where(st == s - 1, 1, n)
 
 
 __all__ = ["B_AT", "F_AT", "SCHEDULE_NAMES", "Schedule", "ScheduleError", "check_schedule",

@@ -8,7 +8,6 @@ cost model of plans: `Workload`, the vectorised `stage_cost` over `StageStrategi
 
 from mistjax.core.pipeline_time import (
     bubble_fraction,
-    lockstep_microbatch_time,
     pipeline_1f1b_time,
     pipeline_gpipe_time,
     pipeline_time,
@@ -92,7 +91,6 @@ __all__ = [
     "hierarchical_reduce_scatter_time",
     "host_copy_time",
     "inflight_microbatches",
-    "lockstep_microbatch_time",
     "mask_name",
     "mics_grad_sync_time",
     "mics_node_egress_bytes",

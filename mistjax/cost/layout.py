@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from mistjax.core.layout import TENSOR_AXES, choose_shard_dim, select_offload
-from mistjax.cost.workload import Workload
+from mistjax.cost.workload import ParamLeaf, Workload
 
 FIELDS = ("w_layer_dev", "w_layer_host", "w_layer_shard", "w_other_dev", "w_other_shard", "opt_layer_dev",
           "opt_layer_host", "opt_other_dev", "opt_other_host", "g_layer_shard", "g_other_shard",
@@ -44,63 +45,94 @@ class LeafTotals:
     w_other_fetch: float  # non-stacked bytes gathered once per micro-batch (ZeRO-3)
 
 
-def _local_elements(wl: Workload, tp: int, p: int) -> list[tuple[float, bool]]:
+def _local_elements(wl: Workload, tp: int, p: int) -> tuple[np.ndarray, np.ndarray]:
     """Per leaf: elements on one device after the tensor split, and whether ZeRO / MiCS can split it ``p`` ways."""
-    out = []
+    elems, shardable = [], []
     for leaf in wl.leaves:
         shape, ax = leaf.shape, leaf.axes
         tdims: tuple[int, ...] = ()
         if tp > 1 and ax is not None and len(ax) == len(shape):
             tdims = tuple(d for d, n in enumerate(ax) if n in TENSOR_AXES)
         sdim = choose_shard_dim(shape, ax, tdims, leaf.stacked, p, tp) if leaf.size > 1 else None
-        out.append((leaf.size / (tp if tdims else 1), sdim is not None))
-    return out
+        elems.append(leaf.size / (tp if tdims else 1))
+        shardable.append(sdim is not None)
+    return np.asarray(elems, np.float64), np.asarray(shardable, bool)
 
 
-def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, go: float) -> LeafTotals:
-    """`LeafTotals` for one knob combination (the scalar rules of `plan_layouts`).
+def held(leaf: ParamLeaf, first: bool, last: bool) -> bool:
+    """Whether a pipeline stage (``first`` / ``last``) holds a non-stacked leaf: the first stage the
+    pre part's, the last the post part's, both a tied one's (a single stage is first and last)."""
+    parts = leaf.parts or frozenset({"pre"})
+    return (first and "pre" in parts) or (last and "post" in parts)
 
-    Bytes per element: parameters in their own dtype, gradients in the workload's gradient dtype, and every
-    optimizer-state copy (moments, master weights) in ``state_itemsize``.
+
+def _cached(wl: Workload, key: tuple, make: Any) -> Any:
+    cache = wl.layout_cache  # lives (and dies) with the workload
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _selection(wl: Workload, kind: str, ratio: float, first: bool, last: bool, n: int) -> np.ndarray:
+    """Which leaves (or, for ``opt``, which optimizer-state copies of which leaves: ``[copies, leaves]``) a
+    stage keeps in host memory at offload ``ratio``: `select_offload` over the stage's whole leaves."""
+    L = wl.num_layers
+    size = np.array([x.size * n / L if x.stacked else x.size for x in wl.leaves], np.float64)
+    mine = np.array([x.stacked or held(x, first, last) for x in wl.leaves]) & (size > 1)
+    if kind == "opt":
+        idx = np.flatnonzero(mine)
+        sel = np.zeros((wl.opt_copies, len(wl.leaves)), bool)
+        picked = np.asarray(select_offload(list(size[idx]) * wl.opt_copies, ratio), bool).reshape(wl.opt_copies, -1)
+        sel[:, idx] = picked
+        return sel
+    idx = np.flatnonzero(np.array([x.stacked for x in wl.leaves]) & (size > 1))
+    sel = np.zeros(len(wl.leaves), bool)
+    sel[idx] = select_offload(list(size[idx]), ratio)
+    return sel
+
+
+def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, go: float, first: bool = True,
+                last: bool = True, layers: int | None = None) -> LeafTotals:
+    """`LeafTotals` of one stage for one knob combination (the scalar rules of `plan_layouts`).
+
+    The stage holds ``layers`` rows of every stacked leaf (default: all) and the non-stacked leaves its
+    parts read (`held`); offload picks whole leaves among those, largest first, as the runtime does for
+    a stage's own leaves. Bytes per element: parameters in their own dtype, gradients in the workload's
+    gradient dtype, every optimizer-state copy (moments, master weights) in ``state_itemsize``.
     """
     L = wl.num_layers
-    local = _local_elements(wl, tp, p)
-    # Offload choices, by element counts over whole leaves, exactly as the runtime picks them.
-    opt_idx = [i for i, x in enumerate(wl.leaves) if x.size > 1]
-    opt_host_sel = select_offload([wl.leaves[i].size for i in opt_idx] * wl.opt_copies, oo)
-    st_idx = [i for i, x in enumerate(wl.leaves) if x.stacked and x.size > 1]
-    w_host = dict(zip(st_idx, select_offload([wl.leaves[i].size for i in st_idx], wo)))
-    acc_sel = select_offload([wl.leaves[i].size for i in st_idx], go)
-    acc_frac = sum(wl.leaves[i].size for i, h in zip(st_idx, acc_sel) if h) / max(
-        sum(wl.leaves[i].size for i in st_idx), 1)
-    t = dict.fromkeys(FIELDS, 0.0)
-    n_opt = len(opt_idx)
-    for i, (leaf, (elems, shardable)) in enumerate(zip(wl.leaves, local)):
-        per = (1.0 / L) if leaf.stacked else 1.0
-        key = "layer" if leaf.stacked else "other"
-        nbytes = elems * leaf.itemsize
-        w_sh = nbytes / p if (shardable and zero >= 3) else nbytes
-        host = w_host.get(i, False)
-        t[f"w_{key}_dev"] += 0.0 if host else w_sh * per
-        if key == "layer":
-            t["w_layer_host"] += w_sh * per if host else 0.0
-            t["w_layer_fetch"] += nbytes * per if (host or (shardable and zero >= 3)) else 0.0
-        else:
-            t["w_other_fetch"] += nbytes if (shardable and zero >= 3) else 0.0
-        t[f"w_{key}_shard"] += (nbytes / p if shardable else nbytes) * per
-        g_bytes = elems * wl.grad_itemsize(leaf)
-        t[f"g_{key}_shard"] += (g_bytes / p if shardable else g_bytes) * per
-        o_bytes = elems * wl.state_itemsize
-        o = o_bytes / p if (shardable and zero >= 1) else o_bytes
-        if i in opt_idx:
-            j = opt_idx.index(i)
-            for c in range(wl.opt_copies):
-                where = "host" if opt_host_sel[c * n_opt + j] else "dev"
-                t[f"opt_{key}_{where}"] += o * per
-        else:
-            t[f"opt_{key}_dev"] += o * per * wl.opt_copies
-    t["acc_layer_host_frac"] = acc_frac
-    return LeafTotals(**t)
+    n = L if layers is None else layers
+    elems, shardable = _cached(wl, ("local", tp, p), lambda: _local_elements(wl, tp, p))
+    stacked = np.array([x.stacked for x in wl.leaves])
+    held_other = np.array([not x.stacked and held(x, first, last) for x in wl.leaves])
+    opt_host = _cached(wl, ("opt", oo, first, last, n), lambda: _selection(wl, "opt", oo, first, last, n))
+    w_host = _cached(wl, ("w", wo, n), lambda: _selection(wl, "w", wo, first, last, n))
+    acc_host = _cached(wl, ("acc", go, n), lambda: _selection(wl, "acc", go, first, last, n))
+    size = np.array([x.size for x in wl.leaves], np.float64)
+    acc_frac = float(np.sum(size[acc_host]) / max(np.sum(size[stacked & (size > 1)]), 1))
+    per = np.where(stacked, 1.0 / L, 1.0)
+    nbytes = elems * np.array([x.itemsize for x in wl.leaves])
+    w_sh = np.where(shardable & (zero >= 3), nbytes / p, nbytes)
+    w_any = np.where(shardable, nbytes / p, nbytes)
+    g_bytes = elems * np.array([wl.grad_itemsize(x) for x in wl.leaves])
+    g_sh = np.where(shardable, g_bytes / p, g_bytes)
+    o_bytes = elems * wl.state_itemsize
+    o = np.where(shardable & (zero >= 1), o_bytes / p, o_bytes)
+    o_host = opt_host.sum(axis=0)  # copies of each leaf on host
+    layer, other = stacked, held_other
+    fetched = w_host | (shardable & (zero >= 3))
+
+    def total(values: np.ndarray, mask: np.ndarray) -> float:
+        return float(np.sum((values * per)[mask]))
+
+    return LeafTotals(
+        w_layer_dev=total(w_sh, layer & ~w_host), w_layer_host=total(w_sh, layer & w_host),
+        w_layer_shard=total(w_any, layer), w_other_dev=total(w_sh, other), w_other_shard=total(w_any, other),
+        opt_layer_dev=total(o * (wl.opt_copies - o_host), layer), opt_layer_host=total(o * o_host, layer),
+        opt_other_dev=total(o * (wl.opt_copies - o_host), other), opt_other_host=total(o * o_host, other),
+        g_layer_shard=total(g_sh, layer), g_other_shard=total(g_sh, other), acc_layer_host_frac=acc_frac,
+        w_layer_fetch=total(nbytes, layer & fetched),
+        w_other_fetch=total(nbytes, other & shardable & (zero >= 3)))
 
 
 def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -117,10 +149,10 @@ def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """`leaf_totals` for every row of the broadcast columns ``(tp, p, zero, wo, oo, go)``.
+    """`leaf_totals` for every row of the broadcast columns ``(tp, p, zero, wo, oo, go, first, last, layers)``.
 
-    Distinct rows are few (TP degrees x group sizes x ZeRO stages x offload ratios), so the Python
-    loop runs over those, never per strategy.
+    Distinct rows are few (TP degrees x group sizes x ZeRO stages x offload ratios x stage positions), so
+    the Python loop runs over those, never per strategy.
     """
     cols = np.broadcast_arrays(*[np.asarray(c, dtype=np.float64) for c in columns])
     shape = cols[0].shape
@@ -128,7 +160,8 @@ def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.nda
     rows = []
     cache = wl.layout_cache  # lives (and dies) with the workload
     for r in uniq:
-        key = (int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), float(r[5]))
+        key = (int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), float(r[5]), bool(r[6]), bool(r[7]),
+               int(r[8]))
         if key not in cache:
             cache[key] = leaf_totals(wl, *key)
         rows.append(cache[key])
@@ -139,4 +172,4 @@ def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.nda
     return out
 
 
-__all__ = ["FIELDS", "LeafTotals", "leaf_totals", "totals_over"]
+__all__ = ["FIELDS", "LeafTotals", "held", "leaf_totals", "totals_over"]

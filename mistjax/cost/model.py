@@ -74,16 +74,17 @@ def _activations(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> tuple[np.ndar
 
 
 def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> StateBytes:
-    """What the runtime stores for the stage's model states (`mistjax.runtime.grads`, `core.layout`)."""
-    L, S, nl, zero, G = float(workload.num_layers), k.stages, k.layers, k.zero, k.G
-    # The SPMD pipeline stores every stage's slice of a stacked leaf on every stage device when the
-    # layers do not split evenly; otherwise each device holds L / S layers of it.
-    stored = np.where(k.pipelined, np.where(L % np.maximum(S, 1) == 0, L / np.maximum(S, 1), L), nl)
-    params = stored * lt["w_layer_dev"] + lt["w_other_dev"]
-    optimizer = stored * lt["opt_layer_dev"] + lt["opt_other_dev"]
-    host = stored * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
+    """What the runtime stores for the stage's model states (`mistjax.runtime.grads`, `runtime.mpmd_stage`).
+
+    A stage holds its own layers' rows of the stacked leaves and the other leaves its parts read
+    (`cost.layout.held`: the embedding on the first stage, the head on the last; a single stage all).
+    """
+    nl, zero, G = k.layers, k.zero, k.G
+    params = nl * lt["w_layer_dev"] + lt["w_other_dev"]
+    optimizer = nl * lt["opt_layer_dev"] + lt["opt_other_dev"]
+    host = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
     param_layer = v.block.weight_bytes
-    param_other = v.pre.weight_bytes + v.post.weight_bytes
+    param_other = np.where(k.first, v.pre.weight_bytes, 0.0) + np.where(k.last, v.post.weight_bytes, 0.0)
     scale = workload.grad_scale
     full_layer, full_other = param_layer * scale, param_other * scale  # in the gradient dtype
     grad_full = nl * full_layer + full_other
@@ -91,15 +92,16 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     on_dev = 1 - lt["acc_layer_host_frac"]
     acc_full = nl * full_layer * on_dev + full_other
     acc_shard = nl * lt["g_layer_shard"] * on_dev + lt["g_other_shard"]
-    # Single stage: G == 1 -> one set of gradients (full unless ZeRO-3); G > 1 -> accumulator + one
-    # micro-batch's gradients. Pipelines: accumulators of Lmax rows (at least fp32) plus replicated pre/post.
-    mb_grads = np.where(zero >= 3, grad_shard, grad_full)
+    # One micro-batch's gradients as autodiff produces them (parameter dtype; ZeRO-3's come reduce-
+    # scattered), next to the accumulator of the gradient dtype whenever there is one: several micro-
+    # batches, or any pipeline stage (its backward program adds into a donated accumulator).
+    mb_grads = np.where(zero >= 3, grad_shard, grad_full) / scale
     acc = np.where(zero >= 2, acc_shard, acc_full)
-    grads_single = np.where(G > 1, acc + mb_grads, mb_grads)
-    grads_pipe = (nl * param_layer + param_other) * workload.pipeline_grad_scale + np.where(zero >= 1, grad_shard, 0.0)
+    accumulates = (G > 1) | k.pipelined
+    grads = np.where(accumulates, acc + mb_grads, np.maximum(mb_grads, mb_grads * scale))
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
-    return StateBytes(params=params, optimizer=optimizer, grads=np.where(k.pipelined, grads_pipe, grads_single),
-                      host=host + np.where(G > 1, acc_host, 0.0), grad_full=grad_full, grad_shard=grad_shard,
+    return StateBytes(params=params, optimizer=optimizer, grads=grads,
+                      host=host + np.where(accumulates, acc_host, 0.0), grad_full=grad_full, grad_shard=grad_shard,
                       param_full=nl * param_layer + param_other)
 
 
@@ -123,11 +125,10 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     # never live next to pre / post's transients; the ZeRO-3-gathered embedding / head is (whole step).
     layer_fetch = np.where(kinds.n_plain > 2, 2.0, 1.0) * lt["w_layer_fetch"]
     tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0  # int32 inputs + targets of the local batch
-    # The optimizer update runs in place on the donated state (no extra copy of it is charged).
-    # The pipeline executor's backward holds one layer's fp32 gradient next to the slice of the
-    # accumulator it adds into, and the layer's weight slice taken from the stage's stacked params.
-    pipe = np.where(k.pipelined, 2.0 * v.block.weight_bytes, 0.0)
-    return np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + pipe
+    # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
+    # stage also holds the activation it received and the cotangent waiting for its backward.
+    messages = np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
+    return np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + messages
 
 
 def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
@@ -161,7 +162,10 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     k = Knobs.of(st)
     s = float(workload.seq_len)
     v = workload.compiled.values(k.b, s, k.t)
-    lt = totals_over(workload, (k.t, np.where(k.zero >= 1, k.p, 1), k.zero, k.wo, k.oo, k.go))
+    # A single stage holds everything; a pipeline stage its own rows and parts (`cost.layout.held`).
+    one = ~k.pipelined
+    lt = totals_over(workload, (k.t, np.where(k.zero >= 1, k.p, 1), k.zero, k.wo, k.oo, k.go, k.first | one,
+                                k.last | one, np.where(one, workload.num_layers, k.layers)))
     kinds = layer_kinds(workload, k, v)
     activations, act_host = _activations(k, v, kinds)
     states = state_bytes(workload, k, v, lt)

@@ -128,7 +128,7 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     fetch_h2d = np.where(lt["w_layer_host"] > 0, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
     # ZeRO-3's reduce-scatter is the fetch's transpose (parameter dtype); ZeRO-2 scatters in the gradient dtype.
     full_layer = blk.weight_bytes * np.where(zero >= 3, 1.0, workload.grad_scale)
-    rs_each = ((zero >= 3) | ((zero == 2) & ~k.pipelined)) & (p > 1)
+    rs_each = (zero >= 2) & (p > 1)
     grad_rs = np.where(rs_each, _rs(full_layer, gk, gm, intra, inter), 0.0)
     acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
     acc_bytes = np.where(zero >= 2, lt["g_layer_shard"], full_layer) * acc_frac
@@ -171,8 +171,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     rlink = (np.where(rm > 1, rinter[0], rintra[0]), np.where(rm > 1, rinter[1], rintra[1]))
     _, dm, dintra, dinter = _group_link(cluster, dp, t, k.per_node)
     dlink = (np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1]))
-    # Pipelines accumulate full-size gradients per stage, so ZeRO-2 reduce-scatters once per step there.
-    z_eff = np.where(k.pipelined & (zero == 2), 1, zero)
+    z_eff = zero
     sync = np.where(z_eff == 0, collective_time("all-reduce", grad_full, dp, dlink), 0.0)
     sync = sync + np.where(z_eff == 1, _rs(grad_full, gk, gm, intra, inter), 0.0)
     sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
@@ -185,12 +184,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)
     hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
-    stage_sum_bytes = v.pre.weight_bytes + v.post.weight_bytes
-    S = k.stages
-    _, sm, sintra, sinter = _group_link(cluster, S, dp * t, k.per_node)
-    slink = (np.where(sm > 1, sinter[0], sintra[0]), np.where(sm > 1, sinter[1], sintra[1]))
-    stage_sum = np.where(k.pipelined, collective_time("all-reduce", stage_sum_bytes, S, slink), 0.0)
-    delta = sync + regather + update + swap + hoisted + stage_sum
+    delta = sync + regather + update + swap + hoisted
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
     g_item = workload.param_itemsize * workload.grad_scale  # bytes per gradient element
     elems_upd = upd_bytes / g_item
@@ -207,11 +201,9 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
-    # Pipelines replicate embedding and head on every stage: their gradients are summed over `stage`.
-    ar = ar + np.where(k.pipelined, stage_sum_bytes, 0.0)
     return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
             "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "regather": regather,
-            "update": update, "swap": swap, "stage_sum": stage_sum}
+            "update": update, "swap": swap}
 
 
 __all__ = ["compute_time", "layer_times", "step_extras"]

@@ -17,9 +17,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from mistjax.analysis import CompiledProfile, ModelProfile, analyze_model, compile_profile
+from mistjax.analysis import DEFAULT_POINTS, CompiledProfile, ModelProfile, analyze_model, compile_profile, token_batch
 from mistjax.core.axes import is_stacked, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
+from mistjax.trace.split import TracedLoss, part_usage, trace_loss
 
 # Optimizer state per parameter element: (fp32 state copies, elementwise FLOPs, transcendentals).
 # AdamW: mu and nu; the FLOP count is what XLA:CPU's cost analysis reports for optax.adamw's
@@ -39,7 +40,10 @@ class ParamLeaf:
     shape: tuple[int, ...]  # global shape (stacked leaves start with the layer dim)
     axes: tuple[str | None, ...] | None  # logical axis names (None: the model gave none)
     stacked: bool  # holds the layer stack on its leading dim
-    itemsize: int  # bytes per element (param dtype; fp32 master weights)
+    itemsize: int  # bytes per element (the parameter's storage dtype)
+    # Non-stacked leaves: which parts around the stack read it ("pre": the first pipeline stage holds it,
+    # "post": the last stage; both for tied weights). Empty: unknown (held with the pre part).
+    parts: frozenset[str] = frozenset()
 
     @property
     def size(self) -> int:
@@ -93,11 +97,12 @@ class Workload:
             length ``s`` (default: int32 ``{"inputs", "targets"}`` token batches).
           profile: an already computed profile of this loss (skips the analysis).
         """
+        batch_fn = token_batch if batch_fn is None else batch_fn
         if profile is None:
-            extra = {} if batch_fn is None else {"batch_fn": batch_fn}
-            profile = analyze_model(loss_fn, params, policies=policies, **extra)
+            profile = analyze_model(loss_fn, params, batch_fn, policies=policies)
         prof = profile
-        return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params),
+        traced = trace_loss(loss_fn, params, *batch_fn(*DEFAULT_POINTS[0]))
+        return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params, traced),
                    seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype,
                    master_weights=master_weights, state_itemsize=state_itemsize, grad_dtype=grad_dtype)
 
@@ -125,12 +130,6 @@ class Workload:
     def grad_scale(self) -> float:
         """Gradient bytes per parameter byte (the gradient dtype against the storage dtype)."""
         return np.dtype(self.grad_dtype).itemsize / self.param_itemsize if self.grad_dtype else 1.0
-
-    @property
-    def pipeline_grad_scale(self) -> float:
-        """The same for the SPMD pipeline's accumulators, which hold at least fp32 without a gradient dtype."""
-        return (np.dtype(self.grad_dtype).itemsize if self.grad_dtype else max(self.param_itemsize, 4)) / \
-            self.param_itemsize
 
     def grad_itemsize(self, leaf: ParamLeaf) -> int:
         """Bytes per element of a leaf's gradient accumulator and reductions."""
@@ -172,12 +171,21 @@ class Workload:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def leaf_table(params: Any) -> tuple[ParamLeaf, ...]:
-    """The `ParamLeaf` of every leaf of a parameter pytree (logical axes from its partition metadata)."""
+def leaf_table(params: Any, traced: TracedLoss | None = None) -> tuple[ParamLeaf, ...]:
+    """The `ParamLeaf` of every leaf of a parameter pytree.
+
+    Logical axes come from the partition metadata; with the traced loss, the stacked leaves are the ones
+    its layer scan iterates over and the others carry the parts that read them (`trace.split.part_usage`).
+    """
+    stacked = set(traced.stack.stacked_leaves) if traced is not None and traced.stack is not None else None
+    usage = part_usage(traced) if stacked is not None else None
     out = []
-    for leaf, ax in zip(jax.tree.leaves(params), leaf_axes(params)):
+    for i, (leaf, ax) in enumerate(zip(jax.tree.leaves(params), leaf_axes(params))):
         shape = tuple(int(d) for d in np.shape(leaf))
-        out.append(ParamLeaf(shape=shape, axes=ax, stacked=is_stacked(ax), itemsize=np.dtype(leaf.dtype).itemsize))
+        st = is_stacked(ax) if stacked is None else i in stacked
+        parts = frozenset() if usage is None or st else frozenset(
+            name for name, used in (("pre", usage.pre), ("post", usage.post)) if i in used)
+        out.append(ParamLeaf(shape=shape, axes=ax, stacked=st, itemsize=np.dtype(leaf.dtype).itemsize, parts=parts))
     return tuple(out)
 
 

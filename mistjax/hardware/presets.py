@@ -66,6 +66,9 @@ class DeviceSpec:
     memory_efficiency: float  # fraction of hbm_bandwidth streaming kernels reach
     usable_memory_fraction: float = 0.88  # Mist's capacity factor (room for runtime, fragmentation)
     source: str = ""  # where the numbers come from
+    # Host seconds to dispatch one jitted program or device_put (the MPMD pipeline issues many per step);
+    # default: the floor scripts/bench_mpmd.py measured for JAX 0.10.2 on the 2-core dev VM (0.15 ms).
+    dispatch_seconds: float = 1.5e-4
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -76,6 +79,7 @@ class DeviceSpec:
             _check_num("device", f, getattr(self, f))
         for f in ("matmul_efficiency", "memory_efficiency", "usable_memory_fraction"):
             _check_num("device", f, getattr(self, f), at_most_one=True)
+        _check_num("device", "dispatch_seconds", self.dispatch_seconds, positive=False)
         for f in ("host_to_device", "device_to_host"):
             if not isinstance(getattr(self, f), LinkModel):
                 raise ValueError(f"device.{f}: expected a LinkModel")
@@ -348,7 +352,7 @@ def _pow2_upto(n: int) -> list[int]:
 def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
     """A `DeviceSpec` from its document; fields named in ``split_across_devices`` are divided among the devices."""
     _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
-            frozenset({"source", "usable_memory_fraction", "split_across_devices"}))
+            frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds"}))
     split = doc.get("split_across_devices", [])
     if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
         raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "

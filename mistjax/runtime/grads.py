@@ -226,7 +226,7 @@ def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec],
         num_layers=st.num_layers, remat_layers=stage.remat_layers, policy=stage.remat_policy,
         gather=[None if i is None else make_fetch(specs[i], True) for i in st.xs_leaf],
         carry_constraint=_sp_constraint(plan.tp), offload_layers=stage.offloaded_layers,
-        offload_names=checkpoint_names(st.body))
+        offload_names=checkpoint_names(st.body), refetch_plain=True)
 
 
 MicrobatchGrad = Callable[[list[jax.Array], list[jax.Array]], tuple[jax.Array, Any, list[jax.Array]]]

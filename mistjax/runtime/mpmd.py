@@ -7,7 +7,7 @@ and backward per micro-batch (fused on the last stage), ``finish`` (the stage's 
 the update rounds the step splits into (`mpmd_update`). Nothing is compiled for the largest stage:
 every stage allocates only what its own programs need.
 
-The host drives one step as a single sequence of operations (`mpmd_schedule.issue_order`): each
+The host drives one step as a single sequence of operations (`core.pipeline_order.issue_order`): each
 device group runs its queue in that order, and JAX's asynchronous dispatch lets the groups overlap.
 Activations and cotangents move between stages with ``jax.device_put`` to the receiver's sharding
 (the sender's program already produced that layout); accumulators and optimizer state are donated,
@@ -34,10 +34,10 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import leaf_axes
 from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts, select_offload
+from mistjax.core.pipeline_order import Op, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.runtime.grads import regather_updated_params
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, build_plan_mesh
-from mistjax.runtime.mpmd_schedule import Op, issue_order
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
 from mistjax.runtime.mpmd_update import (

@@ -9,7 +9,7 @@ from mistjax.tune.space import SearchSpace
 __all__ = ["ABLATION_STEPS", "BASELINES", "ablation_spaces", "baseline_spaces"]
 
 BASELINES: tuple[str, ...] = ("megatron", "zero3-fsdp", "mics", "mist")
-ABLATION_STEPS: tuple[str, ...] = ("3d", "+zero23", "+ckpt", "+offload", "+imbalance", "+mics+policies", "+eager")
+ABLATION_STEPS: tuple[str, ...] = ("3d", "+zero23", "+ckpt", "+offload", "+imbalance", "+mics+policies")
 
 _NO_OFFLOAD = {"weight_offload": (0.0,), "grad_offload": (0.0,), "opt_offload": (0.0,), "act_offload": (0.0,)}
 
@@ -34,6 +34,5 @@ def ablation_spaces() -> dict[str, SearchSpace]:
     offload = {k: getattr(SearchSpace(), k) for k in _NO_OFFLOAD}
     steps.append(steps[-1].replace(name="+offload", **offload))
     steps.append(steps[-1].replace(name="+imbalance", pareto_k=SearchSpace().pareto_k))
-    steps.append(SearchSpace.full().replace(name="+mics+policies", schedules=("1f1b",)))
-    steps.append(SearchSpace.full().replace(name="+eager"))
+    steps.append(SearchSpace.full().replace(name="+mics+policies"))
     return {s.name: s for s in steps}

@@ -192,63 +192,71 @@ def key_bound(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space
     return float(lb.min())
 
 
+def _price_children(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, base: np.ndarray,
+                    top: np.ndarray, ok0: np.ndarray, bound: np.ndarray | None, best_obj: float, deadline: float
+                    ) -> None:
+    """Price the offloaded strategies of (remat option, family) pairs where they can matter.
+
+    An offload never makes a strategy faster, so a family's offloaded strategies are priced only for
+    remat options whose zero-offload strategy does not fit somewhere (some stage slot and layer count)
+    while the family's most-offloaded one does. With one stage, ``bound[r, f]`` (the zero-offload
+    objective) orders the pairs, and a pair is skipped once a feasible plan priced so far is better.
+    """
+    grid, G = tables.grid, tables.key.grad_accum
+    children = {f: np.setdiff1d(np.flatnonzero(grid.family == f), [base[f]]) for f in range(len(base))}
+    if not sum(c.size for c in children.values()):
+        return
+    R, F = ok0.shape[2], len(base)
+    rr, ff = np.meshgrid(np.arange(R), np.arange(F), indexing="ij")
+    _, _, okt = price_pairs(workload, cluster, cost, tables, rr.ravel(), top[ff.ravel()])
+    okt = okt.reshape(okt.shape[0], okt.shape[1], R, F)
+    cand = (~ok0 & okt).any(axis=(0, 1))  # [R, F]
+    lb = np.zeros((R, F)) if bound is None else bound
+    order = np.argsort(np.where(cand, lb, np.inf), axis=None, kind="stable")[:int(cand.sum())]
+    for lo in range(0, order.size, _PAIR_CHUNK):
+        if time.perf_counter() >= deadline:
+            return
+        pairs = [(int(r), int(f)) for r, f in zip(*np.unravel_index(order[lo:lo + _PAIR_CHUNK], (R, F)))
+                 if lb[r, f] < best_obj]
+        if not pairs:
+            return
+        r = np.concatenate([np.full(children[f].size, r) for r, f in pairs])
+        x = np.concatenate([children[f] for _, f in pairs])
+        s, d, ok = price_pairs(workload, cluster, cost, tables, r, x)
+        tables.store(r, x, s, d, ok)
+        if tables.key.stages == 1:
+            best_obj = min(best_obj, float(np.min(np.where(ok[0, 0], G * s[0, 0] + d[0, 0], np.inf))))
+
+
 def tune_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
              best_cost: float | None, deadline: float, prune: bool = True, memo: ScheduleMemo | None = None
              ) -> tuple[StageTables, KeyChoice | None]:
     """Price and solve one outer key; the choice is None unless it beats ``best_cost``.
 
+    Every stage of a pipeline chooses its own strategy (ZeRO level, offload ratios, remat): the MPMD
+    executor runs per-stage plans, and the inter-stage MILP picks one Pareto point per stage (Mist's
+    imbalance-aware tuning). Only the MiCS group is shared (the plan holds one).
+
     Args:
-        prune: price offloaded strategies only where bounds from the zero-offload ones allow a
-            better plan (exact when time never falls and feasibility never shrinks as offload
-            ratios grow); False prices everything, as Mist does.
+        prune: price offloaded strategies only where the zero-offload ones do not fit (exact when time
+            never falls and feasibility never shrinks as offload ratios grow); False prices everything,
+            as Mist does.
         memo: prices shared with the key's siblings of other pipeline schedules (`intra.ScheduleMemo`).
     """
     L = int(workload.num_layers)
     tables = prepare_key(workload, cluster, cost, key, space, memo)
     grid, G, S = tables.grid, key.grad_accum, key.stages
-    shared = space.executable
-    if not prune or not shared:
+    if not prune:
         price(workload, cluster, cost, tables, np.arange(len(grid)))
-        return tables, solve_key(tables, space.pareto_k, shared, best_cost, deadline, L)
+        return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
     base, top = _base_strategies(grid)
     s0, d0, ok0 = price(workload, cluster, cost, tables, base)  # [S, J, R, F]
     best_obj = np.inf if best_cost is None else best_cost
     if S == 1:
         f0 = G * s0[0, 0] + d0[0, 0]  # [R, F]: a bound for every offloaded child of (r, family)
         best_obj = min(best_obj, float(np.min(np.where(ok0[0, 0], f0, np.inf))))
-        children = {f: np.setdiff1d(np.flatnonzero(grid.family == f), [base[f]]) for f in range(len(base))}
-        if sum(c.size for c in children.values()):
-            R = f0.shape[0]
-            rr, ff = np.meshgrid(np.arange(R), np.arange(len(base)), indexing="ij")
-            _, _, okt = price_pairs(workload, cluster, cost, tables, rr.ravel(), top[ff.ravel()])
-            cand = ~ok0[0, 0] & okt[0, 0].reshape(R, -1) & (f0 < best_obj)
-            order = np.argsort(np.where(cand, f0, np.inf), axis=None, kind="stable")[:int(cand.sum())]
-            for lo in range(0, order.size, _PAIR_CHUNK):
-                pairs = [(int(r), int(f)) for r, f in zip(*np.unravel_index(order[lo:lo + _PAIR_CHUNK], f0.shape))
-                         if f0[r, f] < best_obj]
-                if not pairs:
-                    break
-                r = np.concatenate([np.full(children[f].size, r) for r, f in pairs])
-                x = np.concatenate([children[f] for _, f in pairs])
-                s, d, ok = price_pairs(workload, cluster, cost, tables, r, x)
-                tables.store(r, x, s, d, ok)
-                best_obj = min(best_obj, float(np.min(np.where(ok[0, 0], G * s[0, 0] + d[0, 0], np.inf))))
+        _price_children(workload, cluster, cost, tables, base, top, ok0, f0, best_obj, deadline)
         choice = _single_stage(tables)
         return tables, choice if choice is not None and (best_cost is None or choice.objective < best_cost) else None
-    # Several stages: families in the order of their bound; price a family's offloaded strategies
-    # and solve its MILPs only while the bound can beat the best plan.
-    fam_lb = lower_bounds(np.moveaxis(s0, 3, 0), np.moveaxis(d0, 3, 0), G, tables.layer_options, L)
-    best: KeyChoice | None = None
-    milps, optimal = 0, True
-    for f in np.argsort(fam_lb, kind="stable"):
-        cut = best.objective if best is not None else best_cost
-        if not np.isfinite(fam_lb[f]) or (cut is not None and fam_lb[f] >= cut) or time.perf_counter() >= deadline:
-            optimal &= time.perf_counter() < deadline or not np.isfinite(fam_lb[f])
-            break
-        xs = np.flatnonzero(grid.family == f)
-        rest = np.setdiff1d(xs, [base[f]])
-        if rest.size:
-            price(workload, cluster, cost, tables, rest)
-        best, n, ok = _solve_groups(tables, space.pareto_k, True, best, best_cost, deadline, L, xs)
-        milps, optimal = milps + n, optimal and ok
-    return tables, None if best is None else _with_stats(best, optimal, milps)
+    _price_children(workload, cluster, cost, tables, base, top, ok0, None, best_obj, deadline)
+    return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from mistjax.core.pipeline_time import lockstep_microbatch_time
 from mistjax.core.schedules import inflight_microbatches
 from mistjax.core.strategies import CostModel, StageStrategies
 from mistjax.tune.pareto import sample_pareto
@@ -118,12 +117,9 @@ def price_pairs(workload: Any, cluster: Any, cost: CostModel, tables: StageTable
     count = tables.remat.count[r].reshape(1, 1, -1)
     c = np.where(count < 0, layers, count)
     valid = c <= layers
-    # The pipelined runtime is one SPMD program: every stage's activation pool has the size of the
-    # largest one, which is the first stage's (min(S, G) micro-batches in flight under 1F1B,
-    # min(2S - 1, G) under 1F1B-eager). Pricing every stage with that many keeps the per-stage memory
-    # check honest (see cost.predict). One leading axis per schedule.
-    inflight = np.array([key_inflight(dataclasses.replace(key, schedule=n)) for n in schedules]
-                        ).reshape(-1, 1, 1, 1)
+    # Each stage holds its own micro-batches in flight under each schedule (the MPMD executor). One
+    # leading axis per schedule.
+    inflight = np.stack([inflight_microbatches(slot, S, G, n) for n in schedules]).reshape(-1, slot.shape[0], 1, 1)
     shape = (len(schedules), slot.shape[0], layers.shape[1], len(r))
     stable, delta = np.empty(shape), np.empty(shape)
     feasible = np.empty(shape, dtype=bool)
@@ -144,17 +140,7 @@ def price_pairs(workload: Any, cluster: Any, cost: CostModel, tables: StageTable
             per_node=np.asarray(key.per_node))
         out = cost.stage_cost(workload, cluster, st)
         sub = (shape[0], shape[1], shape[2], xs.size)
-        for i, name in enumerate(schedules):
-            steady = np.broadcast_to(out.stable, sub)[i]
-            if S > 1:
-                # The SPMD pipeline runs in lock-step: in classic 1F1B's steady state a micro-batch takes
-                # a forward tick and a backward tick on every stage, each as long as the slowest stage's,
-                # so a stage costs 2 max(fwd, bwd) per micro-batch rather than fwd + bwd (1F1B-eager:
-                # fwd + bwd; `core.pipeline_time.lockstep_time` is what `cost.predict` charges). Pricing it
-                # so keeps the MILP's ranking that of the prediction.
-                steady = lockstep_microbatch_time(np.broadcast_to(out.fwd, sub)[i], np.broadcast_to(out.bwd, sub)[i],
-                                                  name)
-            stable[i, ..., sl] = steady
+        stable[..., sl] = np.broadcast_to(out.stable, sub)
         delta[..., sl] = np.broadcast_to(out.delta, sub)
         ok = np.broadcast_to(np.asarray(out.feasible, bool) & valid[..., sl], sub)
         feasible[..., sl] = ok & np.isfinite(stable[..., sl]) & np.isfinite(delta[..., sl])

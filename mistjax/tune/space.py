@@ -68,18 +68,13 @@ class SearchSpace:
             ``none``; ``("full",)`` is Mist's full-layer recompute).
         weight_offload / grad_offload / opt_offload / act_offload: offload ratios; ``(0.0,)`` turns a
             dimension off.
-        weight_needs_grad_offload: Mist's rule dropping (wo > 0, go = 0) pairs; not applied where
-            gradient offload is unavailable (pipelines), so weights can still be offloaded there.
+        weight_needs_grad_offload: Mist's rule dropping (wo > 0, go = 0) pairs.
         uniform_layers: every stage gets L/S layers (Megatron; S must divide L).
         layer_window: per-stage layer counts searched around round(L/S) (Mist: 2).
         pareto_k: Pareto points sampled per stage key for the MILP (Mist: 30; 1 = imbalance-unaware).
-        schedules: pipeline schedules tried for S > 1. The lock-step executor pays classic 1F1B's
-            ``max(F, B)`` ticks; ``1f1b-eager`` runs at GPipe's speed but keeps up to ``2 (S - s) - 1``
-            micro-batches in flight (`mistjax.core.schedules`). Megatron and Mist use ``("1f1b",)``.
-        executable: only plans the runtime can run: pipelined plans share ZeRO and state-offload
-            settings over stages and do not offload gradient accumulators (`check_pipelined_plan`); the
-            search leaves activation offload out of pipelines (the runtime runs it, per stage).
-            False gives Mist's per-stage freedom, for analysis only.
+        schedules: pipeline schedules tried for S > 1. On the asynchronous MPMD executor classic 1F1B
+            runs at the ideal pace and bounds the micro-batches in flight, so it is the default; GPipe and
+            ``1f1b-eager`` run as fast and keep more (`mistjax.core.schedules`).
     """
 
     name: str = "mistjax"
@@ -101,8 +96,7 @@ class SearchSpace:
     uniform_layers: bool = False
     layer_window: int = 2
     pareto_k: int = 30
-    executable: bool = True
-    schedules: tuple[str, ...] = ("1f1b", "1f1b-eager")
+    schedules: tuple[str, ...] = ("1f1b",)
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
@@ -257,21 +251,17 @@ class StrategyGrid:
 
 
 def strategy_grid(space: SearchSpace, dp: int, tp: int, per_node: int, pipelined: bool) -> StrategyGrid:
-    """The ZeRO x MiCS x offload grid of one stage (``pipelined``: the runtime's pipeline limits)."""
-    restrict = pipelined and space.executable
+    """The ZeRO x MiCS x offload grid of one stage (every stage of a pipeline chooses its own)."""
     zero_groups = []
     for z in sorted(set(space.zero_levels)) if dp > 1 else [1]:
         for p in shard_groups(dp, tp, per_node, space.mics) if z > 0 and dp > 1 else [dp]:
             zero_groups.append((z, p))
-    go_vals = (0.0,) if restrict else tuple(sorted(set(space.grad_offload)))
-    # Activation offload in pipelines runs (per stage, `check_pipelined_plan`) but is not searched: it
-    # multiplies the pipelined strategies by the offload ratios and the pruning bounds barely cut them
-    # (measured: Llama-22B on 32 L4s no longer finished within 120 s).
-    ao_vals = (0.0,) if restrict else tuple(sorted(set(space.act_offload)))
+    go_vals = tuple(sorted(set(space.grad_offload)))
+    ao_vals = tuple(sorted(set(space.act_offload)))
     wo_vals = tuple(sorted(set(space.weight_offload)))
     oo_vals = tuple(sorted(set(space.opt_offload)))
     wo, go = (a.ravel() for a in np.meshgrid(wo_vals, go_vals, indexing="ij"))
-    if space.weight_needs_grad_offload and not restrict:
+    if space.weight_needs_grad_offload:
         keep = ~((wo > 0) & (go == 0))
         wo, go = wo[keep], go[keep]
     zg = np.asarray(zero_groups, dtype=np.int64)

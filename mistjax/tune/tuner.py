@@ -230,7 +230,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
         if choice is not None and (best is None or choice.objective < best[1].objective):
             best = (tables, choice)
             found.append((choice.objective, build_plan(tables, choice).replace(grad_dtype=workload.grad_dtype),
-                          _pareto_data(tables, choice, space.pareto_k, space.executable)))
+                          _pareto_data(tables, choice, space.pareto_k, False)))
     seconds = time.perf_counter() - t0
     if timed_out:
         warnings.warn(f"tuning space {space.name!r} hit its time limit ({time_limit:g} s) after {done} of "

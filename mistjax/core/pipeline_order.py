@@ -1,53 +1,26 @@
-"""Host-side pipeline schedules for the MPMD executor: per-device op orders and one issue order.
+"""Pipeline operation orders: what each device group runs, in which order, and one host issue order.
 
-The MPMD executor (`mistjax.runtime.mpmd`) runs one program per (stage, phase) on each stage's own
-devices and relies on JAX's asynchronous dispatch: the host issues every operation of a step in one
-sequence, and each device group executes its own operations in that sequence's order. So the issue
-order must (a) list each device group's operations in the order the schedule gives that group, and
-(b) put an operation after the operations it reads from; then no device waits for anything but real
-data. Issuing stage by stage satisfies (b) but serialises the pipeline (stage 1's first forward would
-sit behind all of stage 0's work in the host's queue). `list_schedule` merges the per-group orders by
-simulating the pipeline with nominal op costs and issuing operations in order of simulated start time
-(a list scheduler): a topological order of the dependency graph that mirrors how the devices run.
-
-Operations (`Op`): ``F(k, i)`` forward of micro-batch ``i`` on virtual stage ``k`` (input activation ->
-output activation + saved residuals), ``B(k, i)`` its backward (output cotangent -> input cotangent,
-weight gradients added into the stage's accumulator), and ``FB(K-1, i)`` on the last virtual stage,
-which runs forward, loss and backward of a micro-batch in one program (its backward needs nothing but
-its own forward, so it never keeps residuals or the head's logits).
-
-Schedules (`device_orders`):
-
-* ``gpipe``: every forward, then every backward.
-* ``1f1b`` with one chunk per device group: classic 1F1B (PipeDream-flush): group ``s`` runs
-  ``min(S - s - 1, G)`` warm-up forwards, then one forward / one backward, then cools down; at most
-  ``min(S - s, G)`` micro-batches in flight.
-* ``1f1b`` with ``v > 1`` chunks per device group: Megatron-LM's interleaved 1F1B. Virtual stage ``k``
-  lives on group ``k % S``; warm-up ``2 (S - s - 1) + (v - 1) S`` forwards; micro-batches advance in
-  groups of ``S`` per chunk (so ``G`` must be a multiple of ``S``).
-* ``1f1b-eager``: each group's order from the eager table of `mistjax.core.schedules` (forward
-  ``i`` at tick ``i + s``, backward at ``i + 2S - 2 - s``); up to ``2 (S - s) - 1`` in flight.
-
-Nothing here waits on a tick: the only edges are data dependencies and each group's own order
-(`dependency_depth` measures the longest chains; classic 1F1B has ``G + S - 1`` forward and ``G + S - 1``
-backward operations on its longest chains, where a lock-step executor adds a barrier every tick).
+The MPMD executor (`mistjax.runtime.mpmd`) issues every operation of a step in one sequence and each
+device group runs its own operations in that order; `list_schedule` merges the per-group orders by
+simulated start time, so no device waits for anything but data. `simulated_time` replays an issue
+order with per-stage costs (what the cost model prices). Operations: ``F(k, i)`` / ``B(k, i)`` forward /
+backward of micro-batch ``i`` on virtual stage ``k``; ``FB`` on the last virtual stage runs both in one
+program. The schedules and the reasoning: docs/pipelines.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-MPMD_SCHEDULES = ("1f1b", "gpipe", "1f1b-eager")
+from mistjax.core.schedules import SCHEDULE_NAMES as MPMD_SCHEDULES
+from mistjax.core.schedules import ScheduleError
+
 # Nominal costs of the list scheduler's simulation (backward = 2 x forward, as without remat); only
 # the order of simulated start times matters, so any positive costs give a valid issue order.
 NOMINAL_COST = {"F": 1.0, "B": 2.0, "FB": 3.0}
-
-
-class ScheduleError(ValueError):
-    """A schedule cannot run: unknown name, bad sizes, or an order that deadlocks."""
 
 
 class Op(NamedTuple):
@@ -235,18 +208,27 @@ def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: i
     return list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks))
 
 
-def simulated_time(issue: Sequence[Op], num_groups: int, cost: dict[str, float] | None = None) -> float:
-    """Makespan of the issue order when every group runs its queue as soon as data arrives."""
+def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None
+                       ) -> np.ndarray:
+    """When each device group finishes its last operation, every group running its queue as soon as
+    data arrives. ``cost[kind]`` is a scalar or a per-virtual-stage sequence of seconds."""
     cost = cost or NOMINAL_COST
     num_virtual = 1 + max(op.stage for op in issue)
+    per_stage = {kind: np.broadcast_to(np.asarray(c, dtype=np.float64), (num_virtual,)) for kind, c in cost.items()}
     finish: dict[Op, float] = {}
     free = [0.0] * num_groups
     for op in issue:
         g = op.stage % num_groups
         start = max([free[g], *(finish[d] for d in dependencies(op, num_virtual))])
-        finish[op] = free[g] = start + cost[op.kind]
-    return max(finish.values())
+        finish[op] = free[g] = start + float(per_stage[op.kind][op.stage])
+    return np.asarray(free)
+
+
+def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None) -> float:
+    """Makespan of the issue order (`group_finish_times`)."""
+    return float(group_finish_times(issue, num_groups, cost).max())
 
 
 __all__ = ["MPMD_SCHEDULES", "Op", "ScheduleError", "dependencies", "dependency_depth", "device_orders",
-           "group_queues", "issue_order", "list_schedule", "residuals_in_flight", "simulated_time"]
+           "group_finish_times", "group_queues", "issue_order", "list_schedule", "residuals_in_flight",
+           "simulated_time"]
