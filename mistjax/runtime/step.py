@@ -24,6 +24,7 @@ from mistjax.core.layout import (
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
+from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles
 from mistjax.runtime.mesh import build_plan_mesh
 from mistjax.trace.split import trace_loss
 
@@ -67,11 +68,14 @@ class StepAnalysis:
     uses_mistjax_grad: bool  # the step calls mistjax.value_and_grad / grad
     params_fingerprint: str = ""  # `mistjax.plan.params_fingerprint` of the differentiated parameters
     loss: LossCall | None = None  # the differentiated loss (None for a step using plain jax.grad)
+    leaves: LeafRoles | None = None  # axes, optimizer mirrors and unrolled-layer membership per state leaf
+    unrolled: bool = False  # the layer stack is unrolled (a block repeated in the jaxpr, not a scan)
 
 
 def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
-    """Trace `train_step` abstractly and classify every state leaf."""
-    s_leaves, s_tree = jax.tree.flatten(state)
+    """Trace `train_step` abstractly and classify every state leaf (`mistjax.runtime.leaves`)."""
+    s_paths, s_leaves = zip(*jax.tree_util.tree_flatten_with_path(state)[0]) if jax.tree.leaves(state) else ((), ())
+    s_tree = jax.tree.structure(state)
     b_leaves, b_tree = jax.tree.flatten(batch)
     n = len(s_leaves)
     probe = _Probe()
@@ -86,32 +90,31 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
     abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in [*s_leaves, *b_leaves]]
     jax.make_jaxpr(flat)(*abstract)
     axes = leaf_axes(state)
-    roles = [OPT if ax is not None else OTHER for ax in axes]
-    stacked = [is_stacked(ax) for ax in axes]
-    num_layers = None
-    fingerprint = ""
-    loss = None
-    if probe.calls:
-        call = probe.calls[0]
-        fingerprint = params_fingerprint(call.args[0])
-        param_leaves = jax.tree.leaves(call.args[0])
-        where = {id(x): i for i, x in enumerate(inputs)}
-        loss = LossCall(call.fun, call.has_aux,
-                        tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args)))
-        traced = trace_loss(call.fun, *loss.args)
-        stack_leaves = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
-        num_layers = traced.stack.num_layers if traced.stack is not None else None
-        for j, leaf in enumerate(param_leaves):
-            i = where.get(id(leaf))
-            if i is not None:
-                roles[i] = PARAM
-                stacked[i] = j in stack_leaves
-    else:
+    shapes = [tuple(np.shape(x)) for x in s_leaves]
+    if not probe.calls:
         # A step using plain jax.grad: parameters are the leaves under a `params` field.
-        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
-            if path and getattr(path[0], "name", getattr(path[0], "key", None)) == "params":
-                roles[i] = PARAM
-    return StepAnalysis(tuple(roles), tuple(stacked), num_layers, bool(probe.calls), fingerprint, loss)
+        params = {i: path_tokens(p[1:]) for i, p in enumerate(s_paths)
+                  if p and getattr(p[0], "name", getattr(p[0], "key", None)) == "params"}
+        info = state_roles(s_paths, shapes, axes, params, sorted(params),
+                           stacked_params={i for i in params if is_stacked(axes[i])})
+        return StepAnalysis(info.roles, info.stacked, None, False, "", None, info)
+    call = probe.calls[0]
+    where = {id(x): i for i, x in enumerate(inputs)}
+    loss = LossCall(call.fun, call.has_aux,
+                    tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args)))
+    traced = trace_loss(call.fun, *loss.args)
+    p_paths = [path_tokens(p) for p, _ in jax.tree_util.tree_flatten_with_path(call.args[0])[0]]
+    order = [where.get(id(leaf)) for leaf in jax.tree.leaves(call.args[0])]
+    params = {i: toks for i, toks in zip(order, p_paths) if i is not None}
+    stack = traced.stack
+    stacked = set()
+    if stack is not None and traced.groups is None:
+        stacked = {order[j] for j in stack.stacked_leaves if order[j] is not None}
+    groups = traced.groups if None not in order else None
+    info = state_roles(s_paths, shapes, axes, params, [i if i is not None else -1 for i in order],
+                       stacked_params=stacked, groups=groups)
+    return StepAnalysis(info.roles, info.stacked, stack.num_layers if stack is not None else None, True,
+                        params_fingerprint(call.args[0]), loss, info, traced.groups is not None)
 
 
 class _Runtime:
@@ -162,14 +165,17 @@ class ShardedStep:
         elif self.plan.num_stages > 1:
             raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer "
                             "parameters; use a plan with one stage")
+        if self.analysis.unrolled and self.plan.num_stages > 1:
+            raise PlanError("the plan pipelines a model whose layers run as a Python loop (an unrolled stack); "
+                            "the pipeline executor needs their parameters stacked: build the layers with "
+                            "nnx.scan / nn.scan / lax.scan, or use a plan with one stage")
         needs_grad_hook = (self.plan.grad_accum > 1 or self.plan.num_stages > 1 or
                            any(s.remat_layers for s in self.plan.stages))
         if needs_grad_hook and not self.analysis.uses_mistjax_grad:
             raise PlanError("this plan accumulates micro-batches, pipelines or checkpoints layers, which "
                             "needs the step to compute gradients with mistjax.value_and_grad / mistjax.grad")
         leaves, self._state_tree = jax.tree.flatten(state)
-        self.layouts = plan_layouts(leaves, list(self.analysis.roles), list(self.analysis.stacked), self.plan,
-                                    leaf_axes(state))
+        self.layouts = state_layouts(leaves, self.analysis.leaves, self.plan)
         self._build()
 
     def _batch_shardings(self, batch: Any) -> Any:
