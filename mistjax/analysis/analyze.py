@@ -324,6 +324,8 @@ def analyze_model(
     points = [tuple(p) for p in points]
     axes = _flat_axes(params, param_axes)
     traced = [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points]
+    if traced[0].groups is not None:  # an unrolled stack: the jaxprs read virtual (stacked) leaves
+        axes = traced[0].groups.virtual_axes(axes)
     if traced[0].stack is not None:
         check_block_primitives(traced[0].stack.body)
     parts = [split_parts(t) for t in traced]

@@ -17,9 +17,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from mistjax.analysis import CompiledProfile, ModelProfile, analyze_model, compile_profile
+from mistjax.analysis import DEFAULT_POINTS, CompiledProfile, ModelProfile, analyze_model, compile_profile, token_batch
 from mistjax.core.axes import is_stacked, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
+from mistjax.trace.split import trace_loss
+from mistjax.trace.unrolled import ParamGroups
 
 # Optimizer state per parameter element: (fp32 state copies, elementwise FLOPs, transcendentals).
 # AdamW: mu and nu; the FLOP count is what XLA:CPU's cost analysis reports for optax.adamw's
@@ -85,11 +87,13 @@ class Workload:
             length ``s`` (default: int32 ``{"inputs", "targets"}`` token batches).
           profile: an already computed profile of this loss (skips the analysis).
         """
+        extra = {} if batch_fn is None else {"batch_fn": batch_fn}
         if profile is None:
-            extra = {} if batch_fn is None else {"batch_fn": batch_fn}
             profile = analyze_model(loss_fn, params, policies=policies, **extra)
         prof = profile
-        return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params),
+        b, s = DEFAULT_POINTS[0]
+        groups = trace_loss(loss_fn, params, *(batch_fn or token_batch)(b, s)).groups
+        return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params, groups=groups),
                    seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype)
 
     # ------------------------------------------------------------------------------ derived
@@ -141,12 +145,26 @@ class Workload:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def leaf_table(params: Any) -> tuple[ParamLeaf, ...]:
-    """The `ParamLeaf` of every leaf of a parameter pytree (logical axes from its partition metadata)."""
+def leaf_table(params: Any, *, axes: list[Any] | None = None, groups: ParamGroups | None = None
+               ) -> tuple[ParamLeaf, ...]:
+    """The `ParamLeaf` of every leaf of a parameter pytree, as the runtime lays them out.
+
+    Args:
+      params: the parameters.
+      axes: logical axes per leaf (default: from the partition metadata).
+      groups: the loss's unrolled layer stack: its L per-layer leaves of each place count as ONE
+        stacked leaf, as the runtime lays them out (`mistjax.runtime.leaves.state_layouts`).
+    """
+    leaves = jax.tree.leaves(params)
+    axes = leaf_axes(params) if axes is None else list(axes)
+    stacked = [is_stacked(ax) for ax in axes]
+    if groups is not None:
+        leaves, axes = groups.virtual_avals(leaves), groups.virtual_axes(axes)
+        stacked = [isinstance(v, tuple) or is_stacked(ax) for v, ax in zip(groups.virtual, axes)]
     out = []
-    for leaf, ax in zip(jax.tree.leaves(params), leaf_axes(params)):
+    for leaf, ax, st in zip(leaves, axes, stacked):
         shape = tuple(int(d) for d in np.shape(leaf))
-        out.append(ParamLeaf(shape=shape, axes=ax, stacked=is_stacked(ax), itemsize=np.dtype(leaf.dtype).itemsize))
+        out.append(ParamLeaf(shape=shape, axes=ax, stacked=st, itemsize=np.dtype(leaf.dtype).itemsize))
     return tuple(out)
 
 
