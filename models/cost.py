@@ -30,7 +30,7 @@ def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: st
     loss_fn = make_loss_fn(graphdef)
     key = (config, None if policies is None else tuple(policies))
     if key not in _PROFILES:
-        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies)
+        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies, cache=True)  # on disk too
     return Workload.from_loss(loss_fn, params, seq_len=seq_len, global_batch=global_batch, optimizer=optimizer,
                               name=config.name, policies=policies, compute_dtype=config.dtype,
                               profile=_PROFILES[key])

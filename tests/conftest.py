@@ -7,6 +7,12 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One profile cache for the whole run (shared by xdist workers, which inherit the controller's environment):
+# the same tiny models are analysed by many test files, and a hit skips the symbolic analysis.
+if "MISTJAX_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["MISTJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="mistjax-test-cache-")
 
 import jax  # noqa: E402
 

@@ -123,13 +123,18 @@ def _optimizer(state: Any, analysis: StepAnalysis) -> str:
     return by_copies.get(copies, "adamw")
 
 
-def step_workload(loss: LossCall, state: Any, analysis: StepAnalysis, batch: Any, global_batch: int) -> Workload:
-    """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer."""
+def step_workload(loss: LossCall, state: Any, analysis: StepAnalysis, batch: Any, global_batch: int,
+                  profile_cache: bool | str | Path = True, axis_rules: Any = None) -> Workload:
+    """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer.
+
+    ``profile_cache``: where analysed profiles are cached (`mistjax.analysis.cache`; True: the default).
+    """
     seq = _seq_len(batch, global_batch)
     return Workload.from_loss(loss.fun, loss.args[0], seq_len=seq, global_batch=global_batch,
                               optimizer=_optimizer(state, analysis), name=f"step-{analysis.params_fingerprint[:8]}",
                               batch_fn=_resized_batch(loss.args[1:], global_batch, seq),
-                              compute_dtype=_matmul_dtype(loss))
+                              compute_dtype=_matmul_dtype(loss), cache=profile_cache,
+                              axis_rules=axis_rules)
 
 
 def _matmul_dtype(loss: LossCall) -> str:
@@ -190,12 +195,13 @@ class AutoShardedStep:
     def __init__(self, train_step: TrainStep, mesh: Any = None, *, hardware: Any = None,
                  global_batch: int | None = None, memory_budget: float | None = None,
                  cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
-                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: CostModel | None = None) -> None:
+                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: CostModel | None = None,
+                 axis_rules: Any = None) -> None:
         self.train_step, self.user_mesh = train_step, mesh
         self.hardware, self.global_batch, self.memory_budget = hardware, global_batch, memory_budget
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.space, self.time_limit, self.workload, self.baselines = space, time_limit, workload, baselines
-        self.cost = cost
+        self.cost, self.axis_rules = cost, axis_rules
         self.result: TuneResult | None = None  # the tuner's full result (None when the plan came from the cache)
         self.cache_hit = False
         self._inner: ShardedStep | None = None
@@ -208,7 +214,10 @@ class AutoShardedStep:
             raise PlanError("autoshard without a plan tunes for the loss the step differentiates, and this step uses "
                             "no mistjax.value_and_grad / mistjax.grad: use them in place of jax's (drop-in), or pass "
                             "workload=... or plan=...")
-        return step_workload(analysis.loss, state, analysis, batch, global_batch)
+        # Profiles live next to the plans when a cache_dir is given, else in the default profile cache.
+        profiles = self.cache_dir / "profiles" if self.cache_dir is not None else True
+        return step_workload(analysis.loss, state, analysis, batch, global_batch, profile_cache=profiles,
+                             axis_rules=self.axis_rules)
 
     def _space(self, analysis: Any, global_batch: int, num_devices: int) -> SearchSpace:
         space = self.space or SearchSpace()
@@ -231,7 +240,7 @@ class AutoShardedStep:
         devices = _devices(self.user_mesh)
         B = self.global_batch or max(int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x))
         cost = self.cost or default_cost_model()
-        analysis = analyze_step(self.train_step, state, batch)
+        analysis = analyze_step(self.train_step, state, batch, self.axis_rules)
         workload = self._workload(state, batch, analysis, B)
         cluster = detect_cluster(devices, self.hardware, self.memory_budget)
         space = self._space(analysis, B, len(devices))
@@ -245,7 +254,8 @@ class AutoShardedStep:
             plan = self.result.plan.replace(fingerprints=fps)
             if path is not None:
                 _save_cached(path, plan, fps)
-        self._inner = ShardedStep(self.train_step, self.user_mesh if self.user_mesh is not None else devices, plan)
+        self._inner = ShardedStep(self.train_step, self.user_mesh if self.user_mesh is not None else devices, plan,
+                                  axis_rules=self.axis_rules)
 
     def _ready(self, state: Any, batch: Any | None, what: str) -> ShardedStep:
         if self._inner is None:

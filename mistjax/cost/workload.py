@@ -12,12 +12,14 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from mistjax.analysis import DEFAULT_POINTS, CompiledProfile, ModelProfile, analyze_model, compile_profile, token_batch
+from mistjax.analysis.tp_roles import model_tensor_axes
 from mistjax.core.axes import is_stacked, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
 from mistjax.trace.split import trace_loss
@@ -71,7 +73,8 @@ class Workload:
     @classmethod
     def from_loss(cls, loss_fn: Any, params: Any, *, seq_len: int, global_batch: int, optimizer: str = "adamw",
                   name: str = "custom", policies: tuple[str, ...] | None = None, compute_dtype: str = "float32",
-                  batch_fn: Any = None, profile: ModelProfile | None = None) -> Workload:
+                  batch_fn: Any = None, profile: ModelProfile | None = None,
+                  cache: bool | str | Path = True, axis_rules: Any = None) -> Workload:
         """Analyse ``loss_fn(params, batch)`` over token batches (`mistjax.analysis.analyze_model`).
 
         Args:
@@ -86,14 +89,21 @@ class Workload:
           batch_fn: ``(b, s) -> (batch, ...)``, the loss's other arguments at micro-batch ``b`` and sequence
             length ``s`` (default: int32 ``{"inputs", "targets"}`` token batches).
           profile: an already computed profile of this loss (skips the analysis).
+          cache: the on-disk profile cache (`mistjax.analysis.cache`): True for the default directory, a
+            path, or False.
+          axis_rules: MaxText-style logical-axis rules (`mistjax.core.axes.apply_axis_rules`). Without any
+            weight naming a tensor-split axis, the Megatron splits are inferred from the dataflow
+            (`mistjax.analysis.tp_roles`), as the runtime does.
         """
         extra = {} if batch_fn is None else {"batch_fn": batch_fn}
-        if profile is None:
-            profile = analyze_model(loss_fn, params, policies=policies, **extra)
-        prof = profile
         b, s = DEFAULT_POINTS[0]
-        groups = trace_loss(loss_fn, params, *(batch_fn or token_batch)(b, s)).groups
-        return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params, groups=groups),
+        traced = trace_loss(loss_fn, params, *(batch_fn or token_batch)(b, s))
+        axes = model_tensor_axes(traced, params, axis_rules)
+        if profile is None:
+            profile = analyze_model(loss_fn, params, policies=policies, cache=cache, param_axes=axes, **extra)
+        prof = profile
+        return cls(name=name, profile=prof, compiled=compile_profile(prof),
+                   leaves=leaf_table(params, axes=axes, groups=traced.groups),
                    seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype)
 
     # ------------------------------------------------------------------------------ derived

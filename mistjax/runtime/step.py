@@ -11,7 +11,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.axes import is_stacked, leaf_axes
+from mistjax.analysis.tp_roles import model_tensor_axes
+from mistjax.core.axes import apply_axis_rules, is_stacked, leaf_axes
 from mistjax.core.layout import (
     DP_AXES,
     OPT,
@@ -72,8 +73,12 @@ class StepAnalysis:
     unrolled: bool = False  # the layer stack is unrolled (a block repeated in the jaxpr, not a scan)
 
 
-def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
-    """Trace `train_step` abstractly and classify every state leaf (`mistjax.runtime.leaves`)."""
+def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any = None) -> StepAnalysis:
+    """Trace `train_step` abstractly and classify every state leaf (`mistjax.runtime.leaves`).
+
+    ``axis_rules``: MaxText-style logical-axis rules (`mistjax.core.axes.apply_axis_rules`); without any
+    weight naming a tensor-split axis, Megatron's splits are inferred (`mistjax.analysis.tp_roles`).
+    """
     s_paths, s_leaves = zip(*jax.tree_util.tree_flatten_with_path(state)[0]) if jax.tree.leaves(state) else ((), ())
     s_tree = jax.tree.structure(state)
     b_leaves, b_tree = jax.tree.flatten(batch)
@@ -111,8 +116,10 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
     if stack is not None and traced.groups is None:
         stacked = {order[j] for j in stack.stacked_leaves if order[j] is not None}
     groups = traced.groups if None not in order else None
-    info = state_roles(s_paths, shapes, axes, params, [i if i is not None else -1 for i in order],
-                       stacked_params=stacked, groups=groups)
+    p_axes = model_tensor_axes(traced, loss.args[0], axis_rules)
+    info = state_roles(s_paths, shapes, apply_axis_rules(axes, axis_rules), params,
+                       [i if i is not None else -1 for i in order], stacked_params=stacked, groups=groups,
+                       param_axes={i: ax for i, ax in zip(order, p_axes) if i is not None})
     return StepAnalysis(info.roles, info.stacked, stack.num_layers if stack is not None else None, True,
                         params_fingerprint(call.args[0]), loss, info, traced.groups is not None)
 
@@ -146,9 +153,10 @@ class _Runtime:
 class ShardedStep:
     """A train step bound to a plan and a mesh (see `mistjax.autoshard`)."""
 
-    def __init__(self, train_step: TrainStep, mesh: Mesh | Any, plan: Plan) -> None:
+    def __init__(self, train_step: TrainStep, mesh: Mesh | Any, plan: Plan, axis_rules: Any = None) -> None:
         self.train_step = train_step
         self.plan = plan
+        self.axis_rules = axis_rules
         self.mesh = build_plan_mesh(mesh, plan)
         self.layouts: list[LeafLayout] | None = None
         self.analysis: StepAnalysis | None = None
@@ -157,7 +165,7 @@ class ShardedStep:
 
     # ---------------------------------------------------------------- setup
     def _setup(self, state: Any, batch: Any) -> None:
-        self.analysis = analyze_step(self.train_step, state, batch)
+        self.analysis = analyze_step(self.train_step, state, batch, self.axis_rules)
         if self.analysis.params_fingerprint:
             self.plan.check_model(self.analysis.params_fingerprint)
         if self.analysis.num_layers is not None:
@@ -176,6 +184,12 @@ class ShardedStep:
                             "needs the step to compute gradients with mistjax.value_and_grad / mistjax.grad")
         leaves, self._state_tree = jax.tree.flatten(state)
         self.layouts = state_layouts(leaves, self.analysis.leaves, self.plan)
+        if self.plan.tp > 1 and not any(lay.tensor_dims for lay in self.layouts if lay.role == PARAM):
+            raise PlanError(
+                f"the plan has tensor parallelism tp={self.plan.tp}, but no weight of this model can be split: none "
+                "names a tensor-split logical axis (heads, kv_heads, mlp, vocab) and no Megatron column/row pair "
+                "was found in its layer; use a plan with tp=1, or name the axes (nnx.with_partitioning / "
+                "nn.with_logical_partitioning, or autoshard(..., axis_rules=[('mlp', 'tensor'), ...]))")
         self._build()
 
     def _batch_shardings(self, batch: Any) -> Any:
