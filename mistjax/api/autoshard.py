@@ -274,6 +274,23 @@ class AutoShardedStep:
         return self._inner.plan
 
     @property
+    def applied(self) -> Any:
+        """What each knob did (`mistjax.runtime.report.AppliedReport`), once placed."""
+        return self._inner.applied if self._inner is not None else None
+
+    def report(self) -> str:
+        """What each knob of the tuned plan did to this step (after the first place / call)."""
+        if self._inner is None:
+            raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
+        return self._inner.report()
+
+    def summary(self) -> str:
+        """The tuned plan's summary and what was applied."""
+        if self._inner is None:
+            raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
+        return self._inner.summary()
+
+    @property
     def mesh(self) -> Any:
         return self._inner.mesh if self._inner is not None else None
 

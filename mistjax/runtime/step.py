@@ -27,7 +27,8 @@ from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles
 from mistjax.runtime.mesh import build_plan_mesh
-from mistjax.trace.split import trace_loss
+from mistjax.runtime.report import AppliedReport, applied_report, itemsizes
+from mistjax.trace.split import checkpoint_names, trace_loss
 
 TrainStep = Callable[[Any, Any], tuple[Any, Any]]
 
@@ -71,6 +72,7 @@ class StepAnalysis:
     loss: LossCall | None = None  # the differentiated loss (None for a step using plain jax.grad)
     leaves: LeafRoles | None = None  # axes, optimizer mirrors and unrolled-layer membership per state leaf
     unrolled: bool = False  # the layer stack is unrolled (a block repeated in the jaxpr, not a scan)
+    checkpoint_tags: tuple[str, ...] = ()  # checkpoint_name tags of one layer (what activation offload moves)
 
 
 def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any = None) -> StepAnalysis:
@@ -121,7 +123,8 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any 
                        [i if i is not None else -1 for i in order], stacked_params=stacked, groups=groups,
                        param_axes={i: ax for i, ax in zip(order, p_axes) if i is not None})
     return StepAnalysis(info.roles, info.stacked, stack.num_layers if stack is not None else None, True,
-                        params_fingerprint(call.args[0]), loss, info, traced.groups is not None)
+                        params_fingerprint(call.args[0]), loss, info, traced.groups is not None,
+                        checkpoint_names(stack.body) if stack is not None else ())
 
 
 class _Runtime:
@@ -160,6 +163,7 @@ class ShardedStep:
         self.mesh = build_plan_mesh(mesh, plan)
         self.layouts: list[LeafLayout] | None = None
         self.analysis: StepAnalysis | None = None
+        self.applied: AppliedReport | None = None  # what each knob did, once the step is set up
         self._jitted: Any = None
         self._state_tree: Any = None
 
@@ -190,6 +194,10 @@ class ShardedStep:
                 "names a tensor-split logical axis (heads, kv_heads, mlp, vocab) and no Megatron column/row pair "
                 "was found in its layer; use a plan with tp=1, or name the axes (nnx.with_partitioning / "
                 "nn.with_logical_partitioning, or autoshard(..., axis_rules=[('mlp', 'tensor'), ...]))")
+        self.applied = applied_report(self.layouts, itemsizes(leaves), self.plan,
+                                      num_layers=self.analysis.num_layers,
+                                      uses_mistjax_grad=self.analysis.uses_mistjax_grad,
+                                      checkpoint_tags=self.analysis.checkpoint_tags)
         self._build()
 
     def _batch_shardings(self, batch: Any) -> Any:
@@ -248,6 +256,16 @@ class ShardedStep:
                 return jax.device_put(state, state_shardings(layouts, tree, self.mesh))
             self._ensure(state, batch)
         return jax.device_put(state, self._state_shardings)
+
+    def report(self) -> str:
+        """What each knob of the plan did to this step (after `place(state, batch)` or the first call)."""
+        if self.applied is None:
+            raise PlanError("nothing placed yet: call step.place(state, batch) or step(state, batch) first")
+        return self.applied.summary()
+
+    def summary(self) -> str:
+        """The plan's summary, followed by what was applied once the step is placed."""
+        return self.plan.summary() + ("\n" + self.applied.summary() if self.applied is not None else "")
 
     def batch_shardings(self, batch: Any) -> Any:
         """The shardings `__call__` expects for `batch` (for building global arrays per process)."""
