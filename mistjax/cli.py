@@ -162,7 +162,15 @@ def _plots(workload: Any, plan: Plan, cluster: Any, out: Path, result: Any = Non
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    import jax
+
     from mistjax.hardware.calibrate import calibrate
+
+    n = len(jax.devices())
+    if n == 1:
+        print(f"mistjax calibrate: warning: only one {jax.devices()[0].platform} device is visible, so no collective "
+              "bandwidth or interference can be measured (the profile assumes serial links); run on the node's "
+              "devices (on a CPU host: XLA_FLAGS=--xla_force_host_platform_device_count=8)", file=sys.stderr)
 
     cluster = calibrate(name=args.name, quick=args.quick)
     Path(args.out).write_text(cluster.to_json())

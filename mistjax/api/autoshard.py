@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -196,12 +198,12 @@ class AutoShardedStep:
                  global_batch: int | None = None, memory_budget: float | None = None,
                  cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
                  workload: Any = None, baselines: tuple[str, ...] | None = None, cost: CostModel | None = None,
-                 axis_rules: Any = None) -> None:
+                 axis_rules: Any = None, verbose: bool = True) -> None:
         self.train_step, self.user_mesh = train_step, mesh
         self.hardware, self.global_batch, self.memory_budget = hardware, global_batch, memory_budget
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.space, self.time_limit, self.workload, self.baselines = space, time_limit, workload, baselines
-        self.cost, self.axis_rules = cost, axis_rules
+        self.cost, self.axis_rules, self.verbose = cost, axis_rules, verbose
         self.result: TuneResult | None = None  # the tuner's full result (None when the plan came from the cache)
         self.cache_hit = False
         self._inner: ShardedStep | None = None
@@ -236,12 +238,21 @@ class AutoShardedStep:
             space = space.replace(pipeline=False, remat="none", max_grad_accum=1, micro_batches=tuple(sorted(sizes)))
         return space
 
+    def _say(self, message: str) -> None:
+        """A progress line on stderr (first call only; process 0 of a multi-process run)."""
+        if self.verbose and jax.process_index() == 0:
+            print(f"mistjax.autoshard: {message}", file=sys.stderr, flush=True)
+
     def _tune(self, state: Any, batch: Any) -> None:
+        t0 = time.perf_counter()
         devices = _devices(self.user_mesh)
         B = self.global_batch or max(int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x))
         cost = self.cost or default_cost_model()
+        self._say("no plan given: tracing the step and analysing its loss (cached on disk after the first run)")
         analysis = analyze_step(self.train_step, state, batch, self.axis_rules)
         workload = self._workload(state, batch, analysis, B)
+        self._say(f"model analysed in {time.perf_counter() - t0:.1f} s ({workload.num_layers} layers"
+                  f"{', unrolled' if analysis.unrolled else ''})")
         cluster = detect_cluster(devices, self.hardware, self.memory_budget)
         space = self._space(analysis, B, len(devices))
         fps = fingerprints(workload, cluster, getattr(analysis, "params_fingerprint", ""))
@@ -249,8 +260,14 @@ class AutoShardedStep:
         plan = _load_cached(path, fps) if path is not None and path.is_file() else None
         self.cache_hit = plan is not None
         if plan is None:
+            self._say(f"tuning a plan for {len(devices)} x {cluster.device.name} (global batch {B}, search limited "
+                      f"to {self.time_limit:g} s)")
+            t1 = time.perf_counter()
             self.result = tune(workload, cluster, space=space, time_limit=self.time_limit, baselines=self.baselines,
                                cost=cost)
+            self._say(f"tuned in {time.perf_counter() - t1:.1f} s: " + self.result.plan.summary().splitlines()[0])
+        else:
+            self._say(f"plan read from the cache {str(path)!r}")
             plan = self.result.plan.replace(fingerprints=fps)
             if path is not None:
                 _save_cached(path, plan, fps)
