@@ -6,11 +6,12 @@ Reimplements Mist (EuroSys'25) and MiCS (VLDB'22) on JAX/Flax. See README.md and
 from typing import Any
 
 from mistjax.api import autoshard, grad, value_and_grad
+from mistjax.api import nnx as nnx  # NNX idioms: mistjax.nnx.value_and_grad, mistjax.nnx.functional
 from mistjax.plan import Plan, PlanError, Prediction, StagePlan, uniform_plan
 
 __version__ = "0.1.0"
 
-__all__ = ["autoshard", "grad", "value_and_grad", "Plan", "PlanError", "Prediction", "StagePlan",
+__all__ = ["autoshard", "grad", "nnx", "value_and_grad", "Plan", "PlanError", "Prediction", "StagePlan",
            "uniform_plan", "tune", "SearchSpace", "TuneResult", "analyze", "Workload", "Cluster"]
 
 

@@ -232,3 +232,21 @@ def optax_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTrans
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
 
     return train_step
+
+
+# ---------------------------------------------------------------------------------------------- NNX idioms
+def nnx_optimizer_step(model: nnx.Module, lr: float = 1e-2) -> tuple[Callable[..., Any], Any, Any]:
+    """An NNX step as NNX users write it (nnx.Optimizer, nnx.jit), with mistjax.nnx.value_and_grad in place of
+    nnx.value_and_grad; returns ``(train_step, model, optimizer)``."""
+    optimizer = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+
+    def loss_fn(model: Any, batch: Any) -> jax.Array:
+        return xent(model(batch["inputs"]), batch["targets"])
+
+    @nnx.jit
+    def train_step(model: Any, optimizer: Any, batch: Any) -> dict[str, jax.Array]:
+        loss, grads = mistjax.nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss}
+
+    return train_step, model, optimizer

@@ -47,7 +47,10 @@ class _Probe:
         self.calls: list[_Call] = []
 
     def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
-        self.calls.append(_Call(fun, has_aux, args))
+        # A snapshot: NNX states hold Variables that the step may update in place afterwards
+        # (optimizer.update), which would swap the recorded leaves for the updated ones.
+        flat, tree = jax.tree.flatten(args)
+        self.calls.append(_Call(fun, has_aux, jax.tree.unflatten(tree, flat)))
         return jax.value_and_grad(fun, has_aux=has_aux)(*args)
 
 
