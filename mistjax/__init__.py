@@ -8,11 +8,13 @@ from typing import Any
 from mistjax.api import autoshard, grad, value_and_grad
 from mistjax.api import nnx as nnx  # NNX idioms: mistjax.nnx.value_and_grad, mistjax.nnx.functional
 from mistjax.plan import Plan, PlanError, Prediction, StagePlan, uniform_plan
+from mistjax.runtime.checks import StepError
+from mistjax.runtime.report import NoOpWarning
 
 __version__ = "0.1.0"
 
 __all__ = ["autoshard", "grad", "nnx", "value_and_grad", "Plan", "PlanError", "Prediction", "StagePlan",
-           "uniform_plan", "tune", "SearchSpace", "TuneResult", "analyze", "Workload", "Cluster"]
+           "uniform_plan", "StepError", "NoOpWarning", "tune", "SearchSpace", "TuneResult", "analyze", "Workload", "Cluster"]
 
 
 def __getattr__(name: str) -> Any:

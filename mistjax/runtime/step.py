@@ -23,6 +23,15 @@ from mistjax.core.layout import (
     state_shardings,
 )
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
+from mistjax.runtime.checks import (
+    StepError,
+    TokenRange,
+    check_output,
+    check_shapes,
+    check_tokens,
+    token_ranges,
+    trace_failure,
+)
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles
@@ -76,6 +85,7 @@ class StepAnalysis:
     leaves: LeafRoles | None = None  # axes, optimizer mirrors and unrolled-layer membership per state leaf
     unrolled: bool = False  # the layer stack is unrolled (a block repeated in the jaxpr, not a scan)
     checkpoint_tags: tuple[str, ...] = ()  # checkpoint_name tags of one layer (what activation offload moves)
+    token_ranges: tuple[TokenRange, ...] = ()  # batch leaves that index an embedding (checked per call)
 
 
 def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any = None) -> StepAnalysis:
@@ -91,14 +101,23 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any 
     probe = _Probe()
     inputs: list[Any] = []
 
+    batch_in: list[Any] = []
+
     def flat(*leaves: Any) -> Any:
         inputs.extend(leaves[:n])
+        batch_in.extend(leaves[n:])
         with use_handler(probe):
             out = train_step(jax.tree.unflatten(s_tree, leaves[:n]), jax.tree.unflatten(b_tree, leaves[n:]))
+        check_output(out, s_tree)
         return jax.tree.leaves(out)
 
     abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in [*s_leaves, *b_leaves]]
-    jax.make_jaxpr(flat)(*abstract)
+    try:
+        jax.make_jaxpr(flat)(*abstract)
+    except (StepError, PlanError):
+        raise
+    except (TypeError, ValueError, IndexError) as e:
+        raise trace_failure(e, batch) from e
     axes = leaf_axes(state)
     shapes = [tuple(np.shape(x)) for x in s_leaves]
     if not probe.calls:
@@ -125,9 +144,12 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any 
     info = state_roles(s_paths, shapes, apply_axis_rules(axes, axis_rules), params,
                        [i if i is not None else -1 for i in order], stacked_params=stacked, groups=groups,
                        param_axes={i: ax for i, ax in zip(order, p_axes) if i is not None})
+    where_b = {id(x): i for i, x in enumerate(batch_in)}
+    rest_to_batch = [where_b.get(id(x)) for x in jax.tree.leaves(call.args[1:])]
     return StepAnalysis(info.roles, info.stacked, stack.num_layers if stack is not None else None, True,
                         params_fingerprint(call.args[0]), loss, info, traced.groups is not None,
-                        checkpoint_names(stack.body) if stack is not None else ())
+                        checkpoint_names(stack.body) if stack is not None else (),
+                        tuple(token_ranges(traced, rest_to_batch, batch)))
 
 
 class _Runtime:
@@ -238,9 +260,14 @@ class ShardedStep:
         self._jitted = jax.jit(step_fn, out_shardings=(st_sh, NamedSharding(self.mesh, P())), donate_argnums=(0,))
 
     def _ensure(self, state: Any, batch: Any) -> None:
-        if self._jitted is None:
+        first = self._jitted is None
+        if first or _leading_dim(batch) != self.plan.global_batch:
             self.plan.check_batch(_leading_dim(batch))
+        if first:
             self._setup(state, batch)
+        self._batch_shapes = check_shapes(getattr(self, "_batch_shapes", None), batch)
+        if self.analysis is not None:
+            check_tokens(self.analysis.token_ranges, batch, device_arrays=first)
 
     # ---------------------------------------------------------------- public API
     def place(self, state: Any, batch: Any | None = None) -> Any:
