@@ -14,7 +14,8 @@ from mistjax.runtime.report import NoOpWarning
 __version__ = "0.1.0"
 
 __all__ = ["autoshard", "grad", "nnx", "value_and_grad", "Plan", "PlanError", "Prediction", "StagePlan",
-           "uniform_plan", "StepError", "NoOpWarning", "tune", "SearchSpace", "TuneResult", "analyze", "Workload", "Cluster"]
+           "uniform_plan", "StepError", "NoOpWarning", "tune", "SearchSpace", "TuneResult", "analyze", "Workload",
+           "Cluster"]
 
 
 def __getattr__(name: str) -> Any:

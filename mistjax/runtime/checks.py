@@ -120,9 +120,9 @@ def check_shapes(first: Sequence[tuple[int, ...]] | None, batch: Any) -> list[tu
     shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
     if first is not None and list(first) != shapes:
         warnings.warn(f"this batch has shapes {shapes}, but the plan was made (and the step compiled) for "
-                      f"{list(first)}: the step recompiles, and the plan's memory and time predictions are for the first shapes; "
-                      "re-plan for the new shapes (autoshard without plan=, or a new plan)", RuntimeWarning,
-                      stacklevel=3)
+                      f"{list(first)}: the step recompiles, and the plan's memory and time predictions are for "
+                      "the first shapes; re-plan for the new shapes (autoshard without plan=, or a new plan)",
+                      RuntimeWarning, stacklevel=3)
     return shapes
 
 
