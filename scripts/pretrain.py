@@ -12,7 +12,6 @@ Examples (with the project's venv: make .venv/.installed, then .venv/bin/python)
 See docs/pretraining.md for token files, plans, checkpoints and MFU.
 """
 
-from __future__ import annotations
 
 import os
 import sys

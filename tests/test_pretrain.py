@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +26,7 @@ def pretrain() -> ModuleType:
     spec = importlib.util.spec_from_file_location("mistjax_pretrain_script", PRETRAIN)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the importlib recipe: tyro reads the config classes' source for --help
     spec.loader.exec_module(module)
     return module
 
