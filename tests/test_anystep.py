@@ -52,10 +52,11 @@ def assert_close(losses, ref):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_autoshard_without_plan_matches_reference(name, family, zoo3p):
+def test_autoshard_without_plan_matches_reference(name, family, zoo3p, capsys):
     fam = family(name)
     step = mistjax.autoshard(zoo3p.optax_step(fam.loss_fn, TX), jax.devices(), time_limit=20)
     losses, _ = run(step, fam, zoo3p)
+    assert "mistjax.autoshard: tuning a plan for 8 x" in capsys.readouterr().err
     assert_close(losses, reference(fam, zoo3p))
     assert step.plan.prediction is not None
     assert step.plan.num_stages == 1 or not fam.unrolled
@@ -135,3 +136,57 @@ def test_unrolled_stack_is_found_in_every_loop_model(family):
 
         loss = evaluate(traced, jax.tree.leaves(fam.params), jax.tree.leaves(fam.batch))[0]
         np.testing.assert_allclose(float(loss), float(fam.loss_fn(fam.params, fam.batch)), rtol=1e-6)
+
+
+def test_nnx_optimizer_step_through_mistjax_nnx(zoo3p):
+    """A step written with nnx.Optimizer and nnx.jit, made pure by mistjax.nnx.functional, matches the
+    stateful NNX loop and runs ZeRO-3 with remat."""
+    from flax import nnx
+
+    batch = zoo3p.token_batch()
+    ts, model, opt = zoo3p.nnx_optimizer_step(zoo3p.NnxLoopLM(nnx.Rngs(0)))
+    ref = [float(ts(model, opt, batch)["loss"]) for _ in range(STEPS)]
+    ts, model, opt = zoo3p.nnx_optimizer_step(zoo3p.NnxLoopLM(nnx.Rngs(0)))
+    step, state = mistjax.nnx.functional(ts, model, opt)
+    plan = uniform_plan(2, DEVICES, micro_batch=2, shard_opt=True, shard_grads=True, shard_weights=True,
+                        remat_layers=1)
+    sharded = mistjax.autoshard(step, jax.devices(), plan=plan)
+    state = sharded.place(state, batch)
+    losses = []
+    for _ in range(STEPS):
+        state, m = sharded(state, batch)
+        losses.append(float(m["loss"]))
+    assert_close(losses, ref)
+    assert sharded.applied["shard_opt"].applied and sharded.applied["shard_weights"].applied
+    nnx.update((model, opt), state)  # the state goes back into the NNX objects
+    assert int(opt.step[...]) == STEPS
+
+
+@pytest.mark.parametrize("tx", [
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    optax.multi_transform({"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-2, momentum=0.9)},
+                          {"embed": "sgd", "layers": "adam", "head": "adam"}),
+    optax.masked(optax.adamw(1e-3), {"embed": False, "layers": True, "head": True}),
+], ids=["chain", "multi_transform", "masked"])
+def test_optimizer_state_of_any_structure_mirrors_its_parameters(tx, zoo3p):
+    from mistjax.runtime.step import analyze_step
+
+    fam = zoo3p.lax_scan()
+    state = zoo3p.optax_state(fam.params, tx)
+    a = analyze_step(zoo3p.optax_step(fam.loss_fn, tx), state, fam.batch)
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    per_param = [i for i, (p, x) in enumerate(flat) if p[0].key == "opt" and np.size(x) > 1]
+    mirrors = a.leaves.mirrors
+    assert sorted(mirrors) == per_param  # every per-parameter optimizer leaf, nothing else
+    for i, m in mirrors.items():
+        assert flat[m.param][0][0].key == "params" and flat[i][1].shape == flat[m.param][1].shape
+        assert a.roles[i] == "opt"
+
+
+def test_tp_is_offered_only_where_something_splits(zoo3p):
+    from mistjax.cost.workload import Workload
+
+    pairs, none = zoo3p.lax_scan(), zoo3p.no_pairs()
+    w = Workload.from_loss(pairs.loss_fn, pairs.params, seq_len=16, global_batch=16)
+    assert w.supports_tp(2) and not w.supports_tp(3)
+    assert not Workload.from_loss(none.loss_fn, none.params, seq_len=16, global_batch=16).supports_tp(2)

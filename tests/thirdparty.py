@@ -250,3 +250,17 @@ def nnx_optimizer_step(model: nnx.Module, lr: float = 1e-2) -> tuple[Callable[..
         return {"loss": loss}
 
     return train_step, model, optimizer
+
+
+def no_pairs() -> Family:
+    """A scanned model with no Megatron pair: each layer's single matmul feeds the residual directly."""
+    k = iter(jax.random.split(jax.random.key(1), 3))
+    params = {"embed": 0.02 * jax.random.normal(next(k), (VOCAB, HIDDEN)),
+              "layers": jax.random.normal(next(k), (LAYERS, HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)}
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), params["embed"][batch["inputs"]],
+                            params["layers"])
+        return xent(h @ params["embed"].T, batch["targets"])
+
+    return Family("no-pairs", params, loss_fn, token_batch(), unrolled=False)

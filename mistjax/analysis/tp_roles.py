@@ -48,8 +48,10 @@ def _free_dims(node: Any, side: int) -> list[int]:
 
 
 def _score(res: TPResult) -> tuple[int, int, float]:
-    """(gathers / all-to-alls, collectives, total collective bytes at the traced size)."""
+    """(gathers / all-to-alls, collectives, total collective bytes at the traced size). A layer output left
+    split counts as a gather: the hidden state between layers must be whole (`REP` targets are "leave it")."""
     bad = sum(1 for c in res.collectives if c.kind in ("all-gather", "all-to-all"))
+    bad += sum(1 for st in res.out_states if isinstance(st, Shard))
     nbytes = sum(float(c.nbytes.exact(1, 1)) * float(c.count.exact(1, 1)) for c in res.collectives)
     return bad, len(res.collectives), float(nbytes)
 
