@@ -266,11 +266,11 @@ class AutoShardedStep:
             self.result = tune(workload, cluster, space=space, time_limit=self.time_limit, baselines=self.baselines,
                                cost=cost)
             self._say(f"tuned in {time.perf_counter() - t1:.1f} s: " + self.result.plan.summary().splitlines()[0])
-        else:
-            self._say(f"plan read from the cache {str(path)!r}")
             plan = self.result.plan.replace(fingerprints=fps)
             if path is not None:
                 _save_cached(path, plan, fps)
+        else:
+            self._say(f"plan read from the cache {str(path)!r}")
         self._inner = ShardedStep(self.train_step, self.user_mesh if self.user_mesh is not None else devices, plan,
                                   axis_rules=self.axis_rules)
 

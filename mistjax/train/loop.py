@@ -270,7 +270,7 @@ def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -
             ckpt.close()
         raise
     step, state, start = setup.step, setup.state, setup.start
-    _log(setup.plan.summary())  # the plan before the first step (a tuned one too)
+    _log(step.summary())  # the plan (a tuned one too) and what each knob did, before the first step
     result = TrainResult(plan=setup.plan, start_step=start)
     meta = _run_meta(cfg, setup.plan)
     tokens = cfg.global_batch * cfg.seq_len
