@@ -85,8 +85,13 @@ def total_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
+# Explicit plans on scanned models are covered for the zoo by test_runtime.py: the default suite runs them on the
+# unrolled NNX loop (the new layer loop), every family under -m slow.
+EXPLICIT = ["nnx-loop", *[pytest.param(n, marks=pytest.mark.slow) for n in ("lax-scan", *SLOW)]]
+
+
 @pytest.mark.parametrize("knob", list(PLANS))
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EXPLICIT)
 def test_explicit_plan_applies(name, knob, family, zoo3p):
     fam = family(name)
     train_step = zoo3p.optax_step(fam.loss_fn, TX)

@@ -232,3 +232,36 @@ def test_profile_cache_reads_only_whitelisted_nodes():
         expr_from_json({"fn": "eval", "args": [{"int": "1"}]})
     with pytest.raises(CacheFormatError):
         expr_from_json({"sym": "os"})
+
+
+def test_calibrate_warns_on_a_single_device(monkeypatch, tmp_path, capsys):
+    import mistjax.hardware.calibrate as cal
+    from mistjax.cli import main
+    from mistjax.hardware.presets import ClusterSpec
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [jax.local_devices()[0]])
+    monkeypatch.setattr(cal, "calibrate", lambda **kw: ClusterSpec.preset("cpu", nodes=1, per_node=1))
+    assert main(["calibrate", "--out", str(tmp_path / "p.json")]) == 0
+    assert "only one cpu device is visible" in capsys.readouterr().err
+
+
+def test_linen_metadata_and_axis_rules(zoo3p):
+    """linen's nn.with_logical_partitioning names are read; MaxText-style rules decide what TP splits."""
+    from mistjax.core.axes import leaf_axes
+    from mistjax.runtime.step import analyze_step
+
+    fam = zoo3p.linen_scan()
+    assert ("layers", "embed", "mlp") in leaf_axes(fam.params)
+    state, step_fn = zoo3p.optax_state(fam.params, TX), zoo3p.optax_step(fam.loss_fn, TX)
+    plan = uniform_plan(2, 8, tp=2, micro_batch=4, shard_opt=False)
+
+    def split(rules):
+        a = analyze_step(step_fn, state, fam.batch, rules)
+        from mistjax.runtime.leaves import state_layouts
+
+        lays = state_layouts(jax.tree.leaves(state), a.leaves, plan)
+        return sorted(lay.shape for lay in lays if lay.role == "param" and lay.tensor_dims)
+
+    assert split(None) == [(2, 32, 64), (2, 64, 32), (64, 32)]  # mlp and vocab, by the model's names
+    assert split([("mlp", None), ("vocab", "tensor")]) == [(64, 32)]  # the rules keep mlp whole
+    assert split([("mlp", ("tensor",)), ("vocab", None)]) == [(2, 32, 64), (2, 64, 32)]
