@@ -15,7 +15,7 @@ _PROFILES: dict[tuple[ModelConfig, tuple[str, ...] | None], ModelProfile] = {}
 
 
 def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: str = "adamw",
-             policies: tuple[str, ...] | None = None) -> Workload:
+             policies: tuple[str, ...] | None = None, cache: bool = True) -> Workload:
     """Analyse ``config``'s loss abstractly (no parameters are allocated).
 
     Args:
@@ -24,13 +24,15 @@ def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: st
       global_batch: sequences per step.
       optimizer: ``adamw`` (default), ``adam``, ``sgd`` or ``momentum``.
       policies: remat policies to analyse (default: the analysis's defaults).
+      cache: use the on-disk profile cache (`mistjax.analysis.cache`); False analyses afresh, keeping the
+        analysed graphs (``profile.passes``) that the compiled-program checks of `mistjax.validate` read.
     """
     abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     loss_fn = make_loss_fn(graphdef)
     key = (config, None if policies is None else tuple(policies))
-    if key not in _PROFILES:
-        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies, cache=True)  # on disk too
+    if key not in _PROFILES or (not cache and _PROFILES[key].passes is None):
+        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies, cache=cache)  # on disk too
     return Workload.from_loss(loss_fn, params, seq_len=seq_len, global_batch=global_batch, optimizer=optimizer,
                               name=config.name, policies=policies, compute_dtype=config.dtype,
                               profile=_PROFILES[key])
