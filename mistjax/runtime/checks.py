@@ -105,8 +105,8 @@ def check_tokens(ranges: Sequence[TokenRange], batch: Any, *, device_arrays: boo
         x = leaves[r.leaf]
         if isinstance(x, jax.Array) and not device_arrays:
             continue
-        if not hasattr(x, "dtype") or not np.size(x):
-            continue
+        if not isinstance(x, np.ndarray | jax.Array) or not np.size(x):
+            continue  # shapes only (`step.lower` with ShapeDtypeStructs), or empty
         hi, lo = int(np.max(x)), int(np.min(x))
         if hi >= r.rows or lo < 0:
             bad = hi if hi >= r.rows else lo
