@@ -132,10 +132,10 @@ def knob_field(knob: str) -> str:
 def test_unrolled_stack_is_found_in_every_loop_model(family):
     from mistjax.trace.split import trace_loss
 
-    for name in ("nnx-loop",):
+    for name, layers in (("nnx-loop", 2), ("linen-loop", 3)):  # nnx.List [0], [1]; linen Block_0 .. Block_2
         fam = family(name)
         traced = trace_loss(fam.loss_fn, fam.params, fam.batch)
-        assert traced.groups is not None and traced.stack.num_layers == 2
+        assert traced.groups is not None and traced.stack.num_layers == layers
         # The virtual jaxpr computes the same loss as the model's own unrolled loop.
         from mistjax.trace.split import evaluate
 

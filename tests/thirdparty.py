@@ -264,3 +264,35 @@ def no_pairs() -> Family:
         return xent(h @ params["embed"].T, batch["targets"])
 
     return Family("no-pairs", params, loss_fn, token_batch(), unrolled=False)
+
+
+class LinenLoopLM(nn.Module):
+    """linen layers created in a Python loop: linen names them LinenLoopBlock_0 .. LinenLoopBlock_{L-1}."""
+
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        emb = nn.Embed(VOCAB, HIDDEN)
+        h = emb(ids)
+        for _ in range(LAYERS + 1):
+            h = LinenLoopBlock()(h)
+        return emb.attend(nn.LayerNorm(use_bias=False)(h))
+
+
+class LinenLoopBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        x = nn.Dense(FFN, use_bias=False)(nn.LayerNorm(use_bias=False)(h))
+        return h + nn.Dense(HIDDEN, use_bias=False)(jax.nn.gelu(x))
+
+
+def linen_loop() -> Family:
+    model = LinenLoopLM()
+    params = model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        return xent(model.apply({"params": params}, batch["inputs"]), batch["targets"])
+
+    return Family("linen-loop", params, loss_fn, token_batch(), unrolled=True)
+
+
+FAMILIES["linen-loop"] = linen_loop

@@ -226,7 +226,6 @@ class _Run:
     consts: tuple[Any, ...]  # outside vars every layer reads
     carry_init: tuple[Any, ...]  # per carry slot: the outside var layer 0 reads
     carry_slots: tuple[tuple[int, int], ...]  # per slot: (eqn offset, output index) producing it
-    places: tuple[int, ...]  # per x operand: number of group places (identity mapping)
 
 
 def _const_aliases(closed: jex.ClosedJaxpr) -> dict[Any, Any]:
@@ -250,7 +249,6 @@ def _prove(jaxpr: Any, groups: list[list[int]], start: int, period: int,
     """Check that ``groups`` run as L repeats of ``period`` equations from ``start``; the run or None."""
     L, eqns = len(groups), jaxpr.eqns
     aliases = aliases or {}
-    n_param = len(jaxpr.invars)
     invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
     place = {}
     for layer, g in enumerate(groups):
@@ -308,7 +306,7 @@ def _prove(jaxpr: Any, groups: list[list[int]], start: int, period: int,
             else:
                 return None
     # The rest of the program may read only the last layer's carry (and nothing of earlier layers).
-    slots = {v: s for v, s in producer.items()}
+    slots = producer
     for e in [*range(start), *range(end, len(eqns))]:
         for v in eqns[e].invars:
             if isinstance(v, jex.Var) and v in slots:
@@ -324,11 +322,10 @@ def _prove(jaxpr: Any, groups: list[list[int]], start: int, period: int,
     for e in [*range(start), *range(end, len(eqns))]:
         if any(isinstance(v, jex.Var) and invar_index.get(v) in place for v in eqns[e].invars):
             return None
-    del n_param
     order = sorted(carry_of_slot, key=carry_of_slot.get)
     return _Run(start=start, period=period, num_layers=L, sources=tuple(tuple(s) for s in sources),
                 consts=tuple(sorted(consts, key=consts.get)), carry_init=tuple(carry_init),
-                carry_slots=tuple(order), places=(len(groups[0]),))
+                carry_slots=tuple(order))
 
 
 def _find_run(closed: jex.ClosedJaxpr, groups: list[list[int]]) -> _Run | None:
@@ -358,10 +355,10 @@ def _find_run(closed: jex.ClosedJaxpr, groups: list[list[int]]) -> _Run | None:
     best: _Run | None = None
     for delta in range(period):
         start = f[0] - delta
-        if start < 0 or start + L * period > len(sigs):
+        if start < 0:
             break
-        if g_last[-1] >= start + L * period:
-            continue
+        if start + L * period > len(sigs) or g_last[-1] >= start + L * period:
+            continue  # the last layer would run past the program: cut earlier
         if any(sigs[start + layer * period + j] != sigs[start + j] for layer in range(1, L) for j in range(period)):
             continue
         run = _prove(jaxpr, groups, start, period, aliases)
@@ -376,8 +373,7 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if isinstance(v, jex.Literal) else env[v]
 
 
-def _virtual_fun(closed: jex.ClosedJaxpr, run: _Run, groups: list[list[int]], pg: ParamGroups,
-                 bind: Any) -> Any:
+def _virtual_fun(closed: jex.ClosedJaxpr, run: _Run, pg: ParamGroups, bind: Any) -> Any:
     """``f(*virtual_leaves, *rest_leaves)`` evaluating ``closed`` with its run as one ``lax.scan``."""
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
@@ -452,7 +448,7 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
         it = iter(by_place)
         virtual = [next(it) if isinstance(v, tuple) else v for v in virtual]
         pg = ParamGroups(num_real=num_param_leaves, virtual=tuple(virtual))
-        fun = _virtual_fun(closed, run, groups, pg, bind)
+        fun = _virtual_fun(closed, run, pg, bind)
         rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars[num_param_leaves:]]
         real = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
         return jax.make_jaxpr(fun)(*pg.virtual_avals(real), *rest), pg
