@@ -265,3 +265,11 @@ def test_linen_metadata_and_axis_rules(zoo3p):
     assert split(None) == [(2, 32, 64), (2, 64, 32), (64, 32)]  # mlp and vocab, by the model's names
     assert split([("mlp", None), ("vocab", "tensor")]) == [(64, 32)]  # the rules keep mlp whole
     assert split([("mlp", ("tensor",)), ("vocab", None)]) == [(2, 32, 64), (2, 64, 32)]
+
+
+def test_pipelining_an_unrolled_model_is_refused(zoo3p):
+    fam = zoo3p.nnx_loop()
+    state, step_fn = zoo3p.optax_state(fam.params, TX), zoo3p.optax_step(fam.loss_fn, TX)
+    plan = uniform_plan(2, 8, stages=2, micro_batch=2, grad_accum=2)
+    with pytest.raises(PlanError, match="pipelines a model whose layers run as a Python loop"):
+        mistjax.autoshard(step_fn, jax.devices(), plan=plan).place(state, fam.batch)
