@@ -6,13 +6,17 @@ Reimplements Mist (EuroSys'25) and MiCS (VLDB'22) on JAX/Flax. See README.md and
 from typing import Any
 
 from mistjax.api import autoshard, grad, value_and_grad
+from mistjax.api import nnx as nnx  # NNX idioms: mistjax.nnx.value_and_grad, mistjax.nnx.functional
 from mistjax.api.precision import with_master_weights
 from mistjax.plan import Plan, PlanError, Prediction, StagePlan, uniform_plan
+from mistjax.runtime.checks import StepError
+from mistjax.runtime.report import NoOpWarning
 
 __version__ = "0.1.0"
 
-__all__ = ["autoshard", "grad", "value_and_grad", "with_master_weights", "Plan", "PlanError", "Prediction",
-           "StagePlan", "uniform_plan", "tune", "SearchSpace", "TuneResult", "analyze", "Workload", "Cluster"]
+__all__ = ["autoshard", "grad", "nnx", "value_and_grad", "with_master_weights", "Plan", "PlanError", "Prediction",
+           "StagePlan", "uniform_plan", "StepError", "NoOpWarning", "tune", "SearchSpace", "TuneResult", "analyze",
+           "Workload", "Cluster"]
 
 
 def __getattr__(name: str) -> Any:

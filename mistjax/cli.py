@@ -22,6 +22,28 @@ class CliError(Exception):
     """A user-facing error: printed without a traceback."""
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer (at least 1)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be positive (GiB of device memory, e.g. 40)")
+    return value
+
+
 def load_model_config(spec: str) -> Any:
     """A preset name (`python -m models --list`) or a JSON file of `models.ModelConfig` fields."""
     import models
@@ -56,7 +78,7 @@ def load_cluster(spec: str, memory_gib: float | None = None) -> Any:
             cluster = ClusterSpec.parse(spec)
     except ValueError as e:
         raise CliError(f"bad cluster {spec!r}: {e}") from e
-    return cluster.with_memory(memory_gib * 2**30) if memory_gib else cluster
+    return cluster.with_memory(memory_gib * 2**30) if memory_gib is not None else cluster
 
 
 def _workload(args: argparse.Namespace) -> Any:
@@ -175,7 +197,15 @@ def _plots(workload: Any, plan: Plan, cluster: Any, out: Path, result: Any = Non
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    import jax
+
     from mistjax.hardware.calibrate import calibrate
+
+    n = len(jax.devices())
+    if n == 1:
+        print(f"mistjax calibrate: warning: only one {jax.devices()[0].platform} device is visible, so no collective "
+              "bandwidth or interference can be measured (the profile assumes serial links); run on the node's "
+              "devices (on a CPU host: XLA_FLAGS=--xla_force_host_platform_device_count=8)", file=sys.stderr)
 
     cluster = calibrate(name=args.name, quick=args.quick)
     Path(args.out).write_text(cluster.to_json())
@@ -191,10 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     def workload_args(q: argparse.ArgumentParser, required: bool) -> None:
         q.add_argument("--model", required=required, help="model preset (python -m models --list) or config JSON")
         q.add_argument("--cluster", default="a100-40gb:1x8", help="preset NAME:NODESxPER_NODE or profile JSON")
-        q.add_argument("--global-batch", type=int, default=None if not required else 64, help="sequences per step")
-        q.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+        q.add_argument("--global-batch", type=positive_int, default=None if not required else 64,
+                       help="sequences per step")
+        q.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
         q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
-        q.add_argument("--memory-gib", type=float, default=None, help="override device memory (emulate smaller cards)")
+        q.add_argument("--memory-gib", type=positive_float, default=None,
+                       help="override device memory in GiB (emulate smaller cards)")
         q.add_argument("--plot", default=None, help="write PNG plots into this folder")
         q.add_argument("--verify", action="store_true",
                        help="compile the plan for the cluster's GPUs with XLA:GPU (deviceless AOT, no GPU needed) "
@@ -205,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Tune a plan for a model on a cluster. Example: mistjax plan --model gpt3-22b "
                                    "--cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096")
     workload_args(q, True)
-    q.add_argument("--time-limit", type=float, default=60.0, help="seconds for the search")
+    q.add_argument("--time-limit", type=positive_float, default=60.0, help="seconds for the search")
     q.add_argument("--no-baselines", action="store_true", help="skip the baselines")
     q.add_argument("--json", default=None, help="save the plan as JSON")
     q.set_defaults(fn=cmd_plan)

@@ -16,7 +16,7 @@ _PROFILES: dict[tuple[ModelConfig, tuple[str, ...] | None], ModelProfile] = {}
 
 def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: str = "adamw",
              policies: tuple[str, ...] | None = None, *, master_weights: bool | None = None,
-             grad_dtype: str | None = None) -> Workload:
+             grad_dtype: str | None = None, cache: bool = True) -> Workload:
     """Analyse ``config``'s loss abstractly (no parameters are allocated).
 
     Args:
@@ -29,13 +29,15 @@ def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: st
       master_weights: the optimizer keeps an fp32 master copy (`mistjax.with_master_weights`); default:
         whenever the weights are stored in 16 bits, as Megatron-LM and Mist train.
       grad_dtype: dtype gradients are accumulated and reduced in (None: the weights' own).
+      cache: use the on-disk profile cache (`mistjax.analysis.cache`); False analyses afresh, keeping the
+        analysed graphs (``profile.passes``) that the compiled-program checks of `mistjax.validate` read.
     """
     abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     loss_fn = make_loss_fn(graphdef)
     key = (config, None if policies is None else tuple(policies))
-    if key not in _PROFILES:
-        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies)
+    if key not in _PROFILES or (not cache and _PROFILES[key].passes is None):
+        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies, cache=cache)  # on disk too
     master = config.param_dtype != "float32" if master_weights is None else master_weights
     return Workload.from_loss(loss_fn, params, seq_len=seq_len, global_batch=global_batch, optimizer=optimizer,
                               name=config.name, policies=policies, compute_dtype=config.dtype,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +26,7 @@ def pretrain() -> ModuleType:
     spec = importlib.util.spec_from_file_location("mistjax_pretrain_script", PRETRAIN)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the importlib recipe: tyro reads the config classes' source for --help
     spec.loader.exec_module(module)
     return module
 
@@ -64,6 +66,8 @@ def test_metrics_one_record_per_step_with_mfu(cli, tmp_path: Path) -> None:
         assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
         assert r["mfu"] == pytest.approx(6 * n_params * r["tokens_per_s"] / (8 * peak), rel=1e-9)
     assert "final loss" in out and "MFU" in out
+    # The plan before the first step; without a bar, plain log lines (the last step always), no carriage returns.
+    assert out.index("Plan:") < out.index("step 3/3:") and "\r" not in out + err
 
 
 def test_mfu_formula_and_peaks() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ import sympy as sp
 from jax.extend import core as jex
 
 from mistjax.analysis.block import activation_state, weight_state
+from mistjax.analysis.cache import cache_dir, load_profile, profile_key, save_profile
 from mistjax.analysis.flops import FlopCount, count_graph
 from mistjax.analysis.fused import check_blocks, unit_bytes
 from mistjax.analysis.graph import Graph, build_graph
@@ -333,6 +335,7 @@ def analyze_model(
     points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
     sequence_parallel: bool = True,
     tensor_axes: Sequence[str] = TENSOR_AXES,
+    cache: bool | str | Path | None = False,
 ) -> ModelProfile:
     """Symbolic per-device profile of the loss ``fun(params, *batch_fn(b, s))``.
 
@@ -352,13 +355,29 @@ def analyze_model(
       sequence_parallel: Megatron sequence parallelism for ``t > 1`` (the hidden state between
         layers split along the sequence).
       tensor_axes: logical axis names split over the ``tensor`` mesh axis.
+      cache: look the profile up on disk and store it there (`mistjax.analysis.cache`): True for the
+        default directory (``$MISTJAX_CACHE_DIR`` or the user's cache dir), a path, or False. A cached
+        profile has no ``passes`` (the analysed graphs are not stored).
 
     Returns:
       A `ModelProfile`; `compile_profile` turns it into vectorised NumPy functions.
     """
     points = [tuple(p) for p in points]
     axes = _flat_axes(params, param_axes)
-    traced = [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points]
+    first = trace_loss(fun, params, *batch_fn(*points[0]))
+    directory = cache_dir(cache)
+    key = ""
+    if directory is not None:
+        shapes = [[(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch_fn(b, s))] for b, s in points]
+        options = {"points": points, "shapes": shapes, "axes": axes, "policies": policies,
+                   "sp": sequence_parallel, "tensor_axes": list(tensor_axes)}
+        key = profile_key(str(first.closed), options)
+        hit = load_profile(directory, key)
+        if hit is not None:
+            return hit
+    traced = [first] + [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points[1:]]
+    if traced[0].groups is not None:  # an unrolled stack: the jaxprs read virtual (stacked) leaves
+        axes = traced[0].groups.virtual_axes(axes)
     if traced[0].stack is not None:
         check_block_primitives(traced[0].stack.body)
         check_blocks(traced[0].stack.body, [s for _, s in points])
@@ -381,7 +400,7 @@ def analyze_model(
             sp_on=sequence_parallel,
             tensor_axes=tensor_axes,
         )
-    return ModelProfile(
+    profile = ModelProfile(
         pre=out["pre"],
         block=out["block"],
         post=out["post"],
@@ -391,3 +410,6 @@ def analyze_model(
         tags=tags,
         passes=passes,
     )
+    if directory is not None:
+        save_profile(directory, key, profile)
+    return profile

@@ -89,8 +89,7 @@ def block_graph(fun: Callable[..., Any], traced: TracedLoss, batch: Sequence[boo
     b, s = sizes
     invars = traced.closed.jaxpr.invars
     n = traced.num_param_leaves
-    params = jax.tree.unflatten(traced.param_tree, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                                    for v in invars[:n]])
+    params = traced.param_structs()
     rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars[n:]]
     if batch is None:
         batch = [len(x.shape) > 0 and x.shape[0] == b for x in rest]

@@ -346,17 +346,16 @@ class Propagator:
             if not isinstance(s, Shard):
                 continue
             kind, k = role(side, s.dim)
-            other = (
-                (rb[k] if kind == "batch" else rc[k]) if side == 0 else (lb[k] if kind == "batch" else lc[k])
-            )
+            if kind == "free":  # the split passes to the output's matching free dim
+                out_dim = len(lb) + (k if side == 0 else len(lfree) + k)
+                return ([s, REP] if side == 0 else [REP, s]), [Shard(out_dim, s.seq)]
+            other = (rb[k] if kind == "batch" else rc[k]) if side == 0 else (lb[k] if kind == "batch" else lc[k])
             if kind == "batch":
                 ins = [s, Shard(other)] if side == 0 else [Shard(other), s]
                 return ins, [Shard(k, s.seq)]
             if kind == "contract":
                 ins = [s, Shard(other)] if side == 0 else [Shard(other), s]
                 return ins, [Partial("sum", rs_ok=params)]
-            out_dim = len(lb) + (k if side == 0 else len(lfree) + k)
-            return ([s, REP] if side == 0 else [REP, s]), [Shard(out_dim, s.seq)]
         return [REP, REP], [REP]
 
     def _gather(self, n: Node, mult: Poly) -> tuple[list[State], list[State]]:

@@ -59,7 +59,8 @@ def grad(fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False) -> Ca
 def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Path | None = None,
               hardware: Any = None, global_batch: int | None = None, memory_budget: float | None = None,
               cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
-              workload: Any = None, baselines: tuple[str, ...] | None = None, cost: Any = None) -> Any:
+              workload: Any = None, baselines: tuple[str, ...] | None = None, cost: Any = None,
+              axis_rules: Any = None, verbose: bool = True) -> Any:
     """Run `train_step(state, batch) -> (state, metrics)` with a distributed-training plan.
 
     With ``plan`` the plan is applied as is. Without one, the first ``step.place(state, batch)`` or
@@ -84,6 +85,11 @@ def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Pat
       workload: the cost model's `Workload`, if the step's model cannot be recognised.
       baselines: baselines to compare with (default: all).
       cost: the cost model (default `mistjax.cost.COST_MODEL`, the interface `mistjax.core.strategies.CostModel`).
+      axis_rules: MaxText-style logical-axis rules, ``[("mlp", "tensor"), ("heads", "tensor"), ("embed", None)]``:
+        names mapped to ``tensor`` are split by tensor parallelism, others stay whole. Without rules the
+        model's own names count (heads, kv_heads, mlp, vocab); without any names, Megatron's column / row
+        pairs are inferred from the layer's dataflow.
+      verbose: without a plan, print what the first call does (analysis, tuning and how long) to stderr.
     Returns:
       A `ShardedStep` (with ``plan``) or, without a plan, an `AutoShardedStep` with the same
       methods: ``place(state, batch)``, ``__call__(state, batch)``, ``lower(...)`` and ``plan``.
@@ -93,10 +99,11 @@ def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Pat
 
         return AutoShardedStep(train_step, mesh, hardware=hardware, global_batch=global_batch,
                                memory_budget=memory_budget, cache_dir=cache_dir, space=space, time_limit=time_limit,
-                               workload=workload, baselines=baselines, cost=cost)
+                               workload=workload, baselines=baselines, cost=cost, axis_rules=axis_rules,
+                               verbose=verbose)
     if isinstance(plan, str | Path):
         plan = Plan.load(plan)
-    return ShardedStep(train_step, mesh, plan)
+    return ShardedStep(train_step, mesh, plan, axis_rules=axis_rules)
 
 
 __all__ = ["autoshard", "grad", "tune", "value_and_grad"]

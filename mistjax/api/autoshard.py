@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -131,13 +133,18 @@ def _optimizer_state(state: Any, analysis: StepAnalysis) -> dict[str, Any]:
 
 
 def step_workload(loss: LossCall, state: Any, analysis: StepAnalysis, batch: Any, global_batch: int,
-                  grad_dtype: str | None = None) -> Workload:
-    """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer state."""
+                  grad_dtype: str | None = None, profile_cache: bool | str | Path = True,
+                  axis_rules: Any = None) -> Workload:
+    """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer state.
+
+    ``profile_cache``: where analysed profiles are cached (`mistjax.analysis.cache`; True: the default).
+    """
     seq = _seq_len(batch, global_batch)
     return Workload.from_loss(loss.fun, loss.args[0], seq_len=seq, global_batch=global_batch,
                               name=f"step-{analysis.params_fingerprint[:8]}",
                               batch_fn=_resized_batch(loss.args[1:], global_batch, seq),
                               compute_dtype=_matmul_dtype(loss), grad_dtype=grad_dtype,
+                              cache=profile_cache, axis_rules=axis_rules,
                               **_optimizer_state(state, analysis))
 
 
@@ -199,12 +206,13 @@ class AutoShardedStep:
     def __init__(self, train_step: TrainStep, mesh: Any = None, *, hardware: Any = None,
                  global_batch: int | None = None, memory_budget: float | None = None,
                  cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
-                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: CostModel | None = None) -> None:
+                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: CostModel | None = None,
+                 axis_rules: Any = None, verbose: bool = True) -> None:
         self.train_step, self.user_mesh = train_step, mesh
         self.hardware, self.global_batch, self.memory_budget = hardware, global_batch, memory_budget
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.space, self.time_limit, self.workload, self.baselines = space, time_limit, workload, baselines
-        self.cost = cost
+        self.cost, self.axis_rules, self.verbose = cost, axis_rules, verbose
         self.result: TuneResult | None = None  # the tuner's full result (None when the plan came from the cache)
         self.cache_hit = False
         self._inner: ShardedStep | None = None
@@ -217,13 +225,20 @@ class AutoShardedStep:
             raise PlanError("autoshard without a plan tunes for the loss the step differentiates, and this step uses "
                             "no mistjax.value_and_grad / mistjax.grad: use them in place of jax's (drop-in), or pass "
                             "workload=... or plan=...")
-        return step_workload(analysis.loss, state, analysis, batch, global_batch)
+        # Profiles live next to the plans when a cache_dir is given, else in the default profile cache.
+        profiles = self.cache_dir / "profiles" if self.cache_dir is not None else True
+        return step_workload(analysis.loss, state, analysis, batch, global_batch, profile_cache=profiles,
+                             axis_rules=self.axis_rules)
 
     def _space(self, analysis: Any, global_batch: int, num_devices: int) -> SearchSpace:
         space = self.space or SearchSpace()
         if analysis.num_layers is None:
             # No scan over stacked layers: no pipeline and no per-layer remat.
             space = space.replace(pipeline=False, remat="none")
+        elif analysis.unrolled:
+            # An unrolled stack runs per layer (remat, offload, ZeRO-3 fetches) but its per-layer leaves
+            # cannot be split over pipeline stages by the SPMD executor.
+            space = space.replace(pipeline=False)
         if not analysis.uses_mistjax_grad:
             # jax.grad cannot be split into micro-batches or checkpointed per layer: one micro-batch per
             # step, every per-device batch size that makes it.
@@ -232,12 +247,21 @@ class AutoShardedStep:
             space = space.replace(pipeline=False, remat="none", max_grad_accum=1, micro_batches=tuple(sorted(sizes)))
         return space
 
+    def _say(self, message: str) -> None:
+        """A progress line on stderr (first call only; process 0 of a multi-process run)."""
+        if self.verbose and jax.process_index() == 0:
+            print(f"mistjax.autoshard: {message}", file=sys.stderr, flush=True)
+
     def _tune(self, state: Any, batch: Any) -> None:
+        t0 = time.perf_counter()
         devices = _devices(self.user_mesh)
         B = self.global_batch or max(int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x))
         cost = self.cost or default_cost_model()
-        analysis = analyze_step(self.train_step, state, batch)
+        self._say("no plan given: tracing the step and analysing its loss (cached on disk after the first run)")
+        analysis = analyze_step(self.train_step, state, batch, self.axis_rules)
         workload = self._workload(state, batch, analysis, B)
+        self._say(f"model analysed in {time.perf_counter() - t0:.1f} s ({workload.num_layers} layers"
+                  f"{', unrolled' if analysis.unrolled else ''})")
         cluster = detect_cluster(devices, self.hardware, self.memory_budget)
         space = self._space(analysis, B, len(devices))
         fps = fingerprints(workload, cluster, getattr(analysis, "params_fingerprint", ""))
@@ -245,12 +269,19 @@ class AutoShardedStep:
         plan = _load_cached(path, fps) if path is not None and path.is_file() else None
         self.cache_hit = plan is not None
         if plan is None:
+            self._say(f"tuning a plan for {len(devices)} x {cluster.device.name} (global batch {B}, search limited "
+                      f"to {self.time_limit:g} s)")
+            t1 = time.perf_counter()
             self.result = tune(workload, cluster, space=space, time_limit=self.time_limit, baselines=self.baselines,
                                cost=cost)
+            self._say(f"tuned in {time.perf_counter() - t1:.1f} s: " + self.result.plan.summary().splitlines()[0])
             plan = self.result.plan.replace(fingerprints=fps)
             if path is not None:
                 _save_cached(path, plan, fps)
-        self._inner = ShardedStep(self.train_step, self.user_mesh if self.user_mesh is not None else devices, plan)
+        else:
+            self._say(f"plan read from the cache {str(path)!r}")
+        self._inner = ShardedStep(self.train_step, self.user_mesh if self.user_mesh is not None else devices, plan,
+                                  axis_rules=self.axis_rules)
 
     def _ready(self, state: Any, batch: Any | None, what: str) -> ShardedStep:
         if self._inner is None:
@@ -267,6 +298,23 @@ class AutoShardedStep:
         if self._inner is None:
             raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
         return self._inner.plan
+
+    @property
+    def applied(self) -> Any:
+        """What each knob did (`mistjax.runtime.report.AppliedReport`), once placed."""
+        return self._inner.applied if self._inner is not None else None
+
+    def report(self) -> str:
+        """What each knob of the tuned plan did to this step (after the first place / call)."""
+        if self._inner is None:
+            raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
+        return self._inner.report()
+
+    def summary(self) -> str:
+        """The tuned plan's summary and what was applied."""
+        if self._inner is None:
+            raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
+        return self._inner.summary()
 
     @property
     def mesh(self) -> Any:

@@ -1,4 +1,7 @@
-"""Logical axis names of state leaves, as the model attached them (Flax NNX partition metadata)."""
+"""Logical axis names of state leaves, as the model attached them: Flax NNX partition metadata
+(``nnx.with_partitioning``) and flax.linen boxes (``nn.with_logical_partitioning`` / ``nn.Partitioned``,
+kept in the parameter tree as ``flax.core.meta.Partitioned``), optionally renamed by user logical-axis
+rules (MaxText style, `apply_axis_rules`)."""
 
 from __future__ import annotations
 
@@ -6,24 +9,60 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.core import meta
 
 Axes = tuple[str | None, ...]
 
 
 def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
+    return isinstance(x, nnx.Variable | meta.Partitioned)
 
 
 def leaf_axes(tree: Any) -> list[Axes | None]:
     """Logical axis names of each array leaf of `tree` (aligned with `jax.tree.leaves(tree)`)."""
     out: list[Axes | None] = []
     for node in jax.tree.leaves(tree, is_leaf=_is_variable):
-        if _is_variable(node):
+        if isinstance(node, meta.Partitioned):
+            names = node.names
+        elif isinstance(node, nnx.Variable):
             names = node.get_metadata().get("out_sharding") or node.get_metadata().get("sharding")
-            n_leaves = len(jax.tree.leaves(node))
-            out.extend([tuple(names) if names else None] * n_leaves)
         else:
             out.append(None)
+            continue
+        n_leaves = len(jax.tree.leaves(node))
+        out.extend([tuple(names) if names else None] * n_leaves)
+    return out
+
+
+# What a logical axis becomes under user rules: split over `tensor` (a name the layout rules split) or kept
+# whole (a name they never split).
+_TENSOR_MARK, _WHOLE_MARK = "mlp", "embed"
+
+
+def apply_axis_rules(axes: list[Axes | None], rules: Any) -> list[Axes | None]:
+    """Logical axes renamed by MaxText-style rules ``[(logical, mesh_axes), ...]``.
+
+    A logical name whose rule maps it to a mesh axis named ``tensor`` (or a tuple holding it) is split
+    over the tensor-parallel axis; a name with a rule to anything else (None, ``fsdp``, ...) stays whole
+    under tensor parallelism; names without a rule keep their meaning (`mistjax.core.layout.TENSOR_AXES`).
+    """
+    if not rules:
+        return list(axes)
+    table: dict[str, bool] = {}
+    for rule in rules:
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ValueError(f"axis rule {rule!r} is not a (logical name, mesh axes) pair; write rules as "
+                             "[('mlp', 'tensor'), ('embed', None), ...]")
+        name, target = rule
+        targets = target if isinstance(target, tuple | list) else (target,)
+        table.setdefault(name, "tensor" in targets)
+    out: list[Axes | None] = []
+    for ax in axes:
+        if ax is None:
+            out.append(None)
+            continue
+        out.append(tuple(n if n not in table or n == "layers" else _TENSOR_MARK if table[n] else _WHOLE_MARK
+                         for n in ax))
     return out
 
 
@@ -32,4 +71,4 @@ def is_stacked(axes: Axes | None) -> bool:
     return bool(axes) and axes[0] == "layers"
 
 
-__all__ = ["Axes", "is_stacked", "leaf_axes"]
+__all__ = ["Axes", "apply_axis_rules", "is_stacked", "leaf_axes"]

@@ -57,6 +57,7 @@ class LeafLayout:
     sharded: bool  # stored sharded over SHARD_SPEC (ZeRO-3 param or ZeRO-1 optimizer state)
     host: bool = False  # stored in host memory (offloaded)
     stage_split: bool = False  # the layer dim is split over `stage` (pipelined plans, even layer blocks)
+    layer_slice: bool = False  # one layer's leaf of an unrolled stack (laid out as a slice of a stacked leaf)
 
     def spec(self, *, storage: bool = True) -> P:
         """PartitionSpec: storage layout, or the compute layout (no ZeRO split) if not `storage`."""

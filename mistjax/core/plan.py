@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,40 @@ def _check_remat_policy(policy: str) -> None:
     )
 
 
+_STAGE_BOOLS = ("shard_weights", "shard_grads", "shard_opt")
+
+
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, bool) or type(x).__name__ == "bool_"  # NumPy's bool too
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not _is_bool(x)
+
+
+def _check_stage_types(stage: StagePlan, index: int) -> None:
+    """JSON plans written by hand give booleans and counts as strings ("false" is truthy): refuse them."""
+    for name in _STAGE_BOOLS:
+        value = getattr(stage, name)
+        if not _is_bool(value):
+            raise PlanError(f"stage {index}: {name}={value!r} must be true or false (a JSON boolean, not a string "
+                            "or number)")
+    value = stage.remat_layers
+    if not _is_int(value):
+        raise PlanError(f"stage {index}: remat_layers={value!r} must be an integer (a JSON number such as 2, "
+                        "not a string)")
+    if not isinstance(stage.remat_policy, str):
+        raise PlanError(f"stage {index}: remat_policy={stage.remat_policy!r} must be a string such as \"full\"")
+    layers = stage.layers
+    if not (isinstance(layers, tuple) and len(layers) == 2 and all(_is_int(x) for x in layers)):
+        raise PlanError(f"stage {index}: layers={layers!r} must be two integers [start, end)")
+    for name in OFFLOAD_FIELDS:
+        value = getattr(stage, name)
+        if _is_bool(value) or not isinstance(value, numbers.Real):
+            raise PlanError(f"stage {index}: {name}={value!r} must be a number in [0, 1] (a JSON number, not a "
+                            "string)")
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """What one pipeline stage runs and how it saves memory."""
@@ -66,7 +101,8 @@ class StagePlan:
         return self.layers[1] - self.layers[0]
 
     def validate(self, index: int = 0) -> None:
-        """Raise `PlanError` if a field is out of range."""
+        """Raise `PlanError` if a field has the wrong type or is out of range."""
+        _check_stage_types(self, index)
         start, end = self.layers
         if start < 0 or end <= start:
             raise PlanError(f"stage {index}: layer range {self.layers} is empty or negative; "
@@ -187,8 +223,8 @@ class Plan:
             raise PlanError("a plan needs at least one stage")
         for name in ("micro_batch", "grad_accum", "dp", "tp", "shard_group", "virtual_stages"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise PlanError(f"{name}={value!r} must be a positive integer")
+            if not _is_int(value) or value < 1:
+                raise PlanError(f"{name}={value!r} must be a positive integer (a JSON number, not a string)")
         if self.dp % self.shard_group:
             raise PlanError(f"shard_group={self.shard_group} must divide dp={self.dp} "
                             "(MiCS partition groups tile the data-parallel ranks)")
@@ -233,8 +269,9 @@ class Plan:
         if global_batch != self.global_batch:
             raise PlanError(
                 f"global batch {global_batch} != micro_batch {self.micro_batch} x dp {self.dp} x "
-                f"grad_accum {self.grad_accum} = {self.global_batch}; pick a batch divisible by "
-                f"dp x grad_accum or re-plan for batch {global_batch}")
+                f"grad_accum {self.grad_accum} = {self.global_batch}: the plan runs exactly {self.global_batch} "
+                f"sequences per step; pass batches of {self.global_batch}, or re-plan for batch {global_batch} "
+                "(autoshard without plan=, or a plan whose micro_batch x dp x grad_accum equals it)")
 
     def check_model(self, fingerprint: str) -> None:
         """Raise `PlanError` if the plan records a different model fingerprint."""
@@ -377,6 +414,16 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
                  grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b", grad_dtype: str | None = None,
                  **stage_fields: Any) -> Plan:
     """A plan with evenly split stages that all share `stage_fields` (handy for tests and baselines)."""
+    known = {f.name for f in dataclasses.fields(StagePlan)} - {"layers"}
+    for name in stage_fields:
+        if name not in known:
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(known) + ["stages", "tp", "micro_batch", "grad_accum",
+                                                                     "shard_group", "schedule"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PlanError(f"uniform_plan got an unknown keyword {name!r}{hint}; stage fields are "
+                            f"{', '.join(sorted(known))}")
     if num_devices % (stages * tp):
         raise PlanError(f"{num_devices} devices do not split into {stages} stages x tp {tp}")
     dp = num_devices // (stages * tp)

@@ -12,12 +12,14 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from mistjax.analysis import DEFAULT_POINTS, CompiledProfile, ModelProfile, analyze_model, compile_profile, token_batch
+from mistjax.analysis.tp_roles import model_tensor_axes
 from mistjax.core.axes import is_stacked, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
 from mistjax.trace.split import TracedLoss, part_usage, trace_loss
@@ -77,7 +79,8 @@ class Workload:
     def from_loss(cls, loss_fn: Any, params: Any, *, seq_len: int, global_batch: int, optimizer: str = "adamw",
                   name: str = "custom", policies: tuple[str, ...] | None = None, compute_dtype: str = "float32",
                   master_weights: bool = False, state_itemsize: int = 4, grad_dtype: str | None = None,
-                  batch_fn: Any = None, profile: ModelProfile | None = None) -> Workload:
+                  batch_fn: Any = None, profile: ModelProfile | None = None,
+                  cache: bool | str | Path = True, axis_rules: Any = None) -> Workload:
         """Analyse ``loss_fn(params, batch)`` over token batches (`mistjax.analysis.analyze_model`).
 
         Args:
@@ -96,13 +99,21 @@ class Workload:
           batch_fn: ``(b, s) -> (batch, ...)``, the loss's other arguments at micro-batch ``b`` and sequence
             length ``s`` (default: int32 ``{"inputs", "targets"}`` token batches).
           profile: an already computed profile of this loss (skips the analysis).
+          cache: the on-disk profile cache (`mistjax.analysis.cache`): True for the default directory, a
+            path, or False.
+          axis_rules: MaxText-style logical-axis rules (`mistjax.core.axes.apply_axis_rules`). Without any
+            weight naming a tensor-split axis, the Megatron splits are inferred from the dataflow
+            (`mistjax.analysis.tp_roles`), as the runtime does.
         """
-        batch_fn = token_batch if batch_fn is None else batch_fn
+        extra = {} if batch_fn is None else {"batch_fn": batch_fn}
+        b, s = DEFAULT_POINTS[0]
+        traced = trace_loss(loss_fn, params, *(batch_fn or token_batch)(b, s))
+        axes = model_tensor_axes(traced, params, axis_rules)
         if profile is None:
-            profile = analyze_model(loss_fn, params, batch_fn, policies=policies)
+            profile = analyze_model(loss_fn, params, policies=policies, cache=cache, param_axes=axes, **extra)
         prof = profile
-        traced = trace_loss(loss_fn, params, *batch_fn(*DEFAULT_POINTS[0]))
-        return cls(name=name, profile=prof, compiled=compile_profile(prof), leaves=leaf_table(params, traced),
+        return cls(name=name, profile=prof, compiled=compile_profile(prof),
+                   leaves=leaf_table(params, traced, axes=axes),
                    seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype,
                    master_weights=master_weights, state_itemsize=state_itemsize, grad_dtype=grad_dtype)
 
@@ -171,18 +182,32 @@ class Workload:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def leaf_table(params: Any, traced: TracedLoss | None = None) -> tuple[ParamLeaf, ...]:
-    """The `ParamLeaf` of every leaf of a parameter pytree.
+def leaf_table(params: Any, traced: TracedLoss | None = None, *, axes: list[Any] | None = None
+               ) -> tuple[ParamLeaf, ...]:
+    """The `ParamLeaf` of every leaf of a parameter pytree, as the runtime lays them out.
 
-    Logical axes come from the partition metadata; with the traced loss, the stacked leaves are the ones
-    its layer scan iterates over and the others carry the parts that read them (`trace.split.part_usage`).
+    Args:
+      params: the parameters.
+      traced: the traced loss. Its layer scan says which leaves are stacked, and which part (pre / post
+        the layers) reads each other leaf (`trace.split.part_usage`); an unrolled layer stack's L
+        per-layer leaves of each place count as ONE stacked leaf (`mistjax.runtime.leaves.state_layouts`).
+      axes: logical axes per leaf (default: from the partition metadata).
     """
-    stacked = set(traced.stack.stacked_leaves) if traced is not None and traced.stack is not None else None
-    usage = part_usage(traced) if stacked is not None else None
+    leaves = jax.tree.leaves(params)
+    axes = leaf_axes(params) if axes is None else list(axes)
+    stacked = [is_stacked(ax) for ax in axes]
+    groups = traced.groups if traced is not None else None
+    usage = None
+    if groups is not None:
+        leaves, axes = groups.virtual_avals(leaves), groups.virtual_axes(axes)
+        stacked = [isinstance(v, tuple) or is_stacked(ax) for v, ax in zip(groups.virtual, axes)]
+    elif traced is not None and traced.stack is not None:
+        layer_leaves = set(traced.stack.stacked_leaves)
+        stacked = [i in layer_leaves for i in range(len(leaves))]
+        usage = part_usage(traced)
     out = []
-    for i, (leaf, ax) in enumerate(zip(jax.tree.leaves(params), leaf_axes(params))):
+    for i, (leaf, ax, st) in enumerate(zip(leaves, axes, stacked)):
         shape = tuple(int(d) for d in np.shape(leaf))
-        st = is_stacked(ax) if stacked is None else i in stacked
         parts = frozenset() if usage is None or st else frozenset(
             name for name, used in (("pre", usage.pre), ("post", usage.post)) if i in used)
         out.append(ParamLeaf(shape=shape, axes=ax, stacked=st, itemsize=np.dtype(leaf.dtype).itemsize, parts=parts))

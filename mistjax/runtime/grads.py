@@ -224,7 +224,9 @@ def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec],
     plan.check_layers(st.num_layers)
     return make_layer_loop(
         num_layers=st.num_layers, remat_layers=stage.remat_layers, policy=stage.remat_policy,
-        gather=[None if i is None else make_fetch(specs[i], True) for i in st.xs_leaf],
+        # An unrolled stack's operands are its real per-layer leaves (no layer dim to slice off).
+        gather=[None if i is None else make_fetch(specs[traced.real_index(i)], traced.groups is None)
+                for i in st.xs_leaf],
         carry_constraint=_sp_constraint(plan.tp), offload_layers=stage.offloaded_layers,
         offload_names=checkpoint_names(st.body), refetch_plain=True)
 
@@ -237,10 +239,9 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
     """``(params, micro_batch) -> (loss, aux, grads)`` of one micro-batch, run as the plan says."""
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
     layer_loop = _layer_loop(traced, plan.stages[0], specs, plan)
-    stacked = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
-
     def read_param(i: int, v: jax.Array) -> jax.Array:
-        fetch = make_fetch(specs[i], False) if i not in stacked else None
+        # `evaluate` asks only for leaves outside the layer stack (``i`` indexes the real leaves).
+        fetch = make_fetch(specs[i], False)
         return v if fetch is None else fetch(v)
 
     def loss(pl: list[jax.Array], rl: list[jax.Array]) -> tuple[jax.Array, Any]:
@@ -299,7 +300,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     G, scale = plan.grad_accum, 1.0 / (plan.dp * plan.grad_accum)
     full_params = jax.tree.unflatten(p_tree, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves])
     # Gradient accumulators kept in host memory between micro-batches (only worth it when G > 1).
-    grad_sizes = [s.layout.nbytes_elems if s.layout.stacked else 0 for s in specs]
+    grad_sizes = [s.layout.nbytes_elems if s.layout.stacked or s.layout.layer_slice else 0 for s in specs]
     acc_host = [h and n > 0 for h, n in zip(select_offload(grad_sizes, stage.offload_grads), grad_sizes)]
 
     def body(p_local: list[jax.Array], r_local: list[jax.Array]) -> Any:

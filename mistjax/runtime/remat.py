@@ -16,6 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 from mistjax.core.policies import GATHERED, offload_policy, remat_policy
 from mistjax.core.stages import layer_segments
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
+from mistjax.trace.split import unrolled_loop
+from mistjax.trace.unrolled import LayerSlices
 
 Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
 
@@ -117,7 +119,10 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
             # this one and keeps its unroll, so its re-fetches are double-buffered too. A segment of two
             # layers stays a loop of two trips: unrolled, it would be one trip, which XLA inlines and then
             # merges the backward's re-fetch with the forward's (the gathered weights would stay live).
-            carry, ys = jax.lax.scan(fn, carry, seg, unroll=2 if any_gather and end - start > 2 else 1)
+            if any(isinstance(x, LayerSlices) for x in seg):  # an unrolled stack: its own leaves per layer
+                carry, ys = unrolled_loop(fn, carry, seg)
+            else:
+                carry, ys = jax.lax.scan(fn, carry, seg, unroll=2 if any_gather and end - start > 2 else 1)
             ys_parts.append(ys)
         if len(ys_parts) == 1:
             return carry, ys_parts[0]

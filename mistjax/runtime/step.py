@@ -11,7 +11,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.axes import is_stacked, leaf_axes
+from mistjax.analysis.tp_roles import model_tensor_axes
+from mistjax.core.axes import apply_axis_rules, is_stacked, leaf_axes
 from mistjax.core.layout import (
     DP_AXES,
     OPT,
@@ -22,11 +23,22 @@ from mistjax.core.layout import (
     state_shardings,
 )
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
+from mistjax.runtime.checks import (
+    StepError,
+    TokenRange,
+    check_output,
+    check_shapes,
+    check_tokens,
+    token_ranges,
+    trace_failure,
+)
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
+from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles
 from mistjax.runtime.mesh import build_plan_mesh
 from mistjax.runtime.mpmd import MpmdStep
-from mistjax.trace.split import trace_loss
+from mistjax.runtime.report import AppliedReport, applied_report, itemsizes
+from mistjax.trace.split import checkpoint_names, trace_loss
 
 TrainStep = Callable[[Any, Any], tuple[Any, Any]]
 
@@ -45,7 +57,10 @@ class _Probe:
         self.calls: list[_Call] = []
 
     def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
-        self.calls.append(_Call(fun, has_aux, args))
+        # A snapshot: NNX states hold Variables that the step may update in place afterwards
+        # (optimizer.update), which would swap the recorded leaves for the updated ones.
+        flat, tree = jax.tree.flatten(args)
+        self.calls.append(_Call(fun, has_aux, jax.tree.unflatten(tree, flat)))
         return jax.value_and_grad(fun, has_aux=has_aux)(*args)
 
 
@@ -68,51 +83,74 @@ class StepAnalysis:
     uses_mistjax_grad: bool  # the step calls mistjax.value_and_grad / grad
     params_fingerprint: str = ""  # `mistjax.plan.params_fingerprint` of the differentiated parameters
     loss: LossCall | None = None  # the differentiated loss (None for a step using plain jax.grad)
+    leaves: LeafRoles | None = None  # axes, optimizer mirrors and unrolled-layer membership per state leaf
+    unrolled: bool = False  # the layer stack is unrolled (a block repeated in the jaxpr, not a scan)
+    checkpoint_tags: tuple[str, ...] = ()  # checkpoint_name tags of one layer (what activation offload moves)
+    token_ranges: tuple[TokenRange, ...] = ()  # batch leaves that index an embedding (checked per call)
 
 
-def analyze_step(train_step: TrainStep, state: Any, batch: Any) -> StepAnalysis:
-    """Trace `train_step` abstractly and classify every state leaf."""
-    s_leaves, s_tree = jax.tree.flatten(state)
+def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any = None) -> StepAnalysis:
+    """Trace `train_step` abstractly and classify every state leaf (`mistjax.runtime.leaves`).
+
+    ``axis_rules``: MaxText-style logical-axis rules (`mistjax.core.axes.apply_axis_rules`); without any
+    weight naming a tensor-split axis, Megatron's splits are inferred (`mistjax.analysis.tp_roles`).
+    """
+    s_paths, s_leaves = zip(*jax.tree_util.tree_flatten_with_path(state)[0]) if jax.tree.leaves(state) else ((), ())
+    s_tree = jax.tree.structure(state)
     b_leaves, b_tree = jax.tree.flatten(batch)
     n = len(s_leaves)
     probe = _Probe()
     inputs: list[Any] = []
 
+    batch_in: list[Any] = []
+
     def flat(*leaves: Any) -> Any:
         inputs.extend(leaves[:n])
+        batch_in.extend(leaves[n:])
         with use_handler(probe):
             out = train_step(jax.tree.unflatten(s_tree, leaves[:n]), jax.tree.unflatten(b_tree, leaves[n:]))
+        check_output(out, s_tree)
         return jax.tree.leaves(out)
 
     abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in [*s_leaves, *b_leaves]]
-    jax.make_jaxpr(flat)(*abstract)
+    try:
+        jax.make_jaxpr(flat)(*abstract)
+    except (StepError, PlanError):
+        raise
+    except (TypeError, ValueError, IndexError) as e:
+        raise trace_failure(e, batch) from e
     axes = leaf_axes(state)
-    roles = [OPT if ax is not None else OTHER for ax in axes]
-    stacked = [is_stacked(ax) for ax in axes]
-    num_layers = None
-    fingerprint = ""
-    loss = None
-    if probe.calls:
-        call = probe.calls[0]
-        fingerprint = params_fingerprint(call.args[0])
-        param_leaves = jax.tree.leaves(call.args[0])
-        where = {id(x): i for i, x in enumerate(inputs)}
-        loss = LossCall(call.fun, call.has_aux,
-                        tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args)))
-        traced = trace_loss(call.fun, *loss.args)
-        stack_leaves = set(traced.stack.stacked_leaves) if traced.stack is not None else set()
-        num_layers = traced.stack.num_layers if traced.stack is not None else None
-        for j, leaf in enumerate(param_leaves):
-            i = where.get(id(leaf))
-            if i is not None:
-                roles[i] = PARAM
-                stacked[i] = j in stack_leaves
-    else:
+    shapes = [tuple(np.shape(x)) for x in s_leaves]
+    if not probe.calls:
         # A step using plain jax.grad: parameters are the leaves under a `params` field.
-        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
-            if path and getattr(path[0], "name", getattr(path[0], "key", None)) == "params":
-                roles[i] = PARAM
-    return StepAnalysis(tuple(roles), tuple(stacked), num_layers, bool(probe.calls), fingerprint, loss)
+        params = {i: path_tokens(p[1:]) for i, p in enumerate(s_paths)
+                  if p and getattr(p[0], "name", getattr(p[0], "key", None)) == "params"}
+        info = state_roles(s_paths, shapes, axes, params, sorted(params),
+                           stacked_params={i for i in params if is_stacked(axes[i])})
+        return StepAnalysis(info.roles, info.stacked, None, False, "", None, info)
+    call = probe.calls[0]
+    where = {id(x): i for i, x in enumerate(inputs)}
+    loss = LossCall(call.fun, call.has_aux,
+                    tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), call.args)))
+    traced = trace_loss(call.fun, *loss.args)
+    p_paths = [path_tokens(p) for p, _ in jax.tree_util.tree_flatten_with_path(call.args[0])[0]]
+    order = [where.get(id(leaf)) for leaf in jax.tree.leaves(call.args[0])]
+    params = {i: toks for i, toks in zip(order, p_paths) if i is not None}
+    stack = traced.stack
+    stacked = set()
+    if stack is not None and traced.groups is None:
+        stacked = {order[j] for j in stack.stacked_leaves if order[j] is not None}
+    groups = traced.groups if None not in order else None
+    p_axes = model_tensor_axes(traced, loss.args[0], axis_rules)
+    info = state_roles(s_paths, shapes, apply_axis_rules(axes, axis_rules), params,
+                       [i if i is not None else -1 for i in order], stacked_params=stacked, groups=groups,
+                       param_axes={i: ax for i, ax in zip(order, p_axes) if i is not None})
+    where_b = {id(x): i for i, x in enumerate(batch_in)}
+    rest_to_batch = [where_b.get(id(x)) for x in jax.tree.leaves(call.args[1:])]
+    return StepAnalysis(info.roles, info.stacked, stack.num_layers if stack is not None else None, True,
+                        params_fingerprint(call.args[0]), loss, info, traced.groups is not None,
+                        checkpoint_names(stack.body) if stack is not None else (),
+                        tuple(token_ranges(traced, rest_to_batch, batch)))
 
 
 class _Runtime:
@@ -149,19 +187,21 @@ class ShardedStep:
     back into whole arrays, and `compile_stages` gives each stage's programs for inspection.
     """
 
-    def __init__(self, train_step: TrainStep, mesh: Mesh | Any, plan: Plan) -> None:
+    def __init__(self, train_step: TrainStep, mesh: Mesh | Any, plan: Plan, axis_rules: Any = None) -> None:
         self.train_step = train_step
         self.plan = plan
+        self.axis_rules = axis_rules
         self.mesh = build_plan_mesh(mesh, plan)
         self._mpmd: MpmdStep | None = MpmdStep(train_step, mesh, plan) if plan.num_stages > 1 else None
         self.layouts: list[LeafLayout] | None = None
         self.analysis: StepAnalysis | None = None
+        self.applied: AppliedReport | None = None  # what each knob did, once the step is set up
         self._jitted: Any = None
         self._state_tree: Any = None
 
     # ---------------------------------------------------------------- setup
     def _setup(self, state: Any, batch: Any) -> None:
-        self.analysis = analyze_step(self.train_step, state, batch)
+        self.analysis = analyze_step(self.train_step, state, batch, self.axis_rules)
         if self.analysis.params_fingerprint:
             self.plan.check_model(self.analysis.params_fingerprint)
         if self.analysis.num_layers is not None:
@@ -169,14 +209,27 @@ class ShardedStep:
         elif self.plan.num_stages > 1:
             raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer "
                             "parameters; use a plan with one stage")
+        if self.analysis.unrolled and self.plan.num_stages > 1:
+            raise PlanError("the plan pipelines a model whose layers run as a Python loop (an unrolled stack); "
+                            "the pipeline executor needs their parameters stacked: build the layers with "
+                            "nnx.scan / nn.scan / lax.scan, or use a plan with one stage")
         needs_grad_hook = (self.plan.grad_accum > 1 or self.plan.num_stages > 1 or
                            any(s.remat_layers for s in self.plan.stages))
         if needs_grad_hook and not self.analysis.uses_mistjax_grad:
             raise PlanError("this plan accumulates micro-batches, pipelines or checkpoints layers, which "
                             "needs the step to compute gradients with mistjax.value_and_grad / mistjax.grad")
         leaves, self._state_tree = jax.tree.flatten(state)
-        self.layouts = plan_layouts(leaves, list(self.analysis.roles), list(self.analysis.stacked), self.plan,
-                                    leaf_axes(state))
+        self.layouts = state_layouts(leaves, self.analysis.leaves, self.plan)
+        if self.plan.tp > 1 and not any(lay.tensor_dims for lay in self.layouts if lay.role == PARAM):
+            raise PlanError(
+                f"the plan has tensor parallelism tp={self.plan.tp}, but no weight of this model can be split: none "
+                "names a tensor-split logical axis (heads, kv_heads, mlp, vocab) and no Megatron column/row pair "
+                "was found in its layer; use a plan with tp=1, or name the axes (nnx.with_partitioning / "
+                "nn.with_logical_partitioning, or autoshard(..., axis_rules=[('mlp', 'tensor'), ...]))")
+        self.applied = applied_report(self.layouts, itemsizes(leaves), self.plan,
+                                      num_layers=self.analysis.num_layers,
+                                      uses_mistjax_grad=self.analysis.uses_mistjax_grad,
+                                      checkpoint_tags=self.analysis.checkpoint_tags)
         self._build()
 
     def _batch_shardings(self, batch: Any) -> Any:
@@ -214,9 +267,14 @@ class ShardedStep:
         self._jitted = jax.jit(step_fn, out_shardings=(st_sh, NamedSharding(self.mesh, P())), donate_argnums=(0,))
 
     def _ensure(self, state: Any, batch: Any) -> None:
-        if self._jitted is None:
+        first = self._jitted is None
+        if first or _leading_dim(batch) != self.plan.global_batch:
             self.plan.check_batch(_leading_dim(batch))
+        if first:
             self._setup(state, batch)
+        self._batch_shapes = check_shapes(getattr(self, "_batch_shapes", None), batch)
+        if self.analysis is not None:
+            check_tokens(self.analysis.token_ranges, batch, device_arrays=first)
 
     # ---------------------------------------------------------------- public API
     def place(self, state: Any, batch: Any | None = None) -> Any:
@@ -242,6 +300,16 @@ class ShardedStep:
                 return jax.device_put(state, state_shardings(layouts, tree, self.mesh))
             self._ensure(state, batch)
         return jax.device_put(state, self._state_shardings)
+
+    def report(self) -> str:
+        """What each knob of the plan did to this step (after `place(state, batch)` or the first call)."""
+        if self.applied is None:
+            raise PlanError("nothing placed yet: call step.place(state, batch) or step(state, batch) first")
+        return self.applied.summary()
+
+    def summary(self) -> str:
+        """The plan's summary, followed by what was applied once the step is placed."""
+        return self.plan.summary() + ("\n" + self.applied.summary() if self.applied is not None else "")
 
     def batch_shardings(self, batch: Any) -> Any:
         """The shardings `__call__` expects for `batch` (for building global arrays per process)."""

@@ -231,7 +231,11 @@ def tensor_parallel_block(fun: Callable[..., Any], traced: TracedLoss, *, layout
         return None
     try:
         graph = block_graph(fun, traced, batch)
-        dims = [None if i is None else layouts[i].tensor_dims for i in stack.xs_leaf]
+        # Per scanned operand, the split dims of its stacked leaf (an unrolled stack's real leaves have no
+        # layer dim: shift theirs by one).
+        shift = 0 if traced.groups is None else 1
+        dims = [None if i is None else tuple(d + shift for d in layouts[traced.real_index(i)].tensor_dims)
+                for i in stack.xs_leaf]
         result = block_layouts(graph, stack, dims)
     except Exception as e:  # noqa: BLE001 -- retracing user code at other sizes: any failure falls back
         # Megatron's schedule is an optimisation: a model that only traces at its own sizes (say a

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex
 
+from mistjax.trace.unrolled import LayerSlices, ParamGroups, find_unrolled
+
 LayerLoop = Callable[[Callable[..., Any], list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
 # One layer, ``block(consts, carry, x_slices) -> (carry, y_slices)``: a replacement for the scan body
 # (e.g. `mistjax.runtime.tensor.tensor_parallel_block`, which runs it under Megatron's TP layouts).
@@ -55,6 +57,23 @@ class TracedLoss:
     out_tree: Any  # treedef of fun's output
     stack: LayerStack | None  # the layer scan, or None for a model without one
     rest_tree: Any = None  # treedef of the other arguments (to retrace at other sizes)
+    # An unrolled layer stack (`mistjax.trace.unrolled`): the jaxpr's parameter invars are then the
+    # *virtual* leaves (layer leaves stacked), `num_param_leaves` counts those, and `param_tree` /
+    # `real_params` describe the real ones the callers pass.
+    groups: ParamGroups | None = None
+    real_params: tuple[Any, ...] = ()  # ShapeDtypeStructs of the real parameter leaves
+
+    def param_structs(self) -> Any:
+        """The real parameters as a pytree of ShapeDtypeStructs (to trace the loss again)."""
+        return jax.tree.unflatten(self.param_tree, list(self.real_params))
+
+    def virtual(self, param_leaves: Sequence[Any], *, slices: bool = True) -> list[Any]:
+        """The jaxpr's parameter inputs from the real leaves (identity without an unrolled stack)."""
+        return list(param_leaves) if self.groups is None else self.groups.to_virtual(param_leaves, slices=slices)
+
+    def real_index(self, i: int) -> int:
+        """The real leaf of the jaxpr's parameter input ``i`` (not stacked)."""
+        return i if self.groups is None else self.groups.real_index(i)
 
     def require_stack(self) -> LayerStack:
         if self.stack is None:
@@ -82,8 +101,17 @@ def trace_loss(fun: Callable[..., Any], params: Any, *rest: Any) -> TracedLoss:
 
     closed = jax.make_jaxpr(flat_fun)(*param_leaves, *rest_leaves)
     closed = inline_calls(closed)
-    return TracedLoss(closed=closed, num_param_leaves=n, param_tree=param_tree,
-                      out_tree=out_tree_box[0], stack=find_layer_stack(closed, n), rest_tree=rest_tree)
+    real = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in param_leaves)
+    stack, groups = find_layer_stack(closed, n), None
+    if stack is None and n:
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        found = find_unrolled(closed, n, paths, bind_equation)
+        if found is not None:
+            closed, groups = found
+            n = len(groups.virtual)
+            stack = find_layer_stack(closed, n)
+    return TracedLoss(closed=closed, num_param_leaves=n, param_tree=param_tree, out_tree=out_tree_box[0],
+                      stack=stack, rest_tree=rest_tree, groups=groups, real_params=real)
 
 
 def inline_calls(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
@@ -144,12 +172,28 @@ def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs
 
 def default_layer_loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any]
                        ) -> tuple[list[Any], list[Any]]:
-    """Plain `lax.scan` over the layers (what the model itself would do)."""
+    """Plain `lax.scan` over the layers (what the model itself would do); a Python loop over the real
+    per-layer leaves of an unrolled stack (`LayerSlices`), as the model itself ran."""
+    if any(isinstance(x, LayerSlices) for x in xs):
+        return unrolled_loop(lambda c, x: body(consts, c, x), carry, xs)
 
     def step(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         return body(consts, c, x)
 
     return jax.lax.scan(step, carry, xs)
+
+
+def unrolled_loop(layer: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]], carry: list[Any],
+                  xs: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``lax.scan(layer, carry, xs)`` as a Python loop when ``xs`` are `LayerSlices` (an unrolled stack:
+    each layer reads its own real leaves); the per-layer outputs are stacked as a scan's would be."""
+    num = len(xs[0].parts) if isinstance(xs[0], LayerSlices) else int(np.shape(xs[0])[0])
+    ys_all = []
+    for i in range(num):
+        carry, ys = layer(list(carry), [x[i] for x in xs])
+        ys_all.append(ys)
+    ys = [jax.numpy.stack(parts) for parts in zip(*ys_all)] if ys_all and ys_all[0] else []
+    return list(carry), ys
 
 
 def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any], *,
@@ -177,10 +221,10 @@ def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Seque
     stacked = set(stack.stacked_leaves) if stack is not None else set()
     env: dict[Any, Any] = {}
     lazy: dict[Any, int] = {}
-    for i, (v, x) in enumerate(zip(jaxpr.invars, [*param_leaves, *rest_leaves])):
+    for i, (v, x) in enumerate(zip(jaxpr.invars, [*traced.virtual(param_leaves), *rest_leaves])):
         env[v] = x
         if read_param is not None and i < n and i not in stacked:
-            lazy[v] = i
+            lazy[v] = traced.real_index(i)
 
     def read(v: Any) -> Any:
         if isinstance(v, jex.Literal):
@@ -192,7 +236,8 @@ def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Seque
     for v, c in zip(jaxpr.constvars, traced.closed.consts):
         env[v] = c
     for k, eqn in enumerate(jaxpr.eqns):
-        if stack is not None and k == stack.eqn_index and (layer_loop is not None or block is not None):
+        if stack is not None and k == stack.eqn_index and (layer_loop is not None or block is not None
+                                                           or traced.groups is not None):
             vals = [read(v) for v in eqn.invars]
             nc, ncar = stack.num_consts, stack.num_carry
             body = lambda consts, carry, x: run_block(stack, consts, carry, x, block)  # noqa: E731
@@ -290,7 +335,7 @@ def part_usage(traced: TracedLoss) -> PartUsage:
 def _inputs_env(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any]) -> dict[Any, Any]:
     jaxpr = traced.closed.jaxpr
     env = dict(zip(jaxpr.constvars, traced.closed.consts))
-    env.update(zip(jaxpr.invars, [*param_leaves, *rest_leaves]))
+    env.update(zip(jaxpr.invars, [*traced.virtual(param_leaves, slices=False), *rest_leaves]))
     return env
 
 

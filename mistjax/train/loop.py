@@ -15,11 +15,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tyro
 from flax import nnx
 
 import models
@@ -45,27 +46,48 @@ class TrainingDivergedError(FloatingPointError):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run (all flags of scripts/pretrain.py)."""
+    """One training run. `scripts/pretrain.py` generates its flags from these fields (tyro): the comment
+    after a field is its ``--help`` text."""
 
-    model: str = "gpt3-tiny"  # preset name (python -m models --list)
-    steps: int = 50  # optimizer steps to run (in total, counting steps before a resume)
+    model: str = "gpt3-tiny"  # model preset (python -m models --list)
+    steps: int = 50  # total optimizer steps, counting those before a resume
     global_batch: int = 16  # sequences per optimizer step
     seq_len: int = 32  # tokens per sequence
-    learning_rate: float = 3e-3  # peak AdamW learning rate
-    warmup_steps: int = 5  # linear warm-up before cosine decay
+    learning_rate: Annotated[float, tyro.conf.arg(aliases=("--lr",))] = 3e-3  # peak AdamW learning rate
+    warmup_steps: Annotated[int, tyro.conf.arg(aliases=("--warmup",))] = 5  # linear warm-up steps before cosine decay
     seed: int = 0  # parameter init and data order
-    data: str | None = None  # flat uint16/uint32 token file; None = synthetic repeating data
-    token_dtype: str = "uint16"  # dtype of the token file
-    plan: str | None = None  # plan JSON file; None = data parallelism over all devices; "auto" = tune
-    compute_dtype: str = "float32"  # bfloat16 for mixed precision (fp32 master weights)
-    metrics: str | None = None  # JSON-lines file, one record per step
-    log_every: int = 1  # progress-bar refresh interval in steps
-    ckpt_dir: str | None = None  # checkpoint directory; None = no checkpoints
-    ckpt_every: int = 100  # save every this many steps (and after the last step)
+    data: str | None = None  # flat binary token file (default: synthetic tokens)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # dtype of the token file
+    plan: Annotated[str | None, tyro.conf.arg(help=(
+        'plan JSON file, or "auto" to tune a plan on the first batch (mistjax.autoshard); default: data '
+        "parallelism over all devices"))] = None
+    compute_dtype: Annotated[Literal["float32", "bfloat16"], tyro.conf.arg(aliases=("--dtype",), help=(
+        "matmul dtype; bfloat16 for mixed precision (fp32 master weights)"))] = "float32"
+    metrics: str | None = None  # JSON-lines file, one record per step (step, loss, step_time_s, tokens_per_s, mfu)
+    log_every: int = 10  # without a progress bar (--no-progress, or output not a terminal): a log line every N steps
+    ckpt_dir: str | None = None  # checkpoint directory (orbax: sharded, async, atomic); default: no checkpoints
+    ckpt_every: int = 100  # save every N steps (and after the last step)
     keep: int = 3  # newest checkpoints kept; older ones are deleted
-    resume: bool = False  # continue from the newest usable checkpoint in ckpt_dir, if any
-    async_ckpt: bool = True  # write checkpoints in the background
-    hardware: str | None = None  # mistjax.hardware preset for MFU (e.g. "h100"); None = no MFU
+    resume: bool = False  # continue from the newest usable checkpoint in --ckpt-dir (start fresh if none)
+    async_ckpt: bool = True  # write checkpoints in the background (--no-async-ckpt: in the foreground)
+    hardware: str | None = None  # hardware preset for MFU, e.g. h100, a100-80gb, l4 (MFU = 6*params*tokens/s / peak)
+
+    def __post_init__(self) -> None:
+        positive = {"steps": "--steps", "global_batch": "--global-batch", "seq_len": "--seq-len",
+                    "ckpt_every": "--ckpt-every", "keep": "--keep", "log_every": "--log-every"}
+        for name, flag in positive.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} {value!r}: must be a positive integer")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"--warmup {self.warmup_steps!r}: must be a non-negative integer")
+        if not (isinstance(self.learning_rate, int | float) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            raise ValueError(f"--lr {self.learning_rate!r}: the learning rate must be a positive number, e.g. 3e-4")
+        if self.token_dtype not in ("uint16", "uint32"):
+            raise ValueError(f"--token-dtype {self.token_dtype!r}: use uint16 or uint32")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype {self.compute_dtype!r}: use float32 or bfloat16")
 
 
 @dataclass
@@ -257,6 +279,7 @@ def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -
             ckpt.close()
         raise
     step, state, start = setup.step, setup.state, setup.start
+    _log(step.summary())  # the plan (a tuned one too) and what each knob did, before the first step
     result = TrainResult(plan=setup.plan, start_step=start)
     meta = _run_meta(cfg, setup.plan)
     tokens = cfg.global_batch * cfg.seq_len
@@ -287,9 +310,10 @@ def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -
             result.losses.append(loss)
             result.tokens_per_s.append(tokens / dt)
             if bar is not None:
-                if i % cfg.log_every == 0 or i == cfg.steps - 1:
-                    bar.set_postfix(_postfix(record), refresh=False)
+                bar.set_postfix(_postfix(record), refresh=False)
                 bar.update(1)
+            elif is_primary() and ((i + 1) % cfg.log_every == 0 or i == cfg.steps - 1 or i == start):
+                _log(_log_line(i, cfg.steps, record))
             done = i + 1
             if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
                 if not bool(_all_finite(state)):  # never let a checkpoint hold NaN/inf
@@ -335,8 +359,16 @@ def _postfix(record: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def _log_line(i: int, total: int, record: dict[str, Any]) -> str:
+    """One log line per `log_every` steps when there is no progress bar (no carriage returns in logs)."""
+    return f"step {i + 1}/{total}: " + ", ".join(f"{k} {v}" for k, v in _postfix(record).items())
+
+
 def _progress(total: int, start: int, enabled: bool) -> Any:
-    if not enabled:
+    """A tqdm bar on a terminal; None (plain log lines instead) when disabled or stderr is not a TTY."""
+    import sys
+
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm.auto import tqdm
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -162,8 +164,34 @@ def _cut_allows(s: np.ndarray, G: int, best_cost: float | None) -> np.ndarray:
         return (G - 1) * s <= best_cost
 
 
+_BANNER_SILENCED: list[bool] = []
+
+
+def _silence_highs_banner() -> None:
+    """HiGHS prints its copyright banner to the C-level stdout when the process's first solver is built,
+    whatever the log options say: build that first one with stdout pointed at /dev/null."""
+    if _BANNER_SILENCED:
+        return
+    _BANNER_SILENCED.append(True)
+    try:
+        import highspy
+    except ImportError:
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _run_solver(prob: cp.Problem, options: dict) -> str:
     """Solve with HiGHS and return the cvxpy status (a seam that tests can patch)."""
+    if not options.get("verbose"):
+        _silence_highs_banner()
     with warnings.catch_warnings():
         # cvxpy warns "Solution may be inaccurate" on a time limit. We issue our own, clearer warning.
         warnings.filterwarnings("ignore", message="Solution may be inaccurate", category=UserWarning)
