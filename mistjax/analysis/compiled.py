@@ -17,6 +17,7 @@ import numpy as np
 import sympy as sp
 from numpy.typing import ArrayLike
 
+from mistjax.analysis.kernels import CompiledKernels, compile_kernels
 from mistjax.analysis.poly import B, S, T
 from mistjax.analysis.profile import ModelProfile, PartProfile
 
@@ -41,6 +42,7 @@ class CompiledProfile:
     fn: Callable[..., list[Any]]
     divisors: tuple[sp.Expr, ...]
     divisor_fn: Callable[..., list[Any]]
+    kernels: CompiledKernels | None = field(default=None, compare=False, repr=False)  # the parts' kernel tables
     # Scalar points already evaluated: the tuner asks for the same (b, s, t) of a key hundreds of times,
     # and one evaluation of every expression costs ~30 ms however small the arrays are.
     _scalar_cache: dict[tuple[float, float, float], dict[str, np.ndarray]] = field(
@@ -171,7 +173,9 @@ def compile_profile(profile: ModelProfile) -> CompiledProfile:
     fn = sp.lambdify((B, S, T), [exprs[n] for n in names], modules="numpy", cse=True)
     divs = _divisors(profile)
     divisor_fn = sp.lambdify((B, S, T), list(divs) or [sp.Integer(0)], modules="numpy")
-    return CompiledProfile(profile=profile, names=names, fn=fn, divisors=divs, divisor_fn=divisor_fn)
+    parts = [p for p in profile.parts.values() if p.kernels]
+    kernels = compile_kernels(parts) if len(parts) == len(profile.parts) else None
+    return CompiledProfile(profile=profile, names=names, fn=fn, divisors=divs, divisor_fn=divisor_fn, kernels=kernels)
 
 
 def part_values(values: Mapping[str, np.ndarray], part: PartProfile | str) -> dict[str, np.ndarray]:
