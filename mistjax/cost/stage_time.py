@@ -27,7 +27,7 @@ from mistjax.cost.collectives import (
     p2p_time,
 )
 from mistjax.cost.interference import overlap_time
-from mistjax.cost.kernels import kernel_times
+from mistjax.cost.kernels import kernel_rows
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import unique_rows
 from mistjax.cost.workload import OPTIMIZERS, Workload
@@ -114,18 +114,25 @@ def _pass_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, ki
     """
     if workload.compiled.kernels is None:  # a profile without kernel tables: the FLOP roofline
         return _flop_times(workload, cluster, k, v, kinds)
-    kt = kernel_times(workload, cluster.device, k.b, k.t)
+    shape = np.broadcast_shapes(np.shape(k.b), np.shape(k.t), np.shape(k.policy))
+    rows, inv = kernel_rows(workload, cluster.device, k.b, k.t)
     pols, off = workload.policies, kinds.offload_policy
 
-    def pick(phase: str) -> np.ndarray:
-        return v.block.pick(lambda p: kt[("block", f"{phase}[{p}]")], pols, k.policy)
+    def get(part: str, key: str) -> np.ndarray:
+        return rows[(part, key)][inv].reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.t)))
 
-    out = {"f_plain": kt[("block", "fwd[none]")], "b_plain": kt[("block", "bwd[none]")],
-           "f_remat": pick("fwd"), "b_remat": pick("bwd"),
-           "f_off": kt.get(("block", f"fwd[{off}]"), kt[("block", "fwd[none]")]),
-           "b_off": kt.get(("block", f"bwd[{off}]"), kt[("block", "bwd[none]")])}
+    def pick(phase: str) -> np.ndarray:  # the checkpointed layers' policy, per strategy
+        table = np.stack([rows[("block", f"{phase}[{p}]")] for p in pols], axis=1)  # [rows, policies]
+        row = np.broadcast_to(inv.reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.t))), shape)
+        return table[row, np.broadcast_to(np.asarray(k.policy, dtype=np.int64), shape)]
+
+    out = {"f_plain": get("block", "fwd[none]"), "b_plain": get("block", "bwd[none]"),
+           "f_remat": pick("fwd"), "b_remat": pick("bwd")}
+    has_off = ("block", f"fwd[{off}]") in rows
+    out["f_off"] = get("block", f"fwd[{off}]") if has_off else out["f_plain"]
+    out["b_off"] = get("block", f"bwd[{off}]") if has_off else out["b_plain"]
     for part in ("pre", "post"):
-        out[f"{part}_fwd"], out[f"{part}_bwd"] = kt[(part, "fwd[none]")], kt[(part, "bwd[none]")]
+        out[f"{part}_fwd"], out[f"{part}_bwd"] = get(part, "fwd[none]"), get(part, "bwd[none]")
     return out
 
 

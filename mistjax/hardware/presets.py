@@ -93,6 +93,23 @@ class DeviceSpec:
                 raise ValueError(f"device.{f}: expected a LinkModel")
 
 
+    def gemm_efficiency(self, m: Any, n: Any, k: Any) -> np.ndarray:
+        """Fraction of the peak a GEMM of ``m x k`` by ``k x n`` reaches (vectorised; before the memory roofline).
+
+        ``matmul_efficiency * k / (k + matmul_k_half) * tile(m) * tile(n)`` with ``tile(x) = x / (T ceil(x / T))``
+        for the tile edge ``T = matmul_tile``: a short contraction pays the tile's fixed load / store work, and
+        m, n are padded to whole tiles (docs/cost_model.md, "Kernels").
+        """
+        k = np.maximum(np.asarray(k, dtype=np.float64), 1.0)
+        edge = self.matmul_tile
+
+        def tile(x: Any) -> np.ndarray:
+            x = np.maximum(np.asarray(x, dtype=np.float64), 1.0)
+            return x / (np.ceil(x / edge) * edge)
+
+        return self.matmul_efficiency * k / (k + self.matmul_k_half) * tile(m) * tile(n)
+
+
 def _pick(keys: list[int], want: int) -> int:
     """Largest key <= want, or the smallest key when want is below all of them."""
     below = [k for k in keys if k <= want]

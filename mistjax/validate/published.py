@@ -304,7 +304,7 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
         return {**head, "error": p.error}
     a = p.analysis
     return {
-        **head, "predicted_time_s": p.step_time, "time_ratio": p.time_ratio,
+        **head, "predicted_time_s": p.step_time, "untimed_s": p.untimed, "time_ratio": p.time_ratio,
         "predicted_stage_peak_mib": [x / MiB for x in p.stage_peaks], "memory_ratio": p.memory_ratio,
         "predicted_stage_memory_mib": [{k: v / MiB for k, v in m.items()} for m in a.stage_memory],
         "predicted_stage_host_mib": [x / MiB for x in a.stage_host],
