@@ -219,13 +219,14 @@ def test_bench_json_has_the_documented_keys(tiny_file, tmp_path, capsys):
     pts = {p["id"]: p for p in doc["points"]}
     assert len(pts) == 4  # the run that did not complete is predicted too
     assert pts["mist-oom"]["measured_time_s"] is None and pts["mist-oom"]["predicted_time_s"] > 0
-    assert pts["mist-pp2-opt"]["runtime_ok"] is False and pts["mist-pp2-opt"]["predicted_time_s"] > 0
-    assert any("offload_opt" in n for n in pts["mist-pp2-opt"]["notes"])
-    assert any("unfused" in n for n in pts["mist-pp2-opt"]["notes"])
+    # The MPMD executor runs per-stage offload; the model runs the attention the run ran.
+    assert pts["mist-pp2-opt"]["runtime_ok"] is True and pts["mist-pp2-opt"]["predicted_time_s"] > 0
+    assert all(p["flash_attention_priced"] for p in pts.values())
     assert [q["megatron"] for q in pts["mist-pp2"]["speedup_pairs"]] == ["meg-dp2"]
     for p in pts.values():  # the breakdowns add up to the predicted step
-        assert sum(p["time_by_resource_s"].values()) == pytest.approx(p["predicted_time_s"], rel=1e-6)
-        assert sum(p["time_by_structure_s"].values()) == pytest.approx(p["predicted_time_s"], rel=1e-6)
+        step = p["predicted_time_s"] + p["untimed_s"]  # untimed: the optimizer step a run's timing leaves out
+        assert sum(p["time_by_resource_s"].values()) == pytest.approx(step, rel=1e-6)
+        assert sum(p["time_by_structure_s"].values()) == pytest.approx(step, rel=1e-6)
         assert p["time_by_resource_s"]["matmul"] > 0 and p["time_by_resource_s"]["memory_bound"] > 0
     printed = capsys.readouterr().out
     assert "meg-dp2" in printed and "predicted speedup" in printed and "median_abs_log_ratio" in printed

@@ -20,6 +20,7 @@ from mistjax.analysis.cache import cache_dir, load_profile, profile_key, save_pr
 from mistjax.analysis.flops import FlopCount, count_graph
 from mistjax.analysis.fused import check_blocks, unit_bytes
 from mistjax.analysis.graph import Graph, build_graph
+from mistjax.analysis.kernels import PassKernels, graph_kernels
 from mistjax.analysis.memory import alias_roots, nbytes_fn, peak_candidates
 from mistjax.analysis.parts import WEIGHT, PartFn, split_parts, vjp_jaxprs
 from mistjax.analysis.poly import ZERO, Poly, S, T, max_expr, prune_dominated, total
@@ -123,6 +124,11 @@ class PassAnalysis:
     def fused_bytes(self) -> Poly:
         """Bytes the fused-attention calls read and write on one device (one kernel's memory traffic)."""
         return unit_bytes(self.g.units, self.local_bytes)
+
+    def kernels(self) -> PassKernels:
+        """The kernels a GPU compiler makes of this pass (`mistjax.analysis.kernels`), per device."""
+        return graph_kernels(self.g, lambda v: self.local_bytes(v, self.res.states.get(v, REP)), self._shapes,
+                             self.fused_bytes())
 
     def collectives(self, phase: str) -> list[Collective]:
         return [
@@ -239,8 +245,9 @@ def _analyze_part(
     base_coll = {}
     for c in fwd0.res.collectives + bwd0.res.collectives:
         base_coll[c.kind] = base_coll.get(c.kind, ZERO) + c.nbytes * c.count
-    saved, fpk, bpk, recompute, tp_re = {}, {}, {}, {}, {}
+    saved, fpk, bpk, recompute, tp_re, kernels = {}, {}, {}, {}, {}, {}
     for pol, (fp, bp) in passes.items():
+        kernels[f"fwd[{pol}]"], kernels[f"bwd[{pol}]"] = fp.kernels(), bp.kernels()
         saved[pol] = _saved(fp, part).to_sympy()
         fpk[pol] = fp.peak()
         wg = [v for v, k in zip(bp.g.outvars, part.diff_kind) if k == WEIGHT]
@@ -279,6 +286,7 @@ def _analyze_part(
         fused_flops=(fwd0.fused_flops() + bwd0.fused_flops()).total.to_sympy(),
         fused_matmul_flops=(fwd0.fused_flops() + bwd0.fused_flops()).matmul.to_sympy(),
         fused_bytes=(fwd0.fused_bytes() + bwd0.fused_bytes()).to_sympy(),
+        kernels=kernels,
     ), passes
 
 

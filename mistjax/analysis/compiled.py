@@ -17,6 +17,7 @@ import numpy as np
 import sympy as sp
 from numpy.typing import ArrayLike
 
+from mistjax.analysis.kernels import CompiledKernels, compile_kernels
 from mistjax.analysis.poly import B, S, T
 from mistjax.analysis.profile import ModelProfile, PartProfile
 
@@ -41,12 +42,13 @@ class CompiledProfile:
     fn: Callable[..., list[Any]]
     divisors: tuple[sp.Expr, ...]
     divisor_fn: Callable[..., list[Any]]
+    kernels: CompiledKernels | None = field(default=None, compare=False, repr=False)  # the parts' kernel tables
     # Scalar points already evaluated: the tuner asks for the same (b, s, t) of a key hundreds of times,
     # and one evaluation of every expression costs ~30 ms however small the arrays are.
     _scalar_cache: dict[tuple[float, float, float], dict[str, np.ndarray]] = field(
         default_factory=dict, compare=False, repr=False)
 
-    def __call__(self, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> dict[str, np.ndarray]:
+    def __call__(self, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> Mapping[str, np.ndarray]:
         """All quantities at ``(b, s, t)`` (broadcast together), as read-only float64 arrays."""
         b, s, t = (np.asarray(x, dtype=np.float64) for x in (b, s, t))
         shape = np.broadcast_shapes(b.shape, s.shape, t.shape)
@@ -57,6 +59,15 @@ class CompiledProfile:
                 self._scalar_cache[key] = dict(zip(self.names, (np.asarray(v, dtype=np.float64) for v in
                                                                 self.fn(one * key[0], one * key[1], one * key[2]))))
             return {n: np.broadcast_to(v, shape) for n, v in self._scalar_cache[key].items()}
+        if math.prod(shape) > 4096:  # many strategies, few distinct sizes: evaluate each size once, then gather
+            cols = [np.broadcast_to(x, shape).ravel() for x in (b, s, t)]
+            key = np.zeros(cols[0].shape, dtype=np.int64)
+            for col in cols:
+                u, inv = np.unique(col, return_inverse=True)
+                key = key * len(u) + inv
+            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+            out = self.fn(*(c[first] for c in cols))
+            return _Gathered(dict(zip(self.names, out)), inverse, shape)
         out = self.fn(b, s, t)
         return {n: np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for n, v in zip(self.names, out)}
 
@@ -79,6 +90,27 @@ class CompiledProfile:
         for d in self.divisor_fn(b, s, t):
             ok &= np.mod(np.broadcast_to(d, shape), t) == 0
         return ok
+
+
+class _Gathered(Mapping[str, np.ndarray]):
+    """Quantities evaluated at distinct sizes, expanded to the strategies only when read (callers read a few)."""
+
+    def __init__(self, rows: dict[str, Any], inverse: np.ndarray, shape: tuple[int, ...]) -> None:
+        self._rows, self._inverse, self._shape = rows, inverse, shape
+        self._done: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._done:
+            v = np.asarray(self._rows[name], dtype=np.float64)
+            self._done[name] = (v[self._inverse] if v.ndim else np.full(self._inverse.shape, float(v))).reshape(
+                self._shape)
+        return self._done[name]
+
+    def __iter__(self) -> Any:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 class PartValues:
@@ -171,7 +203,9 @@ def compile_profile(profile: ModelProfile) -> CompiledProfile:
     fn = sp.lambdify((B, S, T), [exprs[n] for n in names], modules="numpy", cse=True)
     divs = _divisors(profile)
     divisor_fn = sp.lambdify((B, S, T), list(divs) or [sp.Integer(0)], modules="numpy")
-    return CompiledProfile(profile=profile, names=names, fn=fn, divisors=divs, divisor_fn=divisor_fn)
+    parts = [p for p in profile.parts.values() if p.kernels]
+    kernels = compile_kernels(parts) if len(parts) == len(profile.parts) else None
+    return CompiledProfile(profile=profile, names=names, fn=fn, divisors=divs, divisor_fn=divisor_fn, kernels=kernels)
 
 
 def part_values(values: Mapping[str, np.ndarray], part: PartProfile | str) -> dict[str, np.ndarray]:

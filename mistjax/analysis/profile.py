@@ -94,6 +94,9 @@ class PartProfile:
         primitives), all of it / the matmul share; a cost model may price them as one kernel.
       fused_bytes: bytes those kernels read and write (q, k, v, o, lse; backward also dO, dq, dk,
         dv): their memory traffic as single kernels.
+      kernels: per pass, ``fwd[policy]`` / ``bwd[policy]`` -> `mistjax.analysis.kernels.PassKernels`: the
+        GEMMs by shape, the bytes and count of the fusion kernels and the fused-attention calls a GPU
+        compiler makes of the pass (the time model prices these; `mistjax.analysis.kernels`).
     """
 
     name: str
@@ -115,6 +118,7 @@ class PartProfile:
     fused_flops: sp.Expr = sp.Integer(0)
     fused_matmul_flops: sp.Expr = sp.Integer(0)
     fused_bytes: sp.Expr = sp.Integer(0)
+    kernels: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def policies(self) -> tuple[str, ...]:

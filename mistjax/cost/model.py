@@ -44,6 +44,8 @@ class StageCost:
     flops_xla: np.ndarray = field(default_factory=lambda: np.zeros(()))  # FLOPs as XLA's cost_analysis counts
     flops_xla_step: np.ndarray = field(default_factory=lambda: np.zeros(()))  # once-per-step part of `flops_xla`
     comm: dict[str, np.ndarray] = field(default_factory=dict)  # collective result bytes per step, by kind
+    optimizer_step: np.ndarray = field(default_factory=lambda: np.zeros(()))  # seconds of `delta` in the optimizer
+    # step: the update and the ZeRO-1/2 re-gather of the updated parameters
 
     @property
     def xla_cpu_peak(self) -> np.ndarray:
@@ -179,7 +181,8 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"], memory=memory,
                      peak=peak, feasible=(peak <= cluster.memory_budget()) & ok_tp, host=states.host + act_host,
                      host_acts=act_host, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
-                     comm={kd: ext[f"comm.{kd}"] for kd in ("all-gather", "reduce-scatter", "all-reduce")})
+                     comm={kd: ext[f"comm.{kd}"] for kd in ("all-gather", "reduce-scatter", "all-reduce")},
+                     optimizer_step=ext["update"] + ext["regather"])
 
 
 __all__ = ["MEMORY_CATEGORIES", "StageCost", "StageStrategies", "layer_kinds", "stage_cost", "state_bytes"]

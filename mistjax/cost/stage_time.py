@@ -27,6 +27,7 @@ from mistjax.cost.collectives import (
     p2p_time,
 )
 from mistjax.cost.interference import overlap_time
+from mistjax.cost.kernels import kernel_rows
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import unique_rows
 from mistjax.cost.workload import OPTIMIZERS, Workload
@@ -104,18 +105,61 @@ def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: tup
     return total
 
 
-def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
-                kinds: LayerKinds) -> dict[str, np.ndarray]:
-    """Forward and backward seconds of one micro-batch on the stage (layers + pre/post + p2p)."""
+def _pass_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, kinds: LayerKinds
+                ) -> dict[str, np.ndarray]:
+    """Compute seconds of one layer per kind and phase, and of pre / post (`mistjax.cost.kernels`).
+
+    Plain layers run the forward and backward without remat; checkpointed layers their policy's forward and
+    backward (which recomputes); activation-offloaded layers those of the offload policy.
+    """
+    if workload.compiled.kernels is None:  # a profile without kernel tables: the FLOP roofline
+        return _flop_times(workload, cluster, k, v, kinds)
+    shape = np.broadcast_shapes(np.shape(k.b), np.shape(k.t), np.shape(k.policy))
+    rows, inv = kernel_rows(workload, cluster.device, k.b, k.t)
+    pols, off = workload.policies, kinds.offload_policy
+
+    def get(part: str, key: str) -> np.ndarray:
+        return rows[(part, key)][inv].reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.t)))
+
+    def pick(phase: str) -> np.ndarray:  # the checkpointed layers' policy, per strategy
+        table = np.stack([rows[("block", f"{phase}[{p}]")] for p in pols], axis=1)  # [rows, policies]
+        row = np.broadcast_to(inv.reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.t))), shape)
+        return table[row, np.broadcast_to(np.asarray(k.policy, dtype=np.int64), shape)]
+
+    out = {"f_plain": get("block", "fwd[none]"), "b_plain": get("block", "bwd[none]"),
+           "f_remat": pick("fwd"), "b_remat": pick("bwd")}
+    has_off = ("block", f"fwd[{off}]") in rows
+    out["f_off"] = get("block", f"fwd[{off}]") if has_off else out["f_plain"]
+    out["b_off"] = get("block", f"bwd[{off}]") if has_off else out["b_plain"]
+    for part in ("pre", "post"):
+        out[f"{part}_fwd"], out[f"{part}_bwd"] = get(part, "fwd[none]"), get(part, "bwd[none]")
+    return out
+
+
+def _flop_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, kinds: LayerKinds
+                ) -> dict[str, np.ndarray]:
+    """`_pass_times` from FLOPs alone (matmul at peak x efficiency, the rest at 2 x itemsize bytes per FLOP)."""
     fp32 = _fp32(workload)
     blk = v.block
     f_c = _compute(cluster, fp32, blk.fwd_flops, blk.fwd_matmul_flops)
     b_c = _compute(cluster, fp32, blk.bwd_flops, blk.bwd_matmul_flops)
     mm_ratio = blk.fwd_matmul_flops / np.maximum(blk.fwd_flops, 1.0)
     rec = blk.pick(blk.recompute_flops, workload.policies, k.policy)
-    r_c = _compute(cluster, fp32, rec, rec * mm_ratio)
     rec_off = blk.recompute_flops(kinds.offload_policy)
-    r_off = _compute(cluster, fp32, rec_off, rec_off * mm_ratio)
+    out = {"f_plain": f_c, "b_plain": b_c, "f_remat": f_c, "f_off": f_c,
+           "b_remat": b_c + _compute(cluster, fp32, rec, rec * mm_ratio),
+           "b_off": b_c + _compute(cluster, fp32, rec_off, rec_off * mm_ratio)}
+    for name, part in (("pre", v.pre), ("post", v.post)):
+        out[f"{name}_fwd"] = _compute(cluster, fp32, part.fwd_flops, part.fwd_matmul_flops)
+        out[f"{name}_bwd"] = _compute(cluster, fp32, part.bwd_flops, part.bwd_matmul_flops)
+    return out
+
+
+def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
+                kinds: LayerKinds) -> dict[str, np.ndarray]:
+    """Forward and backward seconds of one micro-batch on the stage (layers + pre/post + p2p)."""
+    blk = v.block
+    c = _pass_times(workload, cluster, k, v, kinds)
     tlink = _tp_link(cluster, k)
     tp_f, tp_b = _tp_time(blk, "fwd", k, tlink), _tp_time(blk, "bwd", k, tlink)
     tp_rec = _tp_recompute_time(workload, v, k, tlink)
@@ -138,18 +182,19 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     ovl = cluster.interference
 
     # Each backward re-fetches the layer's weights (gather / H2D) next to its gradient reduce-scatter.
-    f_plain = overlap_time(f_c, fetch_ag, fetch_h2d, 0.0, ovl) + tp_f
-    b_plain = overlap_time(b_c, fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b
-    f_off = overlap_time(f_c, fetch_ag, fetch_h2d, act_out, ovl) + tp_f
-    b_off = overlap_time(b_c + r_off, fetch_ag + grad_rs, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
-    b_rem = overlap_time(b_c + r_c, fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
-    fwd = (kinds.n_plain + kinds.n_remat) * f_plain + kinds.n_off * f_off
+    f_plain = overlap_time(c["f_plain"], fetch_ag, fetch_h2d, 0.0, ovl) + tp_f
+    f_remat = overlap_time(c["f_remat"], fetch_ag, fetch_h2d, 0.0, ovl) + tp_f
+    b_plain = overlap_time(c["b_plain"], fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b
+    f_off = overlap_time(c["f_off"], fetch_ag, fetch_h2d, act_out, ovl) + tp_f
+    b_off = overlap_time(c["b_off"], fetch_ag + grad_rs, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
+    b_rem = overlap_time(c["b_remat"], fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
+    fwd = kinds.n_plain * f_plain + kinds.n_remat * f_remat + kinds.n_off * f_off
     bwd = kinds.n_plain * b_plain + kinds.n_off * b_off + kinds.n_remat * b_rem
 
     # pre / post, and the ZeRO-3 gather of non-stacked weights once per micro-batch (serial).
-    for part, on in ((v.pre, k.first), (v.post, k.last)):
-        pf = _compute(cluster, fp32, part.fwd_flops, part.fwd_matmul_flops) + _tp_time(part, "fwd", k, tlink)
-        pb = _compute(cluster, fp32, part.bwd_flops, part.bwd_matmul_flops) + _tp_time(part, "bwd", k, tlink)
+    for name, part, on in (("pre", v.pre, k.first), ("post", v.post, k.last)):
+        pf = c[f"{name}_fwd"] + _tp_time(part, "fwd", k, tlink)
+        pb = c[f"{name}_bwd"] + _tp_time(part, "bwd", k, tlink)
         fwd, bwd = fwd + np.where(on, pf, 0.0), bwd + np.where(on, pb, 0.0)
     z3 = (zero >= 3) & (p > 1)
     other_ag = np.where(z3, _ag(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)

@@ -69,6 +69,12 @@ class DeviceSpec:
     # Host seconds to dispatch one jitted program or device_put (the MPMD pipeline issues many per step);
     # default: the floor scripts/bench_mpmd.py measured for JAX 0.10.2 on the 2-core dev VM (0.15 ms).
     dispatch_seconds: float = 1.5e-4
+    # Kernel pricing (mistjax.cost.kernels, docs/cost_model.md "Kernels"):
+    matmul_k_half: float = 32.0  # contraction length at which a GEMM reaches half its large-k efficiency
+    matmul_tile: float = 128.0  # GEMM tile edge: m and n are padded to multiples of it
+    kernel_overhead: float = 3e-6  # seconds every kernel costs on top of its roofline (launch, ramp, tail)
+    fused_attention_kernels: bool = True  # fused attention runs as one kernel skipping masked tiles (cuDNN,
+    # FlashAttention); False: as the blockwise kernel's plain operations (XLA:CPU)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -80,9 +86,32 @@ class DeviceSpec:
         for f in ("matmul_efficiency", "memory_efficiency", "usable_memory_fraction"):
             _check_num("device", f, getattr(self, f), at_most_one=True)
         _check_num("device", "dispatch_seconds", self.dispatch_seconds, positive=False)
+        _check_num("device", "matmul_tile", self.matmul_tile)
+        for f in ("matmul_k_half", "kernel_overhead"):
+            _check_num("device", f, getattr(self, f), positive=False)
+        if not isinstance(self.fused_attention_kernels, bool):
+            raise ValueError("device.fused_attention_kernels: expected true or false, got "
+                             f"{self.fused_attention_kernels!r}")
         for f in ("host_to_device", "device_to_host"):
             if not isinstance(getattr(self, f), LinkModel):
                 raise ValueError(f"device.{f}: expected a LinkModel")
+
+
+    def gemm_efficiency(self, m: Any, n: Any, k: Any) -> np.ndarray:
+        """Fraction of the peak a GEMM of ``m x k`` by ``k x n`` reaches (vectorised; before the memory roofline).
+
+        ``matmul_efficiency * k / (k + matmul_k_half) * tile(m) * tile(n)`` with ``tile(x) = x / (T ceil(x / T))``
+        for the tile edge ``T = matmul_tile``: a short contraction pays the tile's fixed load / store work, and
+        m, n are padded to whole tiles (docs/cost_model.md, "Kernels").
+        """
+        k = np.maximum(np.asarray(k, dtype=np.float64), 1.0)
+        edge = self.matmul_tile
+
+        def tile(x: Any) -> np.ndarray:
+            x = np.maximum(np.asarray(x, dtype=np.float64), 1.0)
+            return x / (np.ceil(x / edge) * edge)
+
+        return self.matmul_efficiency * k / (k + self.matmul_k_half) * tile(m) * tile(n)
 
 
 def _pick(keys: list[int], want: int) -> int:
@@ -352,7 +381,8 @@ def _pow2_upto(n: int) -> list[int]:
 def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
     """A `DeviceSpec` from its document; fields named in ``split_across_devices`` are divided among the devices."""
     _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
-            frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds"}))
+            frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds", "matmul_k_half",
+                       "matmul_tile", "kernel_overhead", "fused_attention_kernels"}))
     split = doc.get("split_across_devices", [])
     if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
         raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "

@@ -12,11 +12,14 @@ fill / drain, once-per-step work). `summarize` and `speedup_pairs` give what
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mistjax.core.plan import Plan, PlanError, StagePlan
+import numpy as np
+
+from mistjax.core.plan import Plan, StagePlan
 from mistjax.cost.predict import Analysis, analyze
 from mistjax.cost.workload import Workload
 from mistjax.hardware import ClusterSpec, LinkModel
@@ -31,7 +34,7 @@ from mistjax.validate.published_format import (
 
 MiB, GiB = 2**20, 2**30
 # Resources whose time `time_by_resource` attributes, in print order; "shared" is what no single one removes.
-RESOURCES = ("matmul", "memory_bound", "collectives", "p2p", "host_copies")
+RESOURCES = ("matmul", "memory_bound", "launch", "collectives", "p2p", "host_copies")
 _FREE = 1e9  # factor that makes a resource free without leaving the validated (finite) range
 
 
@@ -47,10 +50,12 @@ class RunPrediction:
     by_structure: dict[str, float]  # seconds: steady micro-batches, pipeline fill/drain, once-per-step
     runtime_ok: bool  # the mistjax runtime can run the plan as it is
     notes: tuple[str, ...]  # what the prediction approximates for this run
+    untimed: float = 0.0  # predicted seconds of the step the run's timing leaves out (its optimizer step)
 
     @property
     def step_time(self) -> float:
-        return self.analysis.step_time
+        """Predicted seconds of what the run timed (the whole step less `untimed`)."""
+        return self.analysis.step_time - self.untimed
 
     @property
     def stage_peaks(self) -> tuple[float, ...]:
@@ -120,15 +125,12 @@ def _policies(plan: Plan) -> tuple[str, ...] | None:
 
 
 def _runtime_check(plan: Plan) -> str | None:
-    """Why the mistjax runtime cannot run ``plan`` today (None: it can)."""
-    if plan.num_stages == 1:
-        return None
-    from mistjax.runtime.pipelined import check_pipelined_plan
+    """Why the mistjax runtime cannot run ``plan`` today (None: it can).
 
-    try:
-        check_pipelined_plan(plan)
-    except PlanError as e:
-        return str(e)
+    Single-stage plans run on the SPMD step, pipelined ones on the MPMD executor, which takes per-stage
+    ZeRO, remat and offload settings (docs/pipelines.md); `Plan` validation already refused the rest.
+    """
+    del plan
     return None
 
 
@@ -145,6 +147,8 @@ def _free(cluster: ClusterSpec, resource: str) -> ClusterSpec:
                                                peak_flops_fp32=dev.peak_flops_fp32 * _FREE))
     if resource == "memory_bound":
         return replace(cluster, device=replace(dev, hbm_bandwidth=dev.hbm_bandwidth * _FREE))
+    if resource == "launch":
+        return replace(cluster, device=replace(dev, kernel_overhead=0.0))
     if resource == "collectives":
         return replace(cluster, intra_node={k: _scaled(v) for k, v in cluster.intra_node.items()},
                        inter_node={k: _scaled(v) for k, v in cluster.inter_node.items()})
@@ -181,16 +185,38 @@ def time_by_structure(a: Analysis, plan: Plan) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- predicting
+_UNTIMED_OPTIMIZER = re.compile(r"optimizer[^.;]*not timed|exclud\w* the optimizer|without the optimizer", re.I)
+
+
+def excludes_optimizer(run: PublishedRun) -> bool:
+    """The run's time leaves the optimizer step out (its ``timing_scope`` says so, as Mist's benchmark does)."""
+    return bool(_UNTIMED_OPTIMIZER.search(run.measured.timing_scope))
+
+
+def optimizer_seconds(workload: Workload, plan: Plan, cluster: ClusterSpec) -> float:
+    """Predicted seconds of the optimizer step in ``plan``'s step: the update and the ZeRO-1/2 re-gather of the
+    updated parameters (the slowest stage's)."""
+    from mistjax.cost.model import stage_cost
+    from mistjax.cost.predict import plan_strategies
+
+    return float(np.max(stage_cost(workload, cluster, plan_strategies(workload, plan, cluster)).optimizer_step))
+
+
 def predict_run(run: PublishedRun) -> RunPrediction:
-    """Price one run with the cost model (see the module docstring)."""
+    """Price one run with the cost model (see the module docstring).
+
+    The model runs the attention the run ran: fused (``flash_attention``) or unfused (``attention="xla"``).
+    A run whose timing leaves the optimizer step out is compared without it (`excludes_optimizer`).
+    """
     plan = to_plan(run)
     cluster = cluster_for(run)
-    config = model_config(run.model, run.dtype)
+    config = model_config(run.model, run.dtype).replace(attention="fused" if run.flash_attention else "xla")
     workload = zoo_workload(config, run.model.seq_len, run.global_batch, _policies(plan))
     a = analyze(workload, plan, cluster)
     notes = list(a.notes)
-    if run.flash_attention:
-        notes.append("flash_attention: priced as unfused attention (the model has no fused-attention option yet)")
+    untimed = optimizer_seconds(workload, plan, cluster) if excludes_optimizer(run) else 0.0
+    if untimed:
+        notes.append("timing leaves the optimizer step out: compared without the predicted update and re-gather")
     if run.dtype != "float32":
         notes.append(f"{run.precision.split()[0]}: compute in bf16; parameters, gradients and optimizer state "
                      "priced in fp32 (mistjax's storage)")
@@ -199,7 +225,8 @@ def predict_run(run: PublishedRun) -> RunPrediction:
         notes.append(f"runtime cannot run this plan today: {why}")
     return RunPrediction(run=run, plan=plan, cluster=cluster, analysis=a,
                          by_resource=time_by_resource(workload, plan, cluster, a.step_time),
-                         by_structure=time_by_structure(a, plan), runtime_ok=why is None, notes=tuple(notes))
+                         by_structure=time_by_structure(a, plan), runtime_ok=why is None, notes=tuple(notes),
+                         untimed=untimed)
 
 
 def predict_all(runs: PublishedRuns) -> list[RunPrediction | RunFailure]:
@@ -269,7 +296,7 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
         "id": r.id, "kind": r.kind, "system": r.system, "framework": r.framework,
         "model": r.model.preset or model_config(r.model).name, "seq_len": r.model.seq_len,
         "cluster": f"{r.hardware.preset}:{r.hardware.nodes}x{r.hardware.per_node}",
-        "flash_attention": r.flash_attention, "flash_attention_priced": False, "precision": r.precision,
+        "flash_attention": r.flash_attention, "flash_attention_priced": True, "precision": r.precision,
         "plan": to_plan(r).to_dict(), "ran": r.ran, "measured_time_s": meas.iter_time_s,
         "measured_stage_peak_mib": list(meas.stage_peak_allocated_mib) if meas.stage_peak_allocated_mib else None,
     }
@@ -277,7 +304,7 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
         return {**head, "error": p.error}
     a = p.analysis
     return {
-        **head, "predicted_time_s": p.step_time, "time_ratio": p.time_ratio,
+        **head, "predicted_time_s": p.step_time, "untimed_s": p.untimed, "time_ratio": p.time_ratio,
         "predicted_stage_peak_mib": [x / MiB for x in p.stage_peaks], "memory_ratio": p.memory_ratio,
         "predicted_stage_memory_mib": [{k: v / MiB for k, v in m.items()} for m in a.stage_memory],
         "predicted_stage_host_mib": [x / MiB for x in a.stage_host],

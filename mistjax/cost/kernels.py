@@ -1,0 +1,113 @@
+"""Seconds of a part's passes, priced kernel by kernel as the device runs them.
+
+The analysis lists each pass's kernels (`mistjax.analysis.kernels`): GEMMs by shape, fusion kernels by the
+bytes they move, fused-attention calls. Here each is priced on the device (docs/cost_model.md, "Kernels"):
+
+* GEMM: ``max(flops / (peak * eff), bytes / (hbm * memory_efficiency)) + kernel_overhead`` with the device's
+  shape efficiency ``eff = DeviceSpec.gemm_efficiency(m, n, k)`` (a short contraction and m, n padded to whole
+  tiles cost throughput): small and skinny GEMMs run below peak.
+* Fusion kernels: ``bytes / (hbm * memory_efficiency) + count * kernel_overhead``.
+* Fused attention (``fused_attention_kernels``): one kernel per call, its matmul FLOPs at the GEMM efficiency
+  of the head dim (half of them when the kernel is causal: cuDNN / FlashAttention skip masked tiles), its
+  elementwise work at the fp32 peak, at least its bytes over the memory bandwidth; otherwise (XLA:CPU runs
+  the blockwise kernel as ordinary operations) the pass's plain kernel table.
+
+Evaluated once per distinct ``(b, t)`` of the strategies (the sequence length is the workload's) and cached
+on the workload, so `stage_cost` stays vectorised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mistjax.analysis.kernels import KernelArrays
+from mistjax.cost.layout import unique_rows
+
+_CACHE = "kernel-times"  # key prefix in Workload.layout_cache
+
+
+def _device_key(dev: Any, fp32: bool) -> tuple[Any, ...]:
+    return (dev.peak_flops, dev.peak_flops_fp32, dev.hbm_bandwidth, dev.matmul_efficiency, dev.memory_efficiency,
+            dev.matmul_k_half, dev.matmul_tile, dev.kernel_overhead, dev.fused_attention_kernels, fp32)
+
+
+def gemm_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
+    """Seconds of a pass's GEMMs at each point (sum over its GEMMs)."""
+    if ka.gemm_m.shape[-1] == 0:
+        return np.zeros(ka.fusion_bytes.shape)
+    peak = dev.peak_flops_fp32 if fp32 else dev.peak_flops
+    flops = 2.0 * ka.gemm_batch * ka.gemm_m * ka.gemm_n * ka.gemm_k
+    compute = flops / (peak * dev.gemm_efficiency(ka.gemm_m, ka.gemm_n, ka.gemm_k))
+    memory = ka.gemm_bytes / (dev.hbm_bandwidth * dev.memory_efficiency)
+    each = np.where(flops > 0, np.maximum(compute, memory) + dev.kernel_overhead, 0.0)
+    return np.sum(each * ka.gemm_count, axis=-1)
+
+
+def unit_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
+    """Seconds of a pass's fused-attention calls, each one kernel."""
+    peak = dev.peak_flops_fp32 if fp32 else dev.peak_flops
+    skip = 0.5 if ka.causal else 1.0
+    d = float(ka.head_dim or 128)
+    # Half the matmul FLOPs are score products (k = d), half probability x value products (n = d).
+    tile = dev.matmul_tile
+    eff = 1.0 / (0.5 / float(dev.gemm_efficiency(tile, tile, d)) + 0.5 / float(dev.gemm_efficiency(tile, d, tile)))
+    compute = skip * (ka.unit_matmul_flops / (peak * eff) + ka.unit_other_flops / dev.peak_flops_fp32)
+    memory = ka.unit_bytes / (dev.hbm_bandwidth * dev.memory_efficiency)
+    return np.where(ka.unit_count > 0, np.maximum(compute, memory) + ka.unit_count * dev.kernel_overhead, 0.0)
+
+
+def pass_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
+    """Seconds of one pass's kernels at each point."""
+    fusions = ka.fusion_bytes / (dev.hbm_bandwidth * dev.memory_efficiency) + ka.fusion_count * dev.kernel_overhead
+    return gemm_seconds(ka, dev, fp32) + fusions + unit_seconds(ka, dev, fp32)
+
+
+def _tables(workload: Any, dev: Any, b: np.ndarray, s: float, t: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
+    """Seconds of every (part, pass) at the points ``(b, s, t)`` (1-D arrays)."""
+    fp32 = workload.compute_dtype == "float32"
+    arrays = workload.compiled.kernels(b, np.full_like(b, s), t)
+    plain = not dev.fused_attention_kernels
+    out = {}
+    for (part, key), ka in arrays.items():
+        if key.endswith("|plain"):
+            continue
+        chosen = arrays.get((part, f"{key}|plain"), ka) if plain else ka
+        out[(part, key)] = pass_seconds(chosen, dev, fp32)
+    return out
+
+
+def kernel_rows(workload: Any, dev: Any, b: Any, t: Any) -> tuple[dict[tuple[str, str], np.ndarray], np.ndarray]:
+    """Seconds of every ``(part, "fwd[policy]" | "bwd[policy]")`` of one micro-batch at the distinct
+    ``(b, t)`` of the strategies: ``(name -> [rows] seconds, row index of every strategy (flat))``.
+
+    Raises:
+      ValueError: the workload's profile has no kernel tables (a profile built without `analyze_model`).
+    """
+    if workload.compiled.kernels is None:
+        raise ValueError(f"the profile of {workload.name!r} has no kernel tables; rebuild the workload with "
+                         "mistjax.analysis.analyze_model (Workload.from_loss / models.workload)")
+    b, t = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(t, dtype=np.float64))
+    s = float(workload.seq_len)
+    cache = workload.layout_cache.setdefault((_CACHE, _device_key(dev, workload.compute_dtype == "float32"), s), {})
+    rows, inv = unique_rows([b.ravel(), t.ravel()])
+    keys = [tuple(float(x) for x in r) for r in rows]
+    missing = [r for r in keys if r not in cache]
+    if missing:
+        mb, mt = (np.array(c, dtype=np.float64) for c in zip(*missing))
+        tables = _tables(workload, dev, mb, s, mt)
+        for i, key in enumerate(missing):
+            cache[key] = {name: float(v[i]) for name, v in tables.items()}
+    names = list(cache[keys[0]])
+    return {n: np.array([cache[r][n] for r in keys]) for n in names}, inv
+
+
+def kernel_times(workload: Any, dev: Any, b: Any, t: Any) -> dict[tuple[str, str], np.ndarray]:
+    """`kernel_rows` broadcast to the strategies: ``(part, pass) -> seconds`` shaped like ``b`` and ``t``."""
+    shape = np.broadcast_shapes(np.shape(b), np.shape(t))
+    table, inv = kernel_rows(workload, dev, b, t)
+    return {n: v[inv].reshape(shape) for n, v in table.items()}
+
+
+__all__ = ["gemm_seconds", "kernel_rows", "kernel_times", "pass_seconds", "unit_seconds"]
