@@ -218,8 +218,8 @@ def predict_run(run: PublishedRun) -> RunPrediction:
     if untimed:
         notes.append("timing leaves the optimizer step out: compared without the predicted update and re-gather")
     if run.dtype != "float32":
-        notes.append(f"{run.precision.split()[0]}: compute in bf16; parameters, gradients and optimizer state "
-                     "priced in fp32 (mistjax's storage)")
+        notes.append(f"{run.precision.split()[0]}: priced as bf16 compute, weights and gradients with an fp32 "
+                     "master copy and fp32 moments")
     why = _runtime_check(plan)
     if why:
         notes.append(f"runtime cannot run this plan today: {why}")

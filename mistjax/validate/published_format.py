@@ -344,7 +344,10 @@ def _check_consistent(run: PublishedRun, head: str) -> None:
 
 
 def model_config(rec: ModelRecord, dtype: str = "float32", where: str = "model") -> Any:
-    """The `models.ModelConfig` of a model record, computing in ``dtype``.
+    """The `models.ModelConfig` of a model record, computing in and storing its weights in ``dtype``.
+
+    16-bit runs keep an fp32 master copy in the optimizer state (`models.workload`'s default), as
+    Megatron-LM's ``--fp16`` / ``--bf16`` and Mist's ``params_dtype=float16`` do.
 
     A preset gives the architecture (a shape given with it must agree); a shape alone builds a config
     of its family (RoPE fraction as in the zoo: 0 for GPT-3, 0.25 otherwise, unless given). GPT-3's
@@ -374,7 +377,7 @@ def model_config(rec: ModelRecord, dtype: str = "float32", where: str = "model")
                 raise PublishedRunsError(f"{where}.{key}: {given!r} disagrees with preset {rec.preset!r} "
                                          f"({attr} = {getattr(base, attr)!r}); fix the shape or drop the preset")
         try:
-            return base.replace(max_seq_len=table, dtype=dtype)
+            return base.replace(max_seq_len=table, dtype=dtype, param_dtype=dtype)
         except ValueError as e:
             raise PublishedRunsError(f"{where}: {e}") from None
     rotary = rec.rotary_pct if rec.rotary_pct is not None else (0.0 if rec.family == "gpt3" else 0.25)
@@ -382,7 +385,8 @@ def model_config(rec: ModelRecord, dtype: str = "float32", where: str = "model")
     try:
         return ModelConfig(name=name, family=rec.family, vocab_size=rec.vocab, hidden_size=rec.hidden,
                            num_layers=rec.layers, num_heads=rec.heads, num_kv_heads=rec.kv_heads, ffn_size=rec.ffn,
-                           max_seq_len=table, rotary_pct=rotary, dtype=dtype)
+                           max_seq_len=table, rotary_pct=rotary, dtype=dtype,
+                           param_dtype=dtype)
     except ValueError as e:
         raise PublishedRunsError(f"{where}: {e}") from None
 
