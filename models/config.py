@@ -52,6 +52,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype name ("float32" | "bfloat16" | "float16")
     param_dtype: str = "float32"  # storage dtype of the master weights
     attention: str = "fused"  # one of ATTENTIONS: "fused" (default) | "blockwise" | "cudnn" | "xla" | "reference"
+    loss_chunks: int = 8  # sequence slices the fused LM head + cross-entropy runs in (models.head_loss)
     attention_block: int = DEFAULT_BLOCK_SIZE  # keys per block of the blockwise kernel ("fused" / "blockwise")
 
     def __post_init__(self) -> None:
@@ -86,6 +87,9 @@ class ModelConfig:
                 raise bad(field, f"unknown dtype {getattr(self, field)!r}; use one of {DTYPES}")
         if self.attention not in ATTENTIONS:
             raise bad("attention", f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
+        if not isinstance(self.loss_chunks, numbers.Integral) or isinstance(self.loss_chunks, bool) \
+                or self.loss_chunks <= 0:
+            raise bad("loss_chunks", f"must be a positive integer (sequence slices), got {self.loss_chunks!r}")
         if (not isinstance(self.attention_block, numbers.Integral) or isinstance(self.attention_block, bool)
                 or self.attention_block <= 0):
             raise bad("attention_block", f"must be a positive integer (keys per block), got {self.attention_block!r}")

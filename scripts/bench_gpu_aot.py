@@ -5,7 +5,7 @@ Usage::
     python scripts/bench_gpu_aot.py [--json FILE] [--cells ID,ID] [--top N]
 
 For each cell (a published or representative plan on an L4 / A100 / H100 cluster) the runtime's real
-train step (bf16 compute, fp32 master weights, AdamW) is compiled for the cluster's GPUs without GPUs
+train step (bf16 compute and weights, an fp32 master copy, AdamW) is compiled for the cluster's GPUs without GPUs
 (`mistjax.validate.gpu_aot`), and XLA:GPU's per-device memory is printed next to the cost model's
 prediction (`mistjax.cost.predict.analyze`) and, for published runs, the measured peak. Then, per cell,
 the largest values live at XLA's memory peak and the async collectives. Needs ``pip install
@@ -161,15 +161,14 @@ def as_model_categories(breakdown: dict[str, int]) -> dict[str, int]:
 def run_cell(cell: Cell, top: int, dump: str | None = None) -> dict[str, Any]:
     import models
     from mistjax.cost.predict import analyze
-    from mistjax.cost.workload import Workload
     from mistjax.hardware import ClusterSpec
     from mistjax.validate.gpu_aot import predicted_split, verify_model, zoo_step
 
-    cfg = models.get_config(cell.model).replace(dtype="bfloat16")
+    cfg = models.get_config(cell.model).replace(dtype="bfloat16", param_dtype="bfloat16")
     cluster = ClusterSpec.parse(cell.cluster)
     plan = build_plan(cell, cfg.num_layers, cluster.num_devices)
     t = time.perf_counter()
-    analysis = analyze(Workload.from_model(cfg, cell.seq, cell.global_batch), plan, cluster)
+    analysis = analyze(models.workload(cfg, cell.seq, cell.global_batch), plan, cluster)
     t_model = time.perf_counter() - t
     keep = os.path.join(dump, cell.id) if dump else None
     report = verify_model(cfg, cell.seq, cell.global_batch, plan, cluster, keep_dump=keep)

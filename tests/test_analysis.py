@@ -55,7 +55,9 @@ def _xla_total_compiled(compiled) -> float:
 
 def _setup(name: str, **changes):
     """(config, graphdef, abstract state, loss): nothing is initialised (tracing needs shapes only)."""
-    cfg = models.get_config(name).replace(**changes)
+    # One slice of the fused LM head: XLA's cost analysis counts a loop body once, and a one-trip loop is
+    # removed, so whole-program FLOP and collective counts compare one to one (slices: test_models.py).
+    cfg = models.get_config(name).replace(**{"loss_chunks": 1, **changes})
     model = nnx.eval_shape(lambda: models.build(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     return cfg, graphdef, state, make_loss_fn(graphdef)
@@ -148,7 +150,7 @@ def test_model_flops_match_xla(name):
     # The whole training step (loss + grads): a one-layer model, since XLA counts a scan body once.
     _, _, state1, loss1 = _setup(name, num_layers=1)
     whole = sum(_at(p.fwd_flops + p.bwd_flops, b, s) for p in (prof.pre, prof.block, prof.post))
-    assert whole == pytest.approx(_xla_total(jax.grad(loss1), state1, real), rel=0.02)
+    assert whole == pytest.approx(_xla_total(jax.grad(loss1), state1, real), rel=tol)  # the layer dominates
 
 
 # ------------------------------------------------------------------------------------ fits and traces
@@ -190,7 +192,8 @@ def test_symbolic_profile_equals_direct_traces(name, tiny):
 
 @pytest.mark.parametrize("name", TINY)
 def test_saved_bytes_match_jax_residuals(name, tiny):
-    """What jax.vjp of jax.checkpoint(layer, policy) keeps, minus weights and input-independent constants."""
+    """What jax.vjp of jax.checkpoint(layer, policy) keeps, minus weights, values of the weights alone (casts:
+    the runtime recomputes them rather than keeping one per micro-batch) and input-independent constants."""
     cfg, gd, state, loss, prof = tiny[name]
     b, s = 3, 40  # not a fit point
     part = split_parts(trace_loss(loss, state, *token_batch(b, s)))["block"]
@@ -203,18 +206,22 @@ def test_saved_bytes_match_jax_residuals(name, tiny):
         for key in keys
     ]
     weights = [[x for x, k in zip(d, part.diff_kind) if k == "weight"] for d in inputs]
+    # inputs[0]'s weights with inputs[1]'s activations: a residual equal under both depends on weights only
+    same_weights = [x if k == "weight" else y for x, y, k in zip(inputs[0], inputs[1], part.diff_kind)]
 
     for pol in prof.block.policies:
         f = lambda dd: part.fn(dd, [])  # noqa: E731
         if pol != "none":
             f = jax.checkpoint(f, policy=remat_policy(pol))
         residuals = jax.jit(lambda d: jax.tree.leaves(jax.vjp(f, d)[1]))  # noqa: B023
-        r1, r2 = residuals(inputs[0]), residuals(inputs[1])
+        r1, r2, r3 = residuals(inputs[0]), residuals(inputs[1]), residuals(same_weights)
         kept: list[tuple[np.ndarray, np.ndarray]] = []
-        for x, y in zip(r1, r2):
-            x, y = np.asarray(x), np.asarray(y)
+        for x, y, z in zip(r1, r2, r3):
+            x, y, z = np.asarray(x), np.asarray(y), np.asarray(z)
             if any(x.shape == w.shape and np.array_equal(x, w) for w in weights[0]):
                 continue  # a weight: counted as weight bytes
+            if not np.array_equal(x, y) and np.array_equal(x, z):
+                continue  # a function of the weights alone (a cast): not kept per micro-batch
             if np.array_equal(x, y):
                 continue  # the same for every input: a constant XLA folds (masks, zero fills)
             if any(x.shape == k.shape and np.array_equal(x, k) and np.array_equal(y, k2) for k, k2 in kept):
@@ -268,14 +275,10 @@ DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4
 
 
 def _hlo_collectives(text: str) -> list[tuple[str, int]]:
-    out = []
-    for m in COLL_RE.finditer(text):
-        sizes = [
-            DT_BYTES[dt] * int(np.prod([int(x) for x in dims.split(",") if x]))
-            for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m["type"])
-        ]
-        out.append((m["op"], sizes[-1] if m["async"] else sum(sizes)))
-    return out
+    """(op, bytes per step) of each collective instruction: its result bytes times its loops' trip counts."""
+    from mistjax.core.hlo import collectives
+
+    return [(c.op, c.result_bytes * c.trips) for c in collectives(text)]
 
 
 def test_megatron_collectives_symbolic(tiny):
@@ -292,9 +295,9 @@ def test_megatron_collectives_symbolic(tiny):
     assert sp.simplify(blk.tp_bytes("reduce-scatter", "bwd").subs(T, 2) - 2 * hid) == 0
     assert blk.tp_bytes("all-reduce", "fwd") == 0
     assert blk.tp_bytes().subs(T, 1) == 0  # no collectives without tensor parallelism
-    assert (
-        prof.post.tp_calls("all-reduce", "fwd").subs(T, 2) == 3
-    )  # vocab-parallel max, sum-exp, target logit
+    # vocab-parallel max, sum-exp and target logit (+ the dx partial sums), once per slice of the fused head
+    chunks = cfg.loss_chunks
+    assert prof.post.tp_calls("all-reduce", "fwd").subs(T, 2) == 4 * chunks
     assert prof.pre.tp_calls("reduce-scatter", "fwd").subs(T, 2) == 1  # vocab-parallel embedding
     assert set(blk.tp_divisors) >= {sp.Integer(cfg.num_heads), sp.Integer(cfg.ffn_size), S}
 

@@ -72,7 +72,8 @@ def test_predict_and_analyze(wl):
     pipe = analyze(wl, uniform_plan(4, 8, micro_batch=1, stages=2, grad_accum=4), A100)
     assert len(pipe.stage_fwd) == 2 and pipe.mist_step_time > 0
     acts = [m["activations"] for m in pipe.stage_memory]
-    assert acts[0] == acts[1], "SPMD residual pools: every stage holds the largest stage's pools"
+    # MPMD: stage 0 holds min(S, G) = 2 micro-batches' residuals, the last stage (fused F+B program) one
+    assert acts[0] > acts[1] > 0
 
 
 def test_hlo_counter_reads_tuple_collectives():

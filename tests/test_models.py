@@ -220,6 +220,7 @@ BASE = models.get_config("llama-tiny")
     ({"family": "bert"}, "family"), ({"dtype": "float64"}, "dtype"), ({"param_dtype": "int8"}, "param_dtype"),
     ({"attention": "flash"}, "attention"), ({"attention_block": 0}, "attention_block"),
     ({"attention_block": True}, "attention_block"), ({"norm_eps": 0.0}, "norm_eps"),
+    ({"loss_chunks": 0}, "loss_chunks"),
     ({"family": "gpt3"}, "rotary_pct"),  # gpt3 has learned positions, llama-tiny has rotary 0.25
 ])
 def test_config_validation(changes, field):
@@ -245,3 +246,46 @@ def test_cli_lists_every_preset():
     help_out = subprocess.run([sys.executable, "-m", "models", "--help"], cwd=REPO, capture_output=True,
                               text=True, check=True, timeout=120).stdout
     assert "--list" in help_out
+
+
+# ----------------------------------------------------------------------------------- fused LM head
+@pytest.mark.parametrize("name", ["gpt3-tiny", "llama-tiny"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_head_matches_plain_cross_entropy(name, masked):
+    """Loss and every gradient of the fused head + cross-entropy equal the materialised-logits loss."""
+    cfg = models.get_config(name)
+    gd, params = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    rng = np.random.default_rng(0)
+    batch = {k: jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 32)), jnp.int32) for k in ("inputs", "targets")}
+    if masked:
+        batch["mask"] = jnp.asarray(rng.integers(0, 2, (2, 32)))
+    fused, grads = jax.value_and_grad(models.make_loss_fn(gd))(params, batch)
+    plain, ref = jax.value_and_grad(models.make_loss_fn(gd, fused_head=False))(params, batch)
+    np.testing.assert_allclose(float(fused), float(plain), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_fused_head_keeps_one_slice_of_logits():
+    """With 8 slices the head's forward peak holds about one slice's logits, in the analysis (of the
+    whole loss) and in the head's program XLA:CPU compiles; without slicing, the whole batch's."""
+    from mistjax.analysis import analyze_model
+
+    peaks, temps = {}, {}
+    for chunks in (1, 8):
+        cfg = models.get_config("gpt3-tiny").replace(vocab_size=4096, max_seq_len=256, loss_chunks=chunks)
+        gd, params = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        loss = models.make_loss_fn(gd)
+        prof = analyze_model(loss, params, policies=("none",), cache=False)
+        from mistjax.analysis.poly import B, S, T
+
+        peaks[chunks] = float(prof.post.fwd_peak_bytes["none"].subs({B: 4, S: 256, T: 1}))
+        from models.head_loss import linear_cross_entropy
+
+        head = jax.grad(lambda x, w, t, wt, c=chunks: linear_cross_entropy(x, w, t, wt, c), argnums=(0, 1))
+        args = (jax.ShapeDtypeStruct((4, 256, 64), jnp.float32), jax.ShapeDtypeStruct((64, 4096), jnp.float32),
+                jax.ShapeDtypeStruct((4, 256), jnp.int32), jax.ShapeDtypeStruct((4, 256), jnp.float32))
+        temps[chunks] = jax.jit(head).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    logits = 4 * 256 * 4096 * 4  # one fp32 copy of the whole batch's logits
+    assert peaks[1] - peaks[8] > 0.8 * logits
+    assert temps[1] - temps[8] > 0.8 * logits

@@ -122,15 +122,11 @@ OPTIMIZERS = {
 # ------------------------------------------------------------------------------------- schedules
 def test_1f1b_has_no_tick_barrier():
     """Classic 1F1B at S=4, G=16: G + S - 1 operations on the longest chain per direction, the ideal
-    (G + S - 1)(F + B) makespan (the lock-step table costs +26%), and min(S - s, G) in flight."""
+    (G + S - 1)(F + B) makespan (a lock-step run of the table would cost +26%), and min(S - s, G) in flight."""
     S, G = 4, 16
     issue = ms.issue_order("1f1b", S, G)
     assert ms.dependency_depth(issue, S) == {"forward": G + S - 1, "backward": G + S - 1}
     assert ms.simulated_time(issue, S) == pytest.approx((G + S - 1) * 3.0)
-    from mistjax.core import pipeline_time, schedules
-
-    lockstep = pipeline_time.lockstep_time(schedules.make_schedule("1f1b", S, G), 1.0, 2.0)
-    assert lockstep == pytest.approx(1.26 * (G + S - 1) * 3.0, rel=0.01)
     # The last stage fuses forward and backward, so it keeps no residuals at all.
     np.testing.assert_array_equal(ms.residuals_in_flight(issue), [4, 3, 2, 0])
     for g in (4, 8, 32):  # flat in G

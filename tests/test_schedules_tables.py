@@ -38,15 +38,6 @@ def test_schedule_tables(num_stages, num_mb):
         assert ptime.bubble_fraction(S, G, name) == pytest.approx((S - 1) / (G + S - 1))
 
 
-def test_lockstep_penalty_of_classic_1f1b():
-    S, G = 4, 16
-    gpipe = ptime.lockstep_time(sch.gpipe_schedule(S, G), 1.0, 2.0)
-    assert gpipe == pytest.approx((G + S - 1) * 3.0)
-    assert ptime.lockstep_time(sch.eager_one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(gpipe)
-    assert ptime.lockstep_time(sch.one_f_one_b_schedule(S, G), 1.0, 2.0) == pytest.approx(72.0)  # +26%
-    assert ptime.bubble_fraction(S, G, "1f1b", 1.0, 2.0) > ptime.bubble_fraction(S, G, "gpipe", 1.0, 2.0)
-
-
 def test_check_schedule_rejects_bad_tables():
     fwd, bwd = sch.one_f_one_b_schedule(3, 4)
     with pytest.raises(sch.ScheduleError, match="exactly once"):

@@ -162,27 +162,22 @@ def test_plans_are_feasible_under_the_memory_model(real, budget):
     assert res.plan.prediction.peak_memory <= cl.memory_budget() * (1 + 1e-9)
 
 
-def test_eager_schedule_chosen_when_it_is_faster(real):
-    """Llama-22B on 32 L4s: lock-step classic 1F1B pays max(F, B) per tick; 1F1B-eager runs at GPipe's
-    pace with 2S - 1 micro-batches in flight, which remat of every layer makes room for."""
-    # Pinned to unfused attention: the premise is the memory pressure of saved s^2 probabilities. With fused
-    # attention (the default) every eager plan the MILP finds exceeds the budget under the full prediction
-    # (uneven stages vs the shared pools) and the search returns none; reported with the fused-attention work.
+def test_eager_schedule_holds_more_and_gains_nothing_without_lockstep(real):
+    """Llama-22B on 32 L4s: the MPMD executor has no tick barrier, so classic 1F1B already runs at the
+    dependency-bound pace; 1F1B-eager keeps 2S - 1 micro-batches in flight for no speed-up, and the
+    search (which offers it) does not pick it."""
     cfg = models.get_config("llama-22b").replace(dtype="bfloat16", attention="xla")
     w = models.workload(cfg, 2048, 512)
     cl = ClusterSpec.preset("l4", nodes=4, per_node=8)
     space = SearchSpace(tp_degrees=(4,), micro_batches=(1,), mics=False, zero_levels=(1,))
-    classic = search(w, cl, space.replace(schedules=("1f1b",)), cost=real)
-    both = search(w, cl, space, cost=real)
-    assert classic.plan.num_stages > 1 and both.plan.schedule == "1f1b-eager"
-    assert both.prediction.tokens_per_s > 1.05 * classic.prediction.tokens_per_s
-    # The prediction charges the eager table's in-flight micro-batches: more activations than 1F1B's.
+    both = search(w, cl, space.replace(schedules=("1f1b", "1f1b-eager")), cost=real)
+    assert both.plan.num_stages > 1 and both.plan.schedule == "1f1b"
     from mistjax.cost.predict import analyze
 
     plan = both.plan
-    eager, one = analyze(w, plan, cl), analyze(w, plan.replace(schedule="1f1b"), cl)
+    one, eager = analyze(w, plan, cl), analyze(w, plan.replace(schedule="1f1b-eager"), cl)
     assert eager.stage_memory[0]["activations"] > one.stage_memory[0]["activations"]
-    assert eager.step_time < one.step_time
+    assert eager.step_time >= one.step_time * (1 - 1e-6)
 
 
 def _reference_step(cfg_name: str, batch_size: int = 16, seq: int = 32):

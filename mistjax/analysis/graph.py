@@ -121,6 +121,7 @@ class _Builder:
         self.consts: dict[Any, Any] = {}
         self.units: list[UnitCall] = []
         self.unit: tuple[str, int | None] | None = None  # (name, block) of the fused kernel being inlined
+        self._defined: set[Any] = set()  # vars some leaf node already defines (see `_define`)
 
     def fit(self, ref: Any, others: Sequence[Any]) -> None:
         if not _is_var(ref) or ref in self.dims:
@@ -159,6 +160,20 @@ class _Builder:
             dims=self.dims,
             consts=self.consts,
         )
+
+    def _define(self, v: Any, env: dict[Any, Any]) -> Any:
+        """The var a leaf equation defines: a fresh one when ``v`` was defined before (the same inner jaxpr
+        inlined twice, e.g. one jitted helper called per chunk), so each call's buffers live their own span."""
+        if not _is_var(v):
+            return v
+        if v not in self._defined:
+            self._defined.add(v)
+            return v
+        fresh = type(v)(v.aval)
+        if v in self.dims:
+            self.dims[fresh] = self.dims[v]
+        env[v] = fresh
+        return fresh
 
     def _eqns(self, rj: Any, ojs: Sequence[Any], env: dict[Any, Any], nodes: list[Node]) -> None:
         if any(len(o.eqns) != len(rj.eqns) for o in ojs):
@@ -204,7 +219,7 @@ class _Builder:
                 prim=name,
                 params=dict(eqn.params),
                 ins=[sub(v) for v in eqn.invars],
-                outs=list(eqn.outvars),
+                outs=[self._define(v, env) for v in eqn.outvars],
                 eqn=eqn,
                 unit=self.unit[0] if self.unit else None,
                 unit_block=self.unit[1] if self.unit else None,

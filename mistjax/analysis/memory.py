@@ -10,13 +10,20 @@ import numpy as np
 from jax.extend import core as jex
 
 from mistjax.analysis.fused import per_block
-from mistjax.analysis.graph import Graph, constant_nodes, names
+from mistjax.analysis.graph import Graph, Node, constant_nodes, names
 from mistjax.analysis.poly import ZERO, Poly, prune_dominated
 
 ALIAS = names(
     "name reduce_precision reshape squeeze expand_dims copy copy_p optimization_barrier stop_gradient"
 )
 FUSED = frozenset({"broadcast_in_dim", "iota"})
+# Loop fusion: an elementwise result whose only consumer is elementwise or a reduction is computed inside
+# that consumer's kernel (XLA's producer-consumer fusion, on CPU and GPU alike): it has no buffer.
+ELEMENTWISE = names(
+    "add sub mul div neg exp exp2 log log1p expm1 tanh logistic erf erf_inv rsqrt sqrt cbrt abs sign pow "
+    "integer_pow max min select_n convert_element_type eq ne lt le gt ge and or not square clamp"
+)
+FUSING_CONSUMERS = ELEMENTWISE | names("reduce_sum reduce_max reduce_min argmax argmin")
 
 SizeFn = Callable[[Any], Poly]
 
@@ -30,6 +37,11 @@ def alias_roots(graph: Graph) -> dict[Any, Any]:
     root: dict[Any, Any] = {}
     outs = {v for v in graph.outvars if _is_var(v)}
     const = constant_nodes(graph)
+    consumers: dict[Any, list[Node]] = {}
+    for n in graph.nodes:
+        for v in n.ins:
+            if _is_var(v):
+                consumers.setdefault(v, []).append(n)
     for n in graph.nodes:
         if n in const:  # folded or fused by XLA
             root.update((v, None) for v in n.outs)
@@ -43,9 +55,15 @@ def alias_roots(graph: Graph) -> dict[Any, Any]:
                 root[v] = root.get(src, src)
             elif n.prim in FUSED and v not in outs:
                 root[v] = None  # fused into its consumers: no buffer of its own
+            elif n.prim in ELEMENTWISE and v not in outs and _fuses_into_consumer(consumers.get(v, [])):
+                root[v] = None
             else:
                 root[v] = v
     return root
+
+
+def _fuses_into_consumer(users: list[Node]) -> bool:
+    return len(users) == 1 and users[0].prim in FUSING_CONSUMERS and not users[0].subs
 
 
 def nbytes_fn(graph: Graph, local_dims: Callable[[Any], tuple[Poly, ...]] | None = None) -> SizeFn:

@@ -142,6 +142,10 @@ class MpmdStep:
                          for v, b in zip(rest_vars, is_batch))
         args = jax.tree.unflatten(call.args_tree, [*p_avals, *mb_avals])
         traced = trace_loss(call.fun, args[0], *args[1:])
+        if traced.groups is not None:
+            raise PlanError("the plan pipelines a model whose layers run as a Python loop (an unrolled stack); "
+                            "the pipeline executor needs their parameters stacked: build the layers with "
+                            "nnx.scan / nn.scan / lax.scan, or use a plan with one stage")
         if traced.stack is None:
             raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer parameters; "
                             "build the layers with nnx.scan / nn.scan / lax.scan over stacked params, or use a plan "

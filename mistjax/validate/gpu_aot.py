@@ -102,7 +102,7 @@ def plugin_problem() -> str | None:
     """Why the deviceless GPU compile cannot run in this environment, or None if its packages are there."""
     import jax
 
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         return f"the JAX CUDA plugin (jax-cuda12-plugin) is not installed; {INSTALL_HINT}"
     try:
         version = importlib.metadata.version("jax-cuda12-plugin")
@@ -326,7 +326,8 @@ def compile_plan(train_step: Any, state: Any, batch: Any, plan: Plan, cluster: A
 # ---------------------------------------------------------------------------------- the zoo's step
 def zoo_step(config: Any, seq_len: int, global_batch: int, learning_rate: float = 1e-3) -> tuple[Any, Any, Any]:
     """Abstract (state, batch) and the train step of a `models.ModelConfig` with AdamW, as the cost
-    model's `Workload.from_model` assumes (``mistjax.value_and_grad`` of the zoo's cross-entropy)."""
+    model's `models.workload` assumes (``mistjax.value_and_grad`` of the zoo's cross-entropy). 16-bit
+    weights (``config.param_dtype``) keep an fp32 master copy (`mistjax.with_master_weights`)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -337,8 +338,13 @@ def zoo_step(config: Any, seq_len: int, global_batch: int, learning_rate: float 
     from mistjax.train.state import TrainState
     from models import make_loss_fn
 
-    state = nnx.eval_shape(lambda: TrainState.create(models.build(config, rngs=nnx.Rngs(0)),
-                                                     optax.adamw(learning_rate)))
+    tx = optax.adamw(learning_rate)
+    low = config.param_dtype != "float32"
+    if low:
+        tx = mistjax.with_master_weights(tx)
+    full = config.replace(param_dtype="float32")
+    state = nnx.eval_shape(lambda: TrainState.create(models.build(full, rngs=nnx.Rngs(0)), tx,
+                                                     param_dtype=config.param_dtype if low else None))
     loss_fn = make_loss_fn(state.graphdef)
 
     def train_step(state: Any, batch: Any) -> Any:
