@@ -16,7 +16,9 @@ Conventions:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,14 +82,27 @@ class Norm(nnx.Module):
                      if kind == "layernorm" else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
-        if self.kind == "layernorm":
-            x = x - jnp.mean(x, axis=-1, keepdims=True)
-        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        y = y * self.scale[...].astype(jnp.float32)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(self.dtype)
+        bias = self.bias[...] if self.bias is not None else None
+        return recomputed(partial(_normalize, self.kind, self.eps, self.dtype))(x, self.scale[...], bias)
+
+
+def recomputed(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``fn`` that keeps only its inputs for the backward and recomputes the rest (cheap elementwise
+    chains: norms, activations), as Megatron-LM's fused kernels do; without it autodiff would keep every
+    intermediate, several of them in float32."""
+    return jax.checkpoint(fn, prevent_cse=True)
+
+
+def _normalize(kind: str, eps: float, dtype: Any, x: jax.Array, scale: jax.Array, bias: jax.Array | None
+               ) -> jax.Array:
+    x = x.astype(jnp.float32)
+    if kind == "layernorm":
+        x = x - jnp.mean(x, axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(dtype)
 
 
 def apply_rotary(x: jax.Array, rotary_dims: int) -> jax.Array:
@@ -137,8 +152,36 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention through ``jax.nn.dot_product_attention`` (handles GQA itself; fp32 softmax)."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    """Unfused causal attention as Megatron-LM runs it without FlashAttention: score matmul, a masked
+    softmax computed in float32 that keeps only its probabilities in the compute dtype for the backward
+    (`low_precision_softmax`, Megatron's fused scale-mask-softmax), probability x value matmul."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    seq = q.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    probs = low_precision_softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), v.dtype)
+    return jnp.einsum("bnts,bsnd->btnd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def low_precision_softmax(logits: jax.Array, dtype: Any) -> jax.Array:
+    """``softmax(logits)`` (float32 math) returned in ``dtype``; the backward reads only that output."""
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
+
+
+def _softmax_fwd(logits: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    probs = low_precision_softmax(logits, dtype)
+    return probs, probs
+
+
+def _softmax_bwd(dtype: Any, probs: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+    return (p * (g - jnp.sum(g * p, axis=-1, keepdims=True)),)
+
+
+low_precision_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 class Attention(nnx.Module):
@@ -199,7 +242,7 @@ class GeluMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         hidden = checkpoint_name(x @ self.wi[...].astype(dt), "mlp_in")
-        return checkpoint_name(jax.nn.gelu(hidden) @ self.wo[...].astype(dt), "mlp_out")
+        return checkpoint_name(recomputed(jax.nn.gelu)(hidden) @ self.wo[...].astype(dt), "mlp_out")
 
 
 class SwiGLU(nnx.Module):
@@ -217,7 +260,11 @@ class SwiGLU(nnx.Module):
         dt = x.dtype
         gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_in")
         up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_in")
-        return checkpoint_name((jax.nn.silu(gate) * up) @ self.wo[...].astype(dt), "mlp_out")
+        return checkpoint_name(recomputed(_swiglu)(gate, up) @ self.wo[...].astype(dt), "mlp_out")
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
 
 
 class Embed(nnx.Module):

@@ -138,8 +138,10 @@ def test_jaxpr_has_one_top_level_scan_over_stacked_params(tiny_models, name):
     assert carry.shape == (2, 16, cfg.hidden_size) and carry.dtype == jnp.float32
     body_names = {e.params["name"] for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive.name == "name"}
     assert body_names == CHECKPOINT_NAMES
-    # The model never remats by itself.
-    assert not any("checkpoint" in e.primitive.name or "remat" in e.primitive.name for e in jaxpr.eqns)
+    # The model recomputes only elementwise chains by itself (norms, activations: `models.layers.recomputed`);
+    # checkpointing matmuls is the plan's choice.
+    remats = [e for e in jaxpr.eqns if "checkpoint" in e.primitive.name or "remat" in e.primitive.name]
+    assert remats and not any(i.primitive.name == "dot_general" for e in remats for i in e.params["jaxpr"].eqns)
 
 
 @pytest.mark.parametrize("name", TINY)
