@@ -23,8 +23,8 @@ BATCH, SEQ, DEVICES = 16, 16, 8
 
 
 @functools.cache
-def setup(name: str):
-    cfg = models.get_config(name)
+def setup(name: str, **changes):
+    cfg = models.get_config(name).replace(**changes)
     state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1, momentum=0.9))
     loss_fn = make_loss_fn(state.graphdef)
     batch = SyntheticTokens(cfg.vocab_size, SEQ, BATCH, kind="random").batch(0)
