@@ -207,6 +207,14 @@ def test_profile_cache_round_trip_and_bad_files(tmp_path):
     assert again == first and again.passes is None  # served from the file
     a, b = compile_profile(first)(2, 16, 2), compile_profile(again)(2, 16, 2)
     assert all(np.allclose(a[k], b[k]) for k in a)
+    # the time model's kernel tables come back too (without them it falls back to the FLOP roofline)
+    for part in ("pre", "block", "post"):
+        mine, read = first.parts[part].kernels, again.parts[part].kernels
+        assert mine and set(read) == set(mine)
+        for key, k in mine.items():
+            r = read[key]
+            assert [g.flops.terms for g in r.gemms] == [g.flops.terms for g in k.gemms]
+            assert r.fusion_bytes.terms == k.fusion_bytes.terms and r.unit.count.terms == k.unit.count.terms
     for bad in ("{not json", json.dumps({"format": "other", "version": 1}),
                 json.dumps({"format": "mistjax.profile", "version": 1, "key": files[0].stem,
                             "profile": {"pre": {"fn": "__import__", "args": []}}})):

@@ -22,12 +22,14 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import sympy as sp
 
-from mistjax.analysis.poly import B, S, T
+from mistjax.analysis.kernels import Gemm, PassKernels, UnitKernel
+from mistjax.analysis.poly import B, Poly, S, T
 from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
 
 FORMAT = "mistjax.profile"
@@ -108,6 +110,38 @@ def _map(m: Mapping[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:
     return {str(k): f(v) for k, v in m.items()}
 
 
+def poly_to_json(p: Poly) -> list[list[Any]]:
+    """``[[i, j, k, "coefficient"], ...]``: exact (a Fraction written as text)."""
+    return [[*m, str(c)] for m, c in sorted(p.terms.items())]
+
+
+def poly_from_json(doc: Any) -> Poly:
+    return Poly({(int(i), int(j), int(k)): Fraction(c) for i, j, k, c in doc})
+
+
+def kernels_to_json(k: PassKernels) -> dict[str, Any]:
+    u = k.unit
+    return {"gemms": [[poly_to_json(getattr(g, f)) for f in _GEMM] for g in k.gemms],
+            "fusion_bytes": poly_to_json(k.fusion_bytes), "fusion_count": poly_to_json(k.fusion_count),
+            "unit": {**{f: poly_to_json(getattr(u, f)) for f in _UNIT}, "head_dim": int(u.head_dim),
+                     "causal": bool(u.causal)},
+            "plain": None if k.plain is None else kernels_to_json(k.plain)}
+
+
+def kernels_from_json(doc: dict[str, Any]) -> PassKernels:
+    u = doc["unit"]
+    unit = UnitKernel(**{f: poly_from_json(u[f]) for f in _UNIT}, head_dim=int(u["head_dim"]),
+                      causal=bool(u["causal"]))
+    return PassKernels(gemms=tuple(Gemm(*(poly_from_json(x) for x in g)) for g in doc["gemms"]),
+                       fusion_bytes=poly_from_json(doc["fusion_bytes"]),
+                       fusion_count=poly_from_json(doc["fusion_count"]), unit=unit,
+                       plain=None if doc["plain"] is None else kernels_from_json(doc["plain"]))
+
+
+_GEMM = ("batch", "m", "n", "k", "nbytes", "count")
+_UNIT = ("count", "matmul_flops", "other_flops", "nbytes")
+
+
 def part_to_json(p: PartProfile) -> dict[str, Any]:
     doc: dict[str, Any] = {"name": p.name, "notes": list(p.notes)}
     doc.update({k: expr_to_json(getattr(p, k)) for k in _SCALARS})
@@ -118,6 +152,7 @@ def part_to_json(p: PartProfile) -> dict[str, Any]:
                               "summands": int(c.summands)} for c in p.tp_collectives]
     doc["tp_recompute"] = {k: _map(v, expr_to_json) for k, v in p.tp_recompute.items()}
     doc["tp_divisors"] = [expr_to_json(d) for d in p.tp_divisors]
+    doc["kernels"] = {str(k): kernels_to_json(v) for k, v in p.kernels.items()}
     return doc
 
 
@@ -130,7 +165,8 @@ def part_from_json(doc: dict[str, Any]) -> PartProfile:
         name=str(doc["name"]), **{k: expr_from_json(doc[k]) for k in _SCALARS},
         **{k: _map(doc[k], expr_from_json) for k in _MAPS}, tp_collectives=colls,
         tp_recompute={str(k): _map(v, expr_from_json) for k, v in doc["tp_recompute"].items()},
-        tp_divisors=tuple(expr_from_json(d) for d in doc["tp_divisors"]), notes=tuple(str(n) for n in doc["notes"]))
+        tp_divisors=tuple(expr_from_json(d) for d in doc["tp_divisors"]), notes=tuple(str(n) for n in doc["notes"]),
+        kernels={str(k): kernels_from_json(v) for k, v in doc.get("kernels", {}).items()})
 
 
 def profile_to_json(p: ModelProfile) -> dict[str, Any]:
