@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from mistjax.validate.published import PublishedRunsError, load_published
 
     try:
-        runs = load_published(args.data)
+        runs = load_published(args.data).points
     except PublishedRunsError as e:
         raise SystemExit(f"fit_presets: {e}") from None
     if args.preset not in PRESET_NAMES:

@@ -64,13 +64,20 @@ def hf_llama() -> Family:
                       num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64)
     model = FlaxLlamaForCausalLM(cfg, seed=0, dtype=jnp.float32)
 
+    loss_fn = _hf_loss(model)
+    return Family("hf-llama", model.params, loss_fn, token_batch(), unrolled=True)
+
+
+def _hf_loss(model: Any) -> Any:
+    """Next-token loss of a Hugging Face Flax causal LM (ids, all-ones attention mask, positions 0..s-1)."""
+
     def loss_fn(params: Any, batch: Any) -> jax.Array:
         ids = batch["inputs"]
         pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
         logits = model.module.apply({"params": params}, ids, jnp.ones_like(ids), pos).logits
         return xent(logits, batch["targets"])
 
-    return Family("hf-llama", model.params, loss_fn, token_batch(), unrolled=True)
+    return loss_fn
 
 
 def hf_gpt2() -> Family:
@@ -81,12 +88,7 @@ def hf_gpt2() -> Family:
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = FlaxGPT2LMHeadModel(cfg, seed=0, dtype=jnp.float32)
 
-    def loss_fn(params: Any, batch: Any) -> jax.Array:
-        ids = batch["inputs"]
-        pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        logits = model.module.apply({"params": params}, ids, jnp.ones_like(ids), pos).logits
-        return xent(logits, batch["targets"])
-
+    loss_fn = _hf_loss(model)
     return Family("hf-gpt2", model.params, loss_fn, token_batch(), unrolled=True)
 
 
