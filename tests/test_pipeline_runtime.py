@@ -39,7 +39,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,stages,kw", CASES, ids=[f"{n}-S{s}-{i}" for i, (n, s, _) in enumerate(CASES)])
+SLOW_CASES = {1, 4, 5, 6}  # gpipe, ZeRO-3 and TP inside pipelines have their own fast tests: -m slow
+
+
+@pytest.mark.parametrize("name,stages,kw", [
+    pytest.param(*c, id=f"{c[0]}-S{c[1]}-{i}", marks=pytest.mark.slow if i in SLOW_CASES else ())
+    for i, c in enumerate(CASES)])
 def test_pipelined_matches_single_device(name, stages, kw):
     cfg, state, batch, train_step, ref_loss, ref_grads = setup(name)
     step = mistjax.autoshard(train_step, jax.devices(), plan=pipelined_plan(name, stages, **kw))

@@ -107,7 +107,12 @@ def test_single_knob_matches_single_device(knob):
     assert_matches_reference(metrics, ref_loss, ref_grads)
 
 
-@pytest.mark.parametrize("name,knobs", COMBOS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(COMBOS)])
+SLOW_COMBOS = {1, 2, 4, 5, 7, 8}  # one combination per family stays in the default suite; the rest: -m slow
+
+
+@pytest.mark.parametrize("name,knobs", [
+    pytest.param(*c, id=f"{c[0]}-{i}", marks=pytest.mark.slow if i in SLOW_COMBOS else ())
+    for i, c in enumerate(COMBOS)])
 def test_combination_matches_single_device(name, knobs):
     _, metrics, ref_loss, ref_grads = run(name, **knobs)
     assert_matches_reference(metrics, ref_loss, ref_grads)

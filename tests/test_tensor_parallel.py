@@ -82,7 +82,12 @@ HLO_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,knobs", HLO_CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(HLO_CASES)])
+SLOW_HLO = {1, 2, 3}  # the remat cases (one per family) stay in the default suite; the plain ones: -m slow
+
+
+@pytest.mark.parametrize("name,knobs", [
+    pytest.param(*c, id=f"{c[0]}-{i}", marks=pytest.mark.slow if i in SLOW_HLO else ())
+    for i, c in enumerate(HLO_CASES)])
 def test_layer_collectives_are_megatrons(name, knobs):
     """Per layer, forward + backward (+ recompute): the compiled tensor-parallel collectives are exactly
     the analysis's. XLA:CPU emits GSPMD's reduce-scatter as an all-reduce of the full buffer (+ slice),
