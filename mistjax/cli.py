@@ -81,14 +81,17 @@ def load_cluster(spec: str, memory_gib: float | None = None) -> Any:
     return cluster.with_memory(memory_gib * 2**30) if memory_gib is not None else cluster
 
 
-def _workload(args: argparse.Namespace) -> Any:
-
+def _model_config(args: argparse.Namespace) -> Any:
     cfg = load_model_config(args.model).replace(dtype=args.dtype)
     if args.seq_len > cfg.max_seq_len:
         raise CliError(f"--seq-len {args.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
+    return cfg
+
+
+def _workload(args: argparse.Namespace) -> Any:
     import models
 
-    return models.workload(cfg, args.seq_len, args.global_batch)
+    return models.workload(_model_config(args), args.seq_len, args.global_batch)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -112,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot), result)
-    return _verify(workload, plan, cluster) if args.verify else 0
+    return _verify(_model_config(args), workload, plan, cluster) if args.verify else 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -146,7 +149,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  note: {note}")
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
-    return _verify(workload, plan, cluster, report) if args.verify else 0
+    return _verify(_model_config(args), workload, plan, cluster, report) if args.verify else 0
 
 
 def _verify_ready(cluster: Any) -> None:
@@ -162,7 +165,7 @@ def _verify_ready(cluster: Any) -> None:
         raise CliError(f"--verify: {e}") from e
 
 
-def _verify(workload: Any, plan: Plan, cluster: Any, analysis: Any = None) -> int:
+def _verify(config: Any, workload: Any, plan: Plan, cluster: Any, analysis: Any = None) -> int:
     """Compile ``plan`` for ``cluster``'s GPUs (XLA:GPU, deviceless, in a JAX_PLATFORMS=cpu subprocess) and
     print XLA's per-device memory next to the prediction; exit status 1 if XLA says it does not fit."""
     from mistjax.cost.predict import analyze
@@ -171,7 +174,7 @@ def _verify(workload: Any, plan: Plan, cluster: Any, analysis: Any = None) -> in
     print(f"verifying on XLA:GPU for {cluster.nodes}x{cluster.devices_per_node} {cluster.device.name} "
           "(deviceless compile; minutes at full scale)...", flush=True)
     try:
-        report = verify_in_subprocess(workload.config, workload.seq_len, workload.global_batch, plan, cluster)
+        report = verify_in_subprocess(config, workload.seq_len, workload.global_batch, plan, cluster)
     except (GpuAotUnavailable, ValueError) as e:
         raise CliError(f"--verify: {e}") from e
     print(format_verification(report, analysis or analyze(workload, plan, cluster)))
