@@ -18,9 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
 from mistjax.core.plan import Plan, PlanError, StagePlan
-from mistjax.runtime.remat import make_layer_loop
+from mistjax.runtime.accumulate import SliceGrad
+from mistjax.runtime.remat import LayerLoopFn, make_layer_loop
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
-from mistjax.trace.split import LayerLoop, TracedLoss, checkpoint_names, evaluate, trace_loss
+from mistjax.trace.split import TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
 
 MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
@@ -212,7 +213,20 @@ def _sp_constraint(tp: int) -> Callable[[jax.Array], jax.Array]:
     return constrain
 
 
-def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec], plan: Plan) -> LayerLoop | None:
+def _slice_grad(spec: GradSpec, plan: Plan) -> SliceGrad:
+    """How one layer's cotangent of a stored weight slice enters the accumulator (see `_microbatch_grad`)."""
+    lay = spec.layout
+    scatter = per_tensor_shard(lambda v: shard_psum_scatter(v, lay.shard_dim - 1), [d - 1 for d in lay.tensor_dims]
+                               ) if spec.scatter_each_microbatch else None
+
+    def prepare(ct: jax.Array) -> jax.Array:
+        g = grad_dtype_of(plan, _to_device(ct, lay.host))
+        return g if scatter is None else scatter(g)
+
+    return prepare
+
+
+def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec], plan: Plan) -> LayerLoopFn | None:
     """The plan's layer loop for the traced loss (remat, per-layer fetches, activation offload), or None."""
     if traced.stack is None:
         needs_stack = stage.remat_layers > 0 or stage.offload_acts > 0 or any(
@@ -228,41 +242,102 @@ def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec],
         gather=[None if i is None else make_fetch(specs[traced.real_index(i)], traced.groups is None)
                 for i in st.xs_leaf],
         carry_constraint=_sp_constraint(plan.tp), offload_layers=stage.offloaded_layers,
-        offload_names=checkpoint_names(st.body), refetch_plain=True)
+        offload_names=checkpoint_names(st.body), refetch_plain=True,
+        prepare=[None if i is None or traced.groups is not None else _slice_grad(specs[i], plan) for i in st.xs_leaf])
 
 
-MicrobatchGrad = Callable[[list[jax.Array], list[jax.Array]], tuple[jax.Array, Any, list[jax.Array]]]
+def in_loop_leaves(traced: TracedLoss, G: int, acc_host: Sequence[bool]) -> frozenset[int]:
+    """The parameter leaves whose gradients accumulate inside the backward layer loop (one buffer).
+
+    Those are the stacked weights of a scanned stack read by the layer loop only, with a device
+    accumulator, when there is anything to accumulate (G > 1). The others (embedding, head, an
+    unrolled stack's per-layer leaves, host accumulators) add each micro-batch's gradient afterwards.
+    """
+    st = traced.stack
+    if G == 1 or st is None or traced.groups is not None:
+        return frozenset()
+    usage = part_usage(traced)
+    leaves = [i for i in st.xs_leaf if i is not None]
+    avals = traced.closed.jaxpr.invars
+    return frozenset(i for i in leaves if leaves.count(i) == 1 and not acc_host[i] and i not in usage.pre
+                     and i not in usage.post and jnp.issubdtype(avals[i].aval.dtype, jnp.inexact))
+
+
+# ``(params, micro_batch, accumulators or None) -> (loss, aux, grads)``: with accumulators, the entries
+# of the `in_loop_leaves` are the updated accumulators, the others this micro-batch's gradients.
+MicrobatchGrad = Callable[[list[jax.Array], list[jax.Array], list[jax.Array] | None],
+                          tuple[jax.Array, Any, list[jax.Array]]]
 
 
 def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
-                     layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool]) -> MicrobatchGrad:
-    """``(params, micro_batch) -> (loss, aux, grads)`` of one micro-batch, run as the plan says."""
+                     layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool],
+                     in_loop: frozenset[int]) -> MicrobatchGrad:
+    """One micro-batch's loss, aux and gradients, run as the plan says.
+
+    Gradients of the `in_loop` leaves are added into their accumulators inside the backward layer loop
+    (`runtime.accumulate`): those leaves are not differentiated; the accumulators are, with their own
+    value as the cotangent seed of the loop's accumulator output, so their cotangent is the sum.
+    """
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
     layer_loop = _layer_loop(traced, plan.stages[0], specs, plan)
+    xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
+
     def read_param(i: int, v: jax.Array) -> jax.Array:
         # `evaluate` asks only for leaves outside the layer stack (``i`` indexes the real leaves).
         fetch = make_fetch(specs[i], False)
         return v if fetch is None else fetch(v)
 
-    def loss(pl: list[jax.Array], rl: list[jax.Array]) -> tuple[jax.Array, Any]:
-        outs = evaluate(traced, pl, rl, layer_loop=layer_loop, read_param=read_param, block=tp_block)
+    def loss(pl: list[jax.Array], rl: list[jax.Array], sink: dict[int, jax.Array] | None = None
+             ) -> tuple[jax.Array, Any, dict[int, jax.Array]]:
+        loop, box = layer_loop, {}
+        if sink is not None:
+            def loop(body: Any, consts: list[Any], carry: list[Any], xs: list[Any]) -> Any:
+                carry, ys, accs = layer_loop(body, consts, carry, xs, accs=[sink.get(i) for i in xs_leaf])
+                box.update((i, a) for i, a in zip(xs_leaf, accs) if a is not None)
+                return carry, ys
+        outs = evaluate(traced, pl, rl, layer_loop=loop, read_param=read_param, block=tp_block)
         out = jax.tree.unflatten(traced.out_tree, outs)
-        return (out[0], out[1]) if has_aux else (out, None)
+        value, aux = (out[0], out[1]) if has_aux else (out, None)
+        return value, aux, box
 
-    def grad(p_local: list[jax.Array], mb: list[jax.Array]) -> tuple[jax.Array, Any, list[jax.Array]]:
-        (value, aux), g = jax.value_and_grad(loss, has_aux=True)(p_local, mb)
-        # The gradient of a host-streamed weight arrives in host memory (transpose of the fetch); it is
-        # accumulated and reduced in the plan's gradient dtype.
-        g = [grad_dtype_of(plan, _to_device(gi, s.layout.host)) for gi, s in zip(g, specs)]
-        g = [_scatter(gi, s) if s.scatter_each_microbatch else gi for gi, s in zip(g, specs)]
+    def grad(p_local: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array] | None = None
+             ) -> tuple[jax.Array, Any, list[jax.Array]]:
+        if acc is None or not in_loop:
+            (value, aux), g = jax.value_and_grad(lambda p, r: loss(p, r)[:2], has_aux=True)(p_local, mb)
+            return value, aux, [_finish_one(gi, s, plan) for gi, s in zip(g, specs)]
+        diff = [i for i in range(len(p_local)) if i not in in_loop]
+
+        def f(p_diff: list[jax.Array], sink: dict[int, jax.Array]) -> Any:
+            pl = list(p_local)
+            for i, v in zip(diff, p_diff):
+                pl[i] = v
+            value, aux, accs = loss(pl, mb, sink)
+            return (value, accs), aux
+
+        sink = {i: acc[i] for i in in_loop}
+        (value, _), vjp, aux = jax.vjp(f, [p_local[i] for i in diff], sink, has_aux=True)
+        g_diff, sink = vjp((jnp.ones_like(value), sink))
+        g: list[jax.Array] = list(p_local)
+        for i, gi in zip(diff, g_diff):
+            g[i] = _finish_one(gi, specs[i], plan)
+        for i, a in sink.items():
+            g[i] = a
         return value, aux, g
 
     return grad
 
 
+def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan) -> jax.Array:
+    """One micro-batch gradient in the plan's dtype, on device (a host-streamed weight's arrives in host
+    memory: the transpose of its fetch), reduce-scattered under ZeRO-2."""
+    g = grad_dtype_of(plan, _to_device(g, spec.layout.host))
+    return _scatter(g, spec) if spec.scatter_each_microbatch else g
+
+
 def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
-                G: int, acc_host: Sequence[bool]) -> tuple[list[jax.Array], jax.Array, Any]:
-    """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host)."""
+                G: int, acc_host: Sequence[bool], in_loop: frozenset[int]) -> tuple[list[jax.Array], jax.Array, Any]:
+    """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host;
+    the `in_loop` leaves' accumulators updated inside the backward)."""
     mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
     if G == 1:
         loss, aux, acc = grad(p_local, mb0)
@@ -271,9 +346,11 @@ def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Ar
     acc0 = [_to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
 
     def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
-        loss, aux, g = grad(p_local, [x[i] if b else x for x, b in zip(mbs, is_batch)])
+        loss, aux, g = grad(p_local, [x[i] if b else x for x, b in zip(mbs, is_batch)], acc)
         # Offloaded accumulators come in, take this micro-batch's gradient and go back out.
-        return [_to_host(_to_device(a, h) + gi, h) for a, gi, h in zip(acc, g, acc_host)], (loss, aux)
+        acc = [gi if k in in_loop else _to_host(_to_device(a, h) + gi, h)
+               for k, (a, gi, h) in enumerate(zip(acc, g, acc_host))]
+        return acc, (loss, aux)
 
     acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
     acc = [_to_device(a, h) for a, h in zip(acc, acc_host)]
@@ -307,8 +384,9 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         mbs = [_split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
         mb0 = jax.tree.unflatten(r_tree, [x[0] if b else x for x, b in zip(mbs, is_batch)])
         traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)
-        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch)
-        acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host)
+        in_loop = in_loop_leaves(traced, G, acc_host)
+        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, in_loop)
+        acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, in_loop)
         grads = [g * jnp.asarray(scale, g.dtype) for g in _finish_grads(acc, specs, plan, mesh)]
         loss = psum_live(loss_sum, DP_AXES, mesh) * scale
         aux = jax.tree.map(lambda a: psum_live(a, DP_AXES, mesh) * (scale if jnp.issubdtype(a.dtype, jnp.inexact)

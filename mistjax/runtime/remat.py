@@ -15,11 +15,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mistjax.core.policies import GATHERED, offload_policy, remat_policy
 from mistjax.core.stages import layer_segments
+from mistjax.runtime.accumulate import SliceGrad, scan_accumulating
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import unrolled_loop
 from mistjax.trace.unrolled import LayerSlices
 
 Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+# ``loop(body, consts, carry, xs, accs=None)`` (see `make_layer_loop`).
+LayerLoopFn = Callable[..., Any]
 
 
 def _refetching_layer(layer: Layer) -> Layer:
@@ -72,7 +75,7 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                     gather: Sequence[Callable[[Any], Any] | None],
                     carry_constraint: Callable[[Any], Any] | None = None,
                     offload_layers: int = 0, offload_names: Sequence[str] = (),
-                    refetch_plain: bool = False) -> Callable[..., tuple[list[Any], list[Any]]]:
+                    refetch_plain: bool = False, prepare: Sequence[SliceGrad | None] = ()) -> LayerLoopFn:
     """A layer loop for `mistjax.trace.split.evaluate`.
 
     Args:
@@ -88,11 +91,17 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
         residuals hold only activation-dependent values (the MPMD pipeline keeps a stage's residuals
         between its forward and backward programs, where a weight-only one would be one more copy of
         the stage's weights per micro-batch in flight).
+      prepare: per scanned operand, how one layer's weight cotangent enters its accumulator (see
+        `runtime.accumulate`); used when the loop is called with ``accs``.
+
+    Returns:
+      ``loop(body, consts, carry, xs, accs=None)``: ``(carry, ys)``, or ``(carry, ys, accs)`` when
+      `accs` (per scanned operand, its whole-stack gradient accumulator or None) is given.
     """
     any_gather = any(g is not None for g in gather)
 
-    def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any]
-             ) -> tuple[list[Any], list[Any]]:
+    def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any],
+             accs: Sequence[Any] | None = None) -> Any:
         def apply(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(gather, x)]
             c, y = body(consts, c, x)
@@ -119,13 +128,18 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
             # this one and keeps its unroll, so its re-fetches are double-buffered too. A segment of two
             # layers stays a loop of two trips: unrolled, it would be one trip, which XLA inlines and then
             # merges the backward's re-fetch with the forward's (the gathered weights would stay live).
+            unroll = 2 if any_gather and end - start > 2 else 1
             if any(isinstance(x, LayerSlices) for x in seg):  # an unrolled stack: its own leaves per layer
+                if accs is not None:
+                    raise ValueError("in-loop gradient accumulation needs a stacked layer scan")
                 carry, ys = unrolled_loop(fn, carry, seg)
+            elif accs is not None:
+                # The whole-stack accumulators ride through every segment (rows start..end-1 here).
+                carry, accs, ys = scan_accumulating(fn, carry, seg, accs, prepare, start, unroll)
             else:
-                carry, ys = jax.lax.scan(fn, carry, seg, unroll=2 if any_gather and end - start > 2 else 1)
+                carry, ys = jax.lax.scan(fn, carry, seg, unroll=unroll)
             ys_parts.append(ys)
-        if len(ys_parts) == 1:
-            return carry, ys_parts[0]
-        return carry, [jax.numpy.concatenate(parts) for parts in zip(*ys_parts)]
+        ys = ys_parts[0] if len(ys_parts) == 1 else [jax.numpy.concatenate(parts) for parts in zip(*ys_parts)]
+        return (carry, ys) if accs is None else (carry, ys, list(accs))
 
     return loop
