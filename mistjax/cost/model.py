@@ -96,11 +96,16 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     acc_shard = nl * lt["g_layer_shard"] * on_dev + lt["g_other_shard"]
     # One micro-batch's gradients as autodiff produces them (parameter dtype; ZeRO-3's come reduce-
     # scattered), next to the accumulator of the gradient dtype whenever there is one: several micro-
-    # batches, or any pipeline stage (its backward program adds into a donated accumulator).
-    mb_grads = np.where(zero >= 3, grad_shard, grad_full) / scale
+    # batches, or any pipeline stage (its backward program adds into a donated accumulator). The layers'
+    # gradients with a device accumulator are added into it inside the backward layer loop
+    # (`runtime.accumulate`): only the other leaves' (and host-accumulated layers') are whole first.
+    mb_layer = np.where(zero >= 3, lt["g_layer_shard"], full_layer) / scale
+    mb_other = np.where(zero >= 3, lt["g_other_shard"], full_other) / scale
+    mb_grads = nl * mb_layer + mb_other
+    in_loop = nl * mb_layer * on_dev if workload.layer_grads_in_loop else 0.0
     acc = np.where(zero >= 2, acc_shard, acc_full)
     accumulates = (G > 1) | k.pipelined
-    grads = np.where(accumulates, acc + mb_grads, np.maximum(mb_grads, mb_grads * scale))
+    grads = np.where(accumulates, acc + mb_grads - in_loop, np.maximum(mb_grads, mb_grads * scale))
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
     return StateBytes(params=params, optimizer=optimizer, grads=grads,
                       host=host + np.where(accumulates, acc_host, 0.0), grad_full=grad_full, grad_shard=grad_shard,

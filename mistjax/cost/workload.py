@@ -67,6 +67,9 @@ class Workload:
     master_weights: bool = False  # the optimizer state also holds a master copy of every parameter
     state_itemsize: int = 4  # bytes per element of each optimizer-state copy (fp32 moments and master)
     grad_dtype: str | None = None  # dtype gradients are accumulated and reduced in (None: the parameters')
+    # Stacked-weight gradients are added into the accumulator inside the backward layer loop (one buffer,
+    # `runtime.accumulate`); False for an unrolled stack, whose micro-batch gradient is whole first.
+    layer_grads_in_loop: bool = True
     # Per-device state totals by knob combination (`cost.layout.totals_over`): lives with the workload.
     layout_cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -115,7 +118,8 @@ class Workload:
         return cls(name=name, profile=prof, compiled=compile_profile(prof),
                    leaves=leaf_table(params, traced, axes=axes),
                    seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype,
-                   master_weights=master_weights, state_itemsize=state_itemsize, grad_dtype=grad_dtype)
+                   master_weights=master_weights, state_itemsize=state_itemsize, grad_dtype=grad_dtype,
+                   layer_grads_in_loop=traced.groups is None)
 
     # ------------------------------------------------------------------------------ derived
     @property

@@ -53,6 +53,7 @@ from mistjax.runtime.grads import (
     GradSpec,
     _finish_grads,
     _scatter,
+    _slice_grad,
     _split_microbatches,
     _to_device,
     _to_host,
@@ -152,6 +153,11 @@ def _acc_dtype(dtype: Any) -> np.dtype:
     return np.dtype(jnp.promote_types(dtype, jnp.float32)) if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(dtype)
 
 
+def _grad_acc_dtype(dtype: Any, plan: Plan) -> np.dtype:
+    """A gradient accumulator's dtype: the plan's gradient dtype, else the parameter's (as `runtime.grads`)."""
+    return np.dtype(plan.grad_dtype) if plan.grad_dtype is not None else np.dtype(dtype)
+
+
 @dataclass
 class StagePrograms:
     """The jitted programs of one stage (built on first use; see module docstring)."""
@@ -205,7 +211,8 @@ class StagePrograms:
         out = []
         for j in range(len(self.grad_specs)):
             shape = (dp, *self.grad_local_shape(j))
-            out.append(jax.ShapeDtypeStruct(shape, _acc_dtype(self._param_dtype(j)), sharding=self._acc_sharding(j)))
+            dtype = _grad_acc_dtype(self._param_dtype(j), self.spec.plan)
+            out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=self._acc_sharding(j)))
         self._cache["acc_avals"] = out
         return out
 
@@ -250,7 +257,47 @@ class StagePrograms:
         return make_layer_loop(num_layers=n, remat_layers=plan.remat_layers, policy=plan.remat_policy,
                                gather=gathers, carry_constraint=sp_constraint,
                                offload_layers=offloaded_layers(n, plan.remat_layers, plan.offload_acts),
-                               offload_names=checkpoint_names(st.body), refetch_plain=True)
+                               offload_names=checkpoint_names(st.body), refetch_plain=True,
+                               prepare=[_slice_grad(self.grad_specs[self.pos[i]], sp.plan) for i in st.xs_leaf])
+
+    @property
+    def in_loop(self) -> tuple[int, ...]:
+        """Held parameters whose gradients the backward adds into the accumulator inside the layer loop
+        (`runtime.accumulate`): stacked weights read by the layer loop only, with device accumulators."""
+        if "in_loop" not in self._cache:
+            st, usage = self.info.traced.require_stack(), self.info.usage
+            held = [self.pos[i] for i in st.xs_leaf]
+            self._cache["in_loop"] = tuple(sorted(
+                j for j in set(held) if held.count(j) == 1 and not self.spec.acc_host[j]
+                and self.spec.params[j] not in usage.pre and self.spec.params[j] not in usage.post
+                and jnp.issubdtype(self._param_dtype(j), jnp.inexact)))
+        return self._cache["in_loop"]
+
+    def sink_fn(self, p: list[Any]) -> Callable[[tuple[list[Any], list[Any]], Any], Any]:
+        """The stage function differentiated with in-loop accumulation.
+
+        ``fn((rest, sink), hx) -> (outs, sink)``: `rest` are the held parameters without the `in_loop`
+        ones (None there; those are read from `p` and not differentiated), `sink` their accumulators
+        (one device's, without the DP dim), passed through unchanged; seeding the cotangent of the
+        output `sink` with the accumulator makes its cotangent the accumulated gradient.
+        """
+        fn, in_loop = self.stage_fn(), self.in_loop
+
+        def run(w: tuple[list[Any], list[Any]], hx: Any) -> Any:
+            rest, sink = w
+            full = [p[j] if j in in_loop else v for j, v in enumerate(rest)]
+            return fn(full, hx, dict(zip(in_loop, sink)))
+
+        return run
+
+    def split_params(self, p: list[Any]) -> list[Any]:
+        """The held parameters with the `in_loop` ones left out (see `sink_fn`)."""
+        return [None if j in self.in_loop else v for j, v in enumerate(p)]
+
+    def zero_sink(self) -> list[jax.Array]:
+        """Placeholder accumulators for the forward program (passed through unused: dead code for XLA)."""
+        avals = self.acc_avals()
+        return [jnp.zeros(avals[j].shape[1:], avals[j].dtype) for j in self.in_loop]
 
     def stage_fn(self) -> Callable[[list[Any], tuple[list[Any], list[Any]]], list[Any]]:
         """``fn(held params, (activation, micro-batch))`` -> activation out, or ``[loss, *aux]`` (last)."""
@@ -260,7 +307,7 @@ class StagePrograms:
         pconst, bconst = info.pconst_positions, info.bconst_positions
         nc = st.num_consts
 
-        def fn(p_held: list[Any], hx: tuple[list[Any], list[Any]]) -> list[Any]:
+        def fn(p_held: list[Any], hx: tuple[list[Any], list[Any]], sink: dict[int, Any] | None = None) -> Any:
             h, mb = hx
             leaves: list[Any] = [None] * info.num_params
             stacked = set(st.stacked_leaves)
@@ -278,10 +325,14 @@ class StagePrograms:
                     consts[j] = v
             xs = [p_held[self.pos[i]] for i in st.xs_leaf]
             body = lambda c, car, x: run_block(st, c, car, x, info.tp_block)  # noqa: E731
-            carry, _ = loop(body, list(consts), list(carry), xs)
-            if sp.last:
-                return post_part(traced, leaves, mb, carry)
-            return [*(consts[j] for j in pconst), *carry]
+            if sink is None:
+                carry, _ = loop(body, list(consts), list(carry), xs)
+            else:
+                carry, _, accs = loop(body, list(consts), list(carry), xs,
+                                      accs=[sink.get(self.pos[i]) for i in st.xs_leaf])
+                by_pos = {self.pos[i]: a for i, a in zip(st.xs_leaf, accs) if a is not None}
+            outs = post_part(traced, leaves, mb, carry) if sp.last else [*(consts[j] for j in pconst), *carry]
+            return outs if sink is None else (outs, [by_pos[j] for j in sorted(sink)])
 
         return fn
 
@@ -289,15 +340,24 @@ class StagePrograms:
         h = [jnp.zeros(a.shape, a.dtype) for a in self.info.h_avals] if not self.spec.first else []
         return h, [jnp.zeros(a.shape, a.dtype) for a in self.mb_avals]
 
-    def _add_grads(self, acc: list[jax.Array], g: list[jax.Array]) -> list[jax.Array]:
-        out = []
-        for a, gi, spec, host in zip(acc, g, self.grad_specs, self.spec.acc_host):
+    def _add_grads(self, acc: list[jax.Array], g: list[Any], g_sink: list[jax.Array]) -> list[jax.Array]:
+        """The accumulators after one micro-batch: the `in_loop` ones are `g_sink` (already summed inside
+        the backward), the others take this micro-batch's gradient `g`."""
+        out, sunk = [], dict(zip(self.in_loop, g_sink))
+        for j, (a, gi, spec, host) in enumerate(zip(acc, g, self.grad_specs, self.spec.acc_host)):
+            if j in sunk:
+                out.append(sunk[j].reshape(a.shape))
+                continue
             gi = _to_device(gi, spec.layout.host)  # a host-streamed weight's gradient arrives in host memory
             if spec.scatter_each_microbatch:
                 gi = _scatter(gi, spec)
             a = _to_device(a, host)
             out.append(_to_host(a + gi[None].astype(a.dtype), host))
         return out
+
+    def _sink_seed(self, acc: list[jax.Array]) -> list[jax.Array]:
+        """One device's accumulators of the `in_loop` parameters (the DP dim of one dropped: a bitcast)."""
+        return [acc[j].reshape(acc[j].shape[1:]) for j in self.in_loop]
 
     def _shard_map(self, body: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
         return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
@@ -328,10 +388,10 @@ class StagePrograms:
         """Which of the stage's vjp residual leaves `forward` keeps (traced abstractly inside the
         stage's shard_map, whose fetches and collectives need the manual axes)."""
         if "residuals" not in self._cache:
-            fn, box = self.stage_fn(), []
+            box: list[Residuals] = []
 
             def body(p: list[Any], h: list[Any], mb: list[Any]) -> jax.Array:
-                box.append(classify(fn, p, (h, mb)))
+                box.append(classify(self.sink_fn(p), (self.split_params(p), self.zero_sink()), (h, mb)))
                 return jnp.zeros(())
 
             run = self._shard_map(body, (self._param_in_specs(), self._h_in_specs(), self._mb_specs()), P())
@@ -348,13 +408,15 @@ class StagePrograms:
         """``(params, h, mb) -> (h_out, stored residuals)``; the first stage takes no ``h``."""
         if "forward" in self._cache:
             return self._cache["forward"]
-        fn, first = self.stage_fn(), self.spec.first
+        first = self.spec.first
 
         def body(p: list[Any], h: list[Any], mb: list[Any]) -> Any:
-            res = classify(fn, p, (h, mb))
+            # The backward's function (with placeholder accumulators), so the residuals line up.
+            fn, w = self.sink_fn(p), (self.split_params(p), self.zero_sink())
+            res = classify(fn, w, (h, mb))
             if len(res.stored) != n_res:
                 raise RuntimeError("the stage's residuals changed between two traces of the same program")
-            out, vjp = jax.vjp(fn, p, (h, mb))
+            (out, _), vjp = jax.vjp(fn, w, (h, mb))
             return out, [_local_dp(r) for r in res.take(vjp)]
 
         n_res = len(self.classify().stored)
@@ -372,17 +434,18 @@ class StagePrograms:
         """``(params, stored, ct_out, acc) -> (ct_in, acc)``; the first stage returns only ``acc``."""
         if "backward" in self._cache:
             return self._cache["backward"]
-        fn, first, res = self.stage_fn(), self.spec.first, self.classify()
+        first, res = self.spec.first, self.classify()
 
         def body(p: list[Any], stored: list[Any], ct: list[Any], acc: list[Any]) -> Any:
             stored = [s.reshape(shape) for s, (shape, *_) in zip(stored, res.avals)]
-            zero = self._zero_hx()
-            live = classify(fn, p, zero)
-            fresh = jax.vjp(fn, p, zero)[1]
+            zero, seed = self._zero_hx(), self._sink_seed(acc)
+            fn, w = self.sink_fn(p), (self.split_params(p), seed)
+            live = classify(fn, w, zero)
+            fresh = jax.vjp(fn, w, zero)[1]
             ct_full = [c if f else np.zeros(a.shape, jax.dtypes.float0)
                        for c, f, a in zip(ct, self.h_float, self.info.h_avals)]
-            g_p, (g_h, _) = restore_vjp(fresh, live, stored)(ct_full)
-            acc = self._add_grads(acc, list(g_p))
+            (g_p, g_sink), (g_h, _) = restore_vjp(fresh, live, stored)((ct_full, seed))
+            acc = self._add_grads(acc, list(g_p), list(g_sink))
             g_h = [g for g, f in zip(g_h, self.h_float) if f]
             return (acc,) if first else (g_h, acc)
 
@@ -401,21 +464,23 @@ class StagePrograms:
         """``(params, h, mb, acc, loss_acc) -> (ct_in, acc, loss_acc)`` on the last stage."""
         if "last" in self._cache:
             return self._cache["last"]
-        fn, first = self.stage_fn(), self.spec.first
+        first = self.spec.first
         n_aux = len(self.info.aux_avals)
 
         def body(p: list[Any], h: list[Any], mb: list[Any], acc: list[Any], lacc: list[Any]) -> Any:
             h_int = [x for x, f in zip(h, self.h_float) if not f]
+            fn, seed = self.sink_fn(p), self._sink_seed(acc)
 
-            def loss(p: list[Any], hf: list[Any]) -> tuple[jax.Array, list[Any]]:
+            def loss(w: Any, hf: list[Any]) -> Any:
                 fi, ii = iter(hf), iter(h_int)
                 full = [next(fi) if f else next(ii) for f in self.h_float]
-                outs = fn(p, (full, mb))
-                return outs[0], outs[1:]
+                outs, sink = fn(w, (full, mb))
+                return (outs[0], sink), outs[1:]
 
             hf = [x for x, f in zip(h, self.h_float) if f]
-            (value, aux), (g_p, g_h) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, hf)
-            acc = self._add_grads(acc, list(g_p))
+            (value, _), vjp, aux = jax.vjp(loss, (self.split_params(p), seed), hf, has_aux=True)
+            (g_p, g_sink), g_h = vjp((jnp.ones_like(value), seed))
+            acc = self._add_grads(acc, list(g_p), list(g_sink))
             sums = [value, *aux]
             lacc = [a + jnp.asarray(v, a.dtype)[None] for a, v in zip(lacc, sums)]
             return (acc, lacc) if first else (g_h, acc, lacc)
