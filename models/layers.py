@@ -152,36 +152,46 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Unfused causal attention as Megatron-LM runs it without FlashAttention: score matmul, a masked
-    softmax computed in float32 that keeps only its probabilities in the compute dtype for the backward
-    (`low_precision_softmax`, Megatron's fused scale-mask-softmax), probability x value matmul."""
+    """Unfused causal attention as Megatron-LM runs it without FlashAttention, every s x s matrix in the
+    compute dtype: the score matmul writes its result in ``q.dtype`` (Megatron's 16-bit ``baddbmm``, fp32
+    accumulation), a fused scale-mask-softmax computed in float32 keeps only its probabilities
+    (`scaled_causal_softmax`), the probability x value matmul reads them (its result accumulated and cast
+    back, so its transpose writes the probabilities' gradient in float32: one s x s matrix more bytes than
+    Megatron's 16-bit ``bmm``, kept because the 16-bit product changes the liveness peak of the backward)."""
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    logits = jnp.einsum("btnd,bsnd->bnts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-    seq = q.shape[1]
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    probs = low_precision_softmax(jnp.where(causal, logits, jnp.finfo(jnp.float32).min), v.dtype)
-    return jnp.einsum("bnts,bsnd->btnd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    scores = jnp.einsum("btnd,bsnd->bnts", q, k)
+    probs = scaled_causal_softmax(scores, 1.0 / math.sqrt(q.shape[-1]))
+    out = jnp.einsum("bnts,bsnd->btnd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
-def low_precision_softmax(logits: jax.Array, dtype: Any) -> jax.Array:
-    """``softmax(logits)`` (float32 math) returned in ``dtype``; the backward reads only that output."""
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
+def scaled_causal_softmax(scores: jax.Array, scale: float) -> jax.Array:
+    """``softmax(causal_mask(scores * scale))`` over the last axis, float32 math, returned in ``scores.dtype``.
+
+    Megatron-LM's ``FusedScaleMaskSoftmax`` (``scaled_upper_triang_masked_softmax``): one kernel each way; the
+    backward reads only the probabilities and the incoming gradient (masked positions have probability 0, so
+    the mask is not kept) and writes the scores' gradient in their dtype.
+    """
+    q_len, k_len = scores.shape[-2:]
+    causal = jnp.tril(jnp.ones((q_len, k_len), dtype=bool))
+    logits = jnp.where(causal, scores.astype(jnp.float32) * scale, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits, axis=-1).astype(scores.dtype)
 
 
-def _softmax_fwd(logits: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    probs = low_precision_softmax(logits, dtype)
+def _softmax_fwd(scores: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    probs = scaled_causal_softmax(scores, scale)
     return probs, probs
 
 
-def _softmax_bwd(dtype: Any, probs: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
-    return (p * (g - jnp.sum(g * p, axis=-1, keepdims=True)),)
+def _softmax_bwd(scale: float, probs: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    p, g32 = probs.astype(jnp.float32), g.astype(jnp.float32)
+    return ((scale * p * (g32 - jnp.sum(g32 * p, axis=-1, keepdims=True))).astype(probs.dtype),)
 
 
-low_precision_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+scaled_causal_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 class Attention(nnx.Module):

@@ -356,7 +356,8 @@ class _Kernels:
             fusions.append(_Fusion(reads, prod(self.g.shape(v)), self.size(v), (v,), False))
             if self.log is not None:
                 self.log.append((p.prim, str(v.aval), self.size(v), reads))
-        return sub + PassKernels(merge_gemms(gemms), *_fusion_totals(fusions))
+        order = {v: i for i, v in enumerate(list(self.g.invars) + [u for n in self.g.nodes for u in n.outs])}
+        return sub + PassKernels(merge_gemms(gemms), *_fusion_totals(fusions, order))
 
 
 @dataclass
@@ -376,13 +377,15 @@ class _Fusion:
         self.written, self.outs = self.written + other.written, self.outs + other.outs
 
 
-def _fusion_totals(fusions: Sequence[_Fusion]) -> tuple[Poly, Poly]:
+def _fusion_totals(fusions: Sequence[_Fusion], order: dict[Any, int] | None = None) -> tuple[Poly, Poly]:
     """(bytes, count) of the fusion kernels after XLA-style merging: kernels reading the same largest input
     and writing as many elements are one multi-output fusion (sibling fusion), and an elementwise kernel
-    that reads a reduction's input and its result joins the reduction (normalization / softmax fusion)."""
+    that reads a reduction's input and its result joins the reduction (normalization / softmax fusion).
+    Among inputs of the same size the largest is the first in ``order`` (the graph's), so that kernels
+    reading the same equal-sized inputs (a softmax backward's probabilities and their gradient) agree."""
     groups: dict[Any, _Fusion] = {}
     for f in fusions:
-        key = (_largest_input(f.reads), f.elems, f.reduce) if f.reads else (object(),)
+        key = (_largest_input(f.reads, order or {}), f.elems, f.reduce) if f.reads else (object(),)
         if key in groups:
             groups[key].absorb(f)
         else:
@@ -398,10 +401,13 @@ def _fusion_totals(fusions: Sequence[_Fusion]) -> tuple[Poly, Poly]:
     return total, Poly.const(len(groups))
 
 
-def _largest_input(reads: dict[Any, Poly]) -> Any:
+def _largest_input(reads: dict[Any, Poly], order: dict[Any, int]) -> Any:
     best, size = None, ZERO
+    last = len(order)
     for v, b in reads.items():
-        if best is None or (b.dominates(size) and b != size) or (not size.dominates(b) and b(8, 4096) > size(8, 4096)):
+        tie = b == size and order.get(v, last) < order.get(best, last)
+        if best is None or tie or (b.dominates(size) and b != size) or (
+                not size.dominates(b) and b(8, 4096) > size(8, 4096)):
             best, size = v, b
     return best
 

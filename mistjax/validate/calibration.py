@@ -5,8 +5,12 @@ The few per-device constants the kernel pricing uses (`mistjax.cost.kernels`: ``
 ``ln(predicted / measured)`` over the runs of a published-runs file (`mistjax.validate.published`): one set
 of constants for every run, no per-case factor. Each prediction is the cost model's own
 (`mistjax.cost.predict.analyze` of the run's plan), without the optimizer step where the run's timing leaves
-it out. The fit reports its residuals and a leave-one-out error (each run predicted by constants fitted
-without it), the honest figure with more constants than a handful of runs can pin down.
+it out. The fit reports its residuals and a cross-validated error, the honest figure with more constants
+than a handful of runs can pin down: each fold (`FOLDS`) is predicted by constants fitted without it, and
+the spread of every constant over the folds says how well the runs pin it down. The default fold is a
+*cell* (model, cluster, attention): a published Megatron-LM time is derived from the Mist time of its cell
+(times the artifact's speedup), and the two runs of a cell share every workload property, so holding out a
+single run while its partner stays in leaks the held-out answer into the fit.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from mistjax.cost.predict import analyze
 from mistjax.hardware import ClusterSpec
 from mistjax.validate.published import (
     PublishedRun,
+    cell_key,
     cluster_for,
     excludes_optimizer,
     optimizer_seconds,
@@ -40,6 +45,12 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "kernel_overhead": (1e-7, 1e-3),
 }
 FIELDS = tuple(BOUNDS)
+# Cross-validation folds: what one fold holds out.
+FOLDS: dict[str, Callable[[PublishedRun], Any]] = {
+    "run": lambda r: r.id,
+    "cell": cell_key,
+    "model": lambda r: r.model.preset or (r.model.family, r.model.hidden, r.model.layers),
+}
 
 
 @dataclass(frozen=True)
@@ -99,8 +110,11 @@ class Fit:
     start: dict[str, float]  # the constants the fit started from (the preset's)
     ids: tuple[str, ...]  # the runs fitted, in order
     log_errors: tuple[float, ...]  # ln(pred / measured) per run with `values`
-    loo_log_errors: tuple[float, ...] | None  # per run, with constants fitted without it (None: not computed)
+    loo_log_errors: tuple[float, ...] | None  # per run, with constants fitted without its fold (None: not computed)
     start_log_errors: tuple[float, ...]  # per run with `start`
+    folds: str = "cell"  # what one cross-validation fold holds out (a key of `FOLDS`)
+    fold_of: tuple[int, ...] = ()  # per run, the index of its fold
+    fold_values: tuple[dict[str, float], ...] = ()  # per fold, the constants fitted without it
 
     @staticmethod
     def _stats(errs: Sequence[float] | None) -> dict[str, float] | None:
@@ -113,14 +127,37 @@ class Fit:
             "median_abs_rel_err": statistics.median(abs(math.exp(e) - 1) for e in errs),
         }
 
+    def spread(self) -> dict[str, dict[str, float]] | None:
+        """Per constant, its min / median / max over the cross-validation folds (None: not computed)."""
+        if not self.fold_values:
+            return None
+        out = {}
+        for k in self.values:
+            xs = [v[k] for v in self.fold_values]
+            out[k] = {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+        return out
+
     def summary(self) -> dict[str, Any]:
-        """Residual statistics: before (preset constants), fitted, leave-one-out."""
+        """Residual statistics: before (preset constants), fitted (in sample), leave-one-out (out of sample)."""
         return {
             "n": len(self.ids),
+            "folds": self.folds,
+            "n_folds": len(self.fold_values),
             "before": self._stats(self.start_log_errors),
             "fitted": self._stats(self.log_errors),
             "leave_one_out": self._stats(self.loo_log_errors),
+            "constants_over_folds": self.spread(),
         }
+
+    def improves(self) -> bool:
+        """The out-of-sample error beats the starting constants' (median and max |ln(pred/meas)|): the test a
+        fit passes before it replaces a preset's constants (``scripts/fit_presets.py --write``)."""
+        s = self.summary()
+        loo, before = s["leave_one_out"], s["before"]
+        if loo is None:
+            return False
+        return (loo["median_abs_log_ratio"] < before["median_abs_log_ratio"]
+                and loo["max_abs_log_ratio"] <= before["max_abs_log_ratio"])
 
 
 def _solve(cases: Sequence[Case], fields: Sequence[str], x0: dict[str, float], max_nfev: int) -> dict[str, float]:
@@ -137,11 +174,51 @@ def _solve(cases: Sequence[Case], fields: Sequence[str], x0: dict[str, float], m
     return dict(zip(fields, np.exp(sol.x).tolist()))
 
 
+def fold_index(cases: Sequence[Case], folds: str) -> tuple[int, ...]:
+    """Per case, the index of its cross-validation fold (`FOLDS`; folds numbered in order of appearance).
+
+    Raises:
+      ValueError: ``folds`` is not a key of `FOLDS`.
+    """
+    if folds not in FOLDS:
+        raise ValueError(f"unknown folds {folds!r}; one of {', '.join(FOLDS)}")
+    keys: dict[Any, int] = {}
+    return tuple(keys.setdefault(FOLDS[folds](c.run), len(keys)) for c in cases)
+
+
+def cross_validate(
+    cases: Sequence[Case],
+    fields: Sequence[str],
+    fold_of: Sequence[int],
+    x0: dict[str, float],
+    max_nfev: int,
+    log: Callable[[str], None] | None = None,
+) -> tuple[list[float], list[dict[str, float]]]:
+    """Refit once per fold without it and predict its runs: ``(ln(pred / measured) per case, constants per fold)``.
+
+    A fold whose removal leaves fewer runs than constants keeps the starting constants ``x0``.
+    """
+    errs = [0.0] * len(cases)
+    per_fold = []
+    for f in range(max(fold_of) + 1):
+        held = [i for i, g in enumerate(fold_of) if g == f]
+        rest = [c for i, c in enumerate(cases) if fold_of[i] != f]
+        v = _solve(rest, fields, x0, max_nfev) if len(rest) > len(fields) else dict(x0)
+        per_fold.append(v)
+        for i, e in zip(held, log_errors([cases[i] for i in held], v)):
+            errs[i] = float(e)
+        if log:
+            log(f"  fold {f + 1}/{max(fold_of) + 1} ({', '.join(cases[i].run.id for i in held)}): "
+                + ", ".join(f"{errs[i]:+.3f}" for i in held))
+    return errs, per_fold
+
+
 def fit(
     cases: Sequence[Case],
     fields: Sequence[str] = FIELDS,
     *,
     loo: bool = True,
+    folds: str = "cell",
     max_nfev: int = 60,
     log: Callable[[str], None] | None = None,
 ) -> Fit:
@@ -150,32 +227,29 @@ def fit(
     Args:
       cases: from `prepare`; all on devices with the same constants (one preset).
       fields: constants to fit (keys of `BOUNDS`); the others keep the preset's values.
-      loo: also refit once per case without it and predict it (leave-one-out).
-      max_nfev: residual evaluations per fit.
+      loo: also cross-validate: refit once per fold without it and predict its runs (`cross_validate`).
+      folds: what a fold holds out (`FOLDS`): ``"cell"`` (default; see the module docstring), ``"run"`` or
+        ``"model"``.
+      max_nfev: residual evaluations per fit (half of them, at least 10, per fold's refit).
       log: progress callback.
     Raises:
-      ValueError: no cases, an unknown field, or cases on different devices.
+      ValueError: no cases, an unknown field or fold, or cases on different devices.
     """
     if not cases:
         raise ValueError("no runs with a measured step time to fit")
     unknown = [f for f in fields if f not in BOUNDS]
     if unknown:
         raise ValueError(f"cannot fit {unknown}; fittable constants: {', '.join(BOUNDS)}")
+    fold_of = fold_index(cases, folds)
     devices = {c.cluster.device.name for c in cases}
     if len(devices) > 1:
         raise ValueError(f"the runs are on different devices ({', '.join(sorted(devices))}); fit one preset at a time")
     dev = cases[0].cluster.device
     start = {f: float(getattr(dev, f)) for f in fields}
     values = _solve(cases, fields, start, max_nfev)
-    loo_errs = None
-    if loo and len(cases) > len(fields):
-        loo_errs = []
-        for i, c in enumerate(cases):
-            rest = [x for j, x in enumerate(cases) if j != i]
-            v = _solve(rest, fields, values, max(max_nfev // 2, 10))
-            loo_errs.append(float(log_errors([c], v)[0]))
-            if log:
-                log(f"  leave-one-out {i + 1}/{len(cases)} {c.run.id}: {loo_errs[-1]:+.3f}")
+    loo_errs, per_fold = None, []
+    if loo and len(cases) > len(fields) and max(fold_of) > 0:
+        loo_errs, per_fold = cross_validate(cases, fields, fold_of, values, max(max_nfev // 2, 10), log)
     return Fit(
         values=values,
         start=start,
@@ -183,18 +257,24 @@ def fit(
         log_errors=tuple(map(float, log_errors(cases, values))),
         loo_log_errors=None if loo_errs is None else tuple(loo_errs),
         start_log_errors=tuple(map(float, log_errors(cases, start))),
+        folds=folds,
+        fold_of=fold_of,
+        fold_values=tuple(per_fold),
     )
 
 
 def fitted_source(result: Fit, data: str, subset: str) -> str:
-    """The provenance sentence appended to a preset's ``device.source``."""
+    """The provenance sentence appended to a preset's ``device.source``: the file, the number of runs, the
+    date and the script, the fitted constants with the values they replace, and the residuals."""
     s = result.summary()
     loo = s["leave_one_out"]
-    tail = f", leave-one-out {loo['median_abs_log_ratio']:.3f} / {loo['max_abs_log_ratio']:.3f}" if loo else ""
-    names = ", ".join(f"{k} {v:.4g}" for k, v in result.values.items())
+    tail = (f", leave-one-{result.folds}-out {loo['median_abs_log_ratio']:.3f} / {loo['max_abs_log_ratio']:.3f}"
+            if loo else "")
+    names = ", ".join(f"{k} {v:.4g} (was {result.start[k]:.4g})" for k, v in result.values.items())
     return (
-        f"fitted to {data} ({s['n']} runs, {subset}) by scripts/fit_presets.py on {date.today().isoformat()}: "
-        f"{names}; median / max |ln(pred/meas)| {s['fitted']['median_abs_log_ratio']:.3f} / "
+        f"fitted to {data}, {s['n']} runs ({subset}), {date.today().isoformat()}, by scripts/fit_presets.py: "
+        f"{names}; median / max |ln(pred/meas)| before {s['before']['median_abs_log_ratio']:.3f} / "
+        f"{s['before']['max_abs_log_ratio']:.3f}, fitted {s['fitted']['median_abs_log_ratio']:.3f} / "
         f"{s['fitted']['max_abs_log_ratio']:.3f}{tail}"
     )
 
@@ -215,9 +295,12 @@ def update_preset_document(doc: dict[str, Any], result: Fit, source: str) -> dic
 __all__ = [
     "BOUNDS",
     "FIELDS",
+    "FOLDS",
     "Case",
     "Fit",
+    "cross_validate",
     "fit",
+    "fold_index",
     "fitted_source",
     "log_errors",
     "predicted",

@@ -267,7 +267,9 @@ def summarize(preds: list[RunPrediction | RunFailure]) -> dict[str, dict[str, An
             "memory": {"n": len(m), **_log_stats(m), "n_fit": n_fit, "n_ran": sum(p.run.ran for p in preds)}}
 
 
-def _cell(run: PublishedRun) -> tuple[Any, ...]:
+def cell_key(run: PublishedRun) -> tuple[Any, ...]:
+    """The run's cell: (model, sequence length, preset, nodes, GPUs per node, flash flag); the Mist and
+    Megatron-LM runs of one cell are compared (`speedup_pairs`)."""
     mdl, hw = run.model, run.hardware
     model = mdl.preset or (mdl.family, mdl.hidden, mdl.layers, mdl.heads, mdl.kv_heads, mdl.ffn, mdl.vocab)
     return (model, mdl.seq_len, hw.preset, hw.nodes, hw.per_node, run.flash_attention)
@@ -279,7 +281,7 @@ def speedup_pairs(preds: list[RunPrediction | RunFailure]) -> list[dict[str, Any
     priced = [p for p in _priced(preds) if p.run.ran]
     for mist in (p for p in priced if p.run.framework == "mist"):
         for meg in (p for p in priced if p.run.framework == "megatron"):
-            if _cell(meg.run) != _cell(mist.run):
+            if cell_key(meg.run) != cell_key(mist.run):
                 continue
             measured = meg.run.measured.iter_time_s / mist.run.measured.iter_time_s
             predicted = meg.step_time / mist.step_time
@@ -314,6 +316,6 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
     }
 
 
-__all__ = ["RESOURCES", "PublishedRunsError", "RunFailure", "RunPrediction", "cluster_for", "load_published",
-           "parse_published", "point_dict", "predict_all", "predict_run", "speedup_pairs", "summarize",
-           "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
+__all__ = ["RESOURCES", "PublishedRunsError", "RunFailure", "RunPrediction", "cell_key", "cluster_for",
+           "load_published", "parse_published", "point_dict", "predict_all", "predict_run", "speedup_pairs",
+           "summarize", "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
