@@ -37,18 +37,87 @@ def _best_time(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def matmul_flops(n: int, dtype: Any, repeats: int = 3) -> float:
-    """Dense matmul FLOP/s on one device."""
-    a = jnp.ones((n, n), dtype)
-    f = jax.jit(lambda a: a @ a)
+def _spread(devices: list[Any] | None) -> tuple[jax.sharding.Mesh, NamedSharding]:
+    """A 1-D mesh over ``devices`` (default: the first device) and the sharding of its leading axis."""
+    mesh = jax.sharding.Mesh(np.array(devices or jax.devices()[:1]), ("x",))
+    return mesh, NamedSharding(mesh, P("x"))
+
+
+def matmul_flops(n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None = None) -> float:
+    """Dense matmul FLOP/s of one device while every device of ``devices`` runs its own ``n x n`` matmul.
+
+    All devices compute at once, as in a training step: simulated CPU devices share the host's cores,
+    so one device alone would get them all (GPUs are independent, and the answer is the same).
+    """
+    mesh, spec = _spread(devices)
+    a = jax.device_put(jnp.ones((mesh.size * n, n), dtype), spec)
+    f = jax.jit(jax.shard_map(lambda a: a @ a, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     return 2 * n**3 / _best_time(lambda: f(a), repeats)
 
 
-def memory_bandwidth(nbytes: int, repeats: int = 3) -> float:
-    """Streaming read+write bytes/s on one device."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x * 2.0 + 1.0)
-    return 2 * nbytes / _best_time(lambda: f(x), repeats)
+def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = None) -> float:
+    """Streaming read+write bytes/s of one device while every device of ``devices`` streams its buffer.
+
+    The slope between ``nbytes`` and ``nbytes / 4`` per device, so a program's fixed launch cost (large for
+    several simulated CPU devices) does not count as bandwidth.
+    """
+    mesh, spec = _spread(devices)
+    f = jax.jit(jax.shard_map(lambda x: x * 2.0 + 1.0, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    times = []
+    for size in (nbytes // 4, nbytes):
+        x = jax.device_put(jnp.ones((mesh.size * size // 4,), jnp.float32), spec)
+        times.append(_best_time(lambda x=x: f(x), repeats))
+    return 2 * (nbytes - nbytes // 4) / max(times[1] - times[0], 1e-9)
+
+
+# Small GEMMs (m, n, k) whose throughput fixes the kernel pricing's shape constants (`gemm_shape_constants`).
+GEMM_SHAPES: tuple[tuple[int, int, int], ...] = ((64, 64, 64), (64, 64, 512), (512, 512, 64), (16, 256, 256),
+                                                 (256, 16, 256), (256, 256, 16), (128, 128, 128))
+
+
+def gemm_throughput(m: int, n: int, k: int, dtype: Any, repeats: int = 3, devices: list[Any] | None = None,
+                    flops: float = 2.0**27) -> float:
+    """FLOP/s of one device running batched ``m x k`` by ``k x n`` GEMMs while every device of ``devices`` does.
+
+    The slope between a batch of about ``flops / 4`` and ``flops`` FLOPs, so a program's launch cost drops out.
+    """
+    mesh, _ = _spread(devices)
+    spec = NamedSharding(mesh, P("x"))
+    f = jax.jit(jax.shard_map(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b), mesh=mesh, in_specs=(P("x"), P("x")),
+                              out_specs=P("x")))
+    big = max(4, int(flops / (2 * m * n * k)))
+    batches, times = (big // 4, big), []
+    for batch in batches:
+        a = jax.device_put(jnp.ones((mesh.size * batch, m, k), dtype), spec)
+        b = jax.device_put(jnp.ones((mesh.size * batch, k, n), dtype), spec)
+        times.append(_best_time(lambda a=a, b=b: f(a, b), repeats))
+    return 2 * m * n * k * (batches[1] - batches[0]) / max(times[1] - times[0], 1e-9)
+
+
+def fit_gemm_shape(efficiency: dict[tuple[int, int, int], float]) -> tuple[float, float]:
+    """``(matmul_tile, matmul_k_half)`` of `DeviceSpec.gemm_efficiency` closest (log least squares, grid over
+    powers of two) to measured efficiencies of GEMM shapes (fractions of the large-matmul peak)."""
+    shapes = np.array(list(efficiency), dtype=np.float64)
+    target = np.log(np.clip(np.array(list(efficiency.values())), 1e-6, 1.0))
+    m, n, k = shapes.T
+    best, pick = float("inf"), (128.0, 32.0)
+    for tile in 2.0 ** np.arange(0, 9):
+        pad = m / (np.ceil(m / tile) * tile) * n / (np.ceil(n / tile) * tile)
+        for k_half in np.concatenate([[0.0], 2.0 ** np.arange(0, 10)]):
+            err = float(np.sum((np.log(k / (k + k_half) * pad) - target) ** 2))
+            if err < best - 1e-12:
+                best, pick = err, (float(tile), float(k_half))
+    return pick
+
+
+def gemm_shape_constants(peak: float, dtype: Any, repeats: int = 3, devices: list[Any] | None = None,
+                         log: Callable[[str], None] = print) -> tuple[float, float]:
+    """Measure `GEMM_SHAPES` on all devices and fit ``(matmul_tile, matmul_k_half)`` to their efficiency."""
+    eff = {shape: min(gemm_throughput(*shape, dtype, repeats, devices) / peak, 1.0) for shape in GEMM_SHAPES}
+    tile, k_half = fit_gemm_shape(eff)
+    shown = ", ".join(f"{a}x{b}x{c}: {e:.2f}" for (a, b, c), e in eff.items())
+    log(f"small GEMMs (m x n x k: fraction of peak): {shown}; fit: tile {tile:g}, k_half {k_half:g}")
+    return tile, k_half
 
 
 def collective_link(devices: list[Any], sizes: tuple[int, int], repeats: int = 3) -> LinkModel:
@@ -116,11 +185,13 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
     big = 1 << (20 if quick else 24)
     reps = 2 if quick else 5
     dtype = jnp.bfloat16 if platform in ("gpu", "tpu") else jnp.float32
-    mm = 1024 if quick else 4096
-    flops = matmul_flops(mm, dtype, reps)
-    flops32 = flops if dtype == jnp.float32 else matmul_flops(mm, jnp.float32, reps)
-    hbm = memory_bandwidth(big, reps)
-    log(f"matmul {flops / 1e12:.3f} TFLOP/s ({jnp.dtype(dtype).name}), memory {hbm / 1e9:.1f} GB/s")
+    mm = 1024 if quick else (4096 if n_dev == 1 else 2048)  # per device; all devices compute at once
+    flops = matmul_flops(mm, dtype, reps, devices)
+    flops32 = flops if dtype == jnp.float32 else matmul_flops(mm, jnp.float32, reps, devices)
+    hbm = memory_bandwidth(big, reps, devices)
+    log(f"per device, all {n_dev} at once: matmul {flops / 1e12:.3f} TFLOP/s ({jnp.dtype(dtype).name}), "
+        f"memory {hbm / 1e9:.1f} GB/s")
+    tile, k_half = gemm_shape_constants(flops, dtype, reps, devices, log)
     h2d, d2h = host_links(big, reps)
     log(f"host->device {h2d.bandwidth / 1e9:.2f} GB/s, device->host {d2h.bandwidth / 1e9:.2f} GB/s")
     intra = {}
@@ -136,6 +207,8 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
     device = DeviceSpec(name=f"{platform}: {devices[0].device_kind}", peak_flops=flops, peak_flops_fp32=flops32,
                         hbm_bytes=hbm_bytes, hbm_bandwidth=hbm, host_to_device=h2d, device_to_host=d2h,
                         matmul_efficiency=1.0, memory_efficiency=1.0,
+                        # the zoo's fused attention is cuDNN on GPUs only, the blockwise kernel elsewhere
+                        fused_attention_kernels=platform == "gpu", matmul_tile=tile, matmul_k_half=k_half,
                         source=f"measured by mistjax calibrate on {date.today().isoformat()}")
     p2p = intra[min(intra)]
     return ClusterSpec(name=name, device=device, nodes=1, devices_per_node=n_dev, intra_node=intra,
