@@ -82,7 +82,7 @@ def load_cluster(spec: str, memory_gib: float | None = None) -> Any:
 
 
 def _model_config(args: argparse.Namespace) -> Any:
-    cfg = load_model_config(args.model).replace(dtype=args.dtype)
+    cfg = load_model_config(args.model).replace(dtype=args.dtype, param_dtype=args.param_dtype)
     if args.seq_len > cfg.max_seq_len:
         raise CliError(f"--seq-len {args.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
     return cfg
@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per step")
         q.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
         q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
+        q.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="storage dtype of the weights: float32 (MaxText's default) or bfloat16 with an fp32 "
+                            "master copy in the optimizer state (Megatron-LM's; `pretrain --param-dtype`)")
         q.add_argument("--memory-gib", type=positive_float, default=None,
                        help="override device memory in GiB (emulate smaller cards)")
         q.add_argument("--plot", default=None, help="write PNG plots into this folder")

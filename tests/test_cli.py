@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from mistjax.cli import main
 
@@ -45,3 +46,17 @@ def test_no_feasible_plan_says_what_would_fit(capsys):
     assert main(["plan", *TINY, "--memory-gib", "0.0001", "--time-limit", "10", "--no-baselines"]) == 2
     err = capsys.readouterr().err
     assert "no plan fits" in err and "the smallest plan needs" in err and "devices with at least" in err
+
+
+def test_param_dtype_prices_16bit_weights_with_a_master_copy(tmp_path, capsys):
+    """--param-dtype bfloat16 halves the stored weights and adds an fp32 master copy to the optimizer state."""
+    plan = tmp_path / "plan.json"
+    assert main(["plan", *TINY, "--time-limit", "10", "--no-baselines", "--json", str(plan)]) == 0
+    capsys.readouterr()
+    mib = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main(["explain", str(plan), *TINY, "--param-dtype", dtype]) == 0
+        line = re.search(r"params ([\d.]+), optimizer ([\d.]+)", capsys.readouterr().out)
+        mib[dtype] = (float(line[1]), float(line[2]))
+    assert mib["bfloat16"][0] < 0.6 * mib["float32"][0]  # 2 bytes per weight, not 4
+    assert mib["bfloat16"][1] > mib["float32"][1]  # + the fp32 master copy

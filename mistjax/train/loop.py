@@ -25,6 +25,7 @@ from flax import nnx
 
 import models
 from mistjax.api import autoshard, value_and_grad
+from mistjax.api.precision import with_master_weights
 from mistjax.core.plan import Plan, PlanError, uniform_plan
 from mistjax.distributed import DistributedError, is_primary, peer_failure
 from mistjax.runtime.mpmd_state import is_staged, per_leaf_on_host
@@ -37,7 +38,7 @@ from models.loss import make_loss_fn
 
 # Config fields whose change on resume makes the continuation differ from an uninterrupted run.
 _RESUME_SENSITIVE = ("steps", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",
-                     "compute_dtype")
+                     "compute_dtype", "param_dtype")
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -62,7 +63,10 @@ class TrainConfig:
         'plan JSON file, or "auto" to tune a plan on the first batch (mistjax.autoshard); default: data '
         "parallelism over all devices"))] = None
     compute_dtype: Annotated[Literal["float32", "bfloat16"], tyro.conf.arg(aliases=("--dtype",), help=(
-        "matmul dtype; bfloat16 for mixed precision (fp32 master weights)"))] = "float32"
+        "matmul dtype; bfloat16 for mixed precision"))] = "float32"
+    # Storage dtype of the weights: float32 (MaxText's default), or bfloat16 with an fp32 master copy in the
+    # optimizer state (mistjax.with_master_weights; Megatron-LM's). `mistjax plan --param-dtype` prices the same.
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
     metrics: str | None = None  # JSON-lines file, one record per step (step, loss, step_time_s, tokens_per_s, mfu)
     log_every: int = 10  # without a progress bar (--no-progress, or output not a terminal): a log line every N steps
     ckpt_dir: str | None = None  # checkpoint directory (orbax: sharded, async, atomic); default: no checkpoints
@@ -88,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"--token-dtype {self.token_dtype!r}: use uint16 or uint32")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype {self.compute_dtype!r}: use float32 or bfloat16")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--param-dtype {self.param_dtype!r}: use float32 or bfloat16")
 
 
 @dataclass
@@ -229,7 +235,9 @@ def _prepare(cfg: TrainConfig, mesh: Any, ckpt: Checkpointer | None) -> _Setup:
         _check_compatible(newest, cfg, plan, ckpt.directory)  # before the (slow) model build
     model = models.build(model_cfg, rngs=nnx.Rngs(cfg.seed))
     tx = make_optimizer(cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-    state = TrainState.create(model, tx)
+    low = cfg.param_dtype != "float32"  # 16-bit weights: the optimizer updates an fp32 master copy
+    state = TrainState.create(model, with_master_weights(tx) if low else tx,
+                              param_dtype=cfg.param_dtype if low else None)
     step = autoshard(make_train_step(make_loss_fn(state.graphdef)), mesh if mesh is not None else devices,
                      plan=plan, **({"global_batch": cfg.global_batch} if auto else {}))
     state = step.place(state, data.batch(0))
