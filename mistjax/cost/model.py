@@ -132,8 +132,17 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
     # stage also holds the activation it received and the cotangent waiting for its backward.
     messages = np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
-    return np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + messages
+    return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + messages
+            + _segment_slices(k, kinds, lt))
 
+
+def _segment_slices(k: Knobs, kinds: LayerKinds, lt: dict[str, np.ndarray]) -> np.ndarray:
+    """A stack run as several segments (offloaded / plain / checkpointed layers) scans slices of the stacked
+    weights (`runtime.remat.make_layer_loop`: ``x[start:end]``). A slice is a new buffer in XLA (a loop
+    operand cannot alias part of another buffer), read again by the segment's backward scan: one more copy
+    of the stage's stored layer weights for the whole step (seen in XLA:CPU's buffer assignment)."""
+    kinds_present = ((kinds.n_off > 0).astype(float) + (kinds.n_plain > 0) + (kinds.n_remat > 0))
+    return np.where(kinds_present > 1, k.layers * lt["w_layer_dev"], 0.0)
 
 
 def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
