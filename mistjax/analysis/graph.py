@@ -44,6 +44,9 @@ CALL_PARAMS = {  # primitive -> param holding the inlined jaxpr
     "shard_map": "jaxpr",
 }
 
+CHECKPOINTS = frozenset({"remat", "remat2", "checkpoint"})
+REGIONS = CHECKPOINTS | {"custom_vjp_call", "custom_vjp_call_jaxpr"}
+
 
 def names(text: str) -> frozenset[str]:
     """A set of primitive names from a whitespace-separated list (keeps long tables compact)."""
@@ -52,6 +55,19 @@ def names(text: str) -> frozenset[str]:
 
 class StructureError(ValueError):
     """Traces at different sizes differ in structure, so their shapes cannot be matched."""
+
+
+@dataclass(eq=False)
+class CallSite:
+    """An inlined ``jax.checkpoint`` / ``custom_vjp`` equation: its inputs and outputs as graph values."""
+
+    eqn: Any
+    ins: tuple[Any, ...]
+    outs: tuple[Any, ...] = ()
+
+    @property
+    def checkpoint(self) -> bool:
+        return self.eqn.primitive.name in CHECKPOINTS
 
 
 @dataclass(eq=False)
@@ -67,6 +83,10 @@ class Node:
     length: Poly | None = None  # trip count of a scan / while
     unit: str | None = None  # the fused-attention kernel this node belongs to (mistjax.analysis.fused)
     unit_block: int | None = None  # keys per block of that kernel when it is blockwise
+    # The outermost ``jax.checkpoint`` or ``custom_vjp`` call this node was inlined from (None: none). The
+    # tensor-parallel runtime evaluates such runs of nodes as that call again: flat, autodiff would keep
+    # every intermediate of the recomputed norms and activations and of the attention kernel.
+    call: CallSite | None = None
 
 
 @dataclass(eq=False)
@@ -122,6 +142,7 @@ class _Builder:
         self.units: list[UnitCall] = []
         self.unit: tuple[str, int | None] | None = None  # (name, block) of the fused kernel being inlined
         self._defined: set[Any] = set()  # vars some leaf node already defines (see `_define`)
+        self.call: CallSite | None = None  # the outermost checkpoint / custom_vjp call being inlined
 
     def fit(self, ref: Any, others: Sequence[Any]) -> None:
         if not _is_var(ref) or ref in self.dims:
@@ -194,9 +215,11 @@ class _Builder:
             inner = _call_jaxpr(eqn)
             if inner is not None:
                 unit = unit_of(str(eqn.params.get("name", ""))) if self.unit is None else None
-                outer_unit = self.unit
+                outer_unit, outer_call = self.unit, self.call
                 if unit is not None:
                     self.unit = (str(eqn.params["name"]), unit[1])
+                if self.call is None and name in REGIONS:
+                    self.call = CallSite(eqn, tuple(sub(v) for v in eqn.invars))
                 ij, consts = _open(inner)
                 self.consts.update(zip(ij.constvars, consts))
                 oijs = [_open(_call_jaxpr(o))[0] for o in others]
@@ -210,6 +233,9 @@ class _Builder:
                     if _is_var(v):
                         ov = ij.outvars[j]
                         env[v] = env.get(ov, ov) if _is_var(ov) else ov
+                if self.call is not outer_call:
+                    self.call.outs = tuple(sub(v) for v in eqn.outvars)
+                self.call = outer_call
                 if unit is not None:
                     self.unit = outer_unit
                     self.units.append(UnitCall(str(eqn.params["name"]), unit[0], unit[1],
@@ -223,6 +249,7 @@ class _Builder:
                 eqn=eqn,
                 unit=self.unit[0] if self.unit else None,
                 unit_block=self.unit[1] if self.unit else None,
+                call=self.call,
             )
             leaf_unit = unit_of(name) if self.unit is None else None
             if leaf_unit is not None:  # cuDNN attention: one primitive per call

@@ -138,16 +138,32 @@ def peak_candidates(
             frees.setdefault(last.get(r, i), []).append(b)
         inner: list[Poly] = [ZERO]
         for g in n.subs:
+            state = loop_state(n, g)
             if large_blocks and n.unit_block:  # a blockwise attention loop: its body above s = block
-                inner.extend(per_block(c, n.unit_block) for c in peak_candidates(g, size))
+                inner.extend(per_block(c, n.unit_block) for c in peak_candidates(g, size, exclude=state))
             else:
-                inner.extend(peak_candidates(g, size, large_blocks=large_blocks))
+                inner.extend(peak_candidates(g, size, exclude=state, large_blocks=large_blocks))
         cands.extend(live + c for c in prune_dominated(inner))
         for b in frees.pop(i, ()):
             live = live - b
     for _v, b in extra_at.get(end, ()):
         cands.append(live + b)
     return prune_dominated(cands)
+
+
+def loop_state(node: Node, body: Graph) -> list[Any]:
+    """The results of ``body`` that are ``node``'s own output buffers: a loop body's new carry (XLA gives
+    a while loop one buffer per state element, shared by its init, the body's parameter and root, and the
+    loop's result) and a conditional branch's results. The outer graph counts them as ``node``'s outputs,
+    so inside they own no second buffer; a scan's per-iteration ``ys`` are written into the stacked result
+    and are left counted."""
+    if node.prim == "scan":
+        return list(body.outvars[: int(node.params.get("num_carry", 0))])
+    if node.prim == "while":
+        return list(body.outvars) if body is node.subs[0] else []
+    if node.prim == "cond":
+        return list(body.outvars)
+    return []
 
 
 def residual_roots(graph: Graph, residuals: Sequence[Any]) -> list[Any]:

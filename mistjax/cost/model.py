@@ -127,15 +127,27 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     # An activation-offloaded layer recomputes everything it did not offload.
     remat_bwd = np.where(c > 0, kinds.saved_plain - kinds.saved_remat + v.block.bwd_peak_bytes("none") - blk_peak, 0.0)
     recompute = np.maximum(np.maximum(remat_bwd, 0.0), np.where(kinds.n_off > 0, kinds.saved_plain, 0.0))
-    # Fetched layer weights live only inside the layer loops: two layers at once in the unrolled-by-2
-    # scan of plain layers (forward, and backward where they are fetched again), one otherwise. They are
-    # never live next to pre / post's transients; the ZeRO-3-gathered embedding / head is (whole step).
-    layer_fetch = np.where(kinds.n_plain > 2, 2.0, 1.0) * lt["w_layer_fetch"]
+    # Fetched layer weights live only inside the layer loops: two layers at once in a scan unrolled by 2
+    # (`runtime.remat.make_layer_loop` unrolls every segment of more than two layers with fetches: plain,
+    # checkpointed or offloaded; forward, and backward where they are fetched again), one otherwise. They
+    # are never live next to pre / post's transients; the ZeRO-3-gathered embedding / head is (whole step).
+    unrolled = (kinds.n_plain > 2) | (kinds.n_remat > 2) | (kinds.n_off > 2)
+    layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
     tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0  # int32 inputs + targets of the local batch
     # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
     # stage also holds the activation it received and the cotangent waiting for its backward.
     messages = np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
-    return np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + messages
+    return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + messages
+            + _segment_slices(k, kinds, lt))
+
+
+def _segment_slices(k: Knobs, kinds: LayerKinds, lt: dict[str, np.ndarray]) -> np.ndarray:
+    """A stack run as several segments (offloaded / plain / checkpointed layers) scans slices of the stacked
+    weights (`runtime.remat.make_layer_loop`: ``x[start:end]``). A slice is a new buffer in XLA (a loop
+    operand cannot alias part of another buffer), read again by the segment's backward scan: one more copy
+    of the stage's stored layer weights for the whole step (seen in XLA:CPU's buffer assignment)."""
+    kinds_present = ((kinds.n_off > 0).astype(float) + (kinds.n_plain > 0) + (kinds.n_remat > 0))
+    return np.where(kinds_present > 1, k.layers * lt["w_layer_dev"], 0.0)
 
 
 def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,

@@ -14,7 +14,7 @@ from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
 from mistjax.analysis.block import block_graph, block_layouts, hidden_sizes
-from mistjax.analysis.graph import Graph
+from mistjax.analysis.graph import CallSite, Graph
 from mistjax.analysis.layout import REP, Partial, Shard, State, TPResult, partition_spec, same_layout
 from mistjax.core.layout import LeafLayout
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, bind_equation
@@ -56,40 +56,86 @@ class TensorParallelBlock:
         env: dict[Any, Any] = dict(g.consts)
         env.update(zip(g.invars, args))
         coll = _Collectives(self.axis)
-
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, jex.Literal) else env[v]
-
-        for n in g.nodes:
-            vals = [read(v) for v in n.ins]
-            eff = res.node_states.get(n, ([REP] * len(n.ins), []))[0]
-            gather: dict[int, int] = {}  # input index -> split dim it is all-gathered from
-            for k, (v, want) in enumerate(zip(n.ins, eff)):
-                if not isinstance(v, jex.Var) or isinstance(want, Partial) or not hasattr(vals[k], "shape"):
-                    continue
-                cur = res.states.get(v, REP)
-                if same_layout(cur, want):
-                    continue
-                if isinstance(cur, Shard) and want is REP and _is_float(vals[k]):
-                    gather[k] = cur.dim
-                elif isinstance(cur, Partial) and isinstance(want, Shard) and _is_float(vals[k]):
-                    vals[k] = coll.reduce_scatter(vals[k], want.dim)
-                else:
-                    # A partial sum all-reduced, a local slice of a replicated value, or a re-split
-                    # (all-to-all): the constraint says so, and its transpose is the mirror.
-                    vals[k] = self.constrain(vals[k], want)
-            out = coll.gatheredbind_equation(n.eqn, vals, gather) if gather else bind_equation(n.eqn, vals)
-            for v, o in zip(n.outs, out):
-                env[v] = self.constrain(o, res.states.get(v, REP), coll)
+        nodes, i = g.nodes, 0
+        while i < len(nodes):
+            site = nodes[i].call
+            j = i + 1
+            while site is not None and j < len(nodes) and nodes[j].call is site:
+                j += 1
+            if site is None:
+                self._run_node(nodes[i], env, coll)
+            elif site.checkpoint:
+                self._run_checkpointed(nodes[i:j], site.eqn.params, env, coll, nodes[j:], g.outvars)
+            else:
+                self._run_custom_vjp(site, env, coll)
+            i = j
         # The outputs in their final layouts (a partial sum resolved, the carry sequence-split).
         outs = []
         for v, st in zip(g.outvars, res.out_states):
-            o = read(v)
+            o = _read(env, v)
             if isinstance(v, jex.Var) and isinstance(res.states.get(v), Partial) and isinstance(st, Shard) \
                     and _is_float(o):
                 o = coll.reduce_scatter(o, st.dim)
             outs.append(self.constrain(o, st, coll) if isinstance(v, jex.Var) else o)
         return outs
+
+    def _run_node(self, n: Any, env: dict[Any, Any], coll: _Collectives) -> None:
+        """Evaluate one node under its propagated layouts, writing its results into ``env``."""
+        res = self.result
+        vals = [_read(env, v) for v in n.ins]
+        eff = res.node_states.get(n, ([REP] * len(n.ins), []))[0]
+        gather: dict[int, int] = {}  # input index -> split dim it is all-gathered from
+        for k, (v, want) in enumerate(zip(n.ins, eff)):
+            if not isinstance(v, jex.Var) or isinstance(want, Partial) or not hasattr(vals[k], "shape"):
+                continue
+            cur = res.states.get(v, REP)
+            if same_layout(cur, want):
+                continue
+            if isinstance(cur, Shard) and want is REP and _is_float(vals[k]):
+                gather[k] = cur.dim
+            elif isinstance(cur, Partial) and isinstance(want, Shard) and _is_float(vals[k]):
+                vals[k] = coll.reduce_scatter(vals[k], want.dim)
+            else:
+                # A partial sum all-reduced, a local slice of a replicated value, or a re-split
+                # (all-to-all): the constraint says so, and its transpose is the mirror.
+                vals[k] = self.constrain(vals[k], want)
+        out = coll.gatheredbind_equation(n.eqn, vals, gather) if gather else bind_equation(n.eqn, vals)
+        for v, o in zip(n.outs, out):
+            env[v] = self.constrain(o, res.states.get(v, REP), coll)
+
+    def _run_checkpointed(self, run: Sequence[Any], params: dict[str, Any], env: dict[Any, Any],
+                          coll: _Collectives, later: Sequence[Any], outvars: Sequence[Any]) -> None:
+        """Evaluate the nodes inlined from one ``jax.checkpoint`` equation (its ``params``) under a
+        checkpoint of its policy again: the graph is flat, and evaluated node by node autodiff would keep
+        every intermediate of the model's recomputed norms and activations (`models.layers.recomputed`)."""
+        defined = {v for n in run for v in n.outs}
+        ins = list(dict.fromkeys(v for n in run for v in n.ins
+                                 if isinstance(v, jex.Var) and v not in defined and v in env))
+        used = {v for v in [*outvars, *(v for n in later for v in n.ins)] if isinstance(v, jex.Var)}
+        outs = [v for n in run for v in n.outs if v in used]
+
+        def region(*vals: Any) -> list[Any]:
+            local = dict(env)
+            local.update(zip(ins, vals))
+            for n in run:
+                self._run_node(n, local, coll)
+            return [local[v] for v in outs]
+
+        fn = jax.checkpoint(region, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
+        env.update(zip(outs, fn(*[env[v] for v in ins])))
+
+    def _run_custom_vjp(self, site: CallSite, env: dict[Any, Any], coll: _Collectives) -> None:
+        """Bind an inlined ``custom_vjp`` call (the attention kernel, 16-bit probabilities) again on its
+        inputs, so its own residuals and backward run. Its inside is per head (no tensor-parallel
+        collective): GSPMD carries the inputs' head split through it."""
+        out = bind_equation(site.eqn, [_read(env, v) for v in site.ins])
+        for v, o in zip(site.outs, out):
+            if isinstance(v, jex.Var) and v not in site.ins:
+                env[v] = self.constrain(o, self.result.states.get(v, REP), coll)
+
+
+def _read(env: dict[Any, Any], v: Any) -> Any:
+    return v.val if isinstance(v, jex.Literal) else env[v]
 
 
 def _is_float(x: Any) -> bool:
