@@ -8,6 +8,7 @@ import pytest
 from test_runtime import BATCH, DEVICES, SEQ, ZERO1, ZERO2, ZERO3, assert_matches_reference, make_plan, setup
 
 import mistjax
+from mistjax.analysis.block import block_graph, fit_points
 from mistjax.core.hlo import collectives as hlo_collectives
 from mistjax.plan import uniform_plan
 from mistjax.runtime.tensor import tensor_parallel_block
@@ -61,6 +62,31 @@ def test_plain_evaluation_when_megatron_does_not_apply():
     traced = trace_loss(bad, state.params, {"inputs": tok, "targets": tok})
     with pytest.warns(UserWarning, match="falls back to GSPMD.*AssertionError"):
         assert tensor_parallel_block(bad, traced, layouts=[], tp=2) is None
+
+
+def test_fit_points_keep_the_sequence_divisibility():
+    """Every analysis length is a multiple of s/4 (so of any kernel block dividing it), the check included."""
+    for s in (16, 512, 2048):
+        points = fit_points(1, s)
+        assert points[0] == (1, s) and len(set(points)) == 7
+        assert all(s2 % (s // 4) == 0 and s2 <= s for _, s2 in points), points
+
+
+@pytest.mark.filterwarnings("error:tensor parallelism falls back")
+def test_megatron_layers_with_multi_block_attention():
+    """The GPU cell's attention ("fused": the blockwise kernel off GPUs) with several key blocks per sequence,
+    as GPT-7B's 16 at s = 2048: the layer is analysed at every fit point (a check at s - 1 padded the keys and
+    traced two more equations, so TP fell back to GSPMD with a warning) and the Megatron block matches."""
+    name = "gpt3-tiny"
+    cfg, state, batch, train_step, ref_loss, ref_grads = setup(name, attention="fused", attention_block=SEQ // 4)
+    from models import make_loss_fn
+
+    fun = make_loss_fn(state.graphdef)
+    tok = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
+    block_graph(fun, trace_loss(fun, state.params, {"inputs": tok, "targets": tok}))  # no StructureError
+    step = mistjax.autoshard(train_step, jax.devices(), plan=make_plan(cfg, tp=2, shard_opt=False))
+    _, metrics = step(jax.tree.map(jnp.copy, state), batch)
+    assert_matches_reference(metrics, ref_loss, ref_grads)
 
 
 def _tp_in_loops(compiled, tp: int) -> dict[str, float]:

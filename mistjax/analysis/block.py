@@ -55,8 +55,21 @@ def hidden_sizes(stack: LayerStack) -> tuple[int, int] | None:
 def fit_points(b: int, s: int) -> list[tuple[int, int]]:
     """Seven ``(b, s)`` trace points, the runtime's own first: two batch sizes x three sequence
     lengths to fit (degree <= 1 in b, <= 2 in s), and a check point. Shorter sequences first, so a
-    model with a maximal sequence length (a position table) still traces."""
-    ss = [s // 2, s // 4, s - 1] if s >= 4 else [s + 1, s + 2, s + 3]
+    model with a maximal sequence length (a position table) still traces.
+
+    For ``s`` a multiple of 4 the lengths are ``s, s/2, s/4`` and the check ``3s/4``: all multiples
+    of ``s/4``, so code that takes its path from the length's divisibility takes the real size's
+    path at every point. The blockwise attention kernel (`models.attention`) does: it scans
+    ``s / block`` key blocks when the block divides ``s`` and pads the keys otherwise, so a check
+    at ``s - 1`` (2047 for s = 2048) traced two more equations and a trip count off the fit, and the
+    Megatron block fell back to GSPMD. Other lengths keep ``s // 2, s // 4, s - 1``.
+    """
+    if s >= 4 and s % 4 == 0:
+        ss = [s // 2, s // 4, 3 * s // 4]
+    elif s >= 4:
+        ss = [s // 2, s // 4, s - 1]
+    else:
+        ss = [s + 1, s + 2, s + 3]
     return [(b, s), (b + 1, s), (b, ss[0]), (b + 1, ss[0]), (b, ss[1]), (b + 1, ss[1]), (b + 2, ss[2])]
 
 

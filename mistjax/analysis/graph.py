@@ -198,8 +198,9 @@ class _Builder:
 
     def _eqns(self, rj: Any, ojs: Sequence[Any], env: dict[Any, Any], nodes: list[Node]) -> None:
         if any(len(o.eqns) != len(rj.eqns) for o in ojs):
+            at = f" at (b, s) = {self.points}" if len(self.points) == len(ojs) + 1 else ""  # which size branches
             raise StructureError(
-                f"traces at different sizes have {[len(rj.eqns)] + [len(o.eqns) for o in ojs]} "
+                f"traces at different sizes{at} have {[len(rj.eqns)] + [len(o.eqns) for o in ojs]} "
                 "equations; the computation branches on the batch or sequence size"
             )
         sub = lambda v: env.get(v, v) if _is_var(v) else v  # noqa: E731
