@@ -92,7 +92,9 @@ def test_written_preset_round_trips_with_its_provenance():
     source = cal.fitted_source(f, "tests/data/published-runs.json", "l4 runs with a measured step time")
     doc = cal.update_preset_document(before, f, source)
     text = doc["device"]["source"]
-    assert text.startswith(before["device"]["source"] + " | fitted to tests/data/published-runs.json, 3 runs")
+    datasheet = before["device"]["source"].split(" | fitted to ")[0]  # the preset's own earlier fit is replaced
+    assert text.startswith(datasheet + " | fitted to tests/data/published-runs.json, 3 runs")
+    assert text.count(" | fitted to ") == 1
     assert date.today().isoformat() in text and "by scripts/fit_presets.py" in text
     assert "matmul_efficiency 0.5123 (was 0.45)" in text  # the values replaced stay on record
     cluster = ClusterSpec.from_dict(json.loads(json.dumps(doc)), nodes=1, per_node=4)
