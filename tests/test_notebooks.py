@@ -11,7 +11,8 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["quickstart", "cost_model_accuracy", "paper_reproduction"])
+@pytest.mark.parametrize("name", ["quickstart", "cost_model_accuracy",
+                                  pytest.param("paper_reproduction", marks=pytest.mark.slow)])
 def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("MISTJAX_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -39,7 +39,8 @@ CASES = [
 ]
 
 
-SLOW_CASES = {1, 4, 5, 6}  # gpipe, ZeRO-3 and TP inside pipelines have their own fast tests: -m slow
+SLOW_CASES = {1, 2, 4, 5, 6, 7}  # gpipe, ZeRO-3, TP inside pipelines and four stages (1F1B, eager) have their
+# own fast tests (test_pipeline_mpmd): -m slow
 
 
 @pytest.mark.parametrize("name,stages,kw", [

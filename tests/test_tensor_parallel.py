@@ -108,7 +108,7 @@ HLO_CASES = [
 ]
 
 
-SLOW_HLO = {1, 2, 3}  # the remat cases (one per family) stay in the default suite; the plain ones: -m slow
+SLOW_HLO = {0, 1, 2, 3, 4}  # one remat case (falcon) stays in the default suite; the others: -m slow
 
 
 @pytest.mark.parametrize("name,knobs", [

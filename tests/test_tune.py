@@ -162,6 +162,7 @@ def test_plans_are_feasible_under_the_memory_model(real, budget):
     assert res.plan.prediction.peak_memory <= cl.memory_budget() * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_eager_schedule_holds_more_and_gains_nothing_without_lockstep(real):
     """Llama-22B on 32 L4s: the MPMD executor has no tick barrier, so classic 1F1B already runs at the
     dependency-bound pace; 1F1B-eager keeps 2S - 1 micro-batches in flight for no speed-up, and the
