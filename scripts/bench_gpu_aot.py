@@ -8,7 +8,11 @@ For each cell (a published or representative plan on an L4 / A100 / H100 cluster
 train step (bf16 compute and weights, an fp32 master copy, AdamW) is compiled for the cluster's GPUs without GPUs
 (`mistjax.validate.gpu_aot`), and XLA:GPU's per-device memory is printed next to the cost model's
 prediction (`mistjax.cost.predict.analyze`) and, for published runs, the measured peak. Then, per cell,
-the largest values live at XLA's memory peak and the async collectives. Needs ``pip install
+the largest values live at XLA's memory peak and the async collectives. Pipelined cells (published
+Mist plans, `published=True`) run on the MPMD executor: every (stage, phase) program is compiled for its
+stage's GPUs and each stage's peak (`mistjax.validate.gpu_aot_pipeline`: the largest program's
+arguments + outputs + temp - aliases, plus what lives between programs and is not its argument) is
+printed next to the model's `peak_per_stage` and the run's measured per-stage peaks. Needs ``pip install
 'mistjax[gpu-aot]'``; runs with JAX_PLATFORMS=cpu (set here). See docs/cost_model.md.
 """
 
@@ -28,6 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 GiB = 2**30
+PUBLISHED = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "published-runs.json")
 
 
 @dataclass(frozen=True)
@@ -42,22 +47,18 @@ class Cell:
     plan: dict[str, Any]  # uniform_plan kwargs, or {"stages": [...], ...} for a per-stage plan
     measured_gib: float | None = None  # published measured peak (max over stages), if any
     note: str = ""  # how the plan relates to the published one
+    published: bool = False  # the plan, model shape and measured peaks come from PUBLISHED (`to_plan`)
 
 
 CELLS: tuple[Cell, ...] = (
     Cell("mist-readme-megatron-best-gpt1.3b-l4x2", "gpt3-1.3b", 2048, 32, "l4:1x2",
          dict(micro_batch=8, grad_accum=2, remat_layers=24, remat_policy="full", shard_opt=True),
          measured_gib=19273.83 / 1024, note="Megatron-LM best: dp 2, b 8, G 2, full recompute, distributed optimizer"),
-    Cell("mist-tuned-gpt1.3b-l4x2-flash0", "gpt3-1.3b", 2048, 32, "l4:1x2",
-         dict(stages=[(0, 13, 0), (13, 24, 0)], micro_batch=1, grad_accum=32, shard_opt=True),
-         measured_gib=18506 / 1024, note="Mist-tuned: 2 stages (13 + 11 layers), b 1, G 32, no remat"),
-    Cell("mist-tuned-gpt7b-l4x8-flash0", "gpt3-7b", 2048, 128, "l4:1x8",
-         dict(stages=[(0, 7, 5), (7, 15, 1), (15, 24, 0), (24, 32, 0)], micro_batch=1, grad_accum=64,
-              shard_opt=True, offload_opt=0.5625),
-         measured_gib=20033 / 1024,
-         note="Mist-tuned: 4 stages x dp 2, b 1, G 64, remat 5/1/0/0; its per-stage optimizer offload "
-              "(0.125/0.875/0.875/0.375) is not expressible by the SPMD pipeline (one state layout for all "
-              "stages): nearest plan offloads 0.5625 (their mean) on every stage"),
+    Cell("mist-tuned-gpt1.3b-l4x2-flash1", "gpt3-1.3b", 2048, 32, "l4:1x2", {}, published=True,
+         note="Mist-tuned (published plan): 2 stages (13 + 11 layers), b 2, G 16, ZeRO-1, no remat, flash"),
+    Cell("mist-tuned-gpt7b-l4x8-flash1", "gpt3-7b", 2048, 128, "l4:1x8", {}, published=True,
+         note="Mist-tuned (published plan): 4 stages x dp 2, b 1, G 64, ZeRO-1, remat 3/2/0/0, optimizer "
+              "offload 0/0.125/0.375/0, flash"),
     Cell("tp4-gpt7b-a100-40gb-1x8", "gpt3-7b", 2048, 16, "a100-40gb:1x8",
          dict(tp=4, micro_batch=1, grad_accum=8, remat_layers=32, remat_policy="full", shard_opt=True),
          note="Megatron-style: tp 4 (+SP) x dp 2, b 1, G 8, full recompute, distributed optimizer"),
@@ -186,6 +187,68 @@ def run_cell(cell: Cell, top: int, dump: str | None = None) -> dict[str, Any]:
     return rec
 
 
+def published_run(cell: Cell) -> Any:
+    from mistjax.validate.published_format import load_published
+
+    return next(r for r in load_published(PUBLISHED).points if r.id == cell.id)
+
+
+def run_pipelined_cell(cell: Cell) -> dict[str, Any]:
+    """A published pipelined plan: every (stage, phase) program compiled for the GPUs, per-stage peaks
+    (`mistjax.validate.gpu_aot_pipeline`) next to the cost model's and the run's measured ones."""
+    import models
+    from mistjax.cost.predict import analyze
+    from mistjax.validate.gpu_aot_pipeline import verify_pipeline
+    from mistjax.validate.published import cluster_for, to_plan
+    from mistjax.validate.published_format import model_config
+
+    run = published_run(cell)
+    cfg = model_config(run.model, "bfloat16").replace(attention="fused" if run.flash_attention else "xla")
+    plan, cluster = to_plan(run), cluster_for(run)
+    t = time.perf_counter()
+    analysis = analyze(models.workload(cfg, cell.seq, cell.global_batch), plan, cluster)
+    t_model = time.perf_counter() - t
+    report = verify_pipeline(cfg, cell.seq, cell.global_batch, plan, cluster)
+    pred = [float(sum(m.values())) for m in analysis.stage_memory]
+    xla = report.peak_per_stage
+    meas = [m * 2**20 for m in run.measured.stage_peak_allocated_mib or ()]
+    return {"id": cell.id, "model": cell.model, "seq": cell.seq, "global_batch": cell.global_batch,
+            "cluster": cell.cluster, "note": cell.note, "plan": json.loads(plan.to_json()), "pipelined": True,
+            "predicted": {"peak_per_stage": pred, "host_per_stage": [float(h) for h in analysis.stage_host],
+                          "categories": list(analysis.stage_memory), "peak": max(pred)},
+            "xla_gpu": report.to_dict(), "measured_per_stage": meas or None,
+            "measured_gib": max(meas) / GiB if meas else None,
+            "peak_err_per_stage": [p / x - 1.0 for p, x in zip(pred, xla)],
+            "peak_err_host_kept_per_stage": [p / st.peak_host_kept - 1.0 for p, st in zip(pred, report.stages)],
+            "peak_err": max(pred) / max(xla) - 1.0, "model_seconds": t_model}
+
+
+def print_pipelined(rec: dict[str, Any]) -> None:
+    x, p = rec["xla_gpu"], rec["predicted"]
+    print(f"\n{rec['id']} ({rec['model']}, seq {rec['seq']}, batch {rec['global_batch']}, {rec['cluster']}): "
+          f"{rec['note']}  [{len(x['stages'])} stages, compile {x['compile_seconds']:.0f} s]")
+    print(f"  {'GiB per device':17s} {'predicted':>9s} {'(host)':>7s} {'XLA:GPU':>9s} {'err':>7s} {'host kept':>9s} "
+          f"{'err':>7s} {'measured':>9s}  XLA peak program: args + out + temp - alias + resident "
+          "(state / accs / residuals)")
+    meas = rec["measured_per_stage"] or [None] * len(x["stages"])
+    for k, st in enumerate(x["stages"]):
+        prog = next(q for q in st["programs"] if q["phase"] == st["peak_phase"])
+        m, r = prog["memory"], prog["resident_parts"]
+        mm = f"{meas[k] / GiB:9.2f}" if meas[k] else f"{'-':>9s}"
+        print(f"  stage {k} {str(tuple(st['layers'])):9s} {p['peak_per_stage'][k] / GiB:9.2f} "
+              f"{p['host_per_stage'][k] / GiB:7.2f} {st['peak'] / GiB:9.2f} {rec['peak_err_per_stage'][k]:+7.3f} "
+              f"{st['peak_host_kept'] / GiB:9.2f} {rec['peak_err_host_kept_per_stage'][k]:+7.3f} {mm}"
+              f"  {st['peak_phase']}: {m['argument'] / GiB:.2f} + {m['output'] / GiB:.2f} + {m['temp'] / GiB:.2f} - "
+              f"{m['alias'] / GiB:.2f} + {r['state'] / GiB:.2f} / {r['accumulators'] / GiB:.2f} / "
+              f"{r['residuals'] / GiB:.2f} ({st['in_flight']} x {st['residual_bytes'] / GiB:.2f} GiB residuals max, "
+              f"{st['offloaded'] / GiB:.2f} GiB state on host)")
+        for q in st["programs"]:
+            print(f"      {q['phase']:9s} XLA {q['xla_peak'] / GiB:7.2f} (temp {q['memory']['temp'] / GiB:6.2f}) "
+                  f"+ resident {q['resident'] / GiB:6.2f} = {q['peak'] / GiB:7.2f}"
+                  + (f" ({q['host_in_arguments'] / GiB:.2f} of its arguments are host-placed state)"
+                     if q["host_in_arguments"] else ""))
+
+
 def print_cell(rec: dict[str, Any], top: int) -> None:
     x, p = rec["xla_gpu"], rec["predicted"]
     mem = x["memory"]
@@ -236,6 +299,9 @@ def main() -> None:
     if args.reprint:
         with open(args.reprint) as f:
             for rec in json.load(f)["cells"]:
+                if rec.get("pipelined"):
+                    print_pipelined(rec)
+                    continue
                 rec["xla_categories"] = as_model_categories(rec["breakdown"])
                 print_cell(rec, args.top)
         return
@@ -250,14 +316,18 @@ def main() -> None:
         sys.exit(f"unknown cell ids {sorted(wanted - {c.id for c in cells})}; known: {[c.id for c in CELLS]}")
     recs = []
     for cell in cells:
-        rec = run_cell(cell, args.top, args.dump)
+        rec = run_pipelined_cell(cell) if cell.published else run_cell(cell, args.top, args.dump)
         recs.append(rec)
-        print_cell(rec, args.top)
+        if cell.published:
+            print_pipelined(rec)
+        else:
+            print_cell(rec, args.top)
         sys.stdout.flush()
     print(f"\n{'cell':42s} {'pred GiB':>9s} {'XLA GiB':>9s} {'err':>7s} {'measured':>9s}")
     for r in recs:
         meas = f"{r['measured_gib']:.2f}" if r["measured_gib"] else "-"
-        print(f"{r['id']:42s} {r['predicted']['peak'] / GiB:9.2f} {r['xla_gpu']['peak'] / GiB:9.2f} "
+        xla_peak = max(r["xla_gpu"]["peak_per_stage"]) if r.get("pipelined") else r["xla_gpu"]["peak"]
+        print(f"{r['id']:42s} {r['predicted']['peak'] / GiB:9.2f} {xla_peak / GiB:9.2f} "
               f"{r['peak_err']:+7.3f} {meas:>9s}")
     errs = [abs(r["peak_err"]) for r in recs]
     summary = {"n_cells": len(recs), "peak_err_median": statistics.median(errs) if errs else None,

@@ -146,3 +146,29 @@ def test_cli_verify_flags_a_plan_that_does_not_fit(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "XLA:GPU deviceless compile for 2 x NVIDIA L4" in out
     assert "does not fit: XLA:GPU needs" in out and f"of {format_bytes(0.001 * 2**30)}" in out
+
+
+@needs_plugin
+def test_pipelined_plan_compiles_per_stage_for_two_l4s():
+    """Each stage's programs compile for its own L4 (the MPMD executor cuts its sub-mesh out of the
+    compile-only devices); a stage's peak adds what lives between programs to each program's own memory."""
+    from mistjax.plan import Plan, StagePlan
+    from mistjax.validate.gpu_aot_pipeline import verify_pipeline
+
+    half = TINY.num_layers // 2
+    plan = Plan(stages=(StagePlan(layers=(0, half), shard_opt=True), StagePlan(layers=(half, TINY.num_layers))),
+                micro_batch=2, grad_accum=4, dp=1)
+    r = verify_pipeline(TINY.replace(param_dtype="bfloat16"), 32, 8, plan, ClusterSpec.parse("l4:1x2"))
+    assert r.device_kind == "NVIDIA L4" and r.num_devices == 2
+    first, last = r.stages
+    assert {p.phase for p in first.programs} >= {"forward", "backward", "finish", "update1"}
+    assert "last" in {p.phase for p in last.programs} and last.residual_bytes == 0
+    assert first.in_flight == 2 and first.residual_bytes > 0  # 1F1B on 2 stages: two micro-batches' residuals
+    fwd = {p.phase: p for p in first.programs}
+    assert fwd["forward"].resident_parts["residuals"] == first.residual_bytes  # the other micro-batch's
+    assert fwd["forward"].resident_parts["accumulators"] == first.accumulators > 0
+    assert fwd["finish"].resident_parts["state"] == first.state  # finish takes no state
+    assert fwd["update1"].resident_parts["state"] < first.state
+    for st in r.stages:
+        assert st.peak == max(p.memory.peak + p.resident for p in st.programs) > st.state
+    assert r.to_dict()["peak_per_stage"] == r.peak_per_stage
