@@ -169,7 +169,13 @@ def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndar
 
     cnt_plain, cnt_c, cnt_off = counted(kinds.n_plain), counted(c), counted(kinds.n_off)
     mb_xla = (cnt_plain + cnt_c + cnt_off) * blk + cnt_c * rec_c + cnt_off * rec_off + parts
-    return flops, mb_xla + step["flops_xla"]
+    # The layers' accumulation adds run inside the layer loops (`runtime.accumulate`): XLA counts the
+    # counted layers' rows, not the whole stack (`step` charges the whole accumulator once).
+    scale = workload.grad_scale
+    row = np.where(k.zero >= 2, lt["g_layer_shard"], v.block.weight_bytes * scale) / (workload.param_itemsize * scale)
+    in_loop = (k.G > 1) & ~k.pipelined & workload.layer_grads_in_loop
+    rows = row * (1 - lt["acc_layer_host_frac"]) * (cnt_plain + cnt_c + cnt_off - k.layers)
+    return flops, mb_xla + step["flops_xla"] + np.where(in_loop, rows, 0.0)
 
 
 def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) -> StageCost:
