@@ -214,16 +214,9 @@ def _sp_constraint(tp: int) -> Callable[[jax.Array], jax.Array]:
 
 
 def _slice_grad(spec: GradSpec, plan: Plan) -> SliceGrad:
-    """How one layer's cotangent of a stored weight slice enters the accumulator (see `_microbatch_grad`)."""
-    lay = spec.layout
-    scatter = per_tensor_shard(lambda v: shard_psum_scatter(v, lay.shard_dim - 1), [d - 1 for d in lay.tensor_dims]
-                               ) if spec.scatter_each_microbatch else None
-
-    def prepare(ct: jax.Array) -> jax.Array:
-        g = grad_dtype_of(plan, _to_device(ct, lay.host))
-        return g if scatter is None else scatter(g)
-
-    return prepare
+    """How one layer's cotangent of a stored weight slice enters the accumulator (see `_microbatch_grad`):
+    `_finish_one` on a slice (the layer dim dropped)."""
+    return lambda ct: _finish_one(ct, spec, plan, layer_slice=True)
 
 
 def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec], plan: Plan) -> LayerLoopFn | None:
@@ -246,15 +239,17 @@ def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec],
         prepare=[None if i is None or traced.groups is not None else _slice_grad(specs[i], plan) for i in st.xs_leaf])
 
 
-def in_loop_leaves(traced: TracedLoss, G: int, acc_host: Sequence[bool]) -> frozenset[int]:
+def in_loop_leaves(traced: TracedLoss, G: int, acc_host: Sequence[bool], *, pipelined: bool = False
+                   ) -> frozenset[int]:
     """The parameter leaves whose gradients accumulate inside the backward layer loop (one buffer).
 
     Those are the stacked weights of a scanned stack read by the layer loop only, with a device
-    accumulator, when there is anything to accumulate (G > 1). The others (embedding, head, an
+    accumulator (`acc_host` per flat leaf), when there is anything to accumulate: G > 1, or any pipeline
+    stage (its backward programs add into a donated accumulator). The others (embedding, head, an
     unrolled stack's per-layer leaves, host accumulators) add each micro-batch's gradient afterwards.
     """
     st = traced.stack
-    if G == 1 or st is None or traced.groups is not None:
+    if (G == 1 and not pipelined) or st is None or traced.groups is not None:
         return frozenset()
     usage = part_usage(traced)
     leaves = [i for i in st.xs_leaf if i is not None]
@@ -327,11 +322,11 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
     return grad
 
 
-def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan) -> jax.Array:
-    """One micro-batch gradient in the plan's dtype, on device (a host-streamed weight's arrives in host
-    memory: the transpose of its fetch), reduce-scattered under ZeRO-2."""
+def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan, layer_slice: bool = False) -> jax.Array:
+    """One micro-batch gradient (of one layer's slice with `layer_slice`) in the plan's dtype, on device (a
+    host-streamed weight's arrives in host memory: the transpose of its fetch), reduce-scattered under ZeRO-2."""
     g = grad_dtype_of(plan, _to_device(g, spec.layout.host))
-    return _scatter(g, spec) if spec.scatter_each_microbatch else g
+    return _scatter(g, spec, layer_slice) if spec.scatter_each_microbatch else g
 
 
 def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
@@ -403,9 +398,12 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
-def _scatter(g: jax.Array, spec: GradSpec) -> jax.Array:
-    """Reduce-scatter a gradient over the partition group, per tensor shard (see `make_fetch`)."""
-    return per_tensor_shard(lambda v: shard_psum_scatter(v, spec.layout.shard_dim), spec.layout.tensor_dims)(g)
+def _scatter(g: jax.Array, spec: GradSpec, layer_slice: bool = False) -> jax.Array:
+    """Reduce-scatter a gradient (or one layer's slice of it) over the partition group, per tensor shard
+    (see `make_fetch`)."""
+    off = 1 if layer_slice else 0
+    return per_tensor_shard(lambda v: shard_psum_scatter(v, spec.layout.shard_dim - off),
+                            [d - off for d in spec.layout.tensor_dims])(g)
 
 
 def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh) -> list[jax.Array]:

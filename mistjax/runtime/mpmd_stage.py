@@ -57,6 +57,7 @@ from mistjax.runtime.grads import (
     _split_microbatches,
     _to_device,
     _to_host,
+    in_loop_leaves,
     make_fetch,
     psum_live,
 )
@@ -265,12 +266,11 @@ class StagePrograms:
         """Held parameters whose gradients the backward adds into the accumulator inside the layer loop
         (`runtime.accumulate`): stacked weights read by the layer loop only, with device accumulators."""
         if "in_loop" not in self._cache:
-            st, usage = self.info.traced.require_stack(), self.info.usage
-            held = [self.pos[i] for i in st.xs_leaf]
-            self._cache["in_loop"] = tuple(sorted(
-                j for j in set(held) if held.count(j) == 1 and not self.spec.acc_host[j]
-                and self.spec.params[j] not in usage.pre and self.spec.params[j] not in usage.post
-                and jnp.issubdtype(self._param_dtype(j), jnp.inexact)))
+            acc_host = [False] * self.info.num_params
+            for i, h in zip(self.spec.params, self.spec.acc_host):
+                acc_host[i] = h
+            flat = in_loop_leaves(self.info.traced, self.info.grad_accum, acc_host, pipelined=True)
+            self._cache["in_loop"] = tuple(sorted(self.pos[i] for i in flat if i in self.pos))
         return self._cache["in_loop"]
 
     def sink_fn(self, p: list[Any]) -> Callable[[tuple[list[Any], list[Any]], Any], Any]:
