@@ -28,11 +28,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the cost model only: no acceler
 import models  # noqa: E402
 from mistjax.hardware.presets import ClusterSpec  # noqa: E402
 from mistjax.tune import ABLATION_STEPS, SearchSpace, ablation_spaces, baseline_spaces, search  # noqa: E402
+from mistjax.validate.published import load_published, measured_speedups  # noqa: E402
 
 PLATFORMS = {"l4": 2048, "a100-40gb": 4096}  # platform -> sequence length
 CELLS = ((2, "1.3b"), (4, "2.7b"), (8, "7b"), (16, "13b"), (32, "22b"))  # (GPUs, model size)
 FAMILIES = ("gpt3", "llama", "falcon")
 BEGIN, END = "<!-- reproduce_paper:begin -->", "<!-- reproduce_paper:end -->"
+PUBLISHED = ROOT / "tests" / "data" / "published-runs.json"  # the Mist artifact's measured L4 runs
 
 
 def cluster_for(platform: str, gpus: int) -> ClusterSpec:
@@ -49,6 +51,17 @@ def plan_text(plan: Any) -> str:
     sched = f" {plan.schedule}" if plan.num_stages > 1 else ""
     return (f"S{plan.num_stages}{sched} dp{plan.dp} tp{plan.tp} b{plan.micro_batch} G{plan.grad_accum}{mics} "
             f"L{[s.num_layers for s in plan.stages]} ZeRO{zero} ckpt{remat} oo{off}")
+
+
+def measured_by_cell(path: str | None) -> dict[tuple[str, str, int], float]:
+    """(platform, model, GPUs) -> the measured Mist-over-Megatron-LM speedup of that cell, for runs with fused
+    attention (the grid's models run fused attention) and the grid's batch (16 sequences per GPU)."""
+    if not path:
+        return {}
+    runs = load_published(path)
+    batch = {r.id: r.global_batch for r in runs.points}
+    return {(m.hardware, m.model, m.gpus): m.speedup for m in measured_speedups(runs)
+            if m.flash_attention and batch[m.mist] == batch[m.megatron] == 16 * m.gpus}
 
 
 def run_cell(platform: str, family: str, size: str, gpus: int, time_limit: float, ablations: bool) -> dict[str, Any]:
@@ -89,6 +102,12 @@ def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
         if sp:
             out[platform] = {"avg_speedup_vs_megatron": sum(sp) / len(sp), "min_speedup_vs_megatron": min(sp),
                              "cells": len(sp)}
+        both = [(c["speedup_vs_megatron"], c["measured_speedup"]) for c in cells if c["platform"] == platform
+                and c["speedup_vs_megatron"] and c.get("measured_speedup")]
+        if both:  # the cells that have a measured Mist-over-Megatron speedup
+            pred, meas = (sum(x) / len(both) for x in zip(*both))
+            out[platform]["measured"] = {"cells": len(both), "avg_predicted_speedup": pred,
+                                         "avg_measured_speedup": meas, "ratio": pred / meas}
     out["tune_s_max"] = max((c["tune_s"] for c in cells), default=0.0)
     gains = {}
     abl = [c["ablation_tokens_per_s"] for c in cells if "ablation_tokens_per_s" in c]
@@ -106,19 +125,27 @@ def markdown(cells: list[dict[str, Any]], summary: dict[str, Any], command: str)
     lines = [BEGIN, "## Mist evaluation grid (predicted)", "",
              f"`{command}` (cost model predictions for the best plan of each space; throughput in tokens/s; "
              "speedup = mistjax / Megatron-LM; tune = mistjax's search time on this 2-core machine).", "",
-             "| platform | model | GPUs | mistjax | " + " | ".join(names) + " | speedup | tune s | mistjax plan |",
-             "|---|---|---:|---:|" + "---:|" * len(names) + "---:|---:|---|"]
+             "| platform | model | GPUs | mistjax | " + " | ".join(names)
+             + " | speedup | measured Mist / Megatron | tune s | mistjax plan |",
+             "|---|---|---:|---:|" + "---:|" * len(names) + "---:|---:|---:|---|"]
     for c in cells:
         base = " | ".join(f"{c['baselines'][n]:,.0f}" if c["baselines"][n] else "OOM" for n in names)
         sp = f"{c['speedup_vs_megatron']:.2f}x" if c["speedup_vs_megatron"] else "-"
+        meas = f"{c['measured_speedup']:.2f}x" if c.get("measured_speedup") else "-"
         lines.append(f"| {c['platform']} | {c['family']}-{c['size']} | {c['gpus']} | {c['tokens_per_s']:,.0f} | "
-                     f"{base} | {sp} | {c['tune_s']:.1f} | {c['plan_text']} |")
+                     f"{base} | {sp} | {meas} | {c['tune_s']:.1f} | {c['plan_text']} |")
     lines.append("")
     for platform in PLATFORMS:
         if platform in summary:
             s = summary[platform]
             lines.append(f"- {platform}: average speedup over Megatron-LM {s['avg_speedup_vs_megatron']:.2f}x, "
                          f"minimum {s['min_speedup_vs_megatron']:.2f}x over {s['cells']} cells")
+            if "measured" in s:
+                m = s["measured"]
+                lines.append(f"- {platform}, the {m['cells']} cells with a measured Mist-over-Megatron speedup (Mist "
+                             f"artifact, `{PUBLISHED.relative_to(ROOT)}`): predicted average "
+                             f"{m['avg_predicted_speedup']:.2f}x, measured {m['avg_measured_speedup']:.2f}x "
+                             f"(predicted / measured {m['ratio']:.3f})")
     lines.append(f"- longest mistjax search: {summary['tune_s_max']:.1f} s")
     if "ablation_gain" in summary:
         steps = ", ".join(f"{k} {v:.3f}x" for k, v in summary["ablation_gain"].items())
@@ -146,6 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--max-gpus", type=int, default=32)
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per search")
+    ap.add_argument("--published", default=str(PUBLISHED) if PUBLISHED.exists() else "",
+                    help="published-runs file whose measured Mist-over-Megatron speedups are shown next to the "
+                         "predicted ones ('' for none)")
     ap.add_argument("--ablations", type=int, default=2,
                     help="GPT-3 cells per platform (smallest first) that also run the ablation steps")
     args = ap.parse_args(argv)
@@ -155,16 +185,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         platforms, families, cells_todo = platforms[:1], ["gpt3"], [c for c in CELLS if c[0] <= 4]
     warnings.simplefilter("ignore", RuntimeWarning)
+    measured = measured_by_cell(args.published)
     cells = []
     for platform in platforms:
         for family in families:
             for k, (gpus, size) in enumerate(cells_todo):
                 rec = run_cell(platform, family, size, gpus, args.time_limit, family == "gpt3" and k < args.ablations)
+                rec["measured_speedup"] = measured.get((platform, f"{family}-{size}", gpus))
                 cells.append(rec)
                 b = ", ".join(f"{n} {v:,.0f}" for n, v in rec["baselines"].items())
                 sp = f"{rec['speedup_vs_megatron']:.2f}x" if rec["speedup_vs_megatron"] else "-"
+                meas = f" (measured Mist {rec['measured_speedup']:.2f}x)" if rec["measured_speedup"] else ""
                 print(f"{platform:>9} {family}-{size:<5} {gpus:>2} GPUs: mistjax {rec['tokens_per_s']:,.0f} tok/s "
-                      f"({b}) speedup {sp}, tuned in {rec['tune_s']:.1f} s; {rec['plan_text']}", flush=True)
+                      f"({b}) speedup {sp}{meas}, tuned in {rec['tune_s']:.1f} s; {rec['plan_text']}", flush=True)
     summary = summarise(cells)
     print(json.dumps(summary, indent=1))
     command = "python scripts/reproduce_paper.py" + (" --quick" if args.quick else "")

@@ -12,6 +12,7 @@ from mistjax.validate.published import (
     PublishedRunsError,
     cluster_for,
     load_published,
+    measured_speedups,
     parse_published,
     predict_run,
     speedup_pairs,
@@ -244,6 +245,16 @@ def test_summary_and_pairs_by_hand(tiny_file):
     assert {(q["mist"], q["megatron"]) for q in pairs} == {("mist-pp2", "meg-dp2")}  # other cells differ (flash)
     assert pairs[0]["measured_speedup"] == pytest.approx(0.5 / 0.4)
     assert pairs[0]["predicted_speedup"] == pytest.approx(preds[0].step_time / preds[1].step_time)
+
+
+def test_measured_speedups_take_each_cells_fastest_runs(runs):
+    got = {(m.model, m.gpus, m.flash_attention): m for m in measured_speedups(runs)}
+    assert len(got) == 9  # GPT-3 1.3B-7B with and without flash attention, Llama 1.3B-7B with
+    one = got[("gpt3-1.3b", 2, False)]  # three Mist runs in that cell: the tuned plan is the fastest
+    times = {r.id: r.measured.iter_time_s for r in runs.points}
+    assert one.mist == "mist-tuned-gpt1.3b-l4x2-flash0"
+    assert one.speedup == pytest.approx(times[one.megatron] / times[one.mist])
+    assert all(r.framework == "mist" for r in runs.points if r.id == one.mist)
 
 
 def test_bench_rejects_a_malformed_file_without_traceback(tmp_path):

@@ -15,7 +15,7 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -290,6 +290,39 @@ def speedup_pairs(preds: list[RunPrediction | RunFailure]) -> list[dict[str, Any
     return out
 
 
+class MeasuredSpeedup(NamedTuple):
+    """A measured Mist-over-Megatron-LM speedup of one cell, read from the measured times alone."""
+
+    model: str  # the model preset (or the record's name when it has none)
+    hardware: str  # the cluster preset
+    gpus: int  # nodes x GPUs per node
+    flash_attention: bool  # both runs used fused attention
+    mist: str  # the Mist run's id (the cell's fastest Mist run)
+    megatron: str  # the Megatron-LM run's id
+    speedup: float  # t_megatron / t_mist, measured
+
+
+def measured_speedups(runs: PublishedRuns) -> list[MeasuredSpeedup]:
+    """Per cell (`cell_key`), the fastest Mist run over the fastest Megatron-LM run that ran."""
+    best: dict[tuple[Any, ...], dict[str, PublishedRun]] = {}
+    for r in runs.points:
+        if not r.ran or r.framework == "other":
+            continue
+        cell = best.setdefault(cell_key(r), {})
+        old = cell.get(r.framework)
+        if old is None or r.measured.iter_time_s < old.measured.iter_time_s:
+            cell[r.framework] = r
+    out = []
+    for cell in best.values():
+        if "mist" in cell and "megatron" in cell:
+            mist, meg = cell["mist"], cell["megatron"]
+            hw = mist.hardware
+            out.append(MeasuredSpeedup(mist.model.preset or model_config(mist.model).name, hw.preset,
+                                       hw.nodes * hw.per_node, mist.flash_attention, mist.id, meg.id,
+                                       meg.measured.iter_time_s / mist.measured.iter_time_s))
+    return out
+
+
 def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
     """JSON form of one run and its prediction (``error`` instead of predictions for a `RunFailure`)."""
     r = p.run
@@ -316,6 +349,7 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
     }
 
 
-__all__ = ["RESOURCES", "PublishedRunsError", "RunFailure", "RunPrediction", "cell_key", "cluster_for",
-           "load_published", "parse_published", "point_dict", "predict_all", "predict_run", "speedup_pairs",
-           "summarize", "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
+__all__ = ["RESOURCES", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction", "cell_key",
+           "cluster_for", "load_published", "measured_speedups", "parse_published", "point_dict", "predict_all",
+           "predict_run", "speedup_pairs", "summarize", "time_by_resource", "time_by_structure", "to_plan",
+           "zoo_workload"]
