@@ -16,6 +16,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # "fused": cuDNN flash attention where the GPU takes it, else the blockwise kernel (models.attention);
 # "blockwise" / "cudnn": one of them always; "xla" / "reference": unfused (probabilities saved, O(s^2)).
 ATTENTIONS = ("fused", "blockwise", "cudnn", "xla", "reference")
+# How the priced runtime executes the elementwise chains PyTorch has no single op for (RMSNorm, rotary, SwiGLU):
+# "fused": as XLA (and Mist's CUDA / Triton kernels) does, one kernel per chain; "eager": one kernel per op,
+# each reading its operands and writing its result, as Megatron-LM's PyTorch code runs them (models.layers).
+ELEMENTWISE = ("fused", "eager")
 
 # Mist evaluation sizes (paper section 6.2): size -> (hidden, layers, heads). Vocab is 50304 everywhere.
 MIST_SIZES: dict[str, tuple[int, int, int]] = {
@@ -54,6 +58,7 @@ class ModelConfig:
     attention: str = "fused"  # one of ATTENTIONS: "fused" (default) | "blockwise" | "cudnn" | "xla" | "reference"
     loss_chunks: int = 8  # sequence slices the fused LM head + cross-entropy runs in (models.head_loss)
     attention_block: int = DEFAULT_BLOCK_SIZE  # keys per block of the blockwise kernel ("fused" / "blockwise")
+    elementwise: str = "fused"  # one of ELEMENTWISE: "fused" (default) | "eager" (priced one kernel per op)
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -87,6 +92,8 @@ class ModelConfig:
                 raise bad(field, f"unknown dtype {getattr(self, field)!r}; use one of {DTYPES}")
         if self.attention not in ATTENTIONS:
             raise bad("attention", f"unknown attention {self.attention!r}; use one of {ATTENTIONS}")
+        if self.elementwise not in ELEMENTWISE:
+            raise bad("elementwise", f"unknown elementwise {self.elementwise!r}; use one of {ELEMENTWISE}")
         if not isinstance(self.loss_chunks, numbers.Integral) or isinstance(self.loss_chunks, bool) \
                 or self.loss_chunks <= 0:
             raise bad("loss_chunks", f"must be a positive integer (sequence slices), got {self.loss_chunks!r}")

@@ -11,6 +11,10 @@ Conventions:
   norms, rotary angles and softmax run in float32; logits come back as float32.
 * Activations the runtime may want to save or offload are tagged with ``checkpoint_name``: ``layer_input``,
   ``qkv_proj``, ``attn_out``, ``mlp_in``, ``mlp_out``. Nothing here applies remat.
+* ``ModelConfig.elementwise="eager"`` prices the chains PyTorch has no single op for (RMSNorm, rotary, SwiGLU)
+  as Megatron-LM's PyTorch code runs them, one kernel per op (`eager_op`); the numbers computed are the same
+  math, and XLA still fuses them when the model runs here. LayerNorm and GELU are one PyTorch op (apex's fused
+  LayerNorm, ``F.gelu``) and keep their fused form in both modes.
 """
 
 from __future__ import annotations
@@ -65,10 +69,55 @@ def out_proj_std(config: ModelConfig) -> float:
     return INIT_STD / math.sqrt(2 * config.num_layers)
 
 
+# ---------------------------------------------------------------------------------------------- eager ops
+EAGER_JIT = "eager_kernel"  # the marker's jit name: mistjax.analysis.graph.EAGER_JIT (the analysis's protocol)
+
+
+def _eager_kernel(x: jax.Array) -> jax.Array:
+    return x
+
+
+_eager_kernel.__name__ = _eager_kernel.__qualname__ = EAGER_JIT
+# An identity the analysis reads as "an op-by-op runtime writes this value to memory" (no op of its own).
+eager_written = jax.jit(_eager_kernel)
+
+
+@jax.custom_vjp
+def _grad_written(x: jax.Array) -> jax.Array:
+    """Identity whose cotangent is marked written: the backward kernel of the op reading ``x``."""
+    return x
+
+
+_grad_written.defvjp(lambda x: (x, None), lambda _, g: (eager_written(g),))
+
+
+def eager_op(fn: Callable[..., jax.Array], *xs: jax.Array) -> jax.Array:
+    """``fn(*xs)`` as one PyTorch eager op: its result is written (one kernel reading ``xs``), and so is the
+    gradient it returns for each operand in the backward (autograd runs one backward kernel per op)."""
+    return eager_written(fn(*(_grad_written(x) for x in xs)))
+
+
+@jax.custom_vjp
+def _silu_saving_input(x: jax.Array) -> jax.Array:
+    """``F.silu``: autograd saves only the input and its backward recomputes the sigmoid (JAX's own rule would
+    keep the sigmoid as a residual, a written value PyTorch does not have)."""
+    return jax.nn.silu(x)
+
+
+def _silu_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    sig = jax.nn.sigmoid(x)
+    return (g * sig * (1 + x * (1 - sig)),)
+
+
+_silu_saving_input.defvjp(lambda x: (jax.nn.silu(x), x), _silu_bwd)
+
+
+# ---------------------------------------------------------------------------------------------- layers
 class Norm(nnx.Module):
     """LayerNorm (``kind="layernorm"``: scale + bias) or RMSNorm (``kind="rmsnorm"``: scale only).
 
-    Statistics are computed in float32 whatever the compute dtype; the output is cast back to it.
+    Statistics are computed in float32 whatever the compute dtype; the output is cast back to it. With
+    ``elementwise="eager"`` RMSNorm is Megatron-LM's PyTorch module (`_rms_norm_eager`).
     """
 
     def __init__(self, config: ModelConfig, kind: str, *, rngs: nnx.Rngs):
@@ -77,11 +126,14 @@ class Norm(nnx.Module):
         self.kind = kind
         self.eps = config.norm_eps
         self.dtype = compute_dtype(config)
+        self.eager = config.elementwise == "eager" and kind == "rmsnorm"
         self.scale = make_param(rngs, _ones, (config.hidden_size,), ("embed",), config)
         self.bias = (make_param(rngs, _zeros, (config.hidden_size,), ("embed",), config)
                      if kind == "layernorm" else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.eager:
+            return _rms_norm_eager(self.eps, self.dtype, x, self.scale[...])
         bias = self.bias[...] if self.bias is not None else None
         return recomputed(partial(_normalize, self.kind, self.eps, self.dtype))(x, self.scale[...], bias)
 
@@ -105,22 +157,56 @@ def _normalize(kind: str, eps: float, dtype: Any, x: jax.Array, scale: jax.Array
     return y.astype(dtype)
 
 
-def apply_rotary(x: jax.Array, rotary_dims: int) -> jax.Array:
+def _rms_norm_eager(eps: float, dtype: Any, x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMSNorm op by op as Megatron-LM's ``megatron/model/rms_norm.py`` runs it (core_r0.4.0): ``x.float()``,
+    ``pow(2)``, ``mean(-1)``, ``+ eps`` and ``rsqrt`` (on one value per token), ``x * rsqrt``,
+    ``type_as(x)``, ``* weight`` in the compute dtype. Autograd keeps every intermediate (no recompute)."""
+    x32 = eager_op(lambda a: a.astype(jnp.float32), x)
+    sq = eager_op(lambda a: a * a, x32)  # its backward reads x32 (no 2x residual)
+    ms = eager_op(lambda a: jnp.mean(a, axis=-1, keepdims=True), sq)
+    inv = eager_op(lambda a: jax.lax.rsqrt(a + eps), ms)
+    y = eager_op(jnp.multiply, x32, inv)
+    y = eager_op(lambda a: a.astype(dtype), y)
+    return eager_op(jnp.multiply, y, scale.astype(dtype))
+
+
+def _rotary_tables(seq: int, rotary_dims: int) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotation angles, ``[1, seq, 1, rotary_dims // 2]`` in float32 (constants)."""
+    half = rotary_dims // 2
+    inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / rotary_dims))
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [seq, half]
+    return jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+
+
+def _rotary_eager(x: jax.Array, rotary_dims: int) -> jax.Array:
+    """Rotary op by op as Megatron-LM's ``apply_rotary_pos_emb`` runs it (core_r0.4.0), in the compute dtype:
+    ``t * cos``, ``rotate_half`` (``-x2`` and a concatenation; the chunk is a view whose backward is one
+    concatenation kernel), ``* sin``, the sum, and the concatenation with the unrotated dims (a copy)."""
+    cos, sin = (jnp.concatenate([c, c], axis=-1).astype(x.dtype) for c in _rotary_tables(x.shape[1], rotary_dims))
+    t, t_pass = x[..., :rotary_dims], x[..., rotary_dims:]
+    x1, x2 = jnp.split(_grad_written(t), 2, axis=-1)
+    rotated = eager_written(jnp.concatenate([eager_op(jnp.negative, x2), x1], axis=-1))
+    out = eager_op(jnp.add, eager_op(lambda a: a * cos, t), eager_op(lambda a: a * sin, rotated))
+    return eager_written(jnp.concatenate([out, t_pass], axis=-1))
+
+
+def apply_rotary(x: jax.Array, rotary_dims: int, eager: bool = False) -> jax.Array:
     """Rotates the first ``rotary_dims`` dims of each head (GPT-NeoX / Megatron ``rotary_percent`` style).
 
     Args:
         x: ``[batch, seq, heads, head_dim]``; positions are ``0..seq-1``.
         rotary_dims: even number of leading head dims to rotate; 0 returns ``x`` unchanged.
+        eager: Megatron-LM's op-by-op form in the compute dtype (`_rotary_eager`).
 
     Returns:
         Array of the same shape and dtype; angles and the rotation are computed in float32.
     """
     if rotary_dims == 0:
         return x
+    if eager:
+        return _rotary_eager(x, rotary_dims)
     half = rotary_dims // 2
-    inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / rotary_dims))
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [seq, half]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    cos, sin = _rotary_tables(x.shape[1], rotary_dims)
     rot = x[..., :rotary_dims].astype(jnp.float32)
     x1, x2 = rot[..., :half], rot[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -213,6 +299,7 @@ class Attention(nnx.Module):
         self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (n, d, h),
                              ("heads", "head_dim", "embed"), config)
         self.rotary_dims = config.rotary_dims
+        self.eager_rotary = config.elementwise == "eager"
         self.attention = config.attention
         self.attention_block = config.attention_block
 
@@ -221,7 +308,7 @@ class Attention(nnx.Module):
         q = checkpoint_name(jnp.einsum("bte,end->btnd", x, self.wq[...].astype(dt)), "qkv_proj")
         k = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt)), "qkv_proj")
         v = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt)), "qkv_proj")
-        q, k = apply_rotary(q, self.rotary_dims), apply_rotary(k, self.rotary_dims)
+        q, k = (apply_rotary(u, self.rotary_dims, self.eager_rotary) for u in (q, k))
         out = checkpoint_name(self.attend(q, k, v), "attn_out")
         return jnp.einsum("btnd,nde->bte", out, self.wo[...].astype(dt))
 
@@ -256,7 +343,8 @@ class GeluMLP(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """``(silu(x @ w_gate) * (x @ w_up)) @ wo`` (Llama)."""
+    """``(silu(x @ w_gate) * (x @ w_up)) @ wo`` (Llama); with ``elementwise="eager"`` the silu and the product
+    are two PyTorch ops (Megatron-LM's ``swiglu``: ``F.silu(x[0]) * x[1]``)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         h, f = config.hidden_size, config.ffn_size
@@ -265,16 +353,24 @@ class SwiGLU(nnx.Module):
         self.w_up = make_param(rngs, std, (h, f), ("embed", "mlp"), config)
         self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (f, h), ("mlp", "embed"),
                              config)
+        self.eager = config.elementwise == "eager"
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_in")
         up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_in")
-        return checkpoint_name(recomputed(_swiglu)(gate, up) @ self.wo[...].astype(dt), "mlp_out")
+        act = _swiglu_eager(gate, up) if self.eager else recomputed(_swiglu)(gate, up)
+        return checkpoint_name(act @ self.wo[...].astype(dt), "mlp_out")
 
 
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
+
+
+def _swiglu_eager(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``F.silu(gate) * up``: two kernels forward, one per operand gradient backward (autograd keeps silu's
+    output for the product's backward and the input for silu's)."""
+    return eager_op(jnp.multiply, eager_op(_silu_saving_input, gate), up)
 
 
 class Embed(nnx.Module):

@@ -15,6 +15,7 @@ from mistjax.validate.published import (
     measured_speedups,
     parse_published,
     predict_run,
+    run_config,
     speedup_pairs,
     summarize,
     to_plan,
@@ -161,6 +162,19 @@ def test_model_from_shape_matches_the_preset(runs):
     assert from_preset.max_seq_len == 2048 and from_preset.dtype == "bfloat16"
     llama = [r for r in runs.points if r.model.family == "llama"][0].model
     assert model_config(type(llama)(**{**llama.__dict__, "preset": None})).rotary_pct == 0.25
+
+
+def test_each_run_is_priced_as_its_runtime_runs_the_model(runs):
+    # Megatron-LM (core_r0.4.0): RMSNorm, rotary and SwiGLU as PyTorch ops, the whole head rotated
+    # (--rotary-percent 1.0 by default); Mist's runtime: fused kernels, Mist's 0.25 rotary fraction.
+    by_id = {r.id: r for r in runs.points}
+    meg = run_config(by_id["megatron-best-llama7b-l4x8-flash1"])
+    mist = run_config(by_id["mist-tuned-llama7b-l4x8-flash1"])
+    assert (meg.elementwise, meg.rotary_pct, meg.attention) == ("eager", 1.0, "fused")
+    assert (mist.elementwise, mist.rotary_pct, mist.attention) == ("fused", 0.25, "fused")
+    gpt = run_config(by_id["megatron-best-gpt1.3b-l4x2-flash0"])
+    assert (gpt.elementwise, gpt.rotary_pct, gpt.attention) == ("eager", 0.0, "xla")
+    assert meg.replace(elementwise="fused", rotary_pct=0.25) == mist  # otherwise the same model
 
 
 def test_cluster_takes_the_card_memory(runs):

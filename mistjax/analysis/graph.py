@@ -16,6 +16,10 @@ count (a fitted polynomial for ``scan``; 1 for ``while``, whose count is unknown
 Fused attention (`mistjax.analysis.fused`): the nodes inlined from a blockwise kernel's named ``jit``
 and cuDNN's attention primitives carry the unit's name (``Node.unit``), and every such call is listed in
 ``Graph.units``.
+
+Eager kernels: a value passed to an identity ``jit`` named `EAGER_JIT` is one a runtime that executes the
+model op by op (PyTorch eager) writes to memory; the builder records it in ``Graph.eager``, which the
+kernel model (`mistjax.analysis.kernels`) materialises. The marker adds no node, FLOP or buffer.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ CALL_PARAMS = {  # primitive -> param holding the inlined jaxpr
 }
 
 CHECKPOINTS = frozenset({"remat", "remat2", "checkpoint"})
+# Name of the identity ``jit`` that marks a value an eager runtime writes (models.layers.eager_written).
+EAGER_JIT = "eager_kernel"
 REGIONS = CHECKPOINTS | {"custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
@@ -100,6 +106,7 @@ class Graph:
     dims: dict[Any, tuple[Poly, ...]]  # shared by nested graphs: var -> fitted dims
     consts: dict[Any, Any] = field(default_factory=dict)  # shared: constvar -> value (inlined ones too)
     units: list[UnitCall] = field(default_factory=list)  # fused-attention calls (top-level graph only)
+    eager: set[Any] = field(default_factory=set)  # shared: values an eager runtime writes (EAGER_JIT inputs)
 
     def shape(self, v: Any) -> tuple[Poly, ...]:
         if isinstance(v, jex.Literal):
@@ -143,6 +150,7 @@ class _Builder:
         self.unit: tuple[str, int | None] | None = None  # (name, block) of the fused kernel being inlined
         self._defined: set[Any] = set()  # vars some leaf node already defines (see `_define`)
         self.call: CallSite | None = None  # the outermost checkpoint / custom_vjp call being inlined
+        self.eager: set[Any] = set()  # values passed to an EAGER_JIT marker (shared by nested graphs)
 
     def fit(self, ref: Any, others: Sequence[Any]) -> None:
         if not _is_var(ref) or ref in self.dims:
@@ -180,6 +188,7 @@ class _Builder:
             outvars=outvars,
             dims=self.dims,
             consts=self.consts,
+            eager=self.eager,
         )
 
     def _define(self, v: Any, env: dict[Any, Any]) -> Any:
@@ -214,6 +223,10 @@ class _Builder:
             for j, v in enumerate(eqn.outvars):
                 self.fit(v, [o.outvars[j] for o in others])
             inner = _call_jaxpr(eqn)
+            if name in ("pjit", "jit") and eqn.params.get("name") == EAGER_JIT:
+                # The marker is an identity: its inputs are the marked values (JAX's partial evaluation may
+                # have dropped its outputs, which are the same values).
+                self.eager.update(sub(v) for v in eqn.invars if _is_var(v))
             if inner is not None:
                 unit = unit_of(str(eqn.params.get("name", ""))) if self.unit is None else None
                 outer_unit, outer_call = self.unit, self.call

@@ -18,6 +18,10 @@ XLA's GPU fusion (and checked against it: `mistjax.validate.kernels`). Rules (do
   it moves its output plus its distinct materialised inputs (a slice, dynamic slice or gather reads only
   what it keeps). Kernels with the same inputs and the same number of output elements are one
   multi-output fusion (inputs read once). Values computed from constants only (masks, iotas) are free.
+* **Eager kernels**: a value the model marks as written by an op-by-op runtime (``Graph.eager``, e.g.
+  Megatron-LM's PyTorch RMSNorm, rotary and SwiGLU; `models.layers.eager_op`) is materialised as well, and
+  its kernel is never merged with a sibling (an eager runtime launches one kernel per op, each reading its
+  operands): the chain costs one kernel per op, each moving its operands and its result.
 
 All sizes are exact `Poly` in ``(b, s, 1/t)`` (the graph's fitted dims with the tensor-parallel layouts).
 """
@@ -252,6 +256,8 @@ class _Kernels:
                     need(v)
         for v in self.g.outvars:
             need(v)
+        for v in self.g.eager:  # written by an op-by-op runtime
+            need(v)
         for gemm in {id(g): g for g in self.epilogue.values()}.values():  # the GEMM writes its epilogue's end
             chain = [v for v, gm in self.epilogue.items() if gm is gemm]
             if any(v in mat for v in chain):
@@ -353,7 +359,7 @@ class _Kernels:
             if v in self.epilogue:
                 continue
             reads = self.cone_reads(list(p.ins), mat)
-            fusions.append(_Fusion(reads, prod(self.g.shape(v)), self.size(v), (v,), False))
+            fusions.append(_Fusion(reads, prod(self.g.shape(v)), self.size(v), (v,), False, v in self.g.eager))
             if self.log is not None:
                 self.log.append((p.prim, str(v.aval), self.size(v), reads))
         order = {v: i for i, v in enumerate(list(self.g.invars) + [u for n in self.g.nodes for u in n.outs])}
@@ -369,6 +375,7 @@ class _Fusion:
     written: Poly  # bytes written
     outs: tuple[Any, ...]  # the values it writes
     reduce: bool  # a reduction kernel
+    eager: bool = False  # writes a value an op-by-op runtime writes: a kernel of its own, never merged
 
     def absorb(self, other: _Fusion) -> None:
         for v, b in other.reads.items():
@@ -385,7 +392,7 @@ def _fusion_totals(fusions: Sequence[_Fusion], order: dict[Any, int] | None = No
     reading the same equal-sized inputs (a softmax backward's probabilities and their gradient) agree."""
     groups: dict[Any, _Fusion] = {}
     for f in fusions:
-        key = (_largest_input(f.reads, order or {}), f.elems, f.reduce) if f.reads else (object(),)
+        key = (_largest_input(f.reads, order or {}), f.elems, f.reduce) if f.reads and not f.eager else (object(),)
         if key in groups:
             groups[key].absorb(f)
         else:

@@ -32,10 +32,10 @@ from mistjax.validate.published import (
     cluster_for,
     excludes_optimizer,
     optimizer_seconds,
+    run_config,
     to_plan,
     zoo_workload,
 )
-from mistjax.validate.published_format import model_config
 
 # Constant -> (lower, upper) bound; every one is fitted in log space.
 BOUNDS: dict[str, tuple[float, float]] = {
@@ -76,9 +76,8 @@ def prepare(runs: Sequence[PublishedRun]) -> list[Case]:
         if r.measured.iter_time_s is None:
             continue
         plan = to_plan(r)
-        config = model_config(r.model, r.dtype).replace(attention="fused" if r.flash_attention else "xla")
         policies = None if any(s.offload_acts > 0 for s in plan.stages) else ("full",)
-        wl = zoo_workload(config, r.model.seq_len, r.global_batch, policies)
+        wl = zoo_workload(run_config(r), r.model.seq_len, r.global_batch, policies)
         out.append(Case(r, wl, plan, cluster_for(r), excludes_optimizer(r), float(r.measured.iter_time_s)))
     return out
 

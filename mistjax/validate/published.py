@@ -112,6 +112,31 @@ def to_plan(run: PublishedRun) -> Plan:
                 schedule=par.schedule)
 
 
+def run_config(run: PublishedRun) -> Any:
+    """The zoo model config a run is priced with: its shape and dtype, the attention it ran (fused for
+    ``flash_attention``, else unfused as Megatron-LM runs it), how its runtime runs the elementwise chains
+    with no single PyTorch op (`runtime_elementwise`) and the rotary fraction it ran (`runtime_rotary_pct`)."""
+    config = model_config(run.model, run.dtype)
+    return config.replace(attention="fused" if run.flash_attention else "xla", elementwise=runtime_elementwise(run),
+                          rotary_pct=runtime_rotary_pct(run, config.rotary_pct))
+
+
+def runtime_rotary_pct(run: PublishedRun, zoo: float) -> float:
+    """The fraction of head_dim the run rotated: the record's, else Megatron-LM's ``--rotary-percent`` default
+    (1.0: the artifact's Megatron scripts pass none) for a Megatron-LM run with rotary embeddings, else the
+    zoo's (``zoo``: Mist's configs, 0.25 for Llama)."""
+    if run.model.rotary_pct is not None or zoo == 0.0 or run.framework != "megatron":
+        return zoo
+    return 1.0
+
+
+def runtime_elementwise(run: PublishedRun) -> str:
+    """``eager`` for Megatron-LM, whose model code (core_r0.4.0's ``megatron/model``, the artifact's pin) runs
+    RMSNorm, rotary and SwiGLU as PyTorch ops one kernel each; ``fused`` for Mist's runtime (a CUDA RMSNorm,
+    a Triton rotary and a one-kernel SwiGLU each way) and anything else (docs/benchmarks.md)."""
+    return "eager" if run.framework == "megatron" else "fused"
+
+
 def cluster_for(run: PublishedRun) -> ClusterSpec:
     """The run's hardware preset at its shape, with the card memory the run had (when the file gives it)."""
     hw = run.hardware
@@ -205,13 +230,13 @@ def optimizer_seconds(workload: Workload, plan: Plan, cluster: ClusterSpec) -> f
 def predict_run(run: PublishedRun) -> RunPrediction:
     """Price one run with the cost model (see the module docstring).
 
-    The model runs the attention the run ran: fused (``flash_attention``) or unfused (``attention="xla"``).
+    The model runs the attention the run ran: fused (``flash_attention``) or unfused (``attention="xla"``),
+    and its elementwise chains as the run's runtime does (`run_config`).
     A run whose timing leaves the optimizer step out is compared without it (`excludes_optimizer`).
     """
     plan = to_plan(run)
     cluster = cluster_for(run)
-    config = model_config(run.model, run.dtype).replace(attention="fused" if run.flash_attention else "xla")
-    workload = zoo_workload(config, run.model.seq_len, run.global_batch, _policies(plan))
+    workload = zoo_workload(run_config(run), run.model.seq_len, run.global_batch, _policies(plan))
     a = analyze(workload, plan, cluster)
     notes = list(a.notes)
     untimed = optimizer_seconds(workload, plan, cluster) if excludes_optimizer(run) else 0.0
@@ -331,7 +356,9 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
         "id": r.id, "kind": r.kind, "system": r.system, "framework": r.framework,
         "model": r.model.preset or model_config(r.model).name, "seq_len": r.model.seq_len,
         "cluster": f"{r.hardware.preset}:{r.hardware.nodes}x{r.hardware.per_node}",
-        "flash_attention": r.flash_attention, "flash_attention_priced": True, "precision": r.precision,
+        "flash_attention": r.flash_attention, "flash_attention_priced": True,
+        "elementwise_priced": runtime_elementwise(r), "rotary_pct_priced": run_config(r).rotary_pct,
+        "precision": r.precision,
         "plan": to_plan(r).to_dict(), "ran": r.ran, "measured_time_s": meas.iter_time_s,
         "measured_stage_peak_mib": list(meas.stage_peak_allocated_mib) if meas.stage_peak_allocated_mib else None,
     }
@@ -351,5 +378,5 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
 
 __all__ = ["RESOURCES", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction", "cell_key",
            "cluster_for", "load_published", "measured_speedups", "parse_published", "point_dict", "predict_all",
-           "predict_run", "speedup_pairs", "summarize", "time_by_resource", "time_by_structure", "to_plan",
-           "zoo_workload"]
+           "predict_run", "run_config", "runtime_elementwise", "runtime_rotary_pct", "speedup_pairs", "summarize",
+           "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
