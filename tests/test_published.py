@@ -10,6 +10,7 @@ import pytest
 
 from mistjax.validate.published import (
     PublishedRunsError,
+    as_megatron_runs_it,
     cluster_for,
     load_published,
     measured_speedups,
@@ -269,6 +270,14 @@ def test_measured_speedups_take_each_cells_fastest_runs(runs):
     assert one.mist == "mist-tuned-gpt1.3b-l4x2-flash0"
     assert one.speedup == pytest.approx(times[one.megatron] / times[one.mist])
     assert all(r.framework == "mist" for r in runs.points if r.id == one.mist)
+
+
+def test_the_grids_megatron_baseline_runs_megatrons_kernels(runs):
+    import models
+
+    llama, gpt = (as_megatron_runs_it(models.get_config(n)) for n in ("llama-1.3b", "gpt3-1.3b"))
+    assert (llama.elementwise, llama.rotary_pct) == ("eager", 1.0)
+    assert (gpt.elementwise, gpt.rotary_pct) == ("eager", models.get_config("gpt3-1.3b").rotary_pct)
 
 
 def test_bench_rejects_a_malformed_file_without_traceback(tmp_path):

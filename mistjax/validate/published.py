@@ -130,6 +130,13 @@ def runtime_rotary_pct(run: PublishedRun, zoo: float) -> float:
     return 1.0
 
 
+def as_megatron_runs_it(config: Any) -> Any:
+    """A zoo config as the artifact's Megatron-LM runs it when no record says otherwise: elementwise chains
+    eager (`runtime_elementwise`), the whole head rotated where the model has rotary embeddings
+    (`runtime_rotary_pct`). The evaluation grid prices its Megatron-LM baseline with it."""
+    return config.replace(elementwise="eager", rotary_pct=1.0 if config.rotary_pct else config.rotary_pct)
+
+
 def runtime_elementwise(run: PublishedRun) -> str:
     """``eager`` for Megatron-LM, whose model code (core_r0.4.0's ``megatron/model``, the artifact's pin) runs
     RMSNorm, rotary and SwiGLU as PyTorch ops one kernel each; ``fused`` for Mist's runtime (a CUDA RMSNorm,
@@ -376,7 +383,7 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
     }
 
 
-__all__ = ["RESOURCES", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction", "cell_key",
-           "cluster_for", "load_published", "measured_speedups", "parse_published", "point_dict", "predict_all",
-           "predict_run", "run_config", "runtime_elementwise", "runtime_rotary_pct", "speedup_pairs", "summarize",
-           "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
+__all__ = ["RESOURCES", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction", "as_megatron_runs_it",
+           "cell_key", "cluster_for", "load_published", "measured_speedups", "parse_published", "point_dict",
+           "predict_all", "predict_run", "run_config", "runtime_elementwise", "runtime_rotary_pct", "speedup_pairs",
+           "summarize", "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
