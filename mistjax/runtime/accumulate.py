@@ -36,11 +36,10 @@ def accumulate_into(accs: list[jax.Array | None], outs: list[jax.Array | None], 
     Per weight ``j``, with ``row = ct(accs[j])[layer] + prepare[j](ct(xs[j]))`` (no first term when
     ``accs[j]`` is None) and ``fin = finish[j]`` (identity when None):
 
-    * ``outs[j]`` None: ``fin(row)`` goes into row `layer` of ``ct(accs[j])``, at its low corner when it
-      is smaller (accumulate; with `finish`, also synchronise in place: the ZeRO-0 all-reduce, or the
-      ZeRO-1 reduce-scatter whose shard overwrites the front of the row, as Megatron-LM's distributed
-      optimizer reduce-scatters inside its gradient buffer; the caller slices the shards out after);
-    * else (no accumulator: G == 1): ``ct(outs[j])[layer] = fin(row)``.
+    * ``outs[j]`` None: ``fin(row)`` goes into row `layer` of ``ct(accs[j])`` (at its low corner when
+      `fin` returns less, e.g. a reduce-scatter's shard): accumulate, or accumulate and synchronise;
+    * else (no accumulator: the runtime's G == 1 sync, `runtime.grads.synced_leaves`):
+      ``ct(outs[j])[layer] = fin(row)``.
 
     Args:
       accs: the stacked accumulators (leading dim = layers), one per accumulated weight, or None.

@@ -287,17 +287,17 @@ def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad | None:
 
 def synced_leaves(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Sequence[bool], mesh: Mesh
                   ) -> frozenset[int]:
-    """The leaves whose step gradient is synchronised per layer inside the last micro-batch's backward
-    (Megatron-LM's ``--overlap-grad-reduce``), where the collectives can overlap the rest of the backward
-    (on XLA:GPU they do not yet cross layers: docs/cost_model.md): the `loop_eligible_leaves` with a
-    `row_sync`. The others (embedding, head, unrolled stacks, host
-    accumulators) keep the end-of-step sync."""
+    """The leaves whose step gradient can be synchronised per layer inside the backward (Megatron-LM's
+    ``--overlap-grad-reduce``; the runtime does it for G == 1 only, see `sharded_value_and_grad`), where
+    the collectives can overlap the rest of the backward (on XLA:GPU they do not yet cross layers:
+    docs/cost_model.md): the `loop_eligible_leaves` with a `row_sync`. The others (embedding, head,
+    unrolled stacks, host accumulators) keep the end-of-step sync."""
     return frozenset(i for i in loop_eligible_leaves(traced, acc_host) if row_sync(specs[i], mesh) is not None)
 
 
 # ``(params, micro_batch, accumulators or None, sync) -> (loss, aux, grads)``: with accumulators, the
 # entries of the `in_loop_leaves` are the updated accumulators, the others this micro-batch's gradients;
-# with ``sync`` (the step's last micro-batch) the entries of the `synced_leaves` are also synchronised.
+# with ``sync`` (G == 1, no accumulators) the entries of the `synced_leaves` are synchronised per layer.
 MicrobatchGrad = Callable[..., tuple[jax.Array, Any, list[jax.Array]]]
 
 
@@ -320,23 +320,16 @@ def _synced_shape(shape: Sequence[int], spec: GradSpec, mesh: Mesh) -> tuple[int
     return tuple(out)
 
 
-def _low_corner(x: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """``x[:shape[0], :shape[1], ...]``: the ZeRO-1 shards an in-place sync left at the front of each row."""
-    return x if tuple(x.shape) == tuple(shape) else x[tuple(slice(0, n) for n in shape)]
-
-
 def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, in_loop: frozenset[int],
            synced: frozenset[int], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh, sync: bool) -> _Sinks:
-    """The buffers one micro-batch's layer loop feeds (see `_Sinks`). With an accumulator each row is
-    synchronised in place (a ZeRO-1 shard at the row's front: no second buffer during the backward);
-    without one (G == 1) into zeros of the synchronised shape."""
-    sink = {i: acc[i] for i in in_loop} if acc is not None else {}
+    """The buffers one micro-batch's layer loop feeds (see `_Sinks`): the accumulators, or on the
+    synchronising pass (G == 1, no accumulator) zeros of the synchronised shape, so that ZeRO-1 never
+    holds the layers' whole gradient."""
     if not sync:
-        return _Sinks(sink, {}, None)
-    outs = {} if acc is not None else {
-        i: jnp.zeros(_synced_shape(p_local[i].shape, specs[i], mesh), grad_dtype_of(plan, p_local[i]).dtype)
-        for i in synced}
-    return _Sinks(sink, outs, {i: row_sync(specs[i], mesh) for i in synced})  # type: ignore[misc]
+        return _Sinks({i: acc[i] for i in in_loop} if acc is not None else {}, {}, None)
+    outs = {i: jnp.zeros(_synced_shape(p_local[i].shape, specs[i], mesh), grad_dtype_of(plan, p_local[i]).dtype)
+            for i in synced}
+    return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in synced})  # type: ignore[misc]
 
 
 def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
@@ -381,13 +374,13 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
         if sinks is None or not (sinks.acc or sinks.out):
             (value, aux), g = jax.value_and_grad(lambda p, r: loss(p, r)[:2], has_aux=True)(p_local, mb)
             return value, aux, [_finish_one(gi, s, plan) for gi, s in zip(g, specs)]
-        return _sunk_grad(loss, p_local, mb, sinks, specs, plan, mesh)
+        return _sunk_grad(loss, p_local, mb, sinks, specs, plan)
 
     return grad
 
 
 def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.Array], sinks: _Sinks,
-               specs: Sequence[GradSpec], plan: Plan, mesh: Mesh | None) -> tuple[jax.Array, Any, list[jax.Array]]:
+               specs: Sequence[GradSpec], plan: Plan) -> tuple[jax.Array, Any, list[jax.Array]]:
     """`_microbatch_grad`'s gradient with the layer loop feeding `sinks`: the sinks' leaves are not
     differentiated; the sinks are, seeded with their own value, so their cotangents are the results."""
     fed = set(sinks.acc) | set(sinks.out)
@@ -407,8 +400,6 @@ def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.
         g[i] = _finish_one(gi, specs[i], plan)
     for i, a in [*acc.items(), *out.items()]:
         g[i] = a
-    for i in (sinks.finish or {}).keys() & acc.keys():  # synchronised in place: the shards are at the front
-        g[i] = _low_corner(g[i], _synced_shape(p_local[i].shape, specs[i], mesh))  # type: ignore[arg-type]
     return value, aux, g
 
 
@@ -419,45 +410,29 @@ def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan, layer_slice: bool = Fa
     return _scatter(g, spec, layer_slice) if spec.scatter_each_microbatch else g
 
 
-def _add_microbatch(acc: list[jax.Array], g: list[jax.Array], acc_host: Sequence[bool], in_loop: frozenset[int],
-                    back_to_host: bool = True) -> list[jax.Array]:
-    """``acc + g`` for the leaves accumulated after the backward (the `in_loop` ones come updated in `g`).
-    Offloaded accumulators come in, take the micro-batch's gradient and go back out (`back_to_host`)."""
-    return [gi if k in in_loop else _to_host(_to_device(a, h) + gi, h and back_to_host)
-            for k, (a, gi, h) in enumerate(zip(acc, g, acc_host))]
-
-
 def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
-                G: int, acc_host: Sequence[bool], in_loop: frozenset[int], peel: bool
+                G: int, acc_host: Sequence[bool], in_loop: frozenset[int], sync: bool
                 ) -> tuple[list[jax.Array], jax.Array, Any]:
     """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host;
-    the `in_loop` leaves' accumulators updated inside the backward).
-
-    With `peel` the last micro-batch runs after the scan as the synchronising pass (`_microbatch_grad`'s
-    ``sync``): its backward is a different program, and a `lax.cond` in the scan body would put the whole
-    micro-batch inside a conditional, which XLA:GPU schedules as a unit (no overlap across it) and which
-    still holds both bodies. The peeled copy doubles the micro-batch code XLA compiles.
-    """
-    def mb_at(i: Any) -> list[jax.Array]:
-        return [x[i] if b else x for x, b in zip(mbs, is_batch)]
-
+    the `in_loop` leaves' accumulators updated inside the backward). With `sync` (G == 1 only, see
+    `synced_leaves`) the only backward also synchronises the synced leaves."""
+    mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
     if G == 1:
-        loss, aux, acc = grad(p_local, mb_at(0), None, peel)
+        loss, aux, acc = grad(p_local, mb0, None, sync)
         return acc, loss, aux
-    shapes = jax.eval_shape(grad, p_local, mb_at(0))[2]
+    shapes = jax.eval_shape(grad, p_local, mb0)[2]
     acc0 = [_to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
 
     def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
-        loss, aux, g = grad(p_local, mb_at(i), acc)
-        return _add_microbatch(acc, g, acc_host, in_loop), (loss, aux)
+        loss, aux, g = grad(p_local, [x[i] if b else x for x, b in zip(mbs, is_batch)], acc)
+        # Offloaded accumulators come in, take this micro-batch's gradient and go back out.
+        acc = [gi if k in in_loop else _to_host(_to_device(a, h) + gi, h)
+               for k, (a, gi, h) in enumerate(zip(acc, g, acc_host))]
+        return acc, (loss, aux)
 
-    acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G - 1 if peel else G))
-    loss, aux = jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
-    if not peel:
-        return [_to_device(a, h) for a, h in zip(acc, acc_host)], loss, aux
-    last_loss, last_aux, g = grad(p_local, mb_at(G - 1), acc, True)
-    acc = _add_microbatch(acc, g, acc_host, in_loop, back_to_host=False)
-    return acc, loss + last_loss, jax.tree.map(jnp.add, aux, last_aux)
+    acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
+    acc = [_to_device(a, h) for a, h in zip(acc, acc_host)]
+    return acc, jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
 
 
 def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, rest: tuple[Any, ...], *,
@@ -487,7 +462,9 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         mbs = [_split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
         mb0 = jax.tree.unflatten(r_tree, [x[0] if b else x for x, b in zip(mbs, is_batch)])
         traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)
-        synced = synced_leaves(traced, specs, acc_host, mesh)
+        # Only with G == 1: with G > 1 the last micro-batch would have to be peeled out of the scan, and the
+        # peeled program held 12-25% more on XLA:CPU and +37% temp on XLA:GPU (docs/cost_model.md).
+        synced = synced_leaves(traced, specs, acc_host, mesh) if G == 1 else frozenset()
         in_loop = in_loop_leaves(traced, G, acc_host) | synced
         grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, in_loop, synced, mesh)
         acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, in_loop, bool(synced))
