@@ -65,7 +65,7 @@ def test_scan_accumulating_adds_each_layer_into_its_row():
         return jnp.sum(h**2)
 
     def sunk(a):
-        (h,), accs, _ = scan_accumulating(layer, [x], [w], [a], [lambda g: 2.0 * g], start=0, unroll=1)
+        (h,), accs, _, _ = scan_accumulating(layer, [x], [w], [a], [lambda g: 2.0 * g], start=0, unroll=1)
         return jnp.sum(h**2), accs[0]
 
     (value, out), vjp = jax.vjp(sunk, acc)
@@ -94,6 +94,7 @@ def test_spmd_step_matches_one_device_and_holds_one_gradient_buffer(monkeypatch)
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-5 * float(jnp.max(jnp.abs(r))))
     one_buffer = _temp(step, state, batch)
     monkeypatch.setattr(runtime_grads, "in_loop_leaves", lambda *a: frozenset())
+    monkeypatch.setattr(runtime_grads, "synced_leaves", lambda *a: frozenset())  # sync-in-loop needs the loop
     two_buffers = _temp(mistjax.autoshard(train_step, jax.devices(), plan=plan), state, batch)
     assert two_buffers - one_buffer > 0.3 * LAYER_GRAD_BYTES, (one_buffer, two_buffers)
 

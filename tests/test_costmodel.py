@@ -130,3 +130,26 @@ def test_against_xla_full_grid():
     _check(records, mem_median=0.05, mem_max=0.15, flops_max=0.02, coll_max=0.015)
     _check([r for r in records if "tp" not in r["plan"]], mem_median=0.05, mem_max=0.15, flops_max=0.02,
            coll_max=0.01)
+
+
+def test_in_loop_sync_moves_from_the_step_end_into_the_backward(wl, monkeypatch):
+    """ZeRO-0/1 single stage, G == 1: the layers' sync is charged per layer (one collective each),
+    serially (XLA:GPU does not overlap it, docs/cost_model.md); the bytes stay; ZeRO-1 never holds the
+    layers' whole gradient. G > 1 keeps the end-of-step sync."""
+    from mistjax.cost import model, stage_time
+
+    def costs(**kw):
+        return {z: stage_cost(wl, A100, StageStrategies.make(zero=z, b=2, dp=8, layers=4, **kw)) for z in (0, 1)}
+
+    on = {G: costs(G=G) for G in (1, 2)}
+    off_fn = lambda workload, k, lt: np.zeros(np.shape(k.zero))  # noqa: E731
+    monkeypatch.setattr(stage_time, "synced_in_loop", off_fn)
+    monkeypatch.setattr(model, "synced_in_loop", off_fn)
+    off = {G: costs(G=G) for G in (1, 2)}
+    for z in (0, 1):
+        a, b = on[1][z], off[1][z]
+        assert float(a.stable) == float(b.stable) and float(a.flops_xla) == float(b.flops_xla)
+        assert float(b.delta) < float(a.delta)  # the same bytes in L collectives: L latencies (a tiny model)
+        assert {k: float(v) for k, v in a.comm.items()} == {k: float(v) for k, v in b.comm.items()}
+        assert float(on[2][z].delta) == float(off[2][z].delta)
+    assert float(on[1][1].memory["grads"]) < float(off[1][1].memory["grads"])  # shards only

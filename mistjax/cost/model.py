@@ -15,7 +15,7 @@ from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
-from mistjax.cost.stage_time import layer_times, step_extras
+from mistjax.cost.stage_time import layer_times, step_extras, synced_in_loop
 from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 
@@ -105,7 +105,13 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     in_loop = nl * mb_layer * on_dev if workload.layer_grads_in_loop else 0.0
     acc = np.where(zero >= 2, acc_shard, acc_full)
     accumulates = (G > 1) | k.pipelined
-    grads = np.where(accumulates, acc + mb_grads - in_loop, np.maximum(mb_grads, mb_grads * scale))
+    # An in-loop sync (`cost.stage_time.synced_in_loop`, G == 1) writes the synchronised rows into a result
+    # buffer instead of the layers' whole micro-batch gradient (ZeRO-0: the whole rows, in the gradient
+    # dtype; ZeRO-1: only the shard).
+    synced = synced_in_loop(workload, k, lt)
+    rest = mb_grads - nl * mb_layer * synced
+    out = nl * synced * np.where(zero == 1, lt["g_layer_shard"], full_layer)
+    grads = np.where(accumulates, acc + mb_grads - in_loop, np.maximum(rest, rest * scale) + out)
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
     return StateBytes(params=params, optimizer=optimizer, grads=grads,
                       host=host + np.where(accumulates, acc_host, 0.0), grad_full=grad_full, grad_shard=grad_shard,

@@ -90,6 +90,30 @@ def _tp_link(cluster: Any, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
     return np.where(tm > 1, tinter[0], tintra[0]), np.where(tm > 1, tinter[1], tintra[1])
 
 
+def _dp_link(cluster: Any, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
+    """The link of the whole data-parallel group: ``dp`` devices with stride ``t``."""
+    _, dm, dintra, dinter = _group_link(cluster, k.dp, k.t, k.per_node)
+    return np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1])
+
+
+def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> np.ndarray:
+    """Fraction of the stage's layer gradients synchronised per layer inside the backward
+    (`runtime.grads.synced_leaves`): the stacked layers (not host-accumulated) of a single-stage ZeRO-0
+    (dp > 1) or ZeRO-1 (p > 1) plan with G == 1. The rest (embedding, head, host accumulators, G > 1,
+    every pipeline stage: the MPMD executor syncs in its `finish` program) syncs at the end of the step."""
+    live = np.where(k.zero == 0, k.dp > 1, (k.zero == 1) & (k.p > 1))
+    on = live & (k.G == 1) & ~np.asarray(k.pipelined, bool) & workload.layer_grads_in_loop
+    return np.where(on, 1.0 - lt["acc_layer_host_frac"], 0.0)
+
+
+def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray) -> np.ndarray:
+    """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
+    ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch)."""
+    gk, gm, intra, inter = _group_link(cluster, k.p, k.t, k.per_node)
+    ar = collective_time("all-reduce", nbytes, k.dp, _dp_link(cluster, k))
+    return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter), 0.0))
+
+
 def _tp_time(part: PartValues, phase: str, k: Knobs, link: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """Seconds of a part's tensor-parallel collectives in one phase (serial: between matmuls)."""
     return sum(collective_time(kd, part.tp(kd, phase), k.t, link) for kd in KINDS)
@@ -214,11 +238,14 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     R = dp / p
     _, rm, rintra, rinter = _group_link(cluster, R, p * t, k.per_node)
     rlink = (np.where(rm > 1, rinter[0], rintra[0]), np.where(rm > 1, rinter[1], rintra[1]))
-    _, dm, dintra, dinter = _group_link(cluster, dp, t, k.per_node)
-    dlink = (np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1]))
     z_eff = zero
-    sync = np.where(z_eff == 0, collective_time("all-reduce", grad_full, dp, dlink), 0.0)
-    sync = sync + np.where(z_eff == 1, _rs(grad_full, gk, gm, intra, inter), 0.0)
+    # The stacked layers' sync runs per layer inside the backward (`synced_in_loop`, G == 1), one collective
+    # per layer (``sync_bwd``). Charged serially: XLA:GPU schedules each layer's collective at the
+    # end of its loop iteration, its -start and -done with no backward compute of another layer between them
+    # (docs/cost_model.md, "Gradient sync in the backward"); only a deferral by one layer would overlap it.
+    row = synced_in_loop(workload, k, lt) * v.block.weight_bytes * workload.grad_scale
+    sync_bwd = nl * _grad_sync_time(cluster, k, row)
+    sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0))
     sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
     regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter), 0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
@@ -229,7 +256,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)
     hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
-    delta = sync + regather + update + swap + hoisted
+    delta = sync + sync_bwd + regather + update + swap + hoisted
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
     g_item = workload.param_itemsize * workload.grad_scale  # bytes per gradient element
     elems_upd = upd_bytes / g_item
@@ -247,8 +274,9 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
     return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
-            "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "regather": regather,
+            "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "sync_bwd": sync_bwd,
+            "regather": regather,
             "update": update, "swap": swap}
 
 
-__all__ = ["compute_time", "layer_times", "step_extras"]
+__all__ = ["compute_time", "layer_times", "step_extras", "synced_in_loop"]

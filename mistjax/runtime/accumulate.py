@@ -25,28 +25,39 @@ from jax import lax
 SliceGrad = Callable[[jax.Array], jax.Array]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def accumulate_into(accs: list[jax.Array], xs: list[jax.Array], layer: jax.Array,
-                    prepare: tuple[SliceGrad, ...], on_host: tuple[bool, ...]
-                    ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Identity on ``(accs, xs)``; the backward adds ``prepare[j](ct of xs[j])`` into row `layer` of
-    the cotangent of ``accs[j]`` and gives `xs` a zero cotangent (their gradient lives in `accs`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def accumulate_into(accs: list[jax.Array | None], outs: list[jax.Array | None], xs: list[jax.Array],
+                    layer: jax.Array, prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...],
+                    on_host: tuple[bool, ...]) -> tuple[list[Any], list[Any], list[jax.Array]]:
+    """Identity on ``(accs, outs, xs)``; the backward turns the cotangent of ``xs[j]`` into row `layer`
+    of the cotangent of ``accs[j]`` (or of ``outs[j]``) and gives `xs` a zero cotangent (their gradient
+    lives in the accumulators).
+
+    Per weight ``j``, with ``row = ct(accs[j])[layer] + prepare[j](ct(xs[j]))`` (no first term when
+    ``accs[j]`` is None) and ``fin = finish[j]`` (identity when None):
+
+    * ``outs[j]`` None: ``fin(row)`` goes into row `layer` of ``ct(accs[j])`` (at its low corner when
+      `fin` returns less, e.g. a reduce-scatter's shard): accumulate, or accumulate and synchronise;
+    * else (no accumulator: the runtime's G == 1 sync, `runtime.grads.synced_leaves`):
+      ``ct(outs[j])[layer] = fin(row)``.
 
     Args:
-      accs: the stacked accumulators (leading dim = layers), one per accumulated weight.
+      accs: the stacked accumulators (leading dim = layers), one per accumulated weight, or None.
+      outs: the stacked result buffers of the synchronised rows when there is no accumulator, or None.
       xs: this layer's stored slices of those weights.
       layer: the layer's row in the accumulators (an int32 scalar).
       prepare: per weight, turns the slice cotangent into the accumulator row's increment.
+      finish: per weight, applied to the summed row before it is stored (a collective), or None.
       on_host: per weight, whether its stored slice is in host memory (its zero cotangent must be).
     """
-    del layer, prepare, on_host
-    return accs, xs
+    del layer, prepare, finish, on_host
+    return accs, outs, xs
 
 
-def _fwd(accs: list[jax.Array], xs: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...],
-         on_host: tuple[bool, ...]) -> tuple[tuple[list[jax.Array], list[jax.Array]], jax.Array]:
-    del prepare, on_host
-    return (accs, xs), layer
+def _fwd(accs: list[Any], outs: list[Any], xs: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...],
+         finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...]) -> tuple[Any, jax.Array]:
+    del prepare, finish, on_host
+    return (accs, outs, xs), layer
 
 
 def _zero_like(g: jax.Array, host: bool) -> jax.Array:
@@ -54,15 +65,30 @@ def _zero_like(g: jax.Array, host: bool) -> jax.Array:
     return jax.device_put(z, jax.memory.Space.Host) if host else z
 
 
-def _bwd(prepare: tuple[SliceGrad, ...], on_host: tuple[bool, ...], layer: jax.Array,
-         ct: tuple[list[jax.Array], list[jax.Array]]) -> tuple[list[jax.Array], list[jax.Array], None]:
-    ct_accs, ct_xs = ct
-    out = []
-    for acc, g, prep in zip(ct_accs, ct_xs, prepare):
-        row = lax.dynamic_index_in_dim(acc, layer, keepdims=False) + prep(g).astype(acc.dtype)
-        out.append(lax.dynamic_update_index_in_dim(acc, row, layer, 0))
+def _row(acc: jax.Array | None, out: jax.Array | None, g: jax.Array, layer: jax.Array, prep: SliceGrad,
+         fin: SliceGrad | None) -> jax.Array:
+    """One layer's new accumulator (or result) row, in the buffer's dtype (the plan's gradient dtype)."""
+    dtype = (acc if acc is not None else out).dtype
+    row = prep(g).astype(dtype)
+    if acc is not None:
+        row = lax.dynamic_index_in_dim(acc, layer, keepdims=False) + row
+    return row if fin is None else fin(row).astype(dtype)
+
+
+def _bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
+         layer: jax.Array, ct: tuple[list[Any], list[Any], list[jax.Array]]
+         ) -> tuple[list[Any], list[Any], list[jax.Array], None]:
+    ct_accs, ct_outs, ct_xs = ct
+    accs, outs = list(ct_accs), list(ct_outs)
+    for j, (g, prep, fin) in enumerate(zip(ct_xs, prepare, finish)):
+        row = _row(accs[j], outs[j], g, layer, prep, fin)
+        start = (layer,) + (0,) * row.ndim  # the row, or its low corner for a smaller (scattered) result
+        if outs[j] is None:
+            accs[j] = lax.dynamic_update_slice(accs[j], row[None], start)
+        else:
+            outs[j] = lax.dynamic_update_slice(outs[j], row[None], start)
     # Zero, and dead code: the weights themselves are not differentiated (`runtime.grads`).
-    return out, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
+    return accs, outs, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
 
 
 accumulate_into.defvjp(_fwd, _bwd)
@@ -70,36 +96,44 @@ accumulate_into.defvjp(_fwd, _bwd)
 
 def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]],
                       carry: list[Any], xs: list[Any], accs: Sequence[jax.Array | None],
-                      prepare: Sequence[SliceGrad | None], start: int, unroll: int
-                      ) -> tuple[list[Any], list[jax.Array | None], list[Any]]:
-    """``lax.scan(layer_fn, carry, xs)`` over layers ``start, start + 1, ...`` with `accs` (per scanned
-    operand, its whole-stack accumulator or None) carried along and fed by `accumulate_into`.
+                      prepare: Sequence[SliceGrad | None], start: int, unroll: int,
+                      outs: Sequence[jax.Array | None] | None = None,
+                      finish: Sequence[SliceGrad | None] | None = None
+                      ) -> tuple[list[Any], list[jax.Array | None], list[jax.Array | None], list[Any]]:
+    """``lax.scan(layer_fn, carry, xs)`` over layers ``start, start + 1, ...`` with `accs` and `outs`
+    (per scanned operand, its whole-stack accumulator / result buffer or None) carried along and fed
+    by `accumulate_into` (`finish`: per operand, the collective applied to each summed row).
 
     Returns:
-      (carry, accs, ys): the accumulators are the inputs on the forward; their cotangents collect the
+      (carry, accs, outs, ys): the buffers are the inputs on the forward; their cotangents collect the
       layers' gradients.
     """
-    idx = [j for j, a in enumerate(accs) if a is not None]
-    preps = tuple(prepare[j] for j in idx)
+    n = len(accs)
+    outs = list(outs) if outs is not None else [None] * n
+    finish = list(finish) if finish is not None else [None] * n
+    idx = [j for j in range(n) if accs[j] is not None or outs[j] is not None]
+    preps, fins = tuple(prepare[j] for j in idx), tuple(finish[j] for j in idx)
     on_host = tuple(getattr(jax.typeof(xs[j]), "memory_space", None) == jax.memory.Space.Host for j in idx)
     num = int(jax.numpy.shape(xs[0])[0])
 
-    def step(c_a: tuple[list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
-        c, a = c_a
+    def step(c_a: tuple[list[Any], list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
+        c, a, o = c_a
         x, i = x_i
-        a, picked = accumulate_into(a, [x[j] for j in idx], i, preps, on_host)
+        a, o, picked = accumulate_into(a, o, [x[j] for j in idx], i, preps, fins, on_host)
         x = list(x)
         for j, v in zip(idx, picked):
             x[j] = v
         c, y = layer_fn(c, x)
-        return (c, a), y
+        return (c, a, o), y
 
     rows = start + jax.numpy.arange(num, dtype=jax.numpy.int32)
-    (carry, acc_out), ys = lax.scan(step, (carry, [accs[j] for j in idx]), (xs, rows), unroll=unroll)
-    out: list[jax.Array | None] = list(accs)
-    for j, a in zip(idx, acc_out):
-        out[j] = a
-    return carry, out, ys
+    init = (carry, [accs[j] for j in idx], [outs[j] for j in idx])
+    (carry, acc_out, out_out), ys = lax.scan(step, init, (xs, rows), unroll=unroll)
+    acc_res: list[jax.Array | None] = list(accs)
+    out_res: list[jax.Array | None] = list(outs)
+    for j, a, o in zip(idx, acc_out, out_out):
+        acc_res[j], out_res[j] = a, o
+    return carry, acc_res, out_res, ys
 
 
 __all__ = ["SliceGrad", "accumulate_into", "scan_accumulating"]

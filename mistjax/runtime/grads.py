@@ -6,6 +6,7 @@ MiCS collectives (which ones, and when: docs/internals.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -248,8 +249,18 @@ def in_loop_leaves(traced: TracedLoss, G: int, acc_host: Sequence[bool], *, pipe
     stage (its backward programs add into a donated accumulator). The others (embedding, head, an
     unrolled stack's per-layer leaves, host accumulators) add each micro-batch's gradient afterwards.
     """
+    if G == 1 and not pipelined:
+        return frozenset()
+    return loop_eligible_leaves(traced, acc_host)
+
+
+def loop_eligible_leaves(traced: TracedLoss, acc_host: Sequence[bool]) -> frozenset[int]:
+    """The stacked weights of a scanned stack read by the layer loop only, with a device accumulator
+    (`acc_host` per flat leaf), and of a float dtype: those whose gradient can be handled per layer
+    inside the backward layer loop (accumulated there, see `in_loop_leaves`; synchronised there, see
+    `synced_leaves`)."""
     st = traced.stack
-    if (G == 1 and not pipelined) or st is None or traced.groups is not None:
+    if st is None or traced.groups is not None:
         return frozenset()
     usage = part_usage(traced)
     leaves = [i for i in st.xs_leaf if i is not None]
@@ -258,20 +269,80 @@ def in_loop_leaves(traced: TracedLoss, G: int, acc_host: Sequence[bool], *, pipe
                      and i not in usage.post and jnp.issubdtype(avals[i].aval.dtype, jnp.inexact))
 
 
-# ``(params, micro_batch, accumulators or None) -> (loss, aux, grads)``: with accumulators, the entries
-# of the `in_loop_leaves` are the updated accumulators, the others this micro-batch's gradients.
-MicrobatchGrad = Callable[[list[jax.Array], list[jax.Array], list[jax.Array] | None],
-                          tuple[jax.Array, Any, list[jax.Array]]]
+def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad | None:
+    """The collective that synchronises one layer's summed gradient row (the layer dim dropped) inside the
+    last backward: what `_finish_grads` does to the whole leaf at the end of the step (ZeRO-0 all-reduce
+    over the DP axes; ZeRO-1 reduce-scatter over the partition group, MiCS hop 1), or None when that is
+    nothing (no such group) or happens elsewhere (ZeRO-2/3 rows are reduce-scattered per micro-batch)."""
+    if spec.layout.shard_dim is not None and spec.zero >= 2:
+        return None
+    if spec.layout.shard_dim is not None and spec.zero == 1:
+        if math.prod(mesh.shape[a] for a in SHARD_AXES) == 1:
+            return None  # a trivial scatter: the leaf keeps the end-of-step path (hop 2 only)
+        return lambda row: _scatter(row, spec, layer_slice=True)
+    if not any(mesh.shape[a] > 1 for a in DP_AXES):
+        return None
+    return lambda row: psum_live(row, DP_AXES, mesh)
+
+
+def synced_leaves(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Sequence[bool], mesh: Mesh
+                  ) -> frozenset[int]:
+    """The leaves whose step gradient can be synchronised per layer inside the backward (Megatron-LM's
+    ``--overlap-grad-reduce``; the runtime does it for G == 1 only, see `sharded_value_and_grad`), where
+    the collectives can overlap the rest of the backward (on XLA:GPU they do not yet cross layers:
+    docs/cost_model.md): the `loop_eligible_leaves` with a `row_sync`. The others (embedding, head,
+    unrolled stacks, host accumulators) keep the end-of-step sync."""
+    return frozenset(i for i in loop_eligible_leaves(traced, acc_host) if row_sync(specs[i], mesh) is not None)
+
+
+# ``(params, micro_batch, accumulators or None, sync) -> (loss, aux, grads)``: with accumulators, the
+# entries of the `in_loop_leaves` are the updated accumulators, the others this micro-batch's gradients;
+# with ``sync`` (G == 1, no accumulators) the entries of the `synced_leaves` are synchronised per layer.
+MicrobatchGrad = Callable[..., tuple[jax.Array, Any, list[jax.Array]]]
+
+
+@dataclass(frozen=True)
+class _Sinks:
+    """What the layer loop of one micro-batch feeds, by flat leaf index: accumulators (`acc`), result
+    buffers of the synchronised rows of leaves without an accumulator (`out`, G == 1), and the per-row
+    collectives (`finish`, only on the synchronising pass)."""
+
+    acc: dict[int, jax.Array]
+    out: dict[int, jax.Array]
+    finish: dict[int, SliceGrad] | None
+
+
+def _synced_shape(shape: Sequence[int], spec: GradSpec, mesh: Mesh) -> tuple[int, ...]:
+    """The shape of a leaf's synchronised gradient: the partition group's shard under ZeRO-1."""
+    out = list(shape)
+    if spec.zero == 1 and spec.layout.shard_dim is not None:
+        out[spec.layout.shard_dim] //= math.prod(mesh.shape[a] for a in SHARD_AXES)
+    return tuple(out)
+
+
+def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, in_loop: frozenset[int],
+           synced: frozenset[int], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh, sync: bool) -> _Sinks:
+    """The buffers one micro-batch's layer loop feeds (see `_Sinks`): the accumulators, or on the
+    synchronising pass (G == 1, no accumulator) zeros of the synchronised shape, so that ZeRO-1 never
+    holds the layers' whole gradient."""
+    if not sync:
+        return _Sinks({i: acc[i] for i in in_loop} if acc is not None else {}, {}, None)
+    outs = {i: jnp.zeros(_synced_shape(p_local[i].shape, specs[i], mesh), grad_dtype_of(plan, p_local[i]).dtype)
+            for i in synced}
+    return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in synced})  # type: ignore[misc]
 
 
 def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
                      layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool],
-                     in_loop: frozenset[int]) -> MicrobatchGrad:
+                     in_loop: frozenset[int], synced: frozenset[int] = frozenset(),
+                     mesh: Mesh | None = None) -> MicrobatchGrad:
     """One micro-batch's loss, aux and gradients, run as the plan says.
 
     Gradients of the `in_loop` leaves are added into their accumulators inside the backward layer loop
     (`runtime.accumulate`): those leaves are not differentiated; the accumulators are, with their own
-    value as the cotangent seed of the loop's accumulator output, so their cotangent is the sum.
+    value as the cotangent seed of the loop's accumulator output, so their cotangent is the sum. On the
+    synchronising pass (``sync``) the `synced` leaves' summed rows are all-reduced / reduce-scattered
+    there too, each as soon as its layer's backward has produced it.
     """
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
     layer_loop = _layer_loop(traced, plan.stages[0], specs, plan)
@@ -282,44 +353,54 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
         fetch = make_fetch(specs[i], False)
         return v if fetch is None else fetch(v)
 
-    def loss(pl: list[jax.Array], rl: list[jax.Array], sink: dict[int, jax.Array] | None = None
-             ) -> tuple[jax.Array, Any, dict[int, jax.Array]]:
-        loop, box = layer_loop, {}
-        if sink is not None:
+    def loss(pl: list[jax.Array], rl: list[jax.Array], sinks: _Sinks | None = None) -> Any:
+        loop, box = layer_loop, ({}, {})
+        if sinks is not None:
             def loop(body: Any, consts: list[Any], carry: list[Any], xs: list[Any]) -> Any:
-                carry, ys, accs = layer_loop(body, consts, carry, xs, accs=[sink.get(i) for i in xs_leaf])
-                box.update((i, a) for i, a in zip(xs_leaf, accs) if a is not None)
-                return carry, ys
+                fin = None if sinks.finish is None else [sinks.finish.get(i) for i in xs_leaf]
+                out = layer_loop(body, consts, carry, xs, accs=[sinks.acc.get(i) for i in xs_leaf],
+                                 outs=[sinks.out.get(i) for i in xs_leaf], finish=fin)
+                for b, bufs in zip(box, out[2:]):
+                    b.update((i, a) for i, a in zip(xs_leaf, bufs) if a is not None)
+                return out[:2]
         outs = evaluate(traced, pl, rl, layer_loop=loop, read_param=read_param, block=tp_block)
         out = jax.tree.unflatten(traced.out_tree, outs)
         value, aux = (out[0], out[1]) if has_aux else (out, None)
         return value, aux, box
 
-    def grad(p_local: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array] | None = None
-             ) -> tuple[jax.Array, Any, list[jax.Array]]:
-        if acc is None or not in_loop:
+    def grad(p_local: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array] | None = None,
+             sync: bool = False) -> tuple[jax.Array, Any, list[jax.Array]]:
+        sinks = _sinks(p_local, acc, in_loop, synced, specs, plan, mesh, sync) if in_loop else None
+        if sinks is None or not (sinks.acc or sinks.out):
             (value, aux), g = jax.value_and_grad(lambda p, r: loss(p, r)[:2], has_aux=True)(p_local, mb)
             return value, aux, [_finish_one(gi, s, plan) for gi, s in zip(g, specs)]
-        diff = [i for i in range(len(p_local)) if i not in in_loop]
-
-        def f(p_diff: list[jax.Array], sink: dict[int, jax.Array]) -> Any:
-            pl = list(p_local)
-            for i, v in zip(diff, p_diff):
-                pl[i] = v
-            value, aux, accs = loss(pl, mb, sink)
-            return (value, accs), aux
-
-        sink = {i: acc[i] for i in in_loop}
-        (value, _), vjp, aux = jax.vjp(f, [p_local[i] for i in diff], sink, has_aux=True)
-        g_diff, sink = vjp((jnp.ones_like(value), sink))
-        g: list[jax.Array] = list(p_local)
-        for i, gi in zip(diff, g_diff):
-            g[i] = _finish_one(gi, specs[i], plan)
-        for i, a in sink.items():
-            g[i] = a
-        return value, aux, g
+        return _sunk_grad(loss, p_local, mb, sinks, specs, plan)
 
     return grad
+
+
+def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.Array], sinks: _Sinks,
+               specs: Sequence[GradSpec], plan: Plan) -> tuple[jax.Array, Any, list[jax.Array]]:
+    """`_microbatch_grad`'s gradient with the layer loop feeding `sinks`: the sinks' leaves are not
+    differentiated; the sinks are, seeded with their own value, so their cotangents are the results."""
+    fed = set(sinks.acc) | set(sinks.out)
+    diff = [i for i in range(len(p_local)) if i not in fed]
+
+    def f(p_diff: list[jax.Array], acc: dict[int, jax.Array], out: dict[int, jax.Array]) -> Any:
+        pl = list(p_local)
+        for i, v in zip(diff, p_diff):
+            pl[i] = v
+        value, aux, (accs, outs) = loss(pl, mb, _Sinks(acc, out, sinks.finish))
+        return (value, accs, outs), aux
+
+    (value, _, _), vjp, aux = jax.vjp(f, [p_local[i] for i in diff], sinks.acc, sinks.out, has_aux=True)
+    g_diff, acc, out = vjp((jnp.ones_like(value), sinks.acc, sinks.out))
+    g: list[jax.Array] = list(p_local)
+    for i, gi in zip(diff, g_diff):
+        g[i] = _finish_one(gi, specs[i], plan)
+    for i, a in [*acc.items(), *out.items()]:
+        g[i] = a
+    return value, aux, g
 
 
 def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan, layer_slice: bool = False) -> jax.Array:
@@ -330,12 +411,14 @@ def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan, layer_slice: bool = Fa
 
 
 def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
-                G: int, acc_host: Sequence[bool], in_loop: frozenset[int]) -> tuple[list[jax.Array], jax.Array, Any]:
+                G: int, acc_host: Sequence[bool], in_loop: frozenset[int], sync: bool
+                ) -> tuple[list[jax.Array], jax.Array, Any]:
     """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host;
-    the `in_loop` leaves' accumulators updated inside the backward)."""
+    the `in_loop` leaves' accumulators updated inside the backward). With `sync` (G == 1 only, see
+    `synced_leaves`) the only backward also synchronises the synced leaves."""
     mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
     if G == 1:
-        loss, aux, acc = grad(p_local, mb0)
+        loss, aux, acc = grad(p_local, mb0, None, sync)
         return acc, loss, aux
     shapes = jax.eval_shape(grad, p_local, mb0)[2]
     acc0 = [_to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
@@ -379,10 +462,13 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         mbs = [_split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
         mb0 = jax.tree.unflatten(r_tree, [x[0] if b else x for x, b in zip(mbs, is_batch)])
         traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)
-        in_loop = in_loop_leaves(traced, G, acc_host)
-        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, in_loop)
-        acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, in_loop)
-        grads = [g * jnp.asarray(scale, g.dtype) for g in _finish_grads(acc, specs, plan, mesh)]
+        # Only with G == 1: with G > 1 the last micro-batch would have to be peeled out of the scan, and the
+        # peeled program held 12-25% more on XLA:CPU and +37% temp on XLA:GPU (docs/cost_model.md).
+        synced = synced_leaves(traced, specs, acc_host, mesh) if G == 1 else frozenset()
+        in_loop = in_loop_leaves(traced, G, acc_host) | synced
+        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, in_loop, synced, mesh)
+        acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, in_loop, bool(synced))
+        grads = [g * jnp.asarray(scale, g.dtype) for g in _finish_grads(acc, specs, plan, mesh, synced)]
         loss = psum_live(loss_sum, DP_AXES, mesh) * scale
         aux = jax.tree.map(lambda a: psum_live(a, DP_AXES, mesh) * (scale if jnp.issubdtype(a.dtype, jnp.inexact)
                                                                    else 1), aux_sum)
@@ -406,17 +492,19 @@ def _scatter(g: jax.Array, spec: GradSpec, layer_slice: bool = False) -> jax.Arr
                             [d - off for d in spec.layout.tensor_dims])(g)
 
 
-def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh) -> list[jax.Array]:
-    """End-of-step synchronisation: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter, MiCS hop 2."""
+def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh,
+                  synced: frozenset[int] = frozenset()) -> list[jax.Array]:
+    """End-of-step synchronisation: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter, MiCS hop 2; the `synced`
+    leaves did their ZeRO-0 / ZeRO-1 part inside the last backward (`row_sync`) and take hop 2 only."""
     out = list(acc)
     hop2: list[int] = []
     for i, (g, s) in enumerate(zip(acc, specs)):
         if s.zero >= 2 and s.layout.shard_dim is not None:
             hop2.append(i)  # already reduced inside the partition group
         elif s.zero == 1 and s.layout.shard_dim is not None:
-            out[i] = _scatter(g, s)
+            out[i] = g if i in synced else _scatter(g, s)
             hop2.append(i)
-        else:
+        elif i not in synced:
             out[i] = psum_live(g, DP_AXES, mesh)
     if plan.replicas > 1 and hop2:
         for i, v in zip(hop2, bucketed_psum([out[i] for i in hop2], "replica")):

@@ -21,7 +21,7 @@ from mistjax.trace.split import unrolled_loop
 from mistjax.trace.unrolled import LayerSlices
 
 Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
-# ``loop(body, consts, carry, xs, accs=None)`` (see `make_layer_loop`).
+# ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None)`` (see `make_layer_loop`).
 LayerLoopFn = Callable[..., Any]
 
 
@@ -95,13 +95,17 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
         `runtime.accumulate`); used when the loop is called with ``accs``.
 
     Returns:
-      ``loop(body, consts, carry, xs, accs=None)``: ``(carry, ys)``, or ``(carry, ys, accs)`` when
-      `accs` (per scanned operand, its whole-stack gradient accumulator or None) is given.
+      ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None)``: ``(carry, ys)``, or
+      ``(carry, ys, accs)`` when `accs` (per scanned operand, its whole-stack gradient accumulator or
+      None) is given, or ``(carry, ys, accs, outs)`` when `finish` (per operand, the collective that
+      synchronises each layer's summed row, or None) is given too (`outs`: per operand, the result
+      buffer of another shape than the accumulator, or None; see `runtime.accumulate.accumulate_into`).
     """
     any_gather = any(g is not None for g in gather)
 
     def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any],
-             accs: Sequence[Any] | None = None) -> Any:
+             accs: Sequence[Any] | None = None, outs: Sequence[Any] | None = None,
+             finish: Sequence[SliceGrad | None] | None = None) -> Any:
         def apply(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(gather, x)]
             c, y = body(consts, c, x)
@@ -135,11 +139,14 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                 carry, ys = unrolled_loop(fn, carry, seg)
             elif accs is not None:
                 # The whole-stack accumulators ride through every segment (rows start..end-1 here).
-                carry, accs, ys = scan_accumulating(fn, carry, seg, accs, prepare, start, unroll)
+                carry, accs, outs, ys = scan_accumulating(fn, carry, seg, accs, prepare, start, unroll, outs,
+                                                          finish)
             else:
                 carry, ys = jax.lax.scan(fn, carry, seg, unroll=unroll)
             ys_parts.append(ys)
         ys = ys_parts[0] if len(ys_parts) == 1 else [jax.numpy.concatenate(parts) for parts in zip(*ys_parts)]
-        return (carry, ys) if accs is None else (carry, ys, list(accs))
+        if accs is None:
+            return carry, ys
+        return (carry, ys, list(accs)) if finish is None else (carry, ys, list(accs), list(outs))
 
     return loop
