@@ -98,7 +98,9 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
         between its forward and backward programs, where a weight-only one would be one more copy of
         the stage's weights per micro-batch in flight).
       prepare: per scanned operand, how one layer's weight cotangent enters its accumulator (see
-        `runtime.accumulate`); used when the loop is called with ``accs``.
+        `runtime.accumulate`); used when the loop is called with ``accs``. Then a stack of several
+        segments reads each layer's rows of the accumulated stacks (`accumulate.scan_rows`) instead of
+        scanning per-segment slices of them (each a copy of those weights for the whole step).
 
     Returns:
       ``loop(body, consts, carry, xs, accs=None)``: ``(carry, ys)``, or ``(carry, ys, accs)`` when
@@ -142,7 +144,8 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
         ys_parts = []
         for start, end, kind in segments:
             fn = fns[kind]
-            seg = xs if (start, end) == (0, num_layers) else [x[start:end] for x in xs]
+            # (Not used on the row-reading path: there only `scan_rows` slices, the other operands.)
+            seg = xs if by_rows or (start, end) == (0, num_layers) else [x[start:end] for x in xs]
             # With per-layer fetches (ZeRO-3 gathers, host->device weight copies), two layers per loop
             # iteration let the scheduler fetch layer i+1 while layer i computes (a double buffer; the
             # cost model charges two layers of fetched weights). The backward scan is the transpose of
