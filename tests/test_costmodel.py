@@ -153,3 +153,20 @@ def test_in_loop_sync_moves_from_the_step_end_into_the_backward(wl, monkeypatch)
         assert {k: float(v) for k, v in a.comm.items()} == {k: float(v) for k, v in b.comm.items()}
         assert float(on[2][z].delta) == float(off[2][z].delta)
     assert float(on[1][1].memory["grads"]) < float(off[1][1].memory["grads"])  # shards only
+
+
+def test_segment_slices_are_charged_only_where_the_runtime_slices():
+    """Mixed layer kinds copy the sliced stacks (`cost.model._segment_slices`): every device layer weight
+    without in-loop accumulation, only the host-accumulated leaves' with it (G > 1 or a pipeline stage)."""
+    from types import SimpleNamespace
+
+    from mistjax.cost.model import _segment_slices
+
+    lt = {"w_layer_dev": np.array(10.0), "w_layer_dev_acc_host": np.array(3.0)}
+    kinds = SimpleNamespace(n_off=np.array([0.0, 0.0, 0.0, 0.0]), n_plain=np.array([2.0, 2.0, 2.0, 4.0]),
+                            n_remat=np.array([2.0, 2.0, 2.0, 0.0]))
+    k = SimpleNamespace(layers=np.array(4.0), G=np.array([1, 2, 1, 2]), pipelined=np.array([False, False, True, False]))
+    got = _segment_slices(SimpleNamespace(layer_grads_in_loop=True), k, kinds, lt)
+    np.testing.assert_allclose(got, [40.0, 12.0, 12.0, 0.0])  # one kind only: one scan of the whole stack
+    unrolled = _segment_slices(SimpleNamespace(layer_grads_in_loop=False), k, kinds, lt)
+    np.testing.assert_allclose(unrolled, [40.0, 40.0, 40.0, 0.0])

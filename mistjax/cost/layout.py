@@ -21,7 +21,7 @@ from mistjax.cost.workload import ParamLeaf, Workload
 
 FIELDS = ("w_layer_dev", "w_layer_host", "w_layer_shard", "w_other_dev", "w_other_shard", "opt_layer_dev",
           "opt_layer_host", "opt_other_dev", "opt_other_host", "g_layer_shard", "g_other_shard",
-          "acc_layer_host_frac", "w_layer_fetch", "w_other_fetch")
+          "acc_layer_host_frac", "w_layer_fetch", "w_other_fetch", "w_layer_dev_acc_host")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class LeafTotals:
     acc_layer_host_frac: float  # fraction of the stacked gradient accumulators kept in host memory
     w_layer_fetch: float  # bytes of one layer that are fetched per use (ZeRO-3 gathered or host-streamed)
     w_other_fetch: float  # non-stacked bytes gathered once per micro-batch (ZeRO-3)
+    w_layer_dev_acc_host: float  # `w_layer_dev` of the leaves whose gradient accumulator is on host
 
 
 def _local_elements(wl: Workload, tp: int, p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,7 +133,8 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
         opt_other_dev=total(o * (wl.opt_copies - o_host), other), opt_other_host=total(o * o_host, other),
         g_layer_shard=total(g_sh, layer), g_other_shard=total(g_sh, other), acc_layer_host_frac=acc_frac,
         w_layer_fetch=total(nbytes, layer & fetched),
-        w_other_fetch=total(nbytes, other & shardable & (zero >= 3)))
+        w_other_fetch=total(nbytes, other & shardable & (zero >= 3)),
+        w_layer_dev_acc_host=total(w_sh, layer & ~w_host & acc_host))
 
 
 def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -144,16 +144,21 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     # stage also holds the activation it received and the cotangent waiting for its backward.
     messages = np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
     return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + messages
-            + _segment_slices(k, kinds, lt))
+            + _segment_slices(workload, k, kinds, lt))
 
 
-def _segment_slices(k: Knobs, kinds: LayerKinds, lt: dict[str, np.ndarray]) -> np.ndarray:
-    """A stack run as several segments (offloaded / plain / checkpointed layers) scans slices of the stacked
-    weights (`runtime.remat.make_layer_loop`: ``x[start:end]``). A slice is a new buffer in XLA (a loop
-    operand cannot alias part of another buffer), read again by the segment's backward scan: one more copy
-    of the stage's stored layer weights for the whole step (seen in XLA:CPU's buffer assignment)."""
+def _segment_slices(workload: Workload, k: Knobs, kinds: LayerKinds, lt: dict[str, np.ndarray]) -> np.ndarray:
+    """A stack run as several segments (offloaded / plain / checkpointed layers) without in-loop gradient
+    accumulation scans slices of the stacked weights (`runtime.remat.make_layer_loop`: ``x[start:end]``). A
+    slice is a new buffer in XLA (a loop operand cannot alias part of another buffer), read again by the
+    segment's backward scan: one more copy of the stage's stored layer weights for the whole step (seen in
+    XLA:CPU's buffer assignment). With in-loop accumulation (several micro-batches, or any pipeline stage)
+    each layer reads its rows of the whole stacks instead (`runtime.accumulate.scan_rows`); only the leaves
+    with a host accumulator (not accumulated in the loop) are still sliced."""
     kinds_present = ((kinds.n_off > 0).astype(float) + (kinds.n_plain > 0) + (kinds.n_remat > 0))
-    return np.where(kinds_present > 1, k.layers * lt["w_layer_dev"], 0.0)
+    in_loop = ((k.G > 1) | k.pipelined) & workload.layer_grads_in_loop
+    sliced = np.where(in_loop, lt["w_layer_dev_acc_host"], lt["w_layer_dev"])
+    return np.where(kinds_present > 1, k.layers * sliced, 0.0)
 
 
 def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,

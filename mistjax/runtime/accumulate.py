@@ -8,7 +8,9 @@ that the forward passes on unchanged, and `accumulate_into` (an identity on the 
 cotangent of each layer's weight slice into that layer's row of the carry's cotangent. The caller
 seeds the cotangent of the loop's accumulator output with the accumulator itself, so the backward
 carry starts as the accumulator and each layer updates its row in place (a dynamic-update-slice of a
-while-loop carry): one buffer, and one layer's gradient in flight. docs/internals.md.
+while-loop carry): one buffer, and one layer's gradient in flight. A stack of several layer kinds
+(`runtime.remat`) reads each layer's rows of the whole stacks with `pick_rows` (`scan_rows`) rather
+than scanning a copied slice of them per segment. docs/internals.md.
 """
 
 from __future__ import annotations
@@ -91,7 +93,43 @@ def _bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], o
     return accs, outs, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
 
 
+def _add_rows(ct_accs: list[jax.Array], ct_rows: list[jax.Array], layer: jax.Array,
+              prepare: tuple[SliceGrad, ...]) -> list[jax.Array]:
+    """Row `layer` of each accumulator cotangent plus its layer's prepared weight cotangent (in place)."""
+    return [lax.dynamic_update_index_in_dim(acc, _row(acc, None, g, layer, prep, None), layer, 0)
+            for acc, g, prep in zip(ct_accs, ct_rows, prepare)]
+
+
 accumulate_into.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def pick_rows(accs: list[jax.Array], stacks: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...]
+              ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """``(accs, [s[layer] for s in stacks])``; the backward adds ``prepare[j](ct of row j)`` into row
+    `layer` of the cotangent of ``accs[j]``, as `accumulate_into` does, and gives `stacks` none.
+
+    `accumulate_into` on a row read out of the whole stack: called inside a layer's checkpointed or
+    re-fetching function, the layer keeps the loop-invariant stack and the row index, and its backward
+    reads the row again (a row computed outside would be a per-layer residual: a stacked copy).
+    """
+    del prepare
+    return accs, [lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in stacks]
+
+
+def _pick_fwd(accs: list[jax.Array], stacks: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...]
+              ) -> tuple[tuple[list[jax.Array], list[jax.Array]], jax.Array]:
+    return pick_rows(accs, stacks, layer, prepare), layer
+
+
+def _pick_bwd(prepare: tuple[SliceGrad, ...], layer: jax.Array, ct: tuple[list[jax.Array], list[jax.Array]]
+              ) -> tuple[list[jax.Array], None, None]:
+    ct_accs, ct_rows = ct
+    # None: a symbolic zero (a zero stack would be a whole-stack buffer; the stacks are not differentiated).
+    return _add_rows(ct_accs, ct_rows, layer, prepare), None, None
+
+
+pick_rows.defvjp(_pick_fwd, _pick_bwd)
 
 
 def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]],
@@ -136,4 +174,60 @@ def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any]
     return carry, acc_res, out_res, ys
 
 
-__all__ = ["SliceGrad", "accumulate_into", "scan_accumulating"]
+# ``apply(consts, carry, x) -> (carry, y)``: one layer on its operands' rows.
+RowLayer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+
+
+def reading_rows(apply: RowLayer, idx: Sequence[int], prepare: Sequence[SliceGrad]) -> Callable[..., Any]:
+    """`apply` as ``f(consts, c, ((x, i), a)) -> (c, (y, a))`` for `scan_rows`: the `idx` entries of `x`
+    are whole stacks whose row `i` it picks itself (`pick_rows`, feeding the accumulators `a`).
+
+    Run it under `jax.checkpoint` or the re-fetching VJP (`runtime.remat`): their residuals are then the
+    stacks (loop-invariant: no copy) and `i`, and their backward picks the row again.
+    """
+    idx, prepare = tuple(idx), tuple(prepare)
+
+    def f(consts: list[Any], c: list[Any], xin: tuple[tuple[list[Any], jax.Array], list[jax.Array]]) -> Any:
+        (x, i), a = xin
+        a, rows = pick_rows(a, [x[j] for j in idx], i, prepare)
+        x = list(x)
+        for j, r in zip(idx, rows):
+            x[j] = r
+        c, y = apply(consts, c, x)
+        return c, (y, a)
+
+    return f
+
+
+def scan_rows(layer_fn: Callable[..., Any], carry: list[Any], xs: list[Any], accs: Sequence[jax.Array | None],
+              start: int, end: int, unroll: int) -> tuple[list[Any], list[jax.Array | None], list[Any]]:
+    """`scan_accumulating` over layers ``start .. end - 1`` of the stacks `xs` without slicing the
+    accumulated ones: those go into every iteration whole (a loop-invariant operand) and `layer_fn`
+    (built with `reading_rows`) picks its row; the others are scanned as their ``[start:end]`` slice.
+
+    A slice ``x[start:end]`` scanned by a layer segment is a new buffer in XLA, read again by the
+    segment's backward scan: a copy of those layer weights for the whole step.
+
+    Returns:
+      (carry, accs, ys), as `scan_accumulating`.
+    """
+    idx = [j for j, a in enumerate(accs) if a is not None]
+    whole = (start, end) == (0, int(jax.numpy.shape(xs[0])[0]))
+    scanned = [None if j in idx else (x if whole else x[start:end]) for j, x in enumerate(xs)]
+
+    def step(c_a: tuple[list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
+        c, a = c_a
+        part, i = x_i
+        x = [xs[j] if j in idx else v for j, v in enumerate(part)]
+        c, (y, a) = layer_fn(c, ((x, i), a))
+        return (c, a), y
+
+    rows = jax.numpy.arange(start, end, dtype=jax.numpy.int32)
+    (carry, acc_out), ys = lax.scan(step, (carry, [accs[j] for j in idx]), (scanned, rows), unroll=unroll)
+    out: list[jax.Array | None] = list(accs)
+    for j, a in zip(idx, acc_out):
+        out[j] = a
+    return carry, out, ys
+
+
+__all__ = ["RowLayer", "SliceGrad", "accumulate_into", "pick_rows", "reading_rows", "scan_accumulating", "scan_rows"]

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mistjax.core.policies import GATHERED, offload_policy, remat_policy
 from mistjax.core.stages import layer_segments
-from mistjax.runtime.accumulate import SliceGrad, scan_accumulating
+from mistjax.runtime.accumulate import SliceGrad, reading_rows, scan_accumulating, scan_rows
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import unrolled_loop
 from mistjax.trace.unrolled import LayerSlices
@@ -25,7 +25,7 @@ Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
 LayerLoopFn = Callable[..., Any]
 
 
-def _refetching_layer(layer: Layer) -> Layer:
+def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
     """``layer(consts, carry, x)`` (x: stored weight slices, fetched inside) with a VJP that re-fetches.
 
     The forward keeps the residuals of ``jax.vjp(layer)`` that depend on `consts` or `carry`, plus
@@ -36,31 +36,37 @@ def _refetching_layer(layer: Layer) -> Layer:
     replace it). Its cotangent for `x` goes through the fetch's own transpose: a reduce-scatter over
     the partition group for an all-gather (the ZeRO-3 per-layer reduce-scatter), host memory for a
     host->device copy (`runtime.grads` moves it back).
+
+    With `riding`, `x` is ``(x, a)`` and the layer passes `a` (the gradient accumulators of
+    `accumulate.reading_rows`) on to its output ``(y, a)``: `a` is not kept (a per-layer residual of
+    it would be a stacked copy of the accumulators); the backward's fresh forward passes zeros.
     """
 
-    def as_wh(w: list[Any], h: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any]]:
+    def as_wh(w: Any, h: tuple[list[Any], list[Any]]) -> tuple[list[Any], Any]:
         return layer(h[0], h[1], w)  # `residuals.classify`'s (weights, activation) signature
 
     # The classification of the traced fwd, read by the bwd traced after it (same avals each time).
     classified: list[Residuals] = []
 
     @jax.custom_vjp
-    def run(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+    def run(consts: list[Any], c: list[Any], x: Any) -> tuple[list[Any], Any]:
         return layer(consts, c, x)
 
-    def fwd(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[Any, tuple[Any, ...]]:
+    def fwd(consts: list[Any], c: list[Any], x: Any) -> tuple[Any, tuple[Any, ...]]:
         res = classify(as_wh, x, (consts, c))
         classified[:] = [res]
         out, vjp = jax.vjp(as_wh, x, (consts, c))
-        return out, (res.take(vjp), consts, x)
+        return out, (res.take(vjp), consts, x[0] if riding else x)
 
-    def bwd(saved: tuple[Any, ...], ct: tuple[list[Any], list[Any]]) -> tuple[list[Any], list[Any], list[Any]]:
+    def bwd(saved: tuple[Any, ...], ct: tuple[list[Any], Any]) -> tuple[list[Any], list[Any], Any]:
         stored, consts, x = saved
         # Like jax.checkpoint's prevent_cse: keep XLA from merging the re-fetch with the forward fetch
         # when both land in one computation (a scan of one trip is no loop), which would keep the
         # fetched weights alive from forward to backward. XLA:CPU expands the barrier before CSE, so
         # there such short segments still fetch once (docs/cost_model.md); in loops it is a no-op.
         x = jax.lax.optimization_barrier(x)
+        if riding:  # zeros passed straight to the output: dead code
+            x = (x, jax.tree.map(jnp.zeros_like, ct[1][1]))
         # zeros_like of the carry cotangent: the carry's shape, dtype and (with check_vma) varying axes.
         zero_c = [jnp.zeros_like(ci) for ci in ct[0]]
         fresh = jax.vjp(as_wh, x, (consts, zero_c))[1]
@@ -92,7 +98,9 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
         between its forward and backward programs, where a weight-only one would be one more copy of
         the stage's weights per micro-batch in flight).
       prepare: per scanned operand, how one layer's weight cotangent enters its accumulator (see
-        `runtime.accumulate`); used when the loop is called with ``accs``.
+        `runtime.accumulate`); used when the loop is called with ``accs``. Then a stack of several
+        segments reads each layer's rows of the accumulated stacks (`accumulate.scan_rows`) instead of
+        scanning per-segment slices of them (each a copy of those weights for the whole step).
 
     Returns:
       ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None)``: ``(carry, ys)``, or
@@ -113,19 +121,37 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                 c = [carry_constraint(ci) for ci in c]
             return c, y
 
-        def layer(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-            return apply(consts, c, x)
+        def kinds(apply: Layer, riding: bool) -> dict[str, Callable[..., Any]]:
+            checkpointed = {"remat": remat_policy(policy), "offload": offload_policy(offload_names)}
+            if riding:
+                # Every kind under the re-fetching VJP: a jax.checkpoint alone keeps the whole stacks it
+                # reads its rows from as a per-layer residual, which the scan stacks (a copy per layer).
+                fns = {"plain": apply, **{k: jax.checkpoint(apply, policy=p) for k, p in checkpointed.items()}}
+                return {k: functools.partial(_refetching_layer(f, riding=True), consts) for k, f in fns.items()}
 
-        # Plain layers: with fetches, the re-fetching custom VJP (consts go in as an argument: a
-        # custom_vjp must not close over values being differentiated); without, a plain function.
-        plain = functools.partial(_refetching_layer(apply), consts) if any_gather or refetch_plain else layer
-        fns = {"plain": plain,
-               "remat": jax.checkpoint(layer, policy=remat_policy(policy)),
-               "offload": jax.checkpoint(layer, policy=offload_policy(offload_names))}
+            def layer(c: list[Any], x: Any) -> tuple[list[Any], Any]:
+                return apply(consts, c, x)
+
+            # Plain layers: with fetches, the re-fetching custom VJP (consts go in as an argument: a
+            # custom_vjp must not close over values being differentiated); without, a plain function.
+            plain = functools.partial(_refetching_layer(apply), consts) if any_gather or refetch_plain else layer
+            return {"plain": plain, **{k: jax.checkpoint(layer, policy=p) for k, p in checkpointed.items()}}
+
+        segments = layer_segments(num_layers, remat_layers, offload_layers)
+        # Several segments with in-loop accumulation: each layer reads its rows of the whole stacks
+        # (`accumulate.scan_rows`), so no segment scans a copied slice of them.
+        # (Not with `finish`: the G == 1 in-loop sync scans slices; the cost model charges them there.)
+        by_rows = (accs is not None and finish is None and len(segments) > 1
+                   and any(a is not None for a in accs))
+        fns = kinds(apply, riding=False)
+        if by_rows:
+            fns_rows = kinds(reading_rows(apply, [j for j, a in enumerate(accs) if a is not None],
+                                          [p for p, a in zip(prepare, accs) if a is not None]), riding=True)
         ys_parts = []
-        for start, end, kind in layer_segments(num_layers, remat_layers, offload_layers):
+        for start, end, kind in segments:
             fn = fns[kind]
-            seg = xs if (start, end) == (0, num_layers) else [x[start:end] for x in xs]
+            # (Not used on the row-reading path: there only `scan_rows` slices, the other operands.)
+            seg = xs if by_rows or (start, end) == (0, num_layers) else [x[start:end] for x in xs]
             # With per-layer fetches (ZeRO-3 gathers, host->device weight copies), two layers per loop
             # iteration let the scheduler fetch layer i+1 while layer i computes (a double buffer; the
             # cost model charges two layers of fetched weights). The backward scan is the transpose of
@@ -133,10 +159,12 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
             # layers stays a loop of two trips: unrolled, it would be one trip, which XLA inlines and then
             # merges the backward's re-fetch with the forward's (the gathered weights would stay live).
             unroll = 2 if any_gather and end - start > 2 else 1
-            if any(isinstance(x, LayerSlices) for x in seg):  # an unrolled stack: its own leaves per layer
+            if any(isinstance(x, LayerSlices) for x in xs):  # an unrolled stack: its own leaves per layer
                 if accs is not None:
                     raise ValueError("in-loop gradient accumulation needs a stacked layer scan")
                 carry, ys = unrolled_loop(fn, carry, seg)
+            elif by_rows:
+                carry, accs, ys = scan_rows(fns_rows[kind], carry, xs, accs, start, end, unroll)
             elif accs is not None:
                 # The whole-stack accumulators ride through every segment (rows start..end-1 here).
                 carry, accs, outs, ys = scan_accumulating(fn, carry, seg, accs, prepare, start, unroll, outs,
