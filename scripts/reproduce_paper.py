@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"({b}) speedup {sp}{meas}, tuned in {rec['tune_s']:.1f} s; {rec['plan_text']}", flush=True)
     summary = summarise(cells)
     print(json.dumps(summary, indent=1))
-    command = "python scripts/reproduce_paper.py" + (" --quick" if args.quick else "")
+    flags = [a for a in (sys.argv[1:] if argv is None else argv) if a]
+    command = " ".join(["python scripts/reproduce_paper.py", *flags])
     if not args.no_docs:
         write_docs(markdown(cells, summary, command), Path(args.docs))
     out = {"cells": [{k: v for k, v in c.items() if k != "plan_text"} for c in cells], "summary": summary}

@@ -135,6 +135,7 @@ def test_time_limit_returns_best_so_far_with_warning():
     with pytest.warns(RuntimeWarning, match="time limit"):
         r = search(w, _cpu(2e6), SearchSpace(), cost=stub.COST_MODEL, time_limit=0.0)
     assert r.timed_out
+    assert r.plan is not None and r.keys_done == 1  # the best-bound key, searched past the limit
 
 
 def test_no_plan_fits_raises():

@@ -30,6 +30,9 @@ __all__ = ["KeyChoice", "key_bound", "lower_bounds", "solve_key", "tune_key"]
 # remaining outer keys. HiGHS returns its incumbent when stopped.
 _MILP_SHARE = 0.5
 _PAIR_CHUNK = 64  # (remat, family) pairs whose offloaded children are priced per call (one stage)
+# When the time is up before any plan is known, one MILP still runs over what is priced, with this many
+# seconds: a search that priced a feasible key returns a plan instead of nothing.
+_FIRST_MILP_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,14 @@ def _solve_groups(tables: StageTables, k: int, shared: bool, best: KeyChoice | N
         if shared:
             seen.append(x_of_group)
         left = deadline - time.perf_counter()
-        if left <= 0:
+        first = best is None and cut is None  # nothing to return yet, from this key or any other
+        if left <= 0 and not first:
             optimal = False
             break
+        optimal &= left > 0
         sol = solve_inter_stage(sampled.stable[g], sampled.delta[g], tables.layer_options, num_layers, G,
-                                time_limit=max(0.05, _MILP_SHARE * left), best_cost=cut,
+                                time_limit=_FIRST_MILP_S if left <= 0 else max(0.05, _MILP_SHARE * left),
+                                best_cost=cut,
                                 highs_options={"threads": 1, "random_seed": 0})
         milps += 1
         if sol is None:

@@ -172,6 +172,8 @@ def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: s
     return rec
 
 
+_KEY_SHARE = 0.5  # of the search's time left, the most one outer key may use
+
 def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, time_limit: float = 60.0,
            cost: CostModel | None = None, best_cost: float | None = None, prune: bool = True) -> SearchResult:
     """Search one space for the plan with the lowest predicted step time.
@@ -185,7 +187,9 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
         cluster: a `ClusterSpec`; its nodes x devices_per_node are the devices to plan for, and
             ``memory_budget()`` the per-device memory limit.
         space: the space (default: mistjax's full space).
-        time_limit: seconds; when they run out the best plan so far is returned with a warning.
+        time_limit: seconds; when they run out the best plan so far is returned with a warning (the
+            best-bound key is searched even when the limit is reached before it, so a feasible space
+            returns a plan).
         cost: the cost model (default `mistjax.cost.COST_MODEL`).
         best_cost: an objective to beat from elsewhere (keys that cannot beat it report None).
         prune: skip strategies that bounds prove useless (see `inter.tune_key`); False prices
@@ -217,10 +221,14 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
         if cut is not None and bounds[i] >= cut:
             frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() >= deadline and done > 0:  # the best-bound key is always tried
             timed_out = True
             break
-        tables, choice = tune_key(workload, cluster, cost, key, space, cut, deadline, prune, memo)
+        # One key may use at most a share of the time left (its offloaded children are priced best-first
+        # and its MILPs get the rest), so a key too large to price whole leaves time for the others.
+        now = time.perf_counter()
+        key_deadline = min(deadline, now + _KEY_SHARE * (deadline - now))
+        tables, choice = tune_key(workload, cluster, cost, key, space, cut, key_deadline, prune, memo)
         evaluated += tables.evaluated
         done += 1
         if choice is not None:
