@@ -30,6 +30,7 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.ad_checkpoint import checkpoint_name
 
+from mistjax.analysis.graph import EAGER_JIT  # the marker the analysis reads (its protocol)
 from models.attention import blockwise_attention, cudnn_attention, cudnn_unsupported, fused_attention
 from models.config import ModelConfig
 
@@ -70,9 +71,6 @@ def out_proj_std(config: ModelConfig) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- eager ops
-EAGER_JIT = "eager_kernel"  # the marker's jit name: mistjax.analysis.graph.EAGER_JIT (the analysis's protocol)
-
-
 def _eager_kernel(x: jax.Array) -> jax.Array:
     return x
 

@@ -269,6 +269,11 @@ def loop_eligible_leaves(traced: TracedLoss, acc_host: Sequence[bool]) -> frozen
                      and i not in usage.post and jnp.issubdtype(avals[i].aval.dtype, jnp.inexact))
 
 
+def _shard_group_size(mesh: Mesh) -> int:
+    """Devices in one ZeRO / MiCS partition group (the extents of `SHARD_AXES`)."""
+    return math.prod(mesh.shape[a] for a in SHARD_AXES)
+
+
 def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad | None:
     """The collective that synchronises one layer's summed gradient row (the layer dim dropped) inside the
     last backward: what `_finish_grads` does to the whole leaf at the end of the step (ZeRO-0 all-reduce
@@ -277,7 +282,7 @@ def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad | None:
     if spec.layout.shard_dim is not None and spec.zero >= 2:
         return None
     if spec.layout.shard_dim is not None and spec.zero == 1:
-        if math.prod(mesh.shape[a] for a in SHARD_AXES) == 1:
+        if _shard_group_size(mesh) == 1:
             return None  # a trivial scatter: the leaf keeps the end-of-step path (hop 2 only)
         return lambda row: _scatter(row, spec, layer_slice=True)
     if not any(mesh.shape[a] > 1 for a in DP_AXES):
@@ -316,7 +321,7 @@ def _synced_shape(shape: Sequence[int], spec: GradSpec, mesh: Mesh) -> tuple[int
     """The shape of a leaf's synchronised gradient: the partition group's shard under ZeRO-1."""
     out = list(shape)
     if spec.zero == 1 and spec.layout.shard_dim is not None:
-        out[spec.layout.shard_dim] //= math.prod(mesh.shape[a] for a in SHARD_AXES)
+        out[spec.layout.shard_dim] //= _shard_group_size(mesh)
     return tuple(out)
 
 

@@ -25,6 +25,8 @@ from mistjax.tune.inter import KeyChoice, key_bound, tune_key
 from mistjax.tune.intra import ScheduleMemo, StageTables, sample_stage_tables
 from mistjax.tune.space import OuterKey, SearchSpace, outer_keys
 
+_KEY_SHARE = 0.5  # of the search's time left, the most one outer key may use
+
 __all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "default_cost_model", "fingerprints", "search",
            "tune"]
 
@@ -171,8 +173,6 @@ def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: s
     rec["status"] = status
     return rec
 
-
-_KEY_SHARE = 0.5  # of the search's time left, the most one outer key may use
 
 def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, time_limit: float = 60.0,
            cost: CostModel | None = None, best_cost: float | None = None, prune: bool = True) -> SearchResult:
