@@ -189,8 +189,7 @@ def _plots(workload: Any, plan: Plan, cluster: Any, out: Path, result: Any = Non
     files = [plot_memory(report.stage_memory, out / "memory.png", limit=cluster.memory_budget()),
              plot_timeline(report.stage_fwd, report.stage_bwd, plan.grad_accum, out / "timeline.png",
                            schedule=plan.schedule if plan.num_stages > 1 else "gpipe",
-                           first_extra=[d / 2 for d in report.prediction.stage_delta],
-                           last_extra=[d / 2 for d in report.prediction.stage_delta])]
+                           last_extra=report.prediction.stage_delta, groups=plan.device_stages)]
     for rec in result.pareto if result is not None else ():
         picked = rec.get("chosen")
         files.append(plot_pareto(rec["stable"], rec["delta"], out / f"pareto_stage{rec['stage']}.png",

@@ -48,3 +48,20 @@ def test_check_schedule_rejects_bad_tables():
         sch.check_schedule(sch.Schedule(swapped, bwd))
     with pytest.raises(sch.ScheduleError, match="holds"):
         sch.check_schedule(sch.gpipe_schedule(3, 4), sch.inflight_microbatches(np.arange(3), 3, 4))
+
+
+def test_op_spans_run_each_group_in_issue_order_after_its_inputs():
+    from mistjax.core.pipeline_order import dependencies, group_finish_times, issue_order, op_spans
+
+    issue = issue_order("1f1b", 2, 4, 2)  # interleaved: 4 virtual stages on 2 groups
+    cost = {"F": [1.0, 1.5, 1.2, 0.8], "B": [2.0, 3.0, 2.4, 1.6], "FB": [3.0, 4.5, 3.6, 2.4]}
+    spans = op_spans(issue, 2, cost)
+    assert set(spans) == set(issue)
+    for g in range(2):
+        mine = [spans[op] for op in issue if op.stage % 2 == g]
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))  # one at a time, in issue order
+    for op, (start, end) in spans.items():
+        assert end - start == pytest.approx(cost[op.kind][op.stage])
+        assert all(spans[d][1] <= start + 1e-12 for d in dependencies(op, 4))
+    np.testing.assert_allclose(group_finish_times(issue, 2, cost),
+                               [max(e for op, (_, e) in spans.items() if op.stage % 2 == g) for g in range(2)])

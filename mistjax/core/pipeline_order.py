@@ -208,20 +208,34 @@ def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: i
     return list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks))
 
 
-def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None
-                       ) -> np.ndarray:
-    """When each device group finishes its last operation, every group running its queue as soon as
-    data arrives. ``cost[kind]`` is a scalar or a per-virtual-stage sequence of seconds."""
+def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None
+             ) -> dict[Op, tuple[float, float]]:
+    """(start, end) seconds of every operation, each device group running its operations in issue order
+    as soon as its inputs arrive. ``cost[kind]`` is a scalar or a per-virtual-stage sequence of seconds,
+    or a callable ``cost[kind](op) -> seconds``."""
     cost = cost or NOMINAL_COST
     num_virtual = 1 + max(op.stage for op in issue)
-    per_stage = {kind: np.broadcast_to(np.asarray(c, dtype=np.float64), (num_virtual,)) for kind, c in cost.items()}
-    finish: dict[Op, float] = {}
+    per_stage = {kind: c if callable(c) else np.broadcast_to(np.asarray(c, dtype=np.float64), (num_virtual,))
+                 for kind, c in cost.items()}
+    spans: dict[Op, tuple[float, float]] = {}
     free = [0.0] * num_groups
     for op in issue:
         g = op.stage % num_groups
-        start = max([free[g], *(finish[d] for d in dependencies(op, num_virtual))])
-        finish[op] = free[g] = start + float(per_stage[op.kind][op.stage])
-    return np.asarray(free)
+        start = max([free[g], *(spans[d][1] for d in dependencies(op, num_virtual))])
+        c = per_stage[op.kind]
+        free[g] = start + float(c(op) if callable(c) else c[op.stage])
+        spans[op] = (start, free[g])
+    return spans
+
+
+def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None
+                       ) -> np.ndarray:
+    """When each device group finishes its last operation (`op_spans`)."""
+    finish = np.zeros(num_groups)
+    for op, (_, end) in op_spans(issue, num_groups, cost).items():
+        g = op.stage % num_groups
+        finish[g] = max(finish[g], end)
+    return finish
 
 
 def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None) -> float:
@@ -230,5 +244,5 @@ def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any]
 
 
 __all__ = ["MPMD_SCHEDULES", "Op", "ScheduleError", "dependencies", "dependency_depth", "device_orders",
-           "group_finish_times", "group_queues", "issue_order", "list_schedule", "residuals_in_flight",
+           "group_finish_times", "group_queues", "issue_order", "list_schedule", "op_spans", "residuals_in_flight",
            "simulated_time"]

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from mistjax.core.schedules import make_schedule  # noqa: E402
+from mistjax.core.pipeline_order import issue_order, op_spans  # noqa: E402
 
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                   "buffers": "#8172b3"}
@@ -23,60 +23,59 @@ GiB = 2.0**30
 def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_microbatches: int, path: str | Path, *,
                   schedule: str = "1f1b", first_extra: Sequence[float] | None = None,
                   last_extra: Sequence[float] | None = None,
-                  channels: Sequence[Mapping[str, float]] | None = None, title: str = "pipeline timeline") -> Path:
-    """The schedule as the runtime runs it: lock-step ticks, each as long as its slowest stage.
+                  channels: Sequence[Mapping[str, float]] | None = None, title: str = "pipeline timeline",
+                  groups: int | None = None) -> Path:
+    """The schedule as the MPMD executor runs it and the cost model prices it: the host's issue order
+    (`core.pipeline_order.issue_order`), each device group starting an operation as soon as its inputs
+    arrive, then its once-per-step work.
 
     Args:
-      stage_fwd / stage_bwd: per stage, seconds of one micro-batch's forward / backward.
-      first_extra / last_extra: per stage, extra seconds of the first forward / last backward (the
-        once-per-step work: gathers after the optimizer step, final gradient sync); drawn hatched.
+      stage_fwd / stage_bwd: per (virtual) stage, seconds of one micro-batch's forward / backward.
+      first_extra / last_extra: per stage, once-per-step seconds (gathers after the optimizer step, final
+        gradient sync, update); drawn hatched after the group's last operation, where the executor runs them.
       channels: per stage, seconds per micro-batch on the device<->device (``d2d``), host->device
-        (``h2d``) and device->host (``d2h``) channels, drawn as thin bars under each stage's row.
+        (``h2d``) and device->host (``d2h``) channels, drawn as thin bars under each forward.
+      groups: device groups (default: one per stage; fewer with interleaved virtual stages).
     """
     S = len(stage_fwd)
-    sched = make_schedule(schedule, S, num_microbatches)
-    fwd, bwd = np.asarray(sched.fwd), np.asarray(sched.bwd)
-    f = np.asarray(stage_fwd, float)
-    b = np.asarray(stage_bwd, float)
-    fx = np.zeros(S) if first_extra is None else np.asarray(first_extra, float)
-    lx = np.zeros(S) if last_extra is None else np.asarray(last_extra, float)
-    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.75 * S), dpi=120)
-    t = 0.0
-    for tick in range(fwd.shape[0]):
-        spans = []
-        for s in range(S):
-            start = t
-            if fwd[tick, s] >= 0:
-                dur = f[s] + (fx[s] if fwd[tick, s] == 0 else 0.0)
-                ax.barh(s, dur, left=start, height=0.6, color="#4c72b0", edgecolor="white", linewidth=0.4,
-                        hatch="//" if fwd[tick, s] == 0 and fx[s] > 0 else None)
-                if num_microbatches <= 16:
-                    ax.text(start + dur / 2, s, str(fwd[tick, s]), ha="center", va="center", fontsize=6, color="white")
-                start += dur
-            if bwd[tick, s] >= 0:
-                last = bwd[tick, s] == num_microbatches - 1
-                dur = b[s] + (lx[s] if last else 0.0)
-                ax.barh(s, dur, left=start, height=0.6, color="#dd8452", edgecolor="white", linewidth=0.4,
-                        hatch="//" if last and lx[s] > 0 else None)
-                start += dur
-            spans.append(start - t)
-            if channels is not None and (fwd[tick, s] >= 0 or bwd[tick, s] >= 0):
+    G = groups or S
+    f, b = np.asarray(stage_fwd, float), np.asarray(stage_bwd, float)
+    extra = sum(np.zeros(S) if e is None else np.asarray(e, float) for e in (first_extra, last_extra))
+    spans = op_spans(issue_order(schedule, G, num_microbatches, S // G), G, {"F": f, "B": b, "FB": f + b})
+    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.75 * G), dpi=120)
+    colour = {"F": "#4c72b0", "B": "#dd8452"}
+    for op, (start, end) in spans.items():
+        row = op.stage % G
+        parts = [("F", f[op.stage]), ("B", b[op.stage])] if op.kind == "FB" else [(op.kind, end - start)]
+        for kind, dur in parts:
+            ax.barh(row, dur, left=start, height=0.6, color=colour[kind], edgecolor="white", linewidth=0.4)
+            if num_microbatches <= 16 and kind == "F":
+                ax.text(start + dur / 2, row, str(op.mb), ha="center", va="center", fontsize=6, color="white")
+            if channels is not None and kind == "F":
                 for j, ch in enumerate(("d2d", "h2d", "d2h")):
-                    dur = channels[s].get(ch, 0.0)
-                    if dur > 0:
-                        ax.barh(s + 0.36 + 0.09 * j, dur, left=t, height=0.08, color=CHANNEL_COLOURS[ch])
-        t += max(spans)
-        ax.axvline(t, color="0.85", lw=0.3, zorder=0)
-    ax.set_yticks(range(S), [f"stage {s}" for s in range(S)])
+                    if channels[op.stage].get(ch, 0.0) > 0:
+                        ax.barh(row + 0.36 + 0.09 * j, channels[op.stage][ch], left=start, height=0.08,
+                                color=CHANNEL_COLOURS[ch])
+            start += dur
+    finish = np.zeros(G)
+    for op, (_, end) in spans.items():
+        finish[op.stage % G] = max(finish[op.stage % G], end)
+    delta = np.bincount(np.arange(S) % G, weights=extra, minlength=G)
+    for g in range(G):
+        if delta[g] > 0:
+            ax.barh(g, delta[g], left=finish[g], height=0.6, color="white", edgecolor="black", hatch="//",
+                    linewidth=0.4)
+    step = float(np.max(finish + delta))
+    ax.set_yticks(range(G), [f"stage {g}" for g in range(G)] if G == S else [f"group {g}" for g in range(G)])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds (lock-step ticks: each lasts as long as its slowest stage)")
-    ax.set_title(f"{title} — {schedule}, {num_microbatches} micro-batches, step {t:.3g} s")
+    ax.set_xlabel("seconds (each device group runs its operations as soon as their inputs arrive)")
+    ax.set_title(f"{title} — {schedule}, {num_microbatches} micro-batches, step {step:.3g} s")
     legend = [Patch(color="#4c72b0", label="forward"), Patch(color="#dd8452", label="backward"),
-              Patch(facecolor="white", edgecolor="black", hatch="//", label="first/last micro-batch extra")]
+              Patch(facecolor="white", edgecolor="black", hatch="//", label="once-per-step work")]
     if channels is not None:
         legend += [Patch(color=CHANNEL_COLOURS[c], label=n) for c, n in
                    (("d2d", "device<->device"), ("h2d", "host->device"), ("d2h", "device->host"))]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * (4 - min(S, 4))),
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * (4 - min(G, 4))),
               ncol=len(legend), fontsize=7, frameon=False)
     fig.tight_layout()
     return _save(fig, path)
