@@ -137,17 +137,38 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
         w_layer_dev_acc_host=total(w_sh, layer & ~w_host & acc_host))
 
 
+_DENSE_KEYS = 1 << 22  # mixed-radix key spaces up to this size are deduplicated by a table lookup, not a sort
+
+
 def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of broadcast 1-D columns and the inverse index (1-D sorts only: fast)."""
-    codes, uniqs, key = [], [], np.zeros(np.shape(columns[0]), dtype=np.int64)
+    """Distinct rows of the broadcast of ``columns`` and the inverse index (flat over the broadcast shape).
+
+    Rows come sorted by their mixed-radix key (each column's distinct values, column by column). Every
+    column is made distinct in its own shape before broadcasting (the tuner's strategy columns are far
+    smaller than their broadcast), and a small key space is deduplicated by a presence table (linear)
+    instead of sorting every broadcast element.
+    """
+    shape = np.broadcast_shapes(*(np.shape(c) for c in columns))
+    key, uniqs = np.zeros((), dtype=np.int64), []
     for col in columns:
         u, inv = np.unique(col, return_inverse=True)
-        key = key * len(u) + inv.reshape(key.shape)
+        key = key * len(u) + inv.reshape(np.shape(col))
         uniqs.append(u)
-        codes.append(inv)
-    ukey, first, inverse = np.unique(key.ravel(), return_index=True, return_inverse=True)
-    rows = np.stack([np.asarray(c).ravel()[first] for c in columns], axis=1)
-    return rows, inverse
+    key = np.broadcast_to(key, shape).ravel()
+    space = int(np.prod([len(u) for u in uniqs], dtype=np.float64))
+    if space <= _DENSE_KEYS:
+        present = np.zeros(space, dtype=bool)
+        present[key] = True
+        ukey = np.flatnonzero(present)
+        slot = np.cumsum(present) - 1
+        inverse = slot[key]
+    else:
+        ukey, inverse = np.unique(key, return_inverse=True)
+    digits, rest = [], ukey
+    for u in reversed(uniqs):
+        rest, d = np.divmod(rest, len(u))
+        digits.append(u[d])
+    return np.stack(digits[::-1], axis=1), inverse.reshape(-1)
 
 
 def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
@@ -156,9 +177,9 @@ def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.nda
     Distinct rows are few (TP degrees x group sizes x ZeRO stages x offload ratios x stage positions), so
     the Python loop runs over those, never per strategy.
     """
-    cols = np.broadcast_arrays(*[np.asarray(c, dtype=np.float64) for c in columns])
-    shape = cols[0].shape
-    uniq, inv = unique_rows([c.ravel() for c in cols])
+    cols = [np.asarray(c, dtype=np.float64) for c in columns]
+    shape = np.broadcast_shapes(*(c.shape for c in cols))
+    uniq, inv = unique_rows(cols)
     rows = []
     cache = wl.layout_cache  # lives (and dies) with the workload
     for r in uniq:

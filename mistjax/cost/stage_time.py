@@ -64,11 +64,12 @@ def _group_link(cluster: Any, group: np.ndarray, stride: np.ndarray, per_node: n
 
 def _links(cluster: Any, k: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Vectorised ``cluster.collective_link(k, m)`` (a lookup per distinct layout, 1-D sorts only)."""
-    k, m = np.broadcast_arrays(np.asarray(k, dtype=np.int64), np.asarray(m, dtype=np.int64))
-    rows, inv = unique_rows([k.ravel(), m.ravel()])
+    k, m = np.asarray(k, dtype=np.int64), np.asarray(m, dtype=np.int64)
+    shape = np.broadcast_shapes(k.shape, m.shape)
+    rows, inv = unique_rows([k, m])
     links = [cluster.collective_link(int(a), int(b)) for a, b in rows]
-    bw = np.array([x.bandwidth for x in links])[inv].reshape(k.shape)
-    lat = np.array([x.latency for x in links])[inv].reshape(k.shape)
+    bw = np.array([x.bandwidth for x in links])[inv].reshape(shape)
+    lat = np.array([x.latency for x in links])[inv].reshape(shape)
     return bw, lat
 
 
