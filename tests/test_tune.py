@@ -138,6 +138,35 @@ def test_time_limit_returns_best_so_far_with_warning():
     assert r.plan is not None and r.keys_done == 1  # the best-bound key, searched past the limit
 
 
+def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
+    """Every cost-model call takes one second of a fake clock: the key bounds, the pricing and the MILPs
+    stop at the limit (give or take the few calls a key makes before its first check), instead of
+    searching the whole space. The count is exact, so nothing here depends on this machine's speed."""
+    from mistjax.core.strategies import CostModel
+    from mistjax.tune import inter, tuner
+
+    now = [0.0]
+
+    def stage_cost(*args):
+        now[0] += 1.0
+        return stub.COST_MODEL.stage_cost(*args)
+
+    clock = type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])})
+    monkeypatch.setattr(tuner, "time", clock)
+    monkeypatch.setattr(inter, "time", clock)
+    cost = CostModel(stage_cost=stage_cost, predict=stub.COST_MODEL.predict)
+    w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
+    whole = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=1e9)
+    unlimited = now[0]
+    limit = 10.0
+    assert unlimited > 3 * limit and not whole.timed_out  # the whole search needs far more than the limit
+    now[0] = 0.0
+    with pytest.warns(RuntimeWarning, match="time limit"):
+        r = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=limit)
+    assert now[0] <= limit + 6  # one key's fixed calls (remat probe, peak probe, base, top) past the limit
+    assert r.timed_out and r.keys_done < whole.keys_done
+
+
 def test_no_plan_fits_raises():
     w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
     with pytest.raises(RuntimeError, match="no plan fits"):

@@ -29,10 +29,16 @@ __all__ = ["KeyChoice", "key_bound", "lower_bounds", "solve_key", "tune_key"]
 # A single MILP may use at most this share of the time left, so one slow solve cannot starve the
 # remaining outer keys. HiGHS returns its incumbent when stopped.
 _MILP_SHARE = 0.5
-_PAIR_CHUNK = 64  # (remat, family) pairs whose offloaded children are priced per call (one stage)
+_PAIR_CHUNK = 64  # (remat, family) pairs whose offloaded children are priced per call, at most
+# ... and at most about this many priced elements (slots x layer options x children) per call: a big
+# pipelined key's chunk stays a fraction of a second, so the deadline is checked that often.
+_CHUNK_ELEMENTS = 1 << 19
 # When the time is up before any plan is known, one MILP still runs over what is priced, with this many
 # seconds: a search that priced a feasible key returns a plan instead of nothing.
 _FIRST_MILP_S = 2.0
+# Of a key's time, the most its offloaded children's pricing may use: the rest is the MILPs' over what is
+# priced (pricing a big key to its deadline left no time to solve it, and the key returned nothing).
+_PRICE_SHARE = 0.7
 
 
 @dataclass(frozen=True)
@@ -219,10 +225,13 @@ def _price_children(workload: Any, cluster: Any, cost: CostModel, tables: StageT
     cand = (~ok0 & okt).any(axis=(0, 1))  # [R, F]
     lb = np.zeros((R, F)) if bound is None else bound
     order = np.argsort(np.where(cand, lb, np.inf), axis=None, kind="stable")[:int(cand.sum())]
-    for lo in range(0, order.size, _PAIR_CHUNK):
+    per_pair = okt.shape[0] * okt.shape[1] * max(c.size for c in children.values())
+    chunk = int(np.clip(_CHUNK_ELEMENTS // per_pair, 1, _PAIR_CHUNK))
+    for lo in range(0, order.size, chunk):
         if time.perf_counter() >= deadline:
+            tables.truncated = True
             return
-        pairs = [(int(r), int(f)) for r, f in zip(*np.unravel_index(order[lo:lo + _PAIR_CHUNK], (R, F)))
+        pairs = [(int(r), int(f)) for r, f in zip(*np.unravel_index(order[lo:lo + chunk], (R, F)))
                  if lb[r, f] < best_obj]
         if not pairs:
             return
@@ -232,6 +241,17 @@ def _price_children(workload: Any, cluster: Any, cost: CostModel, tables: StageT
         tables.store(r, x, s, d, ok)
         if tables.key.stages == 1:
             best_obj = min(best_obj, float(np.min(np.where(ok[0, 0], G * s[0, 0] + d[0, 0], np.inf))))
+
+
+def _price_all(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, deadline: float) -> None:
+    """Price every strategy (Mist's exhaustive evaluation) in chunks, until the deadline."""
+    S, J, R, X = tables.stable.shape
+    step = max(1, _CHUNK_ELEMENTS // (S * J * R))
+    for lo in range(0, X, step):
+        if lo and time.perf_counter() >= deadline:  # the first chunk always: a key searched prices something
+            tables.truncated = True
+            return
+        price(workload, cluster, cost, tables, np.arange(lo, min(lo + step, X)))
 
 
 def tune_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
@@ -250,10 +270,12 @@ def tune_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space:
         memo: prices shared with the key's siblings of other pipeline schedules (`intra.ScheduleMemo`).
     """
     L = int(workload.num_layers)
+    now = time.perf_counter()
+    price_deadline = now + _PRICE_SHARE * max(0.0, deadline - now)
     tables = prepare_key(workload, cluster, cost, key, space, memo)
     grid, G, S = tables.grid, key.grad_accum, key.stages
     if not prune:
-        price(workload, cluster, cost, tables, np.arange(len(grid)))
+        _price_all(workload, cluster, cost, tables, price_deadline if key.stages > 1 else deadline)
         return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
     base, top = _base_strategies(grid)
     s0, d0, ok0 = price(workload, cluster, cost, tables, base)  # [S, J, R, F]
@@ -264,5 +286,5 @@ def tune_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space:
         _price_children(workload, cluster, cost, tables, base, top, ok0, f0, best_obj, deadline)
         choice = _single_stage(tables)
         return tables, choice if choice is not None and (best_cost is None or choice.objective < best_cost) else None
-    _price_children(workload, cluster, cost, tables, base, top, ok0, None, best_obj, deadline)
+    _price_children(workload, cluster, cost, tables, base, top, ok0, None, best_obj, price_deadline)
     return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)

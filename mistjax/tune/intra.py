@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,8 @@ class StageTables:
         grid: the X strategies (family-major).
         stable / delta: ``[S, J, R, X]`` seconds per micro-batch and per step.
         evaluated: strategies priced so far (for the timing report).
+        truncated: the deadline stopped the pricing, so the key's best may be among unpriced strategies.
+        sampled: cached Pareto samples (`sample_stage_tables`).
     """
 
     key: OuterKey
@@ -53,6 +55,10 @@ class StageTables:
     delta: np.ndarray
     evaluated: int = 0
     memo: ScheduleMemo | None = None  # prices shared with sibling keys of other schedules
+    truncated: bool = False
+    # `sample_stage_tables` results of these tables by (k, shared): the MILP and the tuner's Pareto report
+    # sample the same tables; `store` clears it.
+    sampled: dict[tuple[int, bool], SampledTables] = field(default_factory=dict, repr=False)
 
     def remat_count(self, j: int, r: int) -> int:
         """Checkpointed layers of option r for a stage of ``layer_options[j]`` layers."""
@@ -63,6 +69,7 @@ class StageTables:
         """Write priced ``[S, J, n]`` entries at remat options ``r[n]`` and strategies ``x[n]``."""
         self.stable[:, :, r, x] = np.where(ok, stable, np.inf)
         self.delta[:, :, r, x] = np.where(ok, np.maximum(delta, 0.0), np.inf)
+        self.sampled.clear()
 
 
 class ScheduleMemo:
@@ -261,6 +268,9 @@ def sample_stage_tables(tables: StageTables, k: int, shared: bool, xs: np.ndarra
             plan holds once: one group per group size.
         xs: with ``shared``, only these strategies (default: all).
     """
+    cache = xs is None
+    if cache and (k, shared) in tables.sampled:
+        return tables.sampled[(k, shared)]
     S, J, R, X = tables.stable.shape
     G = tables.key.grad_accum
     if shared:
@@ -271,13 +281,42 @@ def sample_stage_tables(tables: StageTables, k: int, shared: bool, xs: np.ndarra
         pick = sample_pareto(s, d, G, min(k, R))
         r_idx = pick.indices
         x_idx = np.broadcast_to(xs.reshape(-1, 1, 1, 1), r_idx.shape)
+        empty = pick.indices < 0
     else:
         groups = np.unique(tables.grid.shard_group)
-        member = tables.grid.shard_group[None, :] == groups[:, None]  # [groups, X]
-        mask = member[:, None, None, None, :]
-        s = np.where(mask, tables.stable[None], np.inf).reshape(len(groups), S, J, R * X)
-        d = np.where(mask, tables.delta[None], np.inf).reshape(len(groups), S, J, R * X)
+        s, d, column = _finite_by_group(tables, np.searchsorted(groups, tables.grid.shard_group), len(groups))
         pick = sample_pareto(s, d, G, min(k, R * X))
-        r_idx, x_idx = np.divmod(pick.indices, X)
-    empty = pick.indices < 0
-    return SampledTables(pick.stable, pick.delta, np.where(empty, -1, r_idx), np.where(empty, -1, x_idx))
+        empty = pick.indices < 0
+        r_idx, x_idx = np.divmod(np.take_along_axis(column, np.maximum(pick.indices, 0), axis=-1), X)
+    out = SampledTables(pick.stable, pick.delta, np.where(empty, -1, r_idx), np.where(empty, -1, x_idx))
+    if cache:
+        tables.sampled[(k, shared)] = out
+    return out
+
+
+def _finite_by_group(tables: StageTables, group_of: np.ndarray, n_groups: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The finite (remat, strategy) candidates of each (MiCS group, slot, layer option), packed to the left.
+
+    Returns ``stable``, ``delta`` ``[groups, S, J, W]`` (``inf`` padding) and ``column`` (the flat
+    ``r * X + x`` index of each entry, -1 in padding), W the most finite candidates of any row. Most of a
+    key's ``R x X`` entries are ``inf`` (pruned or over the memory limit), and an ``inf`` candidate never
+    reaches the Pareto sampler's result; the packing keeps the candidates' order, so every tie is broken
+    as over the whole row and the sample is the same, at the cost of the finite entries only.
+    """
+    S, J, R, X = tables.stable.shape
+    flat_s = tables.stable.reshape(S * J, R * X)
+    flat_d = tables.delta.reshape(S * J, R * X)
+    row, col = np.nonzero(np.isfinite(flat_s) & np.isfinite(flat_d))  # row-major: columns ascend in a row
+    dest = group_of[col % X] * (S * J) + row
+    order = np.argsort(dest, kind="stable")  # group-major, the column order kept within a row
+    row, col, dest = row[order], col[order], dest[order]
+    counts = np.bincount(dest, minlength=n_groups * S * J)
+    width = max(1, int(counts.max(initial=0)))
+    pos = np.arange(dest.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    s = np.full((n_groups * S * J, width), np.inf)
+    d = np.full((n_groups * S * J, width), np.inf)
+    column = np.full((n_groups * S * J, width), -1, np.int64)
+    s[dest, pos], d[dest, pos], column[dest, pos] = flat_s[row, col], flat_d[row, col], col
+    shape = (n_groups, S, J, width)
+    return s.reshape(shape), d.reshape(shape), column.reshape(shape)

@@ -174,6 +174,22 @@ def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: s
     return rec
 
 
+def _key_bounds(workload: Any, cluster: Any, cost: CostModel, keys: list[OuterKey], space: SearchSpace,
+                memo: ScheduleMemo, deadline: float) -> list[float]:
+    """`inter.key_bound` of each key while time is left; a key left unbounded gets ``inf`` (visited last,
+    never pruned by it).
+
+    Bounding prices every key's families once, which grows with the space: past the deadline the
+    search itself stops after the best-bound key, so the other keys' bounds would not be used.
+    """
+    bounds = [math.inf] * len(keys)
+    for i, k in enumerate(keys):
+        if i and time.perf_counter() >= deadline:
+            break
+        bounds[i] = key_bound(workload, cluster, cost, k, space, memo)
+    return bounds
+
+
 def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, time_limit: float = 60.0,
            cost: CostModel | None = None, best_cost: float | None = None, prune: bool = True) -> SearchResult:
     """Search one space for the plan with the lowest predicted step time.
@@ -203,7 +219,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     keys = outer_keys(space, L, int(workload.global_batch), cluster.nodes, cluster.devices_per_node,
                       workload.supports_tp)
     memo = ScheduleMemo(space.schedules)
-    bounds = [key_bound(workload, cluster, cost, k, space, memo) if prune else 0.0 for k in keys]
+    bounds = _key_bounds(workload, cluster, cost, keys, space, memo, deadline) if prune else [0.0] * len(keys)
     # Best bound first, but a key's siblings of other pipeline schedules right after it: they reuse its
     # prices (`intra.ScheduleMemo`), and the pruning test below still applies to each of them.
     group = [dataclasses.replace(k, schedule="") for k in keys]
@@ -218,7 +234,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     for i in order:
         key = keys[i]
         cut = best[1].objective if best is not None else best_cost
-        if cut is not None and bounds[i] >= cut:
+        if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
             frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
         if time.perf_counter() >= deadline and done > 0:  # the best-bound key is always tried
@@ -231,6 +247,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
         tables, choice = tune_key(workload, cluster, cost, key, space, cut, key_deadline, prune, memo)
         evaluated += tables.evaluated
         done += 1
+        timed_out |= tables.truncated
         if choice is not None:
             milps += choice.milps
             timed_out |= not choice.optimal
