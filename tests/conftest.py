@@ -2,10 +2,13 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    + " --xla_force_host_platform_device_count=8"
-).strip()
+# LLVM at -O0: the suite is compile-bound (tiny models, hundreds of programs), and the backend level
+# changes only the machine code XLA emits, not the HLO passes, the buffer assignment or the collectives the
+# tests check (docs/internals.md, "Test suite"). Subprocesses inherit them.
+_TEST_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
+_OURS = {flag.split("=")[0] for flag in _TEST_FLAGS}
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _OURS] + list(_TEST_FLAGS))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One profile cache for the whole run (shared by xdist workers, which inherit the controller's environment):
 # the same tiny models are analysed by many test files, and a hit skips the symbolic analysis.
@@ -43,3 +46,4 @@ def family(zoo3p):
         return built[name]
 
     return get
+

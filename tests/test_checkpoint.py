@@ -37,7 +37,8 @@ def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def pretrain_env(cache: Path, devices: int = 8) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_NUM_CPU_DEVICES=str(devices),
+    flags = os.environ["XLA_FLAGS"].replace("device_count=8", f"device_count={devices}")  # conftest's, resized
+    env.update(XLA_FLAGS=flags, JAX_NUM_CPU_DEVICES=str(devices),
                JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1",
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env

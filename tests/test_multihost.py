@@ -80,7 +80,8 @@ def free_port() -> int:
 def launch(tmp_path: Path, plan_file: Path, cache: Path, steps: int, *extra: str, heartbeat: int = 10,
            ckpt_every: int = 2) -> list[subprocess.Popen]:
     env = dict(os.environ)
-    env.update(JAX_NUM_CPU_DEVICES="4", XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    flags = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=4")  # conftest's, resized
+    env.update(JAX_NUM_CPU_DEVICES="4", XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONUNBUFFERED="1",
                JAX_DEFAULT_MATMUL_PRECISION="highest")  # as tests/conftest.py sets for the reference

@@ -15,7 +15,6 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
                                   pytest.param("paper_reproduction", marks=pytest.mark.slow)])
 def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("MISTJAX_NOTEBOOK_SMALL", "1")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]

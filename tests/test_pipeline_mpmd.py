@@ -438,7 +438,8 @@ def test_two_processes_split_a_pipelined_plan(tmp_path):
     plan_file = tmp_path / "plan.json"
     uniform_plan_for(models.get_config(MODEL).num_layers).save(plan_file)
     steps, port = 3, free_port()
-    env = dict(__import__("os").environ, JAX_NUM_CPU_DEVICES="4", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    flags = __import__("os").environ["XLA_FLAGS"].replace("device_count=8", "device_count=4")  # conftest's
+    env = dict(__import__("os").environ, JAX_NUM_CPU_DEVICES="4", XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_DEFAULT_MATMUL_PRECISION="highest")
     common = [sys.executable, str(PRETRAIN), "--model", MODEL, "--plan", str(plan_file), "--steps", str(steps),
               "--global-batch", "16", "--seq-len", str(SEQ), "--no-progress", "--coordinator", f"127.0.0.1:{port}",
