@@ -154,7 +154,11 @@ def _part_passes(
     *,
     sp_on: bool,
     tensor_axes: Sequence[str],
+    gather_out_cotangents: bool = False,
 ) -> tuple[PassAnalysis, PassAnalysis]:
+    """The forward and backward of one part under tensor parallelism. ``gather_out_cotangents``: the
+    part feeds the layer loop, whose entry all-gathers the cotangents of its split outputs once
+    (`mistjax.runtime.grads._sequence_split`)."""
     fwd_g = build_graph(traces[0].fwd, [t.fwd for t in traces[1:]], points)
     bwd_g = build_graph(traces[0].bwd, [t.bwd for t in traces[1:]], points)
     nd, no = len(part.diff), part.num_outputs
@@ -185,13 +189,17 @@ def _part_passes(
         b_in[bv] = REP if isinstance(fv, jex.Literal) else fwd.final.get(fv, REP)
         if isinstance(fv, jex.Var) and fv in fres.params:
             b_params.append(bv)
+    entering = []
     for bv, st in zip(bwd_g.invars[len(res_vars) :], fres.out_states[:no]):
         b_in[bv] = st
+        if gather_out_cotangents and isinstance(st, Shard) and st.seq:
+            entering.append(bv)
     b_targets = [
         ws if k == WEIGHT else in_states[v] for v, k, ws in zip(fwd_g.invars[:nd], part.diff_kind, w_states)
     ]
     bres = propagate(
-        bwd_g, b_in, b_targets, sequence_parallel=sp_on, param_vars=b_params, model_sizes=model_sizes
+        bwd_g, b_in, b_targets, sequence_parallel=sp_on, param_vars=b_params, model_sizes=model_sizes,
+        gathered=entering,
     )
     return fwd, PassAnalysis(bwd_g, bres)
 
@@ -235,7 +243,8 @@ def _analyze_part(
     passes = {}
     for pol in policies:
         traces = [vjp_jaxprs(p, pol) for p in parts]
-        passes[pol] = _part_passes(traces, points, part, axes, sp_on=sp_on, tensor_axes=tensor_axes)
+        passes[pol] = _part_passes(traces, points, part, axes, sp_on=sp_on, tensor_axes=tensor_axes,
+                                   gather_out_cotangents=name == "pre")
     fwd0, bwd0 = passes["none"]
     f0, b0 = fwd0.flops(), bwd0.flops()
     nd, no = len(part.diff), part.num_outputs

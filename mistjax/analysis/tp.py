@@ -495,6 +495,7 @@ def propagate(
     sequence_parallel: bool = True,
     param_vars: Sequence[Any] = (),
     model_sizes: Sequence[Poly] = (),
+    gathered: Sequence[Any] = (),
 ) -> TPResult:
     """Propagate layouts through ``graph`` and resolve its outputs to ``out_targets``.
 
@@ -507,9 +508,13 @@ def propagate(
         reduce-scatterable partial sums.
       model_sizes: sizes of the split weight dims (heads, mlp, vocab); zero-filled scatter
         targets with such a dim are created split.
+      gathered: split inputs all-gathered once on entry, whole for every consumer (the cotangent of
+        the hidden state entering the layers: Megatron's transpose of the scatter to the sequence split).
     """
     prop = Propagator(
         graph, in_states, sequence_parallel=sequence_parallel, param_vars=param_vars, model_sizes=model_sizes
     )
+    for v in gathered:
+        prop.res.states[v] = prop.convert(v, REP, "enter", ONE)
     prop.run(graph, ONE, out_targets=out_targets)
     return prop.res

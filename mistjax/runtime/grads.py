@@ -214,6 +214,50 @@ def _sp_constraint(tp: int) -> Callable[[jax.Array], jax.Array]:
     return constrain
 
 
+def _sequence_split(tp: int) -> Callable[[Any], Any]:
+    """The hidden state entering the layer loop split along the sequence, with Megatron's transpose
+    (``scatter_to_sequence_parallel_region``): the backward all-gathers the cotangent once, whole for
+    every consumer before the layers.
+
+    A plain constraint's transpose leaves the cotangent split, and GSPMD reshards it per consumer: a
+    learned position table's gradient is padded from the split rows, so its accumulator and Adam update
+    end up split over ``tensor`` along the table's rows (collective-permutes every micro-batch, all-gathers
+    of the gradient and the moments after the loop), besides the gather the embedding's scatter-add needs.
+    """
+    split = _sp_constraint(tp)
+
+    @jax.custom_vjp
+    def enter(c: jax.Array) -> jax.Array:
+        return split(c)
+
+    def fwd(c: jax.Array) -> tuple[jax.Array, None]:
+        return split(c), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
+        return (lax.with_sharding_constraint(ct, P(*([None] * ct.ndim))),)
+
+    enter.defvjp(fwd, bwd)
+
+    def constrain(c: Any) -> Any:
+        if jnp.ndim(c) == 3 and c.shape[1] % tp == 0 and jnp.issubdtype(c.dtype, jnp.inexact):
+            return enter(c)
+        return c
+
+    return constrain
+
+
+def _entering_split(layer_loop: LayerLoopFn | None, tp: int) -> LayerLoopFn | None:
+    """`layer_loop` with its initial carry through `_sequence_split` (under tensor parallelism)."""
+    if layer_loop is None or tp <= 1:
+        return layer_loop
+    enter = _sequence_split(tp)
+
+    def loop(body: Any, consts: list[Any], carry: list[Any], xs: list[Any], *args: Any, **kw: Any) -> Any:
+        return layer_loop(body, consts, [enter(c) for c in carry], xs, *args, **kw)
+
+    return loop
+
+
 def _slice_grad(spec: GradSpec, plan: Plan) -> SliceGrad:
     """How one layer's cotangent of a stored weight slice enters the accumulator (see `_microbatch_grad`):
     `_finish_one` on a slice (the layer dim dropped)."""
@@ -350,7 +394,7 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
     there too, each as soon as its layer's backward has produced it.
     """
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
-    layer_loop = _layer_loop(traced, plan.stages[0], specs, plan)
+    layer_loop = _entering_split(_layer_loop(traced, plan.stages[0], specs, plan), plan.tp)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 
     def read_param(i: int, v: jax.Array) -> jax.Array:
