@@ -27,6 +27,34 @@ def test_ring_collectives_by_hand():
     assert cost.all_reduce_time(n, p, LINK, model="mist") == pytest.approx(2.1 * base)
 
 
+def test_collectives_issued_per_leaf_pay_the_latency_each():
+    n, p, lat = 8e6, 8, LINK[1]
+    assert cost.all_gather_time(n, p, LINK, ops=9) - cost.all_gather_time(n, p, LINK) == pytest.approx(8 * 7 * lat)
+    assert cost.all_reduce_time(n, p, LINK, ops=3) - cost.all_reduce_time(n, p, LINK) == pytest.approx(2 * 2 * 7 * lat)
+    extra = cost.hierarchical_reduce_scatter_time(n, 4, 2, LINK, LINK, ops=5) - cost.hierarchical_reduce_scatter_time(
+        n, 4, 2, LINK, LINK)
+    assert extra == pytest.approx(4 * (3 + 1) * lat)
+
+
+def test_uncombined_collectives_price_zero3_not_dp():
+    """On XLA:CPU (no all-gather / reduce-scatter combiner) ZeRO-3's per-leaf gathers each pay the latency;
+    data parallelism's all-reduces are combined on every platform, so its time does not change."""
+    import dataclasses
+
+    import models
+    from mistjax.cost import predict
+    from mistjax.plan import uniform_plan
+
+    wl = models.workload(models.get_config("llama-tiny"), 16, 16)
+    cpu = ClusterSpec.preset("cpu")
+    combined = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, combines_collectives=True))
+    assert not cpu.device.combines_collectives
+    dp = uniform_plan(wl.num_layers, 8, micro_batch=2, shard_opt=False)
+    z3 = uniform_plan(wl.num_layers, 8, micro_batch=2, shard_opt=True, shard_grads=True, shard_weights=True)
+    assert predict(wl, dp, cpu).step_time == pytest.approx(predict(wl, dp, combined).step_time, rel=1e-12)
+    assert predict(wl, z3, cpu).step_time > predict(wl, z3, combined).step_time
+
+
 def test_collectives_trivial_cases_and_errors():
     assert cost.all_reduce_time(1e9, 1, LINK) == 0.0
     assert cost.all_gather_time(0.0, 8, LINK) == 0.0

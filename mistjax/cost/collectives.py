@@ -40,9 +40,10 @@ def _link(link: LinkLike) -> tuple[np.ndarray, np.ndarray]:
 
 
 def collective_time(
-    op: str, nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+    op: str, nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring",
+    ops: ArrayLike = 1,
 ) -> np.ndarray:
-    """Time of one flat collective.
+    """Time of one flat collective (or of ``ops`` collectives moving ``nbytes`` between them).
 
     Args:
         op: one of ``COLLECTIVES`` (HLO spelling, e.g. ``"all-gather"``).
@@ -50,6 +51,8 @@ def collective_time(
         group_size: participants P.
         link: the link of this group (bandwidth in bytes/s, latency in s).
         model: ``"ring"`` alpha-beta or Mist's ``"mist"`` fitted form (module docstring).
+        ops: how many collectives the bytes are issued as (one per parameter leaf where XLA does not
+            combine them): each pays the latency.
 
     Returns:
         Seconds, broadcast over the inputs.
@@ -60,40 +63,40 @@ def collective_time(
     bw, lat = _link(link)
     frac = np.where(p > 1, (p - 1) / np.maximum(p, 1), 0.0)
     if model == "ring":
-        t = _PASSES[op] * ((p - 1) * lat + frac * n / bw)
+        t = _PASSES[op] * ((p - 1) * lat * _f(ops) + frac * n / bw)
     elif model == "mist":
-        t = MIST_PHI[op] * (n / bw * frac + lat)
+        t = MIST_PHI[op] * (n / bw * frac + lat * _f(ops))
     else:
         raise ValueError(f"unknown cost model {model!r}; expected 'ring' or 'mist'")
     return np.where((p > 1) & (n > 0), t, 0.0)[()]
 
 
 def all_gather_time(
-    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """Ring all-gather producing ``nbytes`` on each of ``group_size`` devices (seconds)."""
-    return collective_time("all-gather", nbytes, group_size, link, model=model)
+    return collective_time("all-gather", nbytes, group_size, link, model=model, ops=ops)
 
 
 def reduce_scatter_time(
-    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """Ring reduce-scatter of an ``nbytes`` input (seconds)."""
-    return collective_time("reduce-scatter", nbytes, group_size, link, model=model)
+    return collective_time("reduce-scatter", nbytes, group_size, link, model=model, ops=ops)
 
 
 def all_reduce_time(
-    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """Ring all-reduce of ``nbytes`` = reduce-scatter + all-gather (seconds)."""
-    return collective_time("all-reduce", nbytes, group_size, link, model=model)
+    return collective_time("all-reduce", nbytes, group_size, link, model=model, ops=ops)
 
 
 def all_to_all_time(
-    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring"
+    nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """All-to-all of an ``nbytes`` buffer per device (nccl-tests bus factor (P-1)/P)."""
-    return collective_time("all-to-all", nbytes, group_size, link, model=model)
+    return collective_time("all-to-all", nbytes, group_size, link, model=model, ops=ops)
 
 
 def hierarchical_all_gather_time(
@@ -104,6 +107,7 @@ def hierarchical_all_gather_time(
     inter: LinkLike,
     *,
     model: CostForm = "ring",
+    ops: ArrayLike = 1,
 ) -> np.ndarray:
     """MiCS hierarchical all-gather over p = per_node * nodes devices: inter-node first, then intra.
 
@@ -113,8 +117,8 @@ def hierarchical_all_gather_time(
     ``(m-1) a_e + (m-1)/m n/B_e + (k-1) a_i + (k-1)/k n/B_i`` (MiCS digest section 9 with the
     per-device inter-node beta = k/B_e). With ``nodes == 1`` this is the flat intra-node all-gather.
     """
-    return all_gather_time(nbytes, nodes, inter, model=model) + all_gather_time(
-        nbytes, per_node, intra, model=model
+    return all_gather_time(nbytes, nodes, inter, model=model, ops=ops) + all_gather_time(
+        nbytes, per_node, intra, model=model, ops=ops
     )
 
 
@@ -126,14 +130,15 @@ def hierarchical_reduce_scatter_time(
     inter: LinkLike,
     *,
     model: CostForm = "ring",
+    ops: ArrayLike = 1,
 ) -> np.ndarray:
     """Mirror of ``hierarchical_all_gather_time``: intra-node reduce-scatter first, then inter-node.
 
     After the intra phase each device holds a 1/k partial; the k concurrent inter-node
     reduce-scatters over m nodes then move (m-1)/m of the buffer out of each node in total.
     """
-    return reduce_scatter_time(nbytes, per_node, intra, model=model) + reduce_scatter_time(
-        nbytes, nodes, inter, model=model
+    return reduce_scatter_time(nbytes, per_node, intra, model=model, ops=ops) + reduce_scatter_time(
+        nbytes, nodes, inter, model=model, ops=ops
     )
 
 

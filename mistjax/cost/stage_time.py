@@ -14,7 +14,7 @@ reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,12 +73,30 @@ def _links(cluster: Any, k: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.n
     return bw, lat
 
 
-def _ag(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any) -> np.ndarray:
-    return hierarchical_all_gather_time(nbytes, k, m, intra, inter)
+def _ag(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any, ops: float = 1.0) -> np.ndarray:
+    return hierarchical_all_gather_time(nbytes, k, m, intra, inter, ops=ops)
 
 
-def _rs(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any) -> np.ndarray:
-    return hierarchical_reduce_scatter_time(nbytes, k, m, intra, inter)
+def _rs(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any, ops: float = 1.0) -> np.ndarray:
+    return hierarchical_reduce_scatter_time(nbytes, k, m, intra, inter, ops=ops)
+
+
+class LeafOps(NamedTuple):
+    """How many all-gathers / reduce-scatters the runtime's per-leaf collectives are issued as."""
+
+    stacked: float  # per layer: one per stacked (layer) leaf
+    other: float  # the non-stacked leaves (embedding, head, final norm)
+    total: float  # once per step over every leaf (the stacked ones as [L, ...] arrays)
+
+
+def leaf_ops(workload: Workload, cluster: Any) -> LeafOps:
+    """One collective per parameter leaf where XLA does not combine them (XLA:CPU), else one per program
+    point (XLA:GPU's combiner passes): each pays the link latency (`collective_time`'s ``ops``)."""
+    if cluster.device.combines_collectives:
+        return LeafOps(1.0, 1.0, 1.0)
+    stacked = sum(1 for x in workload.leaves if x.stacked)
+    other = len(workload.leaves) - stacked
+    return LeafOps(float(max(stacked, 1)), float(max(other, 1)), float(max(len(workload.leaves), 1)))
 
 
 def _compute(cluster: Any, fp32: bool, flops: np.ndarray, matmul: np.ndarray) -> np.ndarray:
@@ -112,12 +130,13 @@ def synced_row_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[st
     return synced_in_loop(workload, k, lt) * v.block.weight_bytes * workload.grad_scale
 
 
-def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray) -> np.ndarray:
+def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray, rs_ops: Any = 1.0) -> np.ndarray:
     """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
-    ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch)."""
+    ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
+    ``rs_ops`` collectives (all-reduces are combined on every platform)."""
     gk, gm, intra, inter = _group_link(cluster, k.p, k.t, k.per_node)
     ar = collective_time("all-reduce", nbytes, k.dp, _dp_link(cluster, k))
-    return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter), 0.0))
+    return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter, rs_ops), 0.0))
 
 
 def _tp_time(part: PartValues, phase: str, k: Knobs, link: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
@@ -196,19 +215,20 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
 
     # ZeRO / MiCS group: p devices, stride t.
     zero, p, G = k.zero, k.p, k.G
+    ops = leaf_ops(workload, cluster)
     gk, gm, intra, inter = _group_link(cluster, p, k.t, k.per_node)
-    fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], gk, gm, intra, inter), 0.0)
+    fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], gk, gm, intra, inter, ops.stacked), 0.0)
     h2d_link, d2h_link = cluster.device.host_to_device, cluster.device.device_to_host
     fetch_h2d = np.where(lt["w_layer_host"] > 0, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
     # ZeRO-3's reduce-scatter is the fetch's transpose (parameter dtype); ZeRO-2 scatters in the gradient dtype.
     full_layer = blk.weight_bytes * np.where(zero >= 3, 1.0, workload.grad_scale)
     rs_each = (zero >= 2) & (p > 1)
-    grad_rs = np.where(rs_each, _rs(full_layer, gk, gm, intra, inter), 0.0)
+    grad_rs = np.where(rs_each, _rs(full_layer, gk, gm, intra, inter, ops.stacked), 0.0)
     # The G == 1 in-loop sync (`synced_in_loop`): each backward iteration issues the collective of the row
     # the previous one computed (`runtime.accumulate.sync_deferred`), which XLA:GPU overlaps with this
     # layer's backward: one more D2D channel of every layer's backward (the first iteration's collective
     # syncs the zero seed); the row still pending after each loop is charged serially (`step_extras`).
-    row_sync = _grad_sync_time(cluster, k, synced_row_bytes(workload, k, v, lt))
+    row_sync = _grad_sync_time(cluster, k, synced_row_bytes(workload, k, v, lt), ops.stacked)
     grad_rs = grad_rs + row_sync
     acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
     acc_bytes = np.where(zero >= 2, lt["g_layer_shard"], full_layer) * acc_frac
@@ -233,9 +253,9 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
         pb = c[f"{name}_bwd"] + _tp_time(part, "bwd", k, tlink)
         fwd, bwd = fwd + np.where(on, pf, 0.0), bwd + np.where(on, pb, 0.0)
     z3 = (zero >= 3) & (p > 1)
-    other_ag = np.where(z3, _ag(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
+    other_ag = np.where(z3, _ag(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
     fwd = fwd + np.where(G > 1, 0.0, other_ag)  # with G > 1 XLA hoists it out of the loop: once per step
-    bwd = bwd + np.where(z3, _rs(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
+    bwd = bwd + np.where(z3, _rs(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
     # Pipeline sends: the activation forward, its cotangent backward (ppermute each tick).
     send = np.where(k.pipelined, p2p_time(blk.output_bytes, cluster.p2p_link(False)), 0.0)
     return {"fwd": fwd + send, "bwd": bwd + send}
@@ -257,10 +277,12 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     # the first row of each layer loop (one per layer kind), synchronised after its loop (``sync_bwd``;
     # docs/cost_model.md, "Gradient sync in the backward").
     row = synced_row_bytes(workload, k, v, lt)
-    sync_bwd = loops * _grad_sync_time(cluster, k, row)
-    sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0))
+    ops = leaf_ops(workload, cluster)
+    sync_bwd = loops * _grad_sync_time(cluster, k, row, ops.stacked)
+    sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0),
+                           np.where(row > 0, ops.other, ops.total))
     sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
-    regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter), 0.0)
+    regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter, ops.total), 0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
     upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
     dev = cluster.device
@@ -268,7 +290,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     host_state = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
     swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)
-    hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], gk, gm, intra, inter), 0.0)
+    hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
     delta = sync + sync_bwd + regather + update + swap + hoisted
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
     g_item = workload.param_itemsize * workload.grad_scale  # bytes per gradient element

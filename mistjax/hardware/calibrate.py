@@ -1,7 +1,7 @@
 """`mistjax calibrate`: measure the present devices and write a cluster profile the tuner can load.
 
 Measures, on the devices JAX sees: matmul throughput, memory bandwidth, collective bandwidth and
-latency per group size (alpha-beta fit of an all-gather over two sizes), host<->device copy
+latency per group size (alpha-beta fit of all-gathers inside one program: a tiny buffer, two sizes), host<->device copy
 bandwidth, and the slowdown of each channel when compute, collectives and host copies run in one
 program at the same time (Mist's interference factors, one value per channel subset). The result is
 a `ClusterSpec` JSON (the same format as the presets), so ``autoshard(..., hardware="profile.json")``
@@ -14,7 +14,6 @@ import itertools
 import time
 from collections.abc import Callable
 from datetime import date
-from functools import partial
 from typing import Any
 
 import jax
@@ -120,20 +119,35 @@ def gemm_shape_constants(peak: float, dtype: Any, repeats: int = 3, devices: lis
     return tile, k_half
 
 
+def _all_gather_seconds(mesh: jax.sharding.Mesh, nbytes: int, trips: int, repeats: int) -> float:
+    """Seconds per all-gather of an ``nbytes`` result, from ``trips`` dependent all-gathers in one program.
+
+    Inside one program, as a train step issues them: no dispatch in the figure (the model charges
+    `DeviceSpec.dispatch_seconds` per program separately).
+    """
+    g = mesh.devices.size
+    local = max(nbytes // 4 // g, 1)
+
+    def body(_: Any, y: jax.Array) -> jax.Array:  # the next gather reads this one's result
+        return jax.lax.all_gather(y, "x", tiled=True)[:local] * 1.0
+
+    x = jax.device_put(jnp.ones((local * g,), jnp.float32), NamedSharding(mesh, P("x")))
+    f = jax.jit(jax.shard_map(lambda y: jax.lax.fori_loop(0, trips, body, y), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x"), check_vma=False))
+    return _best_time(lambda: f(x), repeats) / trips
+
+
 def collective_link(devices: list[Any], sizes: tuple[int, int], repeats: int = 3) -> LinkModel:
-    """Alpha-beta fit of a ring all-gather over `devices` (two buffer sizes, bytes of the result)."""
+    """Alpha-beta fit of a ring all-gather over `devices`: the latency from a tiny buffer, the bandwidth from
+    two buffer sizes (bytes of the result), every time per collective inside one program."""
     g = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("x",))
-    times = []
-    for nbytes in sizes:
-        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), NamedSharding(mesh, P("x")))
-        f = jax.jit(jax.shard_map(partial(jax.lax.all_gather, axis_name="x", tiled=True), mesh=mesh,
-                                  in_specs=P("x"), out_specs=P(), check_vma=False))
-        times.append(_best_time(lambda f=f, x=x: f(x), repeats))
-    # t = (g-1) * alpha + (g-1)/g * bytes / bw, solved from the two sizes.
-    (s0, s1), (t0, t1) = sizes, times
+    tiny = _all_gather_seconds(mesh, 4 * g, 32, repeats)
+    (s0, s1) = sizes
+    t0, t1 = (_all_gather_seconds(mesh, n, 4, repeats) for n in sizes)
+    # t = (g-1) * alpha + (g-1)/g * bytes / bw: alpha where the bytes are nothing, bw from the two sizes.
     per_byte = max((t1 - t0) / ((g - 1) / g * (s1 - s0)), 1e-15)
-    alpha = max((t0 - (g - 1) / g * s0 * per_byte) / (g - 1), 0.0)
+    alpha = max(tiny / (g - 1), 0.0)
     return LinkModel(bandwidth=1.0 / per_byte, latency=alpha)
 
 
@@ -209,6 +223,8 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
                         matmul_efficiency=1.0, memory_efficiency=1.0,
                         # the zoo's fused attention is cuDNN on GPUs only, the blockwise kernel elsewhere
                         fused_attention_kernels=platform == "gpu", matmul_tile=tile, matmul_k_half=k_half,
+                        # XLA:CPU has no all-gather / reduce-scatter combiner: one collective per leaf
+                        combines_collectives=platform != "cpu",
                         source=f"measured by mistjax calibrate on {date.today().isoformat()}")
     p2p = intra[min(intra)]
     return ClusterSpec(name=name, device=device, nodes=1, devices_per_node=n_dev, intra_node=intra,

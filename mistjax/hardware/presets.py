@@ -75,6 +75,10 @@ class DeviceSpec:
     kernel_overhead: float = 3e-6  # seconds every kernel costs on top of its roofline (launch, ramp, tail)
     fused_attention_kernels: bool = True  # fused attention runs as one kernel skipping masked tiles (cuDNN,
     # FlashAttention); False: as the blockwise kernel's plain operations (XLA:CPU)
+    # XLA merges the all-gathers / reduce-scatters of one program point into one collective (its combiner
+    # passes, XLA:GPU and TPU); False: one per parameter leaf, each paying the link latency (XLA:CPU, which
+    # combines all-reduces only).
+    combines_collectives: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -89,9 +93,9 @@ class DeviceSpec:
         _check_num("device", "matmul_tile", self.matmul_tile)
         for f in ("matmul_k_half", "kernel_overhead"):
             _check_num("device", f, getattr(self, f), positive=False)
-        if not isinstance(self.fused_attention_kernels, bool):
-            raise ValueError("device.fused_attention_kernels: expected true or false, got "
-                             f"{self.fused_attention_kernels!r}")
+        for f in ("fused_attention_kernels", "combines_collectives"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"device.{f}: expected true or false, got {getattr(self, f)!r}")
         for f in ("host_to_device", "device_to_host"):
             if not isinstance(getattr(self, f), LinkModel):
                 raise ValueError(f"device.{f}: expected a LinkModel")
@@ -382,7 +386,8 @@ def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
     """A `DeviceSpec` from its document; fields named in ``split_across_devices`` are divided among the devices."""
     _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
             frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds", "matmul_k_half",
-                       "matmul_tile", "kernel_overhead", "fused_attention_kernels"}))
+                       "matmul_tile", "kernel_overhead", "fused_attention_kernels",
+                       "combines_collectives"}))
     split = doc.get("split_across_devices", [])
     if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
         raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "
