@@ -107,10 +107,10 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     accumulates = (G > 1) | k.pipelined
     # An in-loop sync (`cost.stage_time.synced_in_loop`, G == 1) writes the synchronised rows into a result
     # buffer instead of the layers' whole micro-batch gradient (ZeRO-0: the whole rows, in the gradient
-    # dtype; ZeRO-1: only the shard), plus the one row pending its collective (`runtime.accumulate.sync_deferred`).
+    # dtype; ZeRO-1: only the shard).
     synced = synced_in_loop(workload, k, lt)
     rest = mb_grads - nl * mb_layer * synced
-    out = nl * synced * np.where(zero == 1, lt["g_layer_shard"], full_layer) + synced * full_layer
+    out = nl * synced * np.where(zero == 1, lt["g_layer_shard"], full_layer)
     grads = np.where(accumulates, acc + mb_grads - in_loop, np.maximum(rest, rest * scale) + out)
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
     return StateBytes(params=params, optimizer=optimizer, grads=grads,
@@ -209,7 +209,7 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
               "activations": activations, "buffers": _buffers(workload, k, v, lt, kinds)}
     peak = sum(memory.values())
     lay = layer_times(workload, cluster, k, v, lt, kinds)
-    ext = step_extras(workload, cluster, k, v, lt, states, kinds)
+    ext = step_extras(workload, cluster, k, v, lt, states)
     flops, flops_xla = _flops(workload, k, v, lt, kinds, ext)
     ok_tp = workload.compiled.feasible(k.b, s, k.t)
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"], memory=memory,

@@ -125,11 +125,6 @@ def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> n
     return np.where(on, 1.0 - lt["acc_layer_host_frac"], 0.0)
 
 
-def synced_row_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> np.ndarray:
-    """Bytes of one layer's gradient row that the in-loop sync synchronises (`synced_in_loop`; 0 without)."""
-    return synced_in_loop(workload, k, lt) * v.block.weight_bytes * workload.grad_scale
-
-
 def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray, rs_ops: Any = 1.0) -> np.ndarray:
     """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
@@ -224,12 +219,6 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     full_layer = blk.weight_bytes * np.where(zero >= 3, 1.0, workload.grad_scale)
     rs_each = (zero >= 2) & (p > 1)
     grad_rs = np.where(rs_each, _rs(full_layer, gk, gm, intra, inter, ops.stacked), 0.0)
-    # The G == 1 in-loop sync (`synced_in_loop`): each backward iteration issues the collective of the row
-    # the previous one computed (`runtime.accumulate.sync_deferred`), which XLA:GPU overlaps with this
-    # layer's backward: one more D2D channel of every layer's backward (the first iteration's collective
-    # syncs the zero seed); the row still pending after each loop is charged serially (`step_extras`).
-    row_sync = _grad_sync_time(cluster, k, synced_row_bytes(workload, k, v, lt), ops.stacked)
-    grad_rs = grad_rs + row_sync
     acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
     acc_bytes = np.where(zero >= 2, lt["g_layer_shard"], full_layer) * acc_frac
     acc_in, acc_out = host_copy_time(acc_bytes, h2d_link), host_copy_time(acc_bytes, d2h_link)
@@ -262,9 +251,8 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
 
 
 def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
-                states: StateBytes, kinds: LayerKinds) -> dict[str, np.ndarray]:
+                states: StateBytes) -> dict[str, np.ndarray]:
     """Once-per-step work (delta), FLOPs outside the layers, and collective bytes per step."""
-    loops = sum((np.asarray(n) > 0).astype(np.float64) for n in (kinds.n_off, kinds.n_plain, kinds.n_remat))
     zero, G, t, p, dp, nl = k.zero, k.G, k.t, k.p, k.dp, k.layers
     grad_full, grad_shard = states.grad_full, states.grad_shard
     gk, gm, intra, inter = _group_link(cluster, p, t, k.per_node)
@@ -272,13 +260,13 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     _, rm, rintra, rinter = _group_link(cluster, R, p * t, k.per_node)
     rlink = (np.where(rm > 1, rinter[0], rintra[0]), np.where(rm > 1, rinter[1], rintra[1]))
     z_eff = zero
-    # The stacked layers' sync runs per layer inside the backward (`synced_in_loop`, G == 1), each layer's
-    # collective under the next layer's backward (a D2D channel of `layer_times`); what stays exposed is
-    # the first row of each layer loop (one per layer kind), synchronised after its loop (``sync_bwd``;
-    # docs/cost_model.md, "Gradient sync in the backward").
-    row = synced_row_bytes(workload, k, v, lt)
+    # The stacked layers' sync runs per layer inside the backward (`synced_in_loop`, G == 1), one collective
+    # per layer (``sync_bwd``). Charged serially: XLA:GPU schedules each layer's collective at the
+    # end of its loop iteration, its -start and -done with no backward compute of another layer between them
+    # (docs/cost_model.md, "Gradient sync in the backward"); only a deferral by one layer would overlap it.
+    row = synced_in_loop(workload, k, lt) * v.block.weight_bytes * workload.grad_scale
     ops = leaf_ops(workload, cluster)
-    sync_bwd = loops * _grad_sync_time(cluster, k, row, ops.stacked)
+    sync_bwd = nl * _grad_sync_time(cluster, k, row, ops.stacked)
     sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0),
                            np.where(row > 0, ops.other, ops.total))
     sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
@@ -308,13 +296,10 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
-    # The in-loop sync's first backward iteration of each loop synchronises the zero seed: one more row.
-    seed = loops * row
-    ar, rs = ar + np.where(zero == 0, seed, 0.0), rs + np.where(zero == 1, seed / np.maximum(p, 1), 0.0)
     return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
             "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "sync_bwd": sync_bwd,
             "regather": regather,
             "update": update, "swap": swap}
 
 
-__all__ = ["compute_time", "layer_times", "step_extras", "synced_in_loop", "synced_row_bytes"]
+__all__ = ["compute_time", "layer_times", "step_extras", "synced_in_loop"]

@@ -27,27 +27,39 @@ from jax import lax
 SliceGrad = Callable[[jax.Array], jax.Array]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def accumulate_into(accs: list[jax.Array], xs: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...],
-                    on_host: tuple[bool, ...]) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Identity on ``(accs, xs)``; the backward adds ``prepare[j](ct(xs[j]))`` into row `layer` of the
-    cotangent of ``accs[j]`` and gives `xs` a zero cotangent (their gradient lives in the accumulators).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def accumulate_into(accs: list[jax.Array | None], outs: list[jax.Array | None], xs: list[jax.Array],
+                    layer: jax.Array, prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...],
+                    on_host: tuple[bool, ...]) -> tuple[list[Any], list[Any], list[jax.Array]]:
+    """Identity on ``(accs, outs, xs)``; the backward turns the cotangent of ``xs[j]`` into row `layer`
+    of the cotangent of ``accs[j]`` (or of ``outs[j]``) and gives `xs` a zero cotangent (their gradient
+    lives in the accumulators).
+
+    Per weight ``j``, with ``row = ct(accs[j])[layer] + prepare[j](ct(xs[j]))`` (no first term when
+    ``accs[j]`` is None) and ``fin = finish[j]`` (identity when None):
+
+    * ``outs[j]`` None: ``fin(row)`` goes into row `layer` of ``ct(accs[j])`` (at its low corner when
+      `fin` returns less, e.g. a reduce-scatter's shard): accumulate, or accumulate and synchronise;
+    * else (no accumulator: the runtime's G == 1 sync, `runtime.grads.synced_leaves`):
+      ``ct(outs[j])[layer] = fin(row)``.
 
     Args:
-      accs: the stacked accumulators (leading dim = layers), one per accumulated weight.
+      accs: the stacked accumulators (leading dim = layers), one per accumulated weight, or None.
+      outs: the stacked result buffers of the synchronised rows when there is no accumulator, or None.
       xs: this layer's stored slices of those weights.
       layer: the layer's row in the accumulators (an int32 scalar).
       prepare: per weight, turns the slice cotangent into the accumulator row's increment.
+      finish: per weight, applied to the summed row before it is stored (a collective), or None.
       on_host: per weight, whether its stored slice is in host memory (its zero cotangent must be).
     """
-    del layer, prepare, on_host
-    return accs, xs
+    del layer, prepare, finish, on_host
+    return accs, outs, xs
 
 
-def _fwd(accs: list[jax.Array], xs: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...],
-         on_host: tuple[bool, ...]) -> tuple[Any, jax.Array]:
-    del prepare, on_host
-    return (accs, xs), layer
+def _fwd(accs: list[Any], outs: list[Any], xs: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...],
+         finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...]) -> tuple[Any, jax.Array]:
+    del prepare, finish, on_host
+    return (accs, outs, xs), layer
 
 
 def _zero_like(g: jax.Array, host: bool) -> jax.Array:
@@ -55,116 +67,40 @@ def _zero_like(g: jax.Array, host: bool) -> jax.Array:
     return jax.device_put(z, jax.memory.Space.Host) if host else z
 
 
-def _row(acc: jax.Array | None, g: jax.Array, layer: jax.Array, prep: SliceGrad, dtype: Any) -> jax.Array:
-    """One layer's new accumulator row (or unsynchronised result row, no `acc`), in the buffer's dtype."""
+def _row(acc: jax.Array | None, out: jax.Array | None, g: jax.Array, layer: jax.Array, prep: SliceGrad,
+         fin: SliceGrad | None) -> jax.Array:
+    """One layer's new accumulator (or result) row, in the buffer's dtype (the plan's gradient dtype)."""
+    dtype = (acc if acc is not None else out).dtype
     row = prep(g).astype(dtype)
-    return row if acc is None else lax.dynamic_index_in_dim(acc, layer, keepdims=False) + row
+    if acc is not None:
+        row = lax.dynamic_index_in_dim(acc, layer, keepdims=False) + row
+    return row if fin is None else fin(row).astype(dtype)
 
 
-def _bwd(prepare: tuple[SliceGrad, ...], on_host: tuple[bool, ...], layer: jax.Array,
-         ct: tuple[list[jax.Array], list[jax.Array]]) -> tuple[list[jax.Array], list[jax.Array], None]:
-    ct_accs, ct_xs = ct
-    accs = _add_rows(list(ct_accs), ct_xs, layer, prepare)
+def _bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
+         layer: jax.Array, ct: tuple[list[Any], list[Any], list[jax.Array]]
+         ) -> tuple[list[Any], list[Any], list[jax.Array], None]:
+    ct_accs, ct_outs, ct_xs = ct
+    accs, outs = list(ct_accs), list(ct_outs)
+    for j, (g, prep, fin) in enumerate(zip(ct_xs, prepare, finish)):
+        row = _row(accs[j], outs[j], g, layer, prep, fin)
+        start = (layer,) + (0,) * row.ndim  # the row, or its low corner for a smaller (scattered) result
+        if outs[j] is None:
+            accs[j] = lax.dynamic_update_slice(accs[j], row[None], start)
+        else:
+            outs[j] = lax.dynamic_update_slice(outs[j], row[None], start)
     # Zero, and dead code: the weights themselves are not differentiated (`runtime.grads`).
-    return accs, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
+    return accs, outs, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
 
 
 def _add_rows(ct_accs: list[jax.Array], ct_rows: list[jax.Array], layer: jax.Array,
               prepare: tuple[SliceGrad, ...]) -> list[jax.Array]:
     """Row `layer` of each accumulator cotangent plus its layer's prepared weight cotangent (in place)."""
-    return [lax.dynamic_update_index_in_dim(acc, _row(acc, g, layer, prep, acc.dtype), layer, 0)
+    return [lax.dynamic_update_index_in_dim(acc, _row(acc, None, g, layer, prep, None), layer, 0)
             for acc, g, prep in zip(ct_accs, ct_rows, prepare)]
 
 
 accumulate_into.defvjp(_fwd, _bwd)
-
-
-def _store_synced(outs: list[jax.Array], rows: list[jax.Array], layer: jax.Array,
-                  finish: tuple[SliceGrad | None, ...]) -> list[jax.Array]:
-    """`outs` with ``finish[j](rows[j])`` (a collective; identity when None) in row `layer` of ``outs[j]``
-    (at its low corner when the collective returns less, e.g. a reduce-scatter's shard)."""
-    res = []
-    for out, row, fin in zip(outs, rows, finish):
-        synced = (row if fin is None else fin(row)).astype(out.dtype)
-        res.append(lax.dynamic_update_slice(out, synced[None], (layer,) + (0,) * synced.ndim))
-    return res
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def sync_deferred(outs: list[jax.Array], pend: list[jax.Array], xs: list[jax.Array], layer: jax.Array,
-                  prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
-                  last: int) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-    """Identity on ``(outs, pend, xs)``; the backward synchronises the previous backward layer's row
-    while this layer's backward computes (the runtime's G == 1 sync, `runtime.grads.synced_leaves`).
-
-    The cotangent of `pend` is a carry of the backward loop: the unsynchronised row of layer
-    ``layer + 1``, computed in the previous backward iteration. The backward runs ``finish[j]`` on it,
-    stores the result in row ``layer + 1`` of the cotangent of ``outs[j]``, and passes this layer's own
-    row, ``prepare[j](ct(xs[j]))``, on as the new cotangent of ``pend[j]``. So one layer's collective and
-    the next layer's backward compute are independent inside one while body, and XLA's latency-hiding
-    scheduler overlaps them (Megatron-LM's ``--overlap-grad-reduce``); a collective issued in the
-    iteration that computes its row has to wait for that row. The first backward iteration (layer
-    `last`, the loop's last row) has nothing pending: it synchronises the zero seed into its own row
-    (zero, overwritten one iteration later), one collective of zeros hidden under that layer's backward,
-    which keeps every iteration one loop body (peeling the layer would scan a copy of the weights).
-    `flush_synced` stores the loop's first row after the loop. One extra row is held (the pending one).
-
-    Args:
-      outs: per weight, the stacked buffer of synchronised rows (leading dim = layers), zeros.
-      pend: per weight, a zero row of the unsynchronised shape (its cotangent carries the pending row).
-      xs: this layer's stored slices of those weights.
-      layer: the layer's row in `outs` (an int32 scalar).
-      prepare: per weight, turns the slice cotangent into the unsynchronised row (gradient dtype).
-      finish: per weight, the collective that synchronises a row, or None.
-      on_host: per weight, whether its stored slice is in host memory (its zero cotangent must be).
-      last: the loop's last row (the first backward layer: rows after it belong to other loops).
-    """
-    del layer, prepare, finish, on_host, last
-    return outs, pend, xs
-
-
-def _defer_fwd(outs: list[jax.Array], pend: list[jax.Array], xs: list[jax.Array], layer: jax.Array,
-               prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
-               last: int) -> tuple[Any, jax.Array]:
-    del prepare, finish, on_host, last
-    return (outs, pend, xs), layer
-
-
-def _defer_bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
-               last: int, layer: jax.Array, ct: tuple[list[jax.Array], list[jax.Array], list[jax.Array]]
-               ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], None]:
-    ct_outs, ct_pend, ct_xs = ct
-    outs = _store_synced(list(ct_outs), list(ct_pend), jax.numpy.minimum(layer + 1, last), finish)
-    rows = [_row(None, g, layer, prep, p.dtype) for g, prep, p in zip(ct_xs, prepare, ct_pend)]
-    return outs, rows, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
-
-
-sync_deferred.defvjp(_defer_fwd, _defer_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def flush_synced(outs: list[jax.Array], pend: list[jax.Array], layer: jax.Array,
-                 finish: tuple[SliceGrad | None, ...]) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Identity on ``(outs, pend)``; the backward synchronises the row still pending after the backward
-    loop (layer `layer`'s, the loop's first: see `sync_deferred`) into row `layer` of ``ct(outs)``."""
-    del layer, finish
-    return outs, pend
-
-
-def _flush_fwd(outs: list[jax.Array], pend: list[jax.Array], layer: jax.Array, finish: tuple[SliceGrad | None, ...]
-               ) -> tuple[Any, jax.Array]:
-    del finish
-    return (outs, pend), layer
-
-
-def _flush_bwd(finish: tuple[SliceGrad | None, ...], layer: jax.Array, ct: tuple[list[jax.Array], list[jax.Array]]
-               ) -> tuple[list[jax.Array], None, None]:
-    ct_outs, ct_pend = ct
-    # None: `pend` is a constant zero row, not differentiated.
-    return _store_synced(list(ct_outs), list(ct_pend), layer, finish), None, None
-
-
-flush_synced.defvjp(_flush_fwd, _flush_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -196,29 +132,15 @@ def _pick_bwd(prepare: tuple[SliceGrad, ...], layer: jax.Array, ct: tuple[list[j
 pick_rows.defvjp(_pick_fwd, _pick_bwd)
 
 
-LayerStep = Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]]
-
-
-def _on_host(xs: list[Any], idx: Sequence[int]) -> tuple[bool, ...]:
-    return tuple(getattr(jax.typeof(xs[j]), "memory_space", None) == jax.memory.Space.Host for j in idx)
-
-
-def _put(xs: Sequence[Any], idx: Sequence[int], values: Sequence[Any]) -> list[Any]:
-    out = list(xs)
-    for j, v in zip(idx, values):
-        out[j] = v
-    return out
-
-
-def scan_accumulating(layer_fn: LayerStep, carry: list[Any], xs: list[Any], accs: Sequence[jax.Array | None],
+def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]],
+                      carry: list[Any], xs: list[Any], accs: Sequence[jax.Array | None],
                       prepare: Sequence[SliceGrad | None], start: int, unroll: int,
                       outs: Sequence[jax.Array | None] | None = None,
                       finish: Sequence[SliceGrad | None] | None = None
                       ) -> tuple[list[Any], list[jax.Array | None], list[jax.Array | None], list[Any]]:
-    """``lax.scan(layer_fn, carry, xs)`` over layers ``start, start + 1, ...`` with `accs` (per scanned
-    operand, its whole-stack accumulator or None) carried along and fed by `accumulate_into`, or with
-    `outs` instead (per operand, the whole-stack buffer of synchronised rows or None; the G == 1 sync),
-    fed by `sync_deferred` (`finish`: per operand, the collective applied to each row).
+    """``lax.scan(layer_fn, carry, xs)`` over layers ``start, start + 1, ...`` with `accs` and `outs`
+    (per scanned operand, its whole-stack accumulator / result buffer or None) carried along and fed
+    by `accumulate_into` (`finish`: per operand, the collective applied to each summed row).
 
     Returns:
       (carry, accs, outs, ys): the buffers are the inputs on the forward; their cotangents collect the
@@ -226,49 +148,30 @@ def scan_accumulating(layer_fn: LayerStep, carry: list[Any], xs: list[Any], accs
     """
     n = len(accs)
     outs = list(outs) if outs is not None else [None] * n
-    if any(o is not None for o in outs):
-        if any(a is not None for a in accs):
-            raise ValueError("a layer loop either accumulates or synchronises its rows, not both")
-        carry, synced, ys = _scan_synced(layer_fn, carry, xs, outs, prepare, finish or [None] * n, start, unroll)
-        return carry, list(accs), synced, ys
-    idx = [j for j in range(n) if accs[j] is not None]
-    preps, on_host = tuple(prepare[j] for j in idx), _on_host(xs, idx)
-
-    def step(c_a: tuple[list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
-        c, a = c_a
-        x, i = x_i
-        a, picked = accumulate_into(a, [x[j] for j in idx], i, preps, on_host)
-        c, y = layer_fn(c, _put(x, idx, picked))
-        return (c, a), y
-
-    rows = start + jax.numpy.arange(int(jax.numpy.shape(xs[0])[0]), dtype=jax.numpy.int32)
-    (carry, acc_out), ys = lax.scan(step, (carry, [accs[j] for j in idx]), (xs, rows), unroll=unroll)
-    return carry, _put(accs, idx, acc_out), outs, ys
-
-
-def _scan_synced(layer_fn: LayerStep, carry: list[Any], xs: list[Any], outs: list[jax.Array | None],
-                 prepare: Sequence[SliceGrad | None], finish: Sequence[SliceGrad | None], start: int, unroll: int
-                 ) -> tuple[list[Any], list[jax.Array | None], list[Any]]:
-    """`scan_accumulating` with result buffers: each layer's row is synchronised one backward iteration
-    later (`sync_deferred`), the loop's first row after the loop (`flush_synced`)."""
-    idx = [j for j, o in enumerate(outs) if o is not None]
-    preps, fins, on_host = tuple(prepare[j] for j in idx), tuple(finish[j] for j in idx), _on_host(xs, idx)
+    finish = list(finish) if finish is not None else [None] * n
+    idx = [j for j in range(n) if accs[j] is not None or outs[j] is not None]
+    preps, fins = tuple(prepare[j] for j in idx), tuple(finish[j] for j in idx)
+    on_host = tuple(getattr(jax.typeof(xs[j]), "memory_space", None) == jax.memory.Space.Host for j in idx)
     num = int(jax.numpy.shape(xs[0])[0])
-    # The pending rows' seeds: one layer's unsynchronised row (the prepared slice cotangent's shape).
-    pend = [jax.numpy.zeros(jax.eval_shape(p, jax.ShapeDtypeStruct(xs[j].shape[1:], xs[j].dtype)).shape,
-                            outs[j].dtype) for j, p in zip(idx, preps)]
-    bufs, pend = flush_synced([outs[j] for j in idx], pend, jax.numpy.int32(start), fins)
 
-    def step(c_o: tuple[list[Any], list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
-        c, o, p = c_o
+    def step(c_a: tuple[list[Any], list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
+        c, a, o = c_a
         x, i = x_i
-        o, p, picked = sync_deferred(o, p, [x[j] for j in idx], i, preps, fins, on_host, start + num - 1)
-        c, y = layer_fn(c, _put(x, idx, picked))
-        return (c, o, p), y
+        a, o, picked = accumulate_into(a, o, [x[j] for j in idx], i, preps, fins, on_host)
+        x = list(x)
+        for j, v in zip(idx, picked):
+            x[j] = v
+        c, y = layer_fn(c, x)
+        return (c, a, o), y
 
     rows = start + jax.numpy.arange(num, dtype=jax.numpy.int32)
-    (carry, bufs, _), ys = lax.scan(step, (carry, bufs, pend), (xs, rows), unroll=unroll)
-    return carry, _put(outs, idx, bufs), ys
+    init = (carry, [accs[j] for j in idx], [outs[j] for j in idx])
+    (carry, acc_out, out_out), ys = lax.scan(step, init, (xs, rows), unroll=unroll)
+    acc_res: list[jax.Array | None] = list(accs)
+    out_res: list[jax.Array | None] = list(outs)
+    for j, a, o in zip(idx, acc_out, out_out):
+        acc_res[j], out_res[j] = a, o
+    return carry, acc_res, out_res, ys
 
 
 # ``apply(consts, carry, x) -> (carry, y)``: one layer on its operands' rows.
@@ -327,5 +230,4 @@ def scan_rows(layer_fn: Callable[..., Any], carry: list[Any], xs: list[Any], acc
     return carry, out, ys
 
 
-__all__ = ["LayerStep", "RowLayer", "SliceGrad", "accumulate_into", "flush_synced", "pick_rows", "reading_rows",
-           "scan_accumulating", "scan_rows", "sync_deferred"]
+__all__ = ["RowLayer", "SliceGrad", "accumulate_into", "pick_rows", "reading_rows", "scan_accumulating", "scan_rows"]

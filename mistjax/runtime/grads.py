@@ -338,7 +338,7 @@ def synced_leaves(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Seque
                   ) -> frozenset[int]:
     """The leaves whose step gradient can be synchronised per layer inside the backward (Megatron-LM's
     ``--overlap-grad-reduce``; the runtime does it for G == 1 only, see `sharded_value_and_grad`), where
-    each layer's collective runs under the next layer's backward (`runtime.accumulate.sync_deferred`;
+    the collectives can overlap the rest of the backward (on XLA:GPU they do not yet cross layers:
     docs/cost_model.md): the `loop_eligible_leaves` with a `row_sync`. The others (embedding, head,
     unrolled stacks, host accumulators) keep the end-of-step sync."""
     return frozenset(i for i in loop_eligible_leaves(traced, acc_host) if row_sync(specs[i], mesh) is not None)
