@@ -57,16 +57,19 @@ def matmul_flops(n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None
 def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = None) -> float:
     """Streaming read+write bytes/s of one device while every device of ``devices`` streams its buffer.
 
-    The slope between ``nbytes`` and ``nbytes / 4`` per device, so a program's fixed launch cost (large for
-    several simulated CPU devices) does not count as bandwidth.
+    The least-squares slope of the best times at four sizes up to ``nbytes`` per device, so a program's fixed
+    launch cost (large for several simulated CPU devices) does not count as bandwidth, and one noisy size
+    (a shared host) moves the fit less than it moved a two-point slope.
     """
     mesh, spec = _spread(devices)
     f = jax.jit(jax.shard_map(lambda x: x * 2.0 + 1.0, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    sizes = np.array([nbytes // 4, nbytes // 2, 3 * nbytes // 4, nbytes], dtype=np.float64)
     times = []
-    for size in (nbytes // 4, nbytes):
+    for size in sizes.astype(int):
         x = jax.device_put(jnp.ones((mesh.size * size // 4,), jnp.float32), spec)
         times.append(_best_time(lambda x=x: f(x), repeats))
-    return 2 * (nbytes - nbytes // 4) / max(times[1] - times[0], 1e-9)
+    slope = float(np.polyfit(2 * sizes, np.array(times), 1)[0])  # seconds per byte read + written
+    return 1.0 / max(slope, 1e-18)
 
 
 # Small GEMMs (m, n, k) whose throughput fixes the kernel pricing's shape constants (`gemm_shape_constants`).
