@@ -335,9 +335,11 @@ def test_tp_collectives_match_compiled_hlo(name, part, tiny):
         )
         compiled = fn.lower(*ins).compile()
         hlo = _hlo_collectives(compiled.as_text())
+        # The gather of the cotangent entering the layer loop ("enter") runs at the part's boundary, in the
+        # runtime (`runtime.grads._sequence_split`): this program takes its input already whole.
         pred = [
             (c.kind, int(c.nbytes.exact(b, s, t) * c.count.exact(b, s, t)), c.summands)
-            for c in res.collectives
+            for c in res.collectives if c.where != "enter"
         ]
         assert sorted(n for k, n in hlo if k == "all-gather") == sorted(
             n for k, n, _ in pred if k == "all-gather"
