@@ -231,20 +231,25 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     found: list[tuple[float, Plan, tuple[dict[str, Any], ...]]] = []  # every improvement, best last
     evaluated = milps = done = 0
     frontier, timed_out = [], False
+    fastest_key = math.inf  # seconds the quickest key searched so far took
     for i in order:
         key = keys[i]
         cut = best[1].objective if best is not None else best_cost
         if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
             frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
-        if time.perf_counter() >= deadline and done > 0:  # the best-bound key is always tried
+        now = time.perf_counter()
+        # The best-bound key is always tried. A later one is not started with less time left than the
+        # quickest key so far took: a key's probes, base prices and MILP set-up run before its first
+        # deadline check, so it would overrun the limit.
+        if done > 0 and deadline - now < fastest_key:
             timed_out = True
             break
         # One key may use at most a share of the time left (its offloaded children are priced best-first
         # and its MILPs get the rest), so a key too large to price whole leaves time for the others.
-        now = time.perf_counter()
         key_deadline = min(deadline, now + _KEY_SHARE * (deadline - now))
         tables, choice = tune_key(workload, cluster, cost, key, space, cut, key_deadline, prune, memo)
+        fastest_key = min(fastest_key, time.perf_counter() - now)
         evaluated += tables.evaluated
         done += 1
         timed_out |= tables.truncated
