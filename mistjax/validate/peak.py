@@ -166,9 +166,9 @@ def _one_per_slice(bufs: list[LiveBuffer], slices: dict[str, tuple[int, int]]) -
 
 
 def peak_from_dump(dump_dir: str | Path) -> list[LiveBuffer]:
-    """`peak_buffers` of the XLA:GPU dump in ``dump_dir`` (empty if XLA wrote no live-range file)."""
+    """`peak_buffers` of an XLA:GPU or XLA:CPU dump in ``dump_dir`` (empty if XLA wrote no live-range file)."""
     live = find_dump(dump_dir, "after_optimizations-live-range.txt")
-    hlo = find_dump(dump_dir, "gpu_after_optimizations.txt")
+    hlo = find_dump(dump_dir, "pu_after_optimizations.txt")  # gpu_ or cpu_; not the -live-range / -buffer files
     assignment = find_dump(dump_dir, "after_optimizations-buffer-assignment.txt")
     if live is None or hlo is None:
         return []
