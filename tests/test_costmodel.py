@@ -3,6 +3,7 @@ check against XLA's compiled programs (memory, FLOPs, collective bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import numpy as np
@@ -17,6 +18,8 @@ from mistjax.validate.check import FULL_GRID, SMALL_GRID, compare_cell, grid_pla
 
 CPU = ClusterSpec.preset("cpu", 1, 8)
 A100 = ClusterSpec.preset("a100-40gb", 2, 8)
+# The A100 cluster priced as if its collectives ran synchronously (no deferred in-loop sync).
+A100_SYNC = dataclasses.replace(A100, device=dataclasses.replace(A100.device, async_collectives=False))
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +135,14 @@ def test_against_xla_full_grid():
            coll_max=0.01)
 
 
-def test_in_loop_sync_moves_from_the_step_end_into_the_backward(wl, monkeypatch):
-    """ZeRO-0/1 single stage, G == 1: the layers' sync is charged per layer (one collective each),
-    serially (XLA:GPU does not overlap it, docs/cost_model.md); the bytes stay; ZeRO-1 never holds the
+def test_in_loop_sync_is_serial_without_async_collectives(wl, monkeypatch):
+    """``async_collectives`` False (XLA:CPU; the runtime does not defer there): the layers' sync is
+    charged per layer (one collective each), serially, in delta; the bytes stay; ZeRO-1 never holds the
     layers' whole gradient. G > 1 keeps the end-of-step sync."""
     from mistjax.cost import model, stage_time
 
     def costs(**kw):
-        return {z: stage_cost(wl, A100, StageStrategies.make(zero=z, b=2, dp=8, layers=4, **kw)) for z in (0, 1)}
+        return {z: stage_cost(wl, A100_SYNC, StageStrategies.make(zero=z, b=2, dp=8, layers=4, **kw)) for z in (0, 1)}
 
     on = {G: costs(G=G) for G in (1, 2)}
     off_fn = lambda workload, k, lt: np.zeros(np.shape(k.zero))  # noqa: E731
@@ -152,6 +155,61 @@ def test_in_loop_sync_moves_from_the_step_end_into_the_backward(wl, monkeypatch)
         assert float(b.delta) < float(a.delta)  # the same bytes in L collectives: L latencies (a tiny model)
         assert {k: float(v) for k, v in a.comm.items()} == {k: float(v) for k, v in b.comm.items()}
         assert float(on[2][z].delta) == float(off[2][z].delta)
+    assert float(on[1][1].memory["grads"]) < float(off[1][1].memory["grads"])  # shards only
+
+
+def test_async_collectives_price_the_deferred_sync_below_the_serial_one(wl):
+    """The same cluster with and without ``async_collectives``: deferred, the step costs less than the
+    serial per-layer sync, its backward no less than the compute (the serial backward), and one pending
+    row more of gradient memory (ZeRO-0 and ZeRO-1: the whole unsynchronised row)."""
+    assert not CPU.device.async_collectives and A100.device.async_collectives
+    extra = []
+    for z in (0, 1):
+        st = StageStrategies.make(zero=z, b=2, dp=8, layers=4, G=1)
+        a, s = stage_cost(wl, A100, st), stage_cost(wl, A100_SYNC, st)
+        assert float(a.stable + a.delta) < float(s.stable + s.delta)
+        assert float(a.bwd) > float(s.bwd) and float(a.fwd) == float(s.fwd)
+        extra.append(float(a.memory["grads"]) - float(s.memory["grads"]))
+    assert extra[0] > 0 and extra[0] == pytest.approx(extra[1])
+
+
+def test_in_loop_sync_overlaps_the_next_layers_backward(wl, monkeypatch):
+    """ZeRO-0/1 single stage, G == 1: each layer's sync runs under the next layer's backward (the runtime
+    defers it by one iteration, `runtime.accumulate.sync_deferred`): the backward costs more than its
+    compute and less than compute plus the serial per-layer collectives; the loop's first row is synced
+    after it (serial, in delta), and the first iteration's zero-seed collective adds one row of bytes;
+    ZeRO-1 never holds the layers' whole gradient. G > 1 keeps the end-of-step sync."""
+    from mistjax.cost import model, stage_time
+    from mistjax.cost.knobs import Knobs
+
+    rows = {}
+    real_rows = stage_time.synced_row_bytes
+
+    def spy(workload, k, v, lt):
+        rows[int(k.zero)] = out = real_rows(workload, k, v, lt)
+        return out
+
+    def strategies(z, G):
+        return StageStrategies.make(zero=z, b=2, dp=8, layers=4, G=G)
+
+    monkeypatch.setattr(stage_time, "synced_row_bytes", spy)
+    on = {G: {z: stage_cost(wl, A100, strategies(z, G)) for z in (0, 1)} for G in (2, 1)}
+    monkeypatch.setattr(stage_time, "synced_row_bytes", real_rows)  # keep the G == 1 rows
+    off_fn = lambda workload, k, lt: np.zeros(np.shape(k.zero))  # noqa: E731
+    monkeypatch.setattr(stage_time, "synced_in_loop", off_fn)
+    monkeypatch.setattr(model, "synced_in_loop", off_fn)
+    off = {G: {z: stage_cost(wl, A100, strategies(z, G)) for z in (0, 1)} for G in (1, 2)}
+    for z in (0, 1):
+        a, b = on[1][z], off[1][z]
+        t_row = float(stage_time._grad_sync_time(A100, Knobs.of(strategies(z, 1)), rows[z]))
+        exposed = float(a.bwd) - float(b.bwd)
+        assert t_row > 0 and float(a.fwd) == float(b.fwd)
+        assert 0.0 < exposed < 4 * t_row  # never below the compute, below the serial per-layer sync
+        assert exposed >= 4 * t_row - float(b.bwd)  # at most the compute hides
+        seed = float(rows[z]) / (1 if z == 0 else 8)
+        kind = "all-reduce" if z == 0 else "reduce-scatter"
+        assert float(a.comm[kind]) == pytest.approx(float(b.comm[kind]) + seed)
+        assert float(on[2][z].delta) == float(off[2][z].delta) and float(on[2][z].bwd) == float(off[2][z].bwd)
     assert float(on[1][1].memory["grads"]) < float(off[1][1].memory["grads"])  # shards only
 
 

@@ -69,6 +69,7 @@ def test_gpu_hlo_reader_counts_async_and_combined_collectives():
     pairs = {p.op: p for p in async_collectives(GPU_HLO)}
     assert pairs["all-gather"].done and pairs["all-gather"].compute_between == 1  # the fusion overlaps it
     assert pairs["reduce-scatter"].done and pairs["reduce-scatter"].compute_between == 0
+    assert pairs["all-gather"].matmuls_between == 0  # a kLoop fusion is no GEMM
     assert instructions(GPU_HLO)["p0"].op_name == "state.params[\\'w\\'].value"
 
 
@@ -125,6 +126,29 @@ def test_zero3_shards_the_state_over_eight_h100s():
         assert 0.7 * r.peak <= live <= 1.02 * r.peak  # the values XLA lists at its peak add up to memory_analysis
         assert any(b.kind == "argument" and b.op_name.startswith("state.params") for b in r.peak_buffers)
         assert r.flops is None or r.flops > 0
+
+
+@needs_plugin
+def test_a_compile_only_gpu_mesh_defers_the_layer_sync():
+    """`runtime.grads.defers_row_sync` reads the mesh's devices, not ``jax.devices()`` (CPU here): a
+    deviceless H100 mesh defers, as the GPUs' own run would."""
+    from mistjax.runtime.grads import defers_row_sync
+
+    mesh = gpu_aot.device_mesh(gpu_aot.compile_only_devices(gpu_aot.load_target("h100"), 1, 8), 1)
+    assert defers_row_sync(mesh)
+
+
+@needs_plugin
+@pytest.mark.parametrize("zero", [0, 1])
+def test_layer_gradient_sync_overlaps_the_next_layers_backward(zero):
+    """G == 1: the backward layer loop issues each layer's all-reduce (ZeRO-0) / reduce-scatter (ZeRO-1)
+    one iteration late (`runtime.accumulate.sync_deferred`), so XLA:GPU schedules another layer's
+    backward GEMMs between its -start and -done (issued in its own iteration it had none: the loop
+    counter's update only)."""
+    r = _report("h100:1x8", micro_batch=2, shard_opt=zero >= 1)
+    op = "all-reduce" if zero == 0 else "reduce-scatter"
+    pairs = [p for p in gpu_aot.loop_collectives(r.hlo_text, TINY.num_layers) if p.op == op]
+    assert pairs and all(p.matmuls_between > 0 for p in pairs), pairs
 
 
 @needs_plugin

@@ -131,6 +131,7 @@ def _doc():
         (lambda d: d["interference"]["factors"].__setitem__(3, 0.5), "cluster.interference"),
         (lambda d: d.__setitem__("inter_node", []), "cluster.inter_node"),
         (lambda d: d.__setitem__("p2p_intra", [1, 2]), "cluster.p2p_intra"),
+        (lambda d: d["device"].__setitem__("async_collectives", 1), "device.async_collectives"),
     ],
 )
 def test_malformed_json_names_the_field(mutate, needle):
@@ -171,3 +172,16 @@ def test_optional_json_fields_take_defaults():
     del d["source"], d["device"]["source"], d["device"]["usable_memory_fraction"]
     c = ClusterSpec.from_json(json.dumps(d))
     assert c.source == "" and c.device.usable_memory_fraction == 0.88
+
+
+def test_async_collectives_where_the_runtime_defers_the_layer_sync():
+    """`DeviceSpec.async_collectives`: true on the GPU presets (the runtime defers the in-loop gradient
+    sync there, `runtime.grads.defers_row_sync`), false on the cpu preset (XLA:CPU's collectives are
+    synchronous) and the TPU ones (the runtime does not defer there); a profile without it gets true."""
+    for name in PRESET_NAMES:
+        want = not (name == "cpu" or name.startswith("tpu"))
+        assert ClusterSpec.preset(name).device.async_collectives is want, name
+    d = json.loads(ClusterSpec.preset("cpu").to_json())
+    assert d["device"]["async_collectives"] is False
+    del d["device"]["async_collectives"]
+    assert ClusterSpec.from_json(json.dumps(d)).device.async_collectives is True

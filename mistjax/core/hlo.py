@@ -211,13 +211,25 @@ class AsyncCollective:
     computation: str  # the computation holding the pair (a while body runs once per iteration)
     done: bool  # a matching -done was found in the same computation
     compute_between: int  # compute instructions (fusions, custom calls, dots, ...) scheduled between start and done
+    matmuls_between: int = 0  # of those, matmuls (dots, Triton / cuBLAS GEMMs): another layer's backward, in a loop
 
+
+# Device platforms (``jax.Device.platform``) whose XLA backend runs collectives asynchronously: ``-start`` /
+# ``-done`` pairs that its latency-hiding scheduler moves other compute between (XLA:CPU runs them inline).
+ASYNC_COLLECTIVE_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 # Instructions that only move or name data; everything else between a start and its done is compute.
 _NON_COMPUTE = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start", "copy-done",
                 "opt-barrier", "after-all", "partition-id", "replica-id")
 _ANY_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _DONE_OPERAND = re.compile(r"^%?([\w.\-]+)")
+# A GEMM fusion's backend kind (__triton_gemm, __triton_nested_gemm_fusion, __cublas...) or a cuBLAS /
+# cuDNN custom call's target: in the instruction's own attributes, never in an operand's name.
+_MATMUL = re.compile(r'"kind":"__(?:triton\w*gemm|cublas)|custom_call_target="__(?:cublas|cudnn\$conv)')
+
+
+def _is_matmul(opcode: str, line: str) -> bool:
+    return opcode in ("dot", "convolution") or (opcode in ("fusion", "custom-call") and bool(_MATMUL.search(line)))
 
 
 def async_collectives(hlo_text: str) -> list[AsyncCollective]:
@@ -229,7 +241,7 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
     out: list[AsyncCollective] = []
     comp = ""
     open_: dict[str, tuple[str, int]] = {}  # start name -> (op, index into `out`)
-    seq: list[str] = []  # opcodes of the current computation, in order
+    seq: list[tuple[str, bool]] = []  # (opcode, is a matmul) of the current computation, in order
     starts_at: dict[str, int] = {}
     for line in hlo_text.splitlines():
         h = _computation_head(line)
@@ -250,10 +262,10 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
             start = d.group(1) if d else ""
             if start in open_:
                 _, i = open_.pop(start)
-                between = sum(1 for op in seq[starts_at[start] + 1:] if op not in _NON_COMPUTE
-                              and not op.endswith(("-start", "-done")))
-                out[i] = AsyncCollective(out[i].op, start, comp, True, between)
-        seq.append(opcode)
+                between = [mm for op, mm in seq[starts_at[start] + 1:] if op not in _NON_COMPUTE
+                           and not op.endswith(("-start", "-done"))]
+                out[i] = AsyncCollective(out[i].op, start, comp, True, len(between), sum(between))
+        seq.append((opcode, _is_matmul(opcode, line)))
     return out
 
 
@@ -326,6 +338,6 @@ def host_placed_params(hlo_text: str) -> int:
     return inputs.count("S(5)")
 
 
-__all__ = ["OPS", "AsyncCollective", "Collective", "HloInstruction", "async_collectives", "collective_bytes",
-           "collectives", "computation_trips", "host_placed_params", "instructions", "memory_stats", "parse_type",
-           "replica_group_size", "result_arrays", "shape_bytes", "tuple_element"]
+__all__ = ["ASYNC_COLLECTIVE_PLATFORMS", "OPS", "AsyncCollective", "Collective", "HloInstruction", "async_collectives",
+           "collective_bytes", "collectives", "computation_trips", "host_placed_params", "instructions", "memory_stats",
+           "parse_type", "replica_group_size", "result_arrays", "shape_bytes", "tuple_element"]

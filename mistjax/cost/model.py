@@ -15,7 +15,7 @@ from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
-from mistjax.cost.stage_time import layer_times, step_extras, synced_in_loop
+from mistjax.cost.stage_time import defers_row_sync, layer_times, step_extras, synced_in_loop
 from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 
@@ -75,11 +75,13 @@ def _activations(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> tuple[np.ndar
     return k.inflight * per_mb, k.inflight * kinds.n_off * kinds.saved_off_host
 
 
-def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> StateBytes:
+def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], *,
+                deferred: bool) -> StateBytes:
     """What the runtime stores for the stage's model states (`mistjax.runtime.grads`, `runtime.mpmd_stage`).
 
     A stage holds its own layers' rows of the stacked leaves and the other leaves its parts read
     (`cost.layout.held`: the embedding on the first stage, the head on the last; a single stage all).
+    `deferred`: the in-loop sync is issued one layer late (`cost.stage_time.defers_row_sync`).
     """
     nl, zero, G = k.layers, k.zero, k.G
     params = nl * lt["w_layer_dev"] + lt["w_other_dev"]
@@ -107,10 +109,13 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     accumulates = (G > 1) | k.pipelined
     # An in-loop sync (`cost.stage_time.synced_in_loop`, G == 1) writes the synchronised rows into a result
     # buffer instead of the layers' whole micro-batch gradient (ZeRO-0: the whole rows, in the gradient
-    # dtype; ZeRO-1: only the shard).
+    # dtype; ZeRO-1: only the shard), plus, deferred, the one row pending its collective
+    # (`runtime.accumulate.sync_deferred`).
     synced = synced_in_loop(workload, k, lt)
     rest = mb_grads - nl * mb_layer * synced
     out = nl * synced * np.where(zero == 1, lt["g_layer_shard"], full_layer)
+    if deferred:
+        out = out + synced * full_layer
     grads = np.where(accumulates, acc + mb_grads - in_loop, np.maximum(rest, rest * scale) + out)
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
     return StateBytes(params=params, optimizer=optimizer, grads=grads,
@@ -204,12 +209,12 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
                                 k.last | one, np.where(one, workload.num_layers, k.layers)))
     kinds = layer_kinds(workload, k, v)
     activations, act_host = _activations(k, v, kinds)
-    states = state_bytes(workload, k, v, lt)
+    states = state_bytes(workload, k, v, lt, deferred=defers_row_sync(cluster))
     memory = {"params": states.params, "optimizer": states.optimizer, "grads": states.grads,
               "activations": activations, "buffers": _buffers(workload, k, v, lt, kinds)}
     peak = sum(memory.values())
     lay = layer_times(workload, cluster, k, v, lt, kinds)
-    ext = step_extras(workload, cluster, k, v, lt, states)
+    ext = step_extras(workload, cluster, k, v, lt, states, kinds)
     flops, flops_xla = _flops(workload, k, v, lt, kinds, ext)
     ok_tp = workload.compiled.feasible(k.b, s, k.t)
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"], memory=memory,

@@ -125,6 +125,18 @@ def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> n
     return np.where(on, 1.0 - lt["acc_layer_host_frac"], 0.0)
 
 
+def synced_row_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> np.ndarray:
+    """Bytes of one layer's gradient row that the in-loop sync synchronises (`synced_in_loop`; 0 without)."""
+    return synced_in_loop(workload, k, lt) * v.block.weight_bytes * workload.grad_scale
+
+
+def defers_row_sync(cluster: Any) -> bool:
+    """Whether the runtime issues each layer's in-loop sync (`synced_in_loop`) one backward iteration late,
+    under the next layer's backward, on this cluster (`DeviceSpec.async_collectives`: GPUs, the runtime's
+    `runtime.grads.defers_row_sync`); otherwise each layer's collective is serial in its own iteration."""
+    return bool(cluster.device.async_collectives)
+
+
 def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray, rs_ops: Any = 1.0) -> np.ndarray:
     """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
@@ -219,6 +231,13 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     full_layer = blk.weight_bytes * np.where(zero >= 3, 1.0, workload.grad_scale)
     rs_each = (zero >= 2) & (p > 1)
     grad_rs = np.where(rs_each, _rs(full_layer, gk, gm, intra, inter, ops.stacked), 0.0)
+    # The G == 1 in-loop sync (`synced_in_loop`), deferred (`defers_row_sync`): each backward iteration
+    # issues the collective of the row the previous one computed (`runtime.accumulate.sync_deferred`),
+    # which XLA:GPU overlaps with this layer's backward: one more D2D channel of every layer's backward
+    # (the first iteration's collective syncs the zero seed); the row still pending after each loop is
+    # charged serially (`step_extras`). Not deferred, the whole per-layer sync is serial (`step_extras`).
+    if defers_row_sync(cluster):
+        grad_rs = grad_rs + _grad_sync_time(cluster, k, synced_row_bytes(workload, k, v, lt), ops.stacked)
     acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
     acc_bytes = np.where(zero >= 2, lt["g_layer_shard"], full_layer) * acc_frac
     acc_in, acc_out = host_copy_time(acc_bytes, h2d_link), host_copy_time(acc_bytes, d2h_link)
@@ -251,8 +270,9 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
 
 
 def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
-                states: StateBytes) -> dict[str, np.ndarray]:
+                states: StateBytes, kinds: LayerKinds) -> dict[str, np.ndarray]:
     """Once-per-step work (delta), FLOPs outside the layers, and collective bytes per step."""
+    loops = sum((np.asarray(n) > 0).astype(np.float64) for n in (kinds.n_off, kinds.n_plain, kinds.n_remat))
     zero, G, t, p, dp, nl = k.zero, k.G, k.t, k.p, k.dp, k.layers
     grad_full, grad_shard = states.grad_full, states.grad_shard
     gk, gm, intra, inter = _group_link(cluster, p, t, k.per_node)
@@ -261,12 +281,14 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     rlink = (np.where(rm > 1, rinter[0], rintra[0]), np.where(rm > 1, rinter[1], rintra[1]))
     z_eff = zero
     # The stacked layers' sync runs per layer inside the backward (`synced_in_loop`, G == 1), one collective
-    # per layer (``sync_bwd``). Charged serially: XLA:GPU schedules each layer's collective at the
-    # end of its loop iteration, its -start and -done with no backward compute of another layer between them
-    # (docs/cost_model.md, "Gradient sync in the backward"); only a deferral by one layer would overlap it.
-    row = synced_in_loop(workload, k, lt) * v.block.weight_bytes * workload.grad_scale
+    # per layer (``sync_bwd``; docs/cost_model.md, "Gradient sync in the backward"). Deferred
+    # (`defers_row_sync`), each layer's collective runs under the next layer's backward (a D2D channel of
+    # `layer_times`) and only the first row of each layer loop (one per layer kind), synchronised after
+    # its loop, stays exposed; otherwise (XLA:CPU's synchronous collectives) every layer's is serial.
+    deferred = defers_row_sync(cluster)
+    row = synced_row_bytes(workload, k, v, lt)
     ops = leaf_ops(workload, cluster)
-    sync_bwd = nl * _grad_sync_time(cluster, k, row, ops.stacked)
+    sync_bwd = (loops if deferred else nl) * _grad_sync_time(cluster, k, row, ops.stacked)
     sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0),
                            np.where(row > 0, ops.other, ops.total))
     sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
@@ -296,10 +318,13 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
+    if deferred:  # the first backward iteration of each loop synchronises the zero seed: one more row
+        seed = loops * row
+        ar, rs = ar + np.where(zero == 0, seed, 0.0), rs + np.where(zero == 1, seed / np.maximum(p, 1), 0.0)
     return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
             "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "sync_bwd": sync_bwd,
             "regather": regather,
             "update": update, "swap": swap}
 
 
-__all__ = ["compute_time", "layer_times", "step_extras", "synced_in_loop"]
+__all__ = ["compute_time", "defers_row_sync", "layer_times", "step_extras", "synced_in_loop", "synced_row_bytes"]

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.hlo import ASYNC_COLLECTIVE_PLATFORMS
 from mistjax.hardware.interference import MASKS, InterferenceParams
 from mistjax.hardware.presets import ClusterSpec, DeviceSpec, LinkModel
 
@@ -228,6 +229,8 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
                         fused_attention_kernels=platform == "gpu", matmul_tile=tile, matmul_k_half=k_half,
                         # XLA:CPU has no all-gather / reduce-scatter combiner: one collective per leaf
                         combines_collectives=platform != "cpu",
+                        # the runtime defers the in-loop gradient sync only where XLA overlaps it (GPUs)
+                        async_collectives=platform in ASYNC_COLLECTIVE_PLATFORMS,
                         source=f"measured by mistjax calibrate on {date.today().isoformat()}")
     p2p = intra[min(intra)]
     return ClusterSpec(name=name, device=device, nodes=1, devices_per_node=n_dev, intra_node=intra,

@@ -79,6 +79,11 @@ class DeviceSpec:
     # passes, XLA:GPU and TPU); False: one per parameter leaf, each paying the link latency (XLA:CPU, which
     # combines all-reduces only).
     combines_collectives: bool = True
+    # XLA runs collectives asynchronously and the runtime defers each layer's ZeRO-0/1 in-loop gradient sync
+    # by one backward iteration, so it overlaps the next layer's backward (GPUs: `runtime.grads.
+    # defers_row_sync`); False: synchronous collectives or no deferral, the sync charged serially (XLA:CPU;
+    # TPU, where the runtime does not defer).
+    async_collectives: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -93,7 +98,7 @@ class DeviceSpec:
         _check_num("device", "matmul_tile", self.matmul_tile)
         for f in ("matmul_k_half", "kernel_overhead"):
             _check_num("device", f, getattr(self, f), positive=False)
-        for f in ("fused_attention_kernels", "combines_collectives"):
+        for f in ("fused_attention_kernels", "combines_collectives", "async_collectives"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"device.{f}: expected true or false, got {getattr(self, f)!r}")
         for f in ("host_to_device", "device_to_host"):
@@ -387,7 +392,7 @@ def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
     _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
             frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds", "matmul_k_half",
                        "matmul_tile", "kernel_overhead", "fused_attention_kernels",
-                       "combines_collectives"}))
+                       "combines_collectives", "async_collectives"}))
     split = doc.get("split_across_devices", [])
     if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
         raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "

@@ -10,7 +10,10 @@ seeds the cotangent of the loop's accumulator output with the accumulator itself
 carry starts as the accumulator and each layer updates its row in place (a dynamic-update-slice of a
 while-loop carry): one buffer, and one layer's gradient in flight. A stack of several layer kinds
 (`runtime.remat`) reads each layer's rows of the whole stacks with `pick_rows` (`scan_rows`) rather
-than scanning a copied slice of them per segment. docs/internals.md.
+than scanning a copied slice of them per segment. The G == 1 in-loop gradient sync feeds result
+buffers the same way (`accumulate_into` with a ``finish`` collective), or on GPU meshes one backward
+iteration late (`sync_deferred`), so XLA:GPU overlaps each layer's collective with the next layer's
+backward. docs/internals.md.
 """
 
 from __future__ import annotations
@@ -132,15 +135,105 @@ def _pick_bwd(prepare: tuple[SliceGrad, ...], layer: jax.Array, ct: tuple[list[j
 pick_rows.defvjp(_pick_fwd, _pick_bwd)
 
 
+def _store_synced(outs: list[jax.Array], rows: list[jax.Array], layer: jax.Array,
+                  finish: tuple[SliceGrad | None, ...]) -> list[jax.Array]:
+    """`outs` with ``finish[j](rows[j])`` (a collective; identity when None) in row `layer` of ``outs[j]``
+    (at its low corner when the collective returns less, e.g. a reduce-scatter's shard)."""
+    res = []
+    for out, row, fin in zip(outs, rows, finish):
+        synced = (row if fin is None else fin(row)).astype(out.dtype)
+        res.append(lax.dynamic_update_slice(out, synced[None], (layer,) + (0,) * synced.ndim))
+    return res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def sync_deferred(outs: list[jax.Array], pend: list[jax.Array], xs: list[jax.Array], layer: jax.Array,
+                  prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
+                  last: int) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    """Identity on ``(outs, pend, xs)``; the backward synchronises the previous backward layer's row
+    while this layer's backward computes (the runtime's G == 1 sync where collectives are asynchronous:
+    `runtime.grads.defers_row_sync`; elsewhere `accumulate_into` synchronises each row in its own layer).
+
+    The cotangent of `pend` is a carry of the backward loop: the unsynchronised row of layer
+    ``layer + 1``, computed in the previous backward iteration. The backward runs ``finish[j]`` on it,
+    stores the result in row ``layer + 1`` of the cotangent of ``outs[j]``, and passes this layer's own
+    row, ``prepare[j](ct(xs[j]))``, on as the new cotangent of ``pend[j]``. So one layer's collective and
+    the next layer's backward compute are independent inside one while body, and XLA's latency-hiding
+    scheduler overlaps them (Megatron-LM's ``--overlap-grad-reduce``); a collective issued in the
+    iteration that computes its row has to wait for that row. The first backward iteration (layer
+    `last`, the loop's last row) has nothing pending: it synchronises the zero seed into its own row
+    (zero, overwritten one iteration later), one collective of zeros hidden under that layer's backward,
+    which keeps every iteration one loop body (peeling the layer would scan a copy of the weights).
+    `flush_synced` stores the loop's first row after the loop. One extra row is held (the pending one).
+
+    Args:
+      outs: per weight, the stacked buffer of synchronised rows (leading dim = layers), zeros.
+      pend: per weight, a zero row of the unsynchronised shape (its cotangent carries the pending row).
+      xs: this layer's stored slices of those weights.
+      layer: the layer's row in `outs` (an int32 scalar).
+      prepare: per weight, turns the slice cotangent into the unsynchronised row (gradient dtype).
+      finish: per weight, the collective that synchronises a row, or None.
+      on_host: per weight, whether its stored slice is in host memory (its zero cotangent must be).
+      last: the loop's last row (the first backward layer: rows after it belong to other loops).
+    """
+    del layer, prepare, finish, on_host, last
+    return outs, pend, xs
+
+
+def _defer_fwd(outs: list[jax.Array], pend: list[jax.Array], xs: list[jax.Array], layer: jax.Array,
+               prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
+               last: int) -> tuple[Any, jax.Array]:
+    del prepare, finish, on_host, last
+    return (outs, pend, xs), layer
+
+
+def _defer_bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
+               last: int, layer: jax.Array, ct: tuple[list[jax.Array], list[jax.Array], list[jax.Array]]
+               ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], None]:
+    ct_outs, ct_pend, ct_xs = ct
+    outs = _store_synced(list(ct_outs), list(ct_pend), jax.numpy.minimum(layer + 1, last), finish)
+    rows = [_row(None, p, g, layer, prep, None) for g, prep, p in zip(ct_xs, prepare, ct_pend)]
+    return outs, rows, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
+
+
+sync_deferred.defvjp(_defer_fwd, _defer_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def flush_synced(outs: list[jax.Array], pend: list[jax.Array], layer: jax.Array,
+                 finish: tuple[SliceGrad | None, ...]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Identity on ``(outs, pend)``; the backward synchronises the row still pending after the backward
+    loop (layer `layer`'s, the loop's first: see `sync_deferred`) into row `layer` of ``ct(outs)``."""
+    del layer, finish
+    return outs, pend
+
+
+def _flush_fwd(outs: list[jax.Array], pend: list[jax.Array], layer: jax.Array, finish: tuple[SliceGrad | None, ...]
+               ) -> tuple[Any, jax.Array]:
+    del finish
+    return (outs, pend), layer
+
+
+def _flush_bwd(finish: tuple[SliceGrad | None, ...], layer: jax.Array, ct: tuple[list[jax.Array], list[jax.Array]]
+               ) -> tuple[list[jax.Array], None, None]:
+    ct_outs, ct_pend = ct
+    # None: `pend` is a constant zero row, not differentiated.
+    return _store_synced(list(ct_outs), list(ct_pend), layer, finish), None, None
+
+
+flush_synced.defvjp(_flush_fwd, _flush_bwd)
+
+
 def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]],
                       carry: list[Any], xs: list[Any], accs: Sequence[jax.Array | None],
                       prepare: Sequence[SliceGrad | None], start: int, unroll: int,
                       outs: Sequence[jax.Array | None] | None = None,
-                      finish: Sequence[SliceGrad | None] | None = None
+                      finish: Sequence[SliceGrad | None] | None = None, defer: bool = False
                       ) -> tuple[list[Any], list[jax.Array | None], list[jax.Array | None], list[Any]]:
     """``lax.scan(layer_fn, carry, xs)`` over layers ``start, start + 1, ...`` with `accs` and `outs`
     (per scanned operand, its whole-stack accumulator / result buffer or None) carried along and fed
-    by `accumulate_into` (`finish`: per operand, the collective applied to each summed row).
+    by `accumulate_into` (`finish`: per operand, the collective applied to each summed row), or with
+    `defer` (result buffers only) by `sync_deferred`: each row synchronised one backward iteration later.
 
     Returns:
       (carry, accs, outs, ys): the buffers are the inputs on the forward; their cotangents collect the
@@ -149,6 +242,11 @@ def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any]
     n = len(accs)
     outs = list(outs) if outs is not None else [None] * n
     finish = list(finish) if finish is not None else [None] * n
+    if defer:
+        if any(a is not None for a in accs) or all(o is None for o in outs):
+            raise ValueError("a deferred sync needs result buffers (`outs`) and no accumulators")
+        carry, synced, ys = _scan_deferred(layer_fn, carry, xs, outs, prepare, finish, start, unroll)
+        return carry, list(accs), synced, ys
     idx = [j for j in range(n) if accs[j] is not None or outs[j] is not None]
     preps, fins = tuple(prepare[j] for j in idx), tuple(finish[j] for j in idx)
     on_host = tuple(getattr(jax.typeof(xs[j]), "memory_space", None) == jax.memory.Space.Host for j in idx)
@@ -172,6 +270,40 @@ def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any]
     for j, a, o in zip(idx, acc_out, out_out):
         acc_res[j], out_res[j] = a, o
     return carry, acc_res, out_res, ys
+
+
+def _put(xs: Sequence[Any], idx: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    out = list(xs)
+    for j, v in zip(idx, values):
+        out[j] = v
+    return out
+
+
+def _scan_deferred(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]], carry: list[Any],
+                   xs: list[Any], outs: list[jax.Array | None], prepare: Sequence[SliceGrad | None],
+                   finish: Sequence[SliceGrad | None], start: int, unroll: int
+                   ) -> tuple[list[Any], list[jax.Array | None], list[Any]]:
+    """`scan_accumulating` with result buffers, each layer's row synchronised one backward iteration later
+    (`sync_deferred`), the loop's first row after the loop (`flush_synced`)."""
+    idx = [j for j, o in enumerate(outs) if o is not None]
+    preps, fins = tuple(prepare[j] for j in idx), tuple(finish[j] for j in idx)
+    on_host = tuple(getattr(jax.typeof(xs[j]), "memory_space", None) == jax.memory.Space.Host for j in idx)
+    num = int(jax.numpy.shape(xs[0])[0])
+    # The pending rows' seeds: one layer's unsynchronised row (the prepared slice cotangent's shape).
+    pend = [jax.numpy.zeros(jax.eval_shape(p, jax.ShapeDtypeStruct(xs[j].shape[1:], xs[j].dtype)).shape,
+                            outs[j].dtype) for j, p in zip(idx, preps)]
+    bufs, pend = flush_synced([outs[j] for j in idx], pend, jax.numpy.int32(start), fins)
+
+    def step(c_o: tuple[list[Any], list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
+        c, o, p = c_o
+        x, i = x_i
+        o, p, picked = sync_deferred(o, p, [x[j] for j in idx], i, preps, fins, on_host, start + num - 1)
+        c, y = layer_fn(c, _put(x, idx, picked))
+        return (c, o, p), y
+
+    rows = start + jax.numpy.arange(num, dtype=jax.numpy.int32)
+    (carry, bufs, _), ys = lax.scan(step, (carry, bufs, pend), (xs, rows), unroll=unroll)
+    return carry, _put(outs, idx, bufs), ys
 
 
 # ``apply(consts, carry, x) -> (carry, y)``: one layer on its operands' rows.
@@ -230,4 +362,5 @@ def scan_rows(layer_fn: Callable[..., Any], carry: list[Any], xs: list[Any], acc
     return carry, out, ys
 
 
-__all__ = ["RowLayer", "SliceGrad", "accumulate_into", "pick_rows", "reading_rows", "scan_accumulating", "scan_rows"]
+__all__ = ["RowLayer", "SliceGrad", "accumulate_into", "flush_synced", "pick_rows", "reading_rows", "scan_accumulating",
+           "scan_rows", "sync_deferred"]

@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.hlo import ASYNC_COLLECTIVE_PLATFORMS
 from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
 from mistjax.core.plan import Plan, PlanError, StagePlan
 from mistjax.runtime.accumulate import SliceGrad
@@ -334,13 +335,27 @@ def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad | None:
     return lambda row: psum_live(row, DP_AXES, mesh)
 
 
+def defers_row_sync(mesh: Mesh) -> bool:
+    """Whether the in-loop sync of a step compiled for `mesh` issues each layer's collective one backward
+    iteration late (`runtime.accumulate.sync_deferred`) rather than in the layer's own iteration.
+
+    Only where XLA runs collectives asynchronously (GPUs): there the deferred collective overlaps the next
+    layer's backward. XLA:CPU runs them synchronously, so deferring only costs (a llama-small DP step
+    545 -> 696 ms, about 1.5 more gradient rows held: docs/cost_model.md, "Gradient sync in the
+    backward"). Read from the mesh's devices, not ``jax.devices()``: a deviceless XLA:GPU compile
+    (`validate.gpu_aot`) runs in a CPU process and must build the program the GPUs would run. The cost
+    model mirrors this with `DeviceSpec.async_collectives`.
+    """
+    return mesh.devices.flat[0].platform in ASYNC_COLLECTIVE_PLATFORMS
+
+
 def synced_leaves(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Sequence[bool], mesh: Mesh
                   ) -> frozenset[int]:
     """The leaves whose step gradient can be synchronised per layer inside the backward (Megatron-LM's
     ``--overlap-grad-reduce``; the runtime does it for G == 1 only, see `sharded_value_and_grad`), where
-    the collectives can overlap the rest of the backward (on XLA:GPU they do not yet cross layers:
-    docs/cost_model.md): the `loop_eligible_leaves` with a `row_sync`. The others (embedding, head,
-    unrolled stacks, host accumulators) keep the end-of-step sync."""
+    the collectives can overlap the rest of the backward (on GPU meshes each layer's runs under the next
+    layer's backward, `defers_row_sync`; docs/cost_model.md): the `loop_eligible_leaves` with a
+    `row_sync`. The others (embedding, head, unrolled stacks, host accumulators) keep the end-of-step sync."""
     return frozenset(i for i in loop_eligible_leaves(traced, acc_host) if row_sync(specs[i], mesh) is not None)
 
 
@@ -353,12 +368,14 @@ MicrobatchGrad = Callable[..., tuple[jax.Array, Any, list[jax.Array]]]
 @dataclass(frozen=True)
 class _Sinks:
     """What the layer loop of one micro-batch feeds, by flat leaf index: accumulators (`acc`), result
-    buffers of the synchronised rows of leaves without an accumulator (`out`, G == 1), and the per-row
-    collectives (`finish`, only on the synchronising pass)."""
+    buffers of the synchronised rows of leaves without an accumulator (`out`, G == 1), the per-row
+    collectives (`finish`, only on the synchronising pass), and whether they are issued one backward
+    iteration late (`defer`: `defers_row_sync`)."""
 
     acc: dict[int, jax.Array]
     out: dict[int, jax.Array]
     finish: dict[int, SliceGrad] | None
+    defer: bool = False
 
 
 def _synced_shape(shape: Sequence[int], spec: GradSpec, mesh: Mesh) -> tuple[int, ...]:
@@ -378,7 +395,8 @@ def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, in_loop: froze
         return _Sinks({i: acc[i] for i in in_loop} if acc is not None else {}, {}, None)
     outs = {i: jnp.zeros(_synced_shape(p_local[i].shape, specs[i], mesh), grad_dtype_of(plan, p_local[i]).dtype)
             for i in synced}
-    return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in synced})  # type: ignore[misc]
+    return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in synced},  # type: ignore[misc]
+                  defer=defers_row_sync(mesh))
 
 
 def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
@@ -391,7 +409,8 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
     (`runtime.accumulate`): those leaves are not differentiated; the accumulators are, with their own
     value as the cotangent seed of the loop's accumulator output, so their cotangent is the sum. On the
     synchronising pass (``sync``) the `synced` leaves' summed rows are all-reduced / reduce-scattered
-    there too, each as soon as its layer's backward has produced it.
+    there too, each in the iteration that produced it, or one iteration later on a GPU mesh
+    (`defers_row_sync`).
     """
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
     layer_loop = _entering_split(_layer_loop(traced, plan.stages[0], specs, plan), plan.tp)
@@ -408,7 +427,7 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
             def loop(body: Any, consts: list[Any], carry: list[Any], xs: list[Any]) -> Any:
                 fin = None if sinks.finish is None else [sinks.finish.get(i) for i in xs_leaf]
                 out = layer_loop(body, consts, carry, xs, accs=[sinks.acc.get(i) for i in xs_leaf],
-                                 outs=[sinks.out.get(i) for i in xs_leaf], finish=fin)
+                                 outs=[sinks.out.get(i) for i in xs_leaf], finish=fin, defer=sinks.defer)
                 for b, bufs in zip(box, out[2:]):
                     b.update((i, a) for i, a in zip(xs_leaf, bufs) if a is not None)
                 return out[:2]
@@ -439,7 +458,7 @@ def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.
         pl = list(p_local)
         for i, v in zip(diff, p_diff):
             pl[i] = v
-        value, aux, (accs, outs) = loss(pl, mb, _Sinks(acc, out, sinks.finish))
+        value, aux, (accs, outs) = loss(pl, mb, _Sinks(acc, out, sinks.finish, sinks.defer))
         return (value, accs, outs), aux
 
     (value, _, _), vjp, aux = jax.vjp(f, [p_local[i] for i in diff], sinks.acc, sinks.out, has_aux=True)

@@ -21,7 +21,7 @@ from mistjax.trace.split import unrolled_loop
 from mistjax.trace.unrolled import LayerSlices
 
 Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
-# ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None)`` (see `make_layer_loop`).
+# ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None, defer=False)`` (see `make_layer_loop`).
 LayerLoopFn = Callable[..., Any]
 
 
@@ -103,17 +103,22 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
         scanning per-segment slices of them (each a copy of those weights for the whole step).
 
     Returns:
-      ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None)``: ``(carry, ys)``, or
-      ``(carry, ys, accs)`` when `accs` (per scanned operand, its whole-stack gradient accumulator or
+      ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None, defer=False)``: ``(carry, ys)``,
+      or ``(carry, ys, accs)`` when `accs` (per scanned operand, its whole-stack gradient accumulator or
       None) is given, or ``(carry, ys, accs, outs)`` when `finish` (per operand, the collective that
       synchronises each layer's summed row, or None) is given too (`outs`: per operand, the result
       buffer of another shape than the accumulator, or None; see `runtime.accumulate.accumulate_into`).
+      With `defer` each row's collective is issued one backward iteration later
+      (`runtime.accumulate.sync_deferred`; `outs` only).
     """
     any_gather = any(g is not None for g in gather)
 
     def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any],
              accs: Sequence[Any] | None = None, outs: Sequence[Any] | None = None,
-             finish: Sequence[SliceGrad | None] | None = None) -> Any:
+             finish: Sequence[SliceGrad | None] | None = None, defer: bool = False) -> Any:
+        if defer and finish is None:
+            raise ValueError("defer: only an in-loop sync (`finish`) can be deferred")
+
         def apply(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(gather, x)]
             c, y = body(consts, c, x)
@@ -168,7 +173,7 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
             elif accs is not None:
                 # The whole-stack accumulators ride through every segment (rows start..end-1 here).
                 carry, accs, outs, ys = scan_accumulating(fn, carry, seg, accs, prepare, start, unroll, outs,
-                                                          finish)
+                                                          finish, defer=defer)
             else:
                 carry, ys = jax.lax.scan(fn, carry, seg, unroll=unroll)
             ys_parts.append(ys)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from mistjax.core.hlo import async_collectives, collective_bytes, collectives
+from mistjax.core.hlo import AsyncCollective, async_collectives, collective_bytes, collectives, computation_trips
 from mistjax.core.plan import Plan, format_bytes
 from mistjax.validate.peak import LiveBuffer, peak_from_dump
 
@@ -262,6 +262,14 @@ def collective_stats(hlo_text: str) -> dict[str, CollectiveStats]:
                                     in_loops=sum(1 for c in found if c.op == kind and entry
                                                  and c.computation != entry.group(1)))
     return out
+
+
+def loop_collectives(hlo_text: str, trips: int) -> list[AsyncCollective]:
+    """The async collectives of a scheduled GPU HLO's loops of `trips` iterations (a layer loop: one
+    trip per layer), with what XLA scheduled between each ``-start`` and its ``-done``: a gradient
+    collective that overlaps the backward has the next layer's matmuls there (``matmuls_between``)."""
+    loops = computation_trips(hlo_text)
+    return [p for p in async_collectives(hlo_text) if p.done and loops.get(p.computation, 1) == trips]
 
 
 def _offloaded_state_bytes(step: Any, state: Any) -> int:
