@@ -173,6 +173,19 @@ def test_async_collectives_price_the_deferred_sync_below_the_serial_one(wl):
     assert extra[0] > 0 and extra[0] == pytest.approx(extra[1])
 
 
+def test_layer_collectives_add_to_compute_without_async_collectives(wl):
+    """ZeRO-3's per-layer gathers and reduce-scatters: overlapped with the layers' compute where XLA runs
+    collectives asynchronously (A100), added to it where it runs them inline (XLA:CPU's order): the
+    synchronous price is the overlapped one's compute plus the whole collective time, never less."""
+    st = StageStrategies.make(zero=3, b=2, dp=8, layers=4, G=1)
+    no_comm = StageStrategies.make(zero=1, b=2, dp=8, layers=4, G=1)  # same compute, no in-loop gathers
+    a, s = stage_cost(wl, A100, st), stage_cost(wl, A100_SYNC, st)
+    base = stage_cost(wl, A100_SYNC, no_comm)
+    assert float(s.fwd) > float(a.fwd) and float(s.bwd) > float(a.bwd)
+    # inline: the forward is the compute plus every layer's gather (and the other leaves' one gather)
+    assert float(s.fwd) - float(base.fwd) > float(a.fwd) - float(base.fwd) > 0
+
+
 def test_in_loop_sync_overlaps_the_next_layers_backward(wl, monkeypatch):
     """ZeRO-0/1 single stage, G == 1: each layer's sync runs under the next layer's backward (the runtime
     defers it by one iteration, `runtime.accumulate.sync_deferred`): the backward costs more than its

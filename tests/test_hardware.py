@@ -175,11 +175,11 @@ def test_optional_json_fields_take_defaults():
 
 
 def test_async_collectives_where_the_runtime_defers_the_layer_sync():
-    """`DeviceSpec.async_collectives`: true on the GPU presets (the runtime defers the in-loop gradient
-    sync there, `runtime.grads.defers_row_sync`), false on the cpu preset (XLA:CPU's collectives are
-    synchronous) and the TPU ones (the runtime does not defer there); a profile without it gets true."""
+    """`DeviceSpec.async_collectives`: true on the GPU and TPU presets (the runtime defers the in-loop
+    gradient sync there, `runtime.grads.defers_row_sync`), false on the cpu preset (XLA:CPU's collectives
+    are synchronous); a profile without it gets true."""
     for name in PRESET_NAMES:
-        want = not (name == "cpu" or name.startswith("tpu"))
+        want = name != "cpu"
         assert ClusterSpec.preset(name).device.async_collectives is want, name
     d = json.loads(ClusterSpec.preset("cpu").to_json())
     assert d["device"]["async_collectives"] is False

@@ -216,7 +216,7 @@ class AsyncCollective:
 
 # Device platforms (``jax.Device.platform``) whose XLA backend runs collectives asynchronously: ``-start`` /
 # ``-done`` pairs that its latency-hiding scheduler moves other compute between (XLA:CPU runs them inline).
-ASYNC_COLLECTIVE_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+ASYNC_COLLECTIVE_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 
 # Instructions that only move or name data; everything else between a start and its done is compute.
 _NON_COMPUTE = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start", "copy-done",

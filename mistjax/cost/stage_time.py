@@ -132,8 +132,8 @@ def synced_row_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[st
 
 def defers_row_sync(cluster: Any) -> bool:
     """Whether the runtime issues each layer's in-loop sync (`synced_in_loop`) one backward iteration late,
-    under the next layer's backward, on this cluster (`DeviceSpec.async_collectives`: GPUs, the runtime's
-    `runtime.grads.defers_row_sync`); otherwise each layer's collective is serial in its own iteration."""
+    under the next layer's backward, on this cluster (`DeviceSpec.async_collectives`: GPUs and TPUs, the
+    runtime's `runtime.grads.defers_row_sync`); otherwise each layer's collective is serial in its own iteration."""
     return bool(cluster.device.async_collectives)
 
 
@@ -244,14 +244,18 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     act_out = host_copy_time(kinds.saved_off_host, d2h_link)
     act_in = host_copy_time(kinds.saved_off_host, h2d_link)
     ovl = cluster.interference
+    # Each backward re-fetches the layer's weights (gather / H2D) next to its gradient reduce-scatter. Where
+    # collectives run inline (XLA:CPU) they join the layer's serial part with the TP collectives.
+    d2d_f, d2d_b = fetch_ag, fetch_ag + grad_rs
+    if not cluster.device.async_collectives:
+        tp_f, tp_b, d2d_f, d2d_b = tp_f + d2d_f, tp_b + d2d_b, 0.0, 0.0
 
-    # Each backward re-fetches the layer's weights (gather / H2D) next to its gradient reduce-scatter.
-    f_plain = overlap_time(c["f_plain"], fetch_ag, fetch_h2d, 0.0, ovl) + tp_f
-    f_remat = overlap_time(c["f_remat"], fetch_ag, fetch_h2d, 0.0, ovl) + tp_f
-    b_plain = overlap_time(c["b_plain"], fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b
-    f_off = overlap_time(c["f_off"], fetch_ag, fetch_h2d, act_out, ovl) + tp_f
-    b_off = overlap_time(c["b_off"], fetch_ag + grad_rs, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
-    b_rem = overlap_time(c["b_remat"], fetch_ag + grad_rs, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
+    f_plain = overlap_time(c["f_plain"], d2d_f, fetch_h2d, 0.0, ovl) + tp_f
+    f_remat = overlap_time(c["f_remat"], d2d_f, fetch_h2d, 0.0, ovl) + tp_f
+    b_plain = overlap_time(c["b_plain"], d2d_b, fetch_h2d + acc_in, acc_out, ovl) + tp_b
+    f_off = overlap_time(c["f_off"], d2d_f, fetch_h2d, act_out, ovl) + tp_f
+    b_off = overlap_time(c["b_off"], d2d_b, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
+    b_rem = overlap_time(c["b_remat"], d2d_b, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
     fwd = kinds.n_plain * f_plain + kinds.n_remat * f_remat + kinds.n_off * f_off
     bwd = kinds.n_plain * b_plain + kinds.n_off * b_off + kinds.n_remat * b_rem
 

@@ -79,10 +79,11 @@ class DeviceSpec:
     # passes, XLA:GPU and TPU); False: one per parameter leaf, each paying the link latency (XLA:CPU, which
     # combines all-reduces only).
     combines_collectives: bool = True
-    # XLA runs collectives asynchronously and the runtime defers each layer's ZeRO-0/1 in-loop gradient sync
-    # by one backward iteration, so it overlaps the next layer's backward (GPUs: `runtime.grads.
-    # defers_row_sync`); False: synchronous collectives or no deferral, the sync charged serially (XLA:CPU;
-    # TPU, where the runtime does not defer).
+    # XLA runs collectives asynchronously (``-start`` / ``-done`` pairs its scheduler overlaps with compute:
+    # GPUs, TPUs): a layer loop's ZeRO-3 gathers and reduce-scatters overlap the layers' compute, and the
+    # runtime defers each layer's ZeRO-0/1 in-loop gradient sync by one backward iteration so it overlaps
+    # the next layer's backward (`runtime.grads.defers_row_sync`). False: collectives run inline, in program
+    # order (XLA:CPU), so each is charged on top of the compute around it.
     async_collectives: bool = True
 
     def __post_init__(self) -> None:

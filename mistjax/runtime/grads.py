@@ -339,11 +339,12 @@ def defers_row_sync(mesh: Mesh) -> bool:
     """Whether the in-loop sync of a step compiled for `mesh` issues each layer's collective one backward
     iteration late (`runtime.accumulate.sync_deferred`) rather than in the layer's own iteration.
 
-    Only where XLA runs collectives asynchronously (GPUs): there the deferred collective overlaps the next
-    layer's backward. XLA:CPU runs them synchronously, so deferring only costs (a llama-small DP step
-    545 -> 696 ms, about 1.5 more gradient rows held: docs/cost_model.md, "Gradient sync in the
-    backward"). Read from the mesh's devices, not ``jax.devices()``: a deviceless XLA:GPU compile
-    (`validate.gpu_aot`) runs in a CPU process and must build the program the GPUs would run. The cost
+    Only where XLA runs collectives asynchronously (GPUs; TPUs, not measured): there the deferred
+    collective overlaps the next layer's backward. XLA:CPU runs them synchronously, so deferring only
+    costs (a llama-small DP step 545 -> 696 ms, about 1.5 more gradient rows held: docs/cost_model.md,
+    "Gradient sync in the backward"). Read from the mesh's devices, not ``jax.devices()``: a deviceless
+    XLA:GPU compile (`validate.gpu_aot`) runs in a CPU process and must build the program the GPUs would
+    run. The cost
     model mirrors this with `DeviceSpec.async_collectives`.
     """
     return mesh.devices.flat[0].platform in ASYNC_COLLECTIVE_PLATFORMS
