@@ -2,15 +2,17 @@
 
 Usage::
 
-    python scripts/bench_time.py [--json OUT] [--reps 5] [--warmup 2] [--quick] [--profile PROFILE.json]
+    python scripts/bench_time.py [--json OUT] [--rounds 4] [--block 3] [--warmup 2] [--quick] [--profile PROFILE.json]
 
 On the simulated devices JAX sees (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)
 the script first measures the devices with `mistjax.hardware.calibrate.calibrate` (what ``mistjax calibrate``
 writes; ``--profile`` loads a saved one instead), then runs every plan of `PLANS` (tiny / small zoo models:
 DP, ZeRO-1/2/3, MiCS, TP, remat policies, gradient accumulation, MPMD pipelines) through ``mistjax.autoshard``:
-the first call compiles, ``--warmup`` steps follow, then ``--reps`` timed steps, each ended by
-``jax.block_until_ready``. Each plan is predicted with the cost model (`mistjax.cost.predict.analyze`) on
-the calibrated profile: one set of constants for every plan, nothing fitted to the step times. Prints one
+each plan's first call compiles and ``--warmup`` steps follow; then ``--rounds`` rounds run ``--block`` steps
+of every plan each, all but a block's first timed (round-robin, so a load change on this shared host falls on
+every plan alike), each step ended by ``jax.block_until_ready``. Each plan is predicted with the cost model
+(`mistjax.cost.predict.analyze`) on the calibrated profile: one set of constants for every plan, nothing
+fitted to the step times. Prints one
 markdown row per plan (measured median, noise, predicted, predicted / measured) and the summary: Spearman
 rank correlation and the median of ``|predicted / measured - 1|``. ``--json`` writes
 ``{"points": [...], "summary": {"n", "spearman", "median_abs_rel_err"}, ...}``. See docs/benchmarks.md.
@@ -74,7 +76,8 @@ class Args:
     """Flags of scripts/bench_time.py."""
 
     json_out: Annotated[str | None, tyro.conf.arg(name="json")] = None  # write points and summary here
-    reps: int = 5  # timed steps per plan (after compiling and the warm-up steps)
+    rounds: int = 4  # rounds over every plan, each plan running ``block`` steps in a row per round
+    block: int = 3  # steps per plan and round; all but the first are timed
     warmup: int = 2  # untimed steps per plan after the compiling one
     quick: bool = False  # two llama-tiny plans, a quick calibration (a smoke test, not a benchmark)
     profile: str | None = None  # a saved `mistjax calibrate` profile to use instead of calibrating now
@@ -168,8 +171,8 @@ class Runner:
 
         return mistjax.uniform_plan(self._model(case.model)[0].num_layers, jax.device_count(), **case.knobs)
 
-    def time(self, case: Case, plan: Any, reps: int, warmup: int) -> dict[str, Any]:
-        """Compile, warm up, then time ``reps`` steps (seconds each, ended by ``block_until_ready``)."""
+    def prepare(self, case: Case, plan: Any, warmup: int) -> Timed:
+        """Compile the case's step, place its state and batch, and run ``warmup`` untimed steps."""
         import jax
         import jax.numpy as jnp
 
@@ -183,19 +186,41 @@ class Runner:
         state = step.place(jax.tree.map(jnp.copy, state0), batch)
         if plan.num_stages == 1:
             batch = step.place_batch(batch)
-        state, m = step(state, batch)
-        jax.block_until_ready((state, m))
-        compile_s = time.perf_counter() - t0
+        timed = Timed(step, state, batch)
+        timed.run()
+        timed.compile_s = time.perf_counter() - t0
         for _ in range(warmup):
-            state, m = step(state, batch)
-            jax.block_until_ready((state, m))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            state, m = step(state, batch)
-            jax.block_until_ready((state, m))
-            times.append(time.perf_counter() - t)
-        return {"times_s": times, "compile_s": compile_s, "loss": float(m["loss"])}
+            timed.run()
+        return timed
+
+
+class Timed:
+    """A compiled step with its own state and batch: each `run` is one step, ended by ``block_until_ready``."""
+
+    def __init__(self, step: Any, state: Any, batch: Any) -> None:
+        self.step, self.state, self.batch = step, state, batch
+        self.compile_s = 0.0  # seconds of the first (compiling) call
+        self.times_s: list[float] = []  # the timed steps
+        self.loss = float("nan")
+
+    def run(self) -> float:
+        import jax
+
+        t = time.perf_counter()
+        self.state, m = self.step(self.state, self.batch)
+        jax.block_until_ready((self.state, m))
+        self.loss = float(m["loss"])
+        return time.perf_counter() - t
+
+
+def time_round_robin(timed: Sequence[Timed], rounds: int, block: int) -> None:
+    """``rounds`` rounds over every plan: a load change on a shared host falls on every plan alike instead
+    of on the few timed while it lasts. Each plan runs ``block`` steps in a row per round and the first of
+    them is not timed (the switch from another program leaves its caches cold)."""
+    for _ in range(rounds):
+        for t in timed:
+            t.run()
+            t.times_s.extend(t.run() for _ in range(block - 1))
 
 
 def predict(case: Case, plan: Any, cluster: Any) -> Any:
@@ -237,13 +262,13 @@ def points_table(points: list[dict[str, Any]]) -> str:
                    "compile s"], rows, right_from=2)
 
 
-def _point(case: Case, plan: Any, timing: dict[str, Any], a: Any) -> dict[str, Any]:
-    n = noise(timing["times_s"])
+def _point(case: Case, plan: Any, timing: Timed, a: Any) -> dict[str, Any]:
+    n = noise(timing.times_s)
     return {"label": case.label, "model": case.model, "seq": case.seq, "global_batch": case.global_batch,
             "plan": describe(case, plan), "plan_json": json.loads(plan.to_json()), "measured_s": n["median"],
-            "noise_iqr": n["iqr_rel"], "noise_spread": n["spread_rel"], "times_s": timing["times_s"],
-            "compile_s": timing["compile_s"], "predicted_s": a.step_time, "predicted_dispatch_s": a.dispatch_time,
-            "ratio": a.step_time / n["median"], "loss": timing["loss"]}
+            "noise_iqr": n["iqr_rel"], "noise_spread": n["spread_rel"], "times_s": timing.times_s,
+            "compile_s": timing.compile_s, "predicted_s": a.step_time, "predicted_dispatch_s": a.dispatch_time,
+            "ratio": a.step_time / n["median"], "loss": timing.loss}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -254,12 +279,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     cluster = calibrated(args)
     cases = QUICK if args.quick else PLANS
-    reps, warmup = (2, 1) if args.quick else (args.reps, args.warmup)
-    runner, points = Runner(), []
-    for case in cases:
-        plan = runner.plan(case)
-        p = _point(case, plan, runner.time(case, plan, reps, warmup), predict(case, plan, cluster))
-        points.append(p)
+    rounds, block, warmup = (1, 3, 1) if args.quick else (args.rounds, args.block, args.warmup)
+    runner = Runner()
+    plans = [runner.plan(case) for case in cases]
+    timed = []
+    for case, plan in zip(cases, plans):
+        timed.append(runner.prepare(case, plan, warmup))
+        print(f"compiled {case.label:<18} {describe(case, plan):<48} {timed[-1].compile_s:5.1f} s", flush=True)
+    time_round_robin(timed, rounds, block)
+    points = [_point(case, plan, t, predict(case, plan, cluster)) for case, plan, t in zip(cases, plans, timed)]
+    for p in points:
         print(f"{p['label']:<18} {p['plan']:<48} measured {1e3 * p['measured_s']:8.1f} ms "
               f"(IQR {100 * p['noise_iqr']:3.0f}%)  predicted {1e3 * p['predicted_s']:8.1f} ms  "
               f"ratio {p['ratio']:.2f}", flush=True)
@@ -269,10 +298,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print()
     print(f"n {summary['n']}, Spearman {summary['spearman']:.3f}, median |pred/meas - 1| "
           f"{100 * summary['median_abs_rel_err']:.1f}% ({jax.device_count()} x {jax.devices()[0].platform}, "
-          f"{reps} timed steps after {warmup} warm-up, {time.perf_counter() - t_start:.0f} s in all)")
+          f"{rounds} rounds of {block} steps ({block - 1} timed) after {warmup} warm-up, "
+          f"{time.perf_counter() - t_start:.0f} s in all)")
     print(f"host load average (1 / 5 / 15 min) at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    out = {"points": points, "summary": summary, "reps": reps, "warmup": warmup, "devices": jax.device_count(),
-           "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(), "wall_s": time.perf_counter() - t_start,
+    out = {"points": points, "summary": summary, "rounds": rounds, "block": block, "warmup": warmup,
+           "devices": jax.device_count(), "cpu_cores": os.cpu_count(), "load_average": os.getloadavg(),
+           "wall_s": time.perf_counter() - t_start,
            "jax": jax.__version__, "profile": json.loads(cluster.to_json())}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=1))
