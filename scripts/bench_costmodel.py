@@ -11,18 +11,20 @@ collective bytes with relative errors, then the summary. ``--speed`` also times 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from typing import Annotated
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
+import tyro  # noqa: E402
 
 
 def speed(n: int = 100_000) -> float:
@@ -49,12 +51,18 @@ def speed(n: int = 100_000) -> float:
     return n / best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write cells and summary to this file")
-    ap.add_argument("--speed", action="store_true", help="also time 100,000 strategies")
-    ap.add_argument("--small", action="store_true", help="the test grid only (6 cells)")
-    args = ap.parse_args()
+@dataclass(frozen=True)
+class Args:
+    """Flags of scripts/bench_costmodel.py."""
+
+    json_out: Annotated[str | None, tyro.conf.arg(name="json")] = None  # write cells and summary to this file
+    speed: bool = False  # also time 100,000 strategies
+    small: bool = False  # the test grid only (6 cells)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Compare every grid cell; print the rows and summary; optionally write them."""
+    args = tyro.cli(Args, args=argv, description=__doc__)
 
     from mistjax.hardware import ClusterSpec
     from mistjax.validate.check import FULL_GRID, SMALL_GRID, compare_cell, grid_plan
@@ -85,8 +93,8 @@ def main() -> None:
     if args.speed:
         out["speed"] = {"strategies_per_s": speed()}
     print(json.dumps({k: v for k, v in out.items() if k != "cells"}, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.json_out:
+        with open(args.json_out, "w") as f:
             json.dump(out, f, indent=1)
 
 

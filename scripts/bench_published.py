@@ -14,15 +14,17 @@ predicted time by resource and by structure, and the summary. ``--json`` writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import tyro  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 
@@ -108,11 +110,17 @@ def summary_text(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(f"{part}: " + ", ".join(f"{k} {f(v)}" for k, v in vals.items()) for part, vals in summary.items())
 
 
+@dataclass(frozen=True)
+class Args:
+    """Flags of scripts/bench_published.py."""
+
+    data: Annotated[str, tyro.conf.Positional]  # a published-runs JSON file (e.g. tests/data/published-runs.json)
+    json_out: Annotated[str | None, tyro.conf.arg(name="json")] = None  # write points and summary here
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("data", help="a published-runs JSON file (e.g. tests/data/published-runs.json)")
-    ap.add_argument("--json", metavar="OUT", help="write points and summary to this file")
-    args = ap.parse_args(argv)
+    """Predict every run of the file; print the table and summary; return (and optionally write) them."""
+    args = tyro.cli(Args, args=argv, description=__doc__)
 
     from mistjax.validate.published import (
         PublishedRunsError,
@@ -157,10 +165,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         d["speedup_pairs"] = [q for q in pairs if q["mist"] == p.run.id]
         points.append(d)
     out = {"points": points, "summary": summary}
-    if args.json:
-        with open(args.json, "w") as fh:
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
             json.dump(out, fh, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json_out}")
     return out
 
 
