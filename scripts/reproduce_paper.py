@@ -11,19 +11,21 @@ Run: python scripts/reproduce_paper.py [--quick] [--json FILE] [--no-docs] [--ab
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the cost model only: no accelerator (nor its plugin's start-up)
+
+import tyro  # noqa: E402
 
 import models  # noqa: E402
 from mistjax.hardware.presets import ClusterSpec  # noqa: E402
@@ -167,22 +169,27 @@ def write_docs(text: str, path: Path) -> None:
     path.write_text(new)
 
 
+@dataclass(frozen=True)
+class Args:
+    """Flags of scripts/reproduce_paper.py."""
+
+    quick: bool = False  # a small subset (GPT-3 at 2 and 4 GPUs) for tests
+    json_out: Annotated[str | None, tyro.conf.arg(name="json")] = None  # write the records and summary here
+    docs: str = str(ROOT / "docs" / "benchmarks.md")  # markdown file to update
+    no_docs: Annotated[bool, tyro.conf.arg(name="no-docs")] = False  # do not touch the markdown file
+    platforms: str = ",".join(PLATFORMS)  # comma-separated subset of l4,a100-40gb
+    families: str = ",".join(FAMILIES)  # comma-separated model families
+    max_gpus: int = 32  # cells up to this many GPUs
+    time_limit: float = 60.0  # seconds per search
+    # published-runs file whose measured Mist-over-Megatron speedups are shown next to the predicted ones
+    # ('' for none)
+    published: str = str(PUBLISHED) if PUBLISHED.exists() else ""
+    ablations: int = 2  # GPT-3 cells per platform (smallest first) that also run the ablation steps
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a small subset (GPT-3 at 2 and 4 GPUs) for tests")
-    ap.add_argument("--json", help="write the records and summary to this file")
-    ap.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"), help="markdown file to update")
-    ap.add_argument("--no-docs", action="store_true", help="do not touch the markdown file")
-    ap.add_argument("--platforms", default=",".join(PLATFORMS), help="comma-separated subset of l4,a100-40gb")
-    ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--max-gpus", type=int, default=32)
-    ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per search")
-    ap.add_argument("--published", default=str(PUBLISHED) if PUBLISHED.exists() else "",
-                    help="published-runs file whose measured Mist-over-Megatron speedups are shown next to the "
-                         "predicted ones ('' for none)")
-    ap.add_argument("--ablations", type=int, default=2,
-                    help="GPT-3 cells per platform (smallest first) that also run the ablation steps")
-    args = ap.parse_args(argv)
+    """Run the grid; print each cell and the summary; update the docs table; return (and optionally write) it."""
+    args = tyro.cli(Args, args=argv, description=__doc__)
     platforms = [p for p in args.platforms.split(",") if p]
     families = [f for f in args.families.split(",") if f]
     cells_todo = [(g, s) for g, s in CELLS if g <= args.max_gpus]
@@ -209,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_docs:
         write_docs(markdown(cells, summary, command), Path(args.docs))
     out = {"cells": [{k: v for k, v in c.items() if k != "plan_text"} for c in cells], "summary": summary}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
     return out
 
 

@@ -289,10 +289,12 @@ def test_baseline_spaces_are_inside_mistjax_space():
 def test_reproduce_paper_quick_writes_the_documented_json(tmp_path):
     import importlib.util
     import pathlib
+    import sys
 
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "reproduce_paper.py"
     spec = importlib.util.spec_from_file_location("reproduce_paper", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["reproduce_paper"] = mod  # its Args dataclass looks its module up
     spec.loader.exec_module(mod)
     out = mod.main(["--quick", "--json", str(tmp_path / "r.json"), "--docs", str(tmp_path / "b.md"),
                     "--time-limit", "30", "--ablations", "0"])
