@@ -229,7 +229,7 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
                         fused_attention_kernels=platform == "gpu", matmul_tile=tile, matmul_k_half=k_half,
                         # XLA:CPU has no all-gather / reduce-scatter combiner: one collective per leaf
                         combines_collectives=platform != "cpu",
-                        # the runtime defers the in-loop gradient sync only where XLA overlaps it (GPUs)
+                        # XLA:CPU runs collectives inline; GPUs / TPUs overlap them (and the runtime defers the sync)
                         async_collectives=platform in ASYNC_COLLECTIVE_PLATFORMS,
                         source=f"measured by mistjax calibrate on {date.today().isoformat()}")
     p2p = intra[min(intra)]
