@@ -344,8 +344,7 @@ def defers_row_sync(mesh: Mesh) -> bool:
     costs (a llama-small DP step 545 -> 696 ms, about 1.5 more gradient rows held: docs/cost_model.md,
     "Gradient sync in the backward"). Read from the mesh's devices, not ``jax.devices()``: a deviceless
     XLA:GPU compile (`validate.gpu_aot`) runs in a CPU process and must build the program the GPUs would
-    run. The cost
-    model mirrors this with `DeviceSpec.async_collectives`.
+    run. The cost model mirrors this with `DeviceSpec.async_collectives`.
     """
     return mesh.devices.flat[0].platform in ASYNC_COLLECTIVE_PLATFORMS
 
