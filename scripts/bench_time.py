@@ -2,7 +2,7 @@
 
 Usage::
 
-    python scripts/bench_time.py [--json OUT] [--rounds 4] [--block 3] [--warmup 2] [--quick] [--profile PROFILE.json]
+    python scripts/bench_time.py [--json OUT] [--rounds 8] [--block 3] [--warmup 2] [--quick] [--profile PROFILE.json]
 
 On the simulated devices JAX sees (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)
 the script first measures the devices with `mistjax.hardware.calibrate.calibrate` (what ``mistjax calibrate``
@@ -76,7 +76,7 @@ class Args:
     """Flags of scripts/bench_time.py."""
 
     json_out: Annotated[str | None, tyro.conf.arg(name="json")] = None  # write points and summary here
-    rounds: int = 4  # rounds over every plan, each plan running ``block`` steps in a row per round
+    rounds: int = 8  # rounds over every plan, each plan running ``block`` steps in a row per round
     block: int = 3  # steps per plan and round; all but the first are timed
     warmup: int = 2  # untimed steps per plan after the compiling one
     quick: bool = False  # two llama-tiny plans, a quick calibration (a smoke test, not a benchmark)

@@ -93,16 +93,25 @@ def dispatched_ops(plan: Plan, update_rounds: int = 1) -> int:
     return (2 * K - 1) * G + K + K * update_rounds + 2 + 2 * (K - 1) * G
 
 
-def _pipeline_step(plan: Plan, c: StageCost) -> float:
+def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> float:
     """Makespan of the MPMD issue order with each stage's forward / backward seconds, every device group
-    then running its once-per-step work (gradient sync, update) after its last operation."""
+    then running its once-per-step work (gradient sync, update) after its last operation.
+
+    With ``shared_compute`` (`DeviceSpec.shared_compute`: the devices draw on one pool, and the stage times
+    are those of every group busy at once) a group runs faster while others idle, so the step is the
+    groups' total work spread over the pool, or the makespan at the speed of a group running alone
+    (``groups`` times faster), whichever is longer."""
     groups = plan.device_stages
     issue = issue_order(plan.schedule, groups, plan.grad_accum, plan.virtual_stages)
     fwd, bwd = np.asarray(c.fwd, np.float64), np.asarray(c.bwd, np.float64)
     finish = group_finish_times(issue, groups, {"F": fwd, "B": bwd, "FB": fwd + bwd})
-    delta = np.bincount(np.arange(plan.num_stages) % groups, weights=np.asarray(c.delta, np.float64),
-                        minlength=groups)
-    return float(np.max(finish + delta))
+    group = np.arange(plan.num_stages) % groups
+    delta = np.bincount(group, weights=np.asarray(c.delta, np.float64), minlength=groups)
+    makespan = float(np.max(finish + delta))
+    if not shared_compute:
+        return makespan
+    work = np.bincount(group, weights=plan.grad_accum * (fwd + bwd), minlength=groups) + delta
+    return max(float(np.sum(work)) / groups, makespan / groups)
 
 
 def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
@@ -128,7 +137,7 @@ def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
         step = float(G * c.stable[0] + c.delta[0])
     else:
         # The host issues the step while the devices run it: it costs time only where it is slower.
-        step = max(_pipeline_step(plan, c), dispatch)
+        step = max(_pipeline_step(plan, c, bool(cluster.device.shared_compute)), dispatch)
     mist = float(pipeline_time(c.stable, c.delta, G, "gpipe" if plan.schedule == "gpipe" else "1f1b"))
     tokens = plan.global_batch * workload.seq_len
     pred = Prediction(step_time=step, stage_stable=tuple(float(x) for x in c.stable),

@@ -300,7 +300,8 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
     upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
     dev = cluster.device
-    update = upd_bytes * (3 + 2 * copies) / (dev.hbm_bandwidth * dev.memory_efficiency)
+    # The update overwrites the donated state in place (`DeviceSpec.update_bandwidth`).
+    update = upd_bytes * (3 + 2 * copies) / (dev.update_bandwidth * dev.memory_efficiency)
     host_state = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
     swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)

@@ -1,9 +1,10 @@
 """`mistjax calibrate`: measure the present devices and write a cluster profile the tuner can load.
 
-Measures, on the devices JAX sees: matmul throughput, memory bandwidth, collective bandwidth and
-latency per group size (alpha-beta fit of all-gathers inside one program: a tiny buffer, two sizes), host<->device copy
-bandwidth, and the slowdown of each channel when compute, collectives and host copies run in one
-program at the same time (Mist's interference factors, one value per channel subset). The result is
+Measures, on the devices JAX sees: matmul throughput (and whether the devices share one pool of it), memory
+bandwidth (fresh outputs and in place), collective bandwidth and latency per group size (alpha-beta fit of
+all-gathers inside one program: a tiny buffer, two sizes), host<->device copy bandwidth, and the slowdown of
+each channel when compute, collectives and host copies run in one program at the same time (Mist's
+interference factors, one value per channel subset). The result is
 a `ClusterSpec` JSON (the same format as the presets), so ``autoshard(..., hardware="profile.json")``
 and ``mistjax plan --cluster profile.json`` use measured numbers.
 """
@@ -55,22 +56,48 @@ def matmul_flops(n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None
     return 2 * n**3 / _best_time(lambda: f(a), repeats)
 
 
-def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = None) -> float:
+def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = None, in_place: bool = False
+                     ) -> float:
     """Streaming read+write bytes/s of one device while every device of ``devices`` streams its buffer.
 
     The least-squares slope of the best times at four sizes up to ``nbytes`` per device, so a program's fixed
     launch cost (large for several simulated CPU devices) does not count as bandwidth, and one noisy size
-    (a shared host) moves the fit less than it moved a two-point slope.
+    (a shared host) moves the fit less than it moved a two-point slope. Each call writes a fresh output, as
+    a program writes its temporaries (on XLA:CPU that pays the host's first-touch page faults); with
+    ``in_place`` the input is donated and overwritten, as the optimizer update overwrites the donated state.
     """
     mesh, spec = _spread(devices)
-    f = jax.jit(jax.shard_map(lambda x: x * 2.0 + 1.0, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    f = jax.jit(jax.shard_map(lambda x: x * 2.0 + 1.0, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
+                donate_argnums=0 if in_place else ())
     sizes = np.array([nbytes // 4, nbytes // 2, 3 * nbytes // 4, nbytes], dtype=np.float64)
     times = []
     for size in sizes.astype(int):
         x = jax.device_put(jnp.ones((mesh.size * size // 4,), jnp.float32), spec)
-        times.append(_best_time(lambda x=x: f(x), repeats))
+        times.append(_best_donated_time(f, x, repeats) if in_place else _best_time(lambda x=x: f(x), repeats))
     slope = float(np.polyfit(2 * sizes, np.array(times), 1)[0])  # seconds per byte read + written
     return 1.0 / max(slope, 1e-18)
+
+
+def _best_donated_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: int) -> float:
+    """Best seconds of ``x = f(x)`` (``f`` donates its argument), after one untimed call."""
+    x = jax.block_until_ready(f(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(f(x))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def shares_compute(flops_all: float, n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None = None,
+                   ) -> bool:
+    """Whether the devices draw on one pool of compute: one device's matmul FLOP/s with half of ``devices``
+    busy (``n x n`` each) is well above ``flops_all``, its FLOP/s with all of them busy (simulated XLA:CPU
+    devices share the host's cores: about 2x; independent GPUs: about 1x)."""
+    devices = devices or jax.devices()
+    if len(devices) < 2:
+        return False
+    return matmul_flops(n, dtype, repeats, devices[: len(devices) // 2]) > 1.5 * flops_all
 
 
 # Small GEMMs (m, n, k) whose throughput fixes the kernel pricing's shape constants (`gemm_shape_constants`).
@@ -207,8 +234,11 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
     flops = matmul_flops(mm, dtype, reps, devices)
     flops32 = flops if dtype == jnp.float32 else matmul_flops(mm, jnp.float32, reps, devices)
     hbm = memory_bandwidth(big, reps, devices)
+    hbm_in_place = memory_bandwidth(big, reps, devices, in_place=True)
+    shared = shares_compute(flops, mm, dtype, reps, devices)
     log(f"per device, all {n_dev} at once: matmul {flops / 1e12:.3f} TFLOP/s ({jnp.dtype(dtype).name}), "
-        f"memory {hbm / 1e9:.1f} GB/s")
+        f"memory {hbm / 1e9:.1f} GB/s ({hbm_in_place / 1e9:.1f} GB/s in place); "
+        f"{'one pool of compute' if shared else 'independent compute'}")
     tile, k_half = gemm_shape_constants(flops, dtype, reps, devices, log)
     h2d, d2h = host_links(big, reps)
     log(f"host->device {h2d.bandwidth / 1e9:.2f} GB/s, device->host {d2h.bandwidth / 1e9:.2f} GB/s")
@@ -223,14 +253,15 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
     stats = devices[0].memory_stats() or {}
     hbm_bytes = float(stats.get("bytes_limit", 16 * 2**30))
     device = DeviceSpec(name=f"{platform}: {devices[0].device_kind}", peak_flops=flops, peak_flops_fp32=flops32,
-                        hbm_bytes=hbm_bytes, hbm_bandwidth=hbm, host_to_device=h2d, device_to_host=d2h,
+                        hbm_bytes=hbm_bytes, hbm_bandwidth=hbm, in_place_bandwidth=hbm_in_place,
+                        host_to_device=h2d, device_to_host=d2h,
                         matmul_efficiency=1.0, memory_efficiency=1.0,
                         # the zoo's fused attention is cuDNN on GPUs only, the blockwise kernel elsewhere
                         fused_attention_kernels=platform == "gpu", matmul_tile=tile, matmul_k_half=k_half,
                         # XLA:CPU has no all-gather / reduce-scatter combiner: one collective per leaf
                         combines_collectives=platform != "cpu",
                         # XLA:CPU runs collectives inline; GPUs / TPUs overlap them (and the runtime defers the sync)
-                        async_collectives=platform in ASYNC_COLLECTIVE_PLATFORMS,
+                        async_collectives=platform in ASYNC_COLLECTIVE_PLATFORMS, shared_compute=shared,
                         source=f"measured by mistjax calibrate on {date.today().isoformat()}")
     p2p = intra[min(intra)]
     return ClusterSpec(name=name, device=device, nodes=1, devices_per_node=n_dev, intra_node=intra,

@@ -85,6 +85,16 @@ class DeviceSpec:
     # the next layer's backward (`runtime.grads.defers_row_sync`). False: collectives run inline, in program
     # order (XLA:CPU), so each is charged on top of the compute around it.
     async_collectives: bool = True
+    # Bytes/s of streaming kernels that overwrite a buffer donated to them (the optimizer update of the
+    # donated train state); 0: ``hbm_bandwidth``. XLA:CPU writes every fresh output and temporary into newly
+    # allocated host memory, paying first-touch page faults (about 5x slower, `mistjax calibrate` measures
+    # both); GPU and TPU allocators reuse device memory, so there the two are one.
+    in_place_bandwidth: float = 0.0
+    # The node's devices draw on one pool of compute (simulated XLA:CPU devices share the host's cores, and
+    # one device alone runs as fast as all of them together): the busy stages of an MPMD pipeline get the idle
+    # stages' share, so a pipeline costs about its total work spread over the node, not its lock-step
+    # makespan (`mistjax.cost.predict`). False: each device computes on its own (GPUs, TPUs).
+    shared_compute: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -96,16 +106,23 @@ class DeviceSpec:
         for f in ("matmul_efficiency", "memory_efficiency", "usable_memory_fraction"):
             _check_num("device", f, getattr(self, f), at_most_one=True)
         _check_num("device", "dispatch_seconds", self.dispatch_seconds, positive=False)
+        _check_num("device", "in_place_bandwidth", self.in_place_bandwidth, positive=False)
         _check_num("device", "matmul_tile", self.matmul_tile)
         for f in ("matmul_k_half", "kernel_overhead"):
             _check_num("device", f, getattr(self, f), positive=False)
-        for f in ("fused_attention_kernels", "combines_collectives", "async_collectives"):
+        for f in ("fused_attention_kernels", "combines_collectives", "async_collectives", "shared_compute"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"device.{f}: expected true or false, got {getattr(self, f)!r}")
         for f in ("host_to_device", "device_to_host"):
             if not isinstance(getattr(self, f), LinkModel):
                 raise ValueError(f"device.{f}: expected a LinkModel")
 
+
+    @property
+    def update_bandwidth(self) -> float:
+        """Bytes/s of the optimizer update, which overwrites the donated state: ``in_place_bandwidth`` where
+        measured, else ``hbm_bandwidth`` (before ``memory_efficiency``)."""
+        return self.in_place_bandwidth or self.hbm_bandwidth
 
     def gemm_efficiency(self, m: Any, n: Any, k: Any) -> np.ndarray:
         """Fraction of the peak a GEMM of ``m x k`` by ``k x n`` reaches (vectorised; before the memory roofline).
@@ -379,7 +396,7 @@ def _records(doc: Any, path: str, keys: tuple[str, ...]) -> dict[tuple[int, ...]
 
 
 # -- link rules of preset documents ---------------------------------------------------------------
-_SPLITTABLE = ("peak_flops", "peak_flops_fp32", "hbm_bytes", "hbm_bandwidth")
+_SPLITTABLE = ("peak_flops", "peak_flops_fp32", "hbm_bytes", "hbm_bandwidth", "in_place_bandwidth")
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -393,7 +410,7 @@ def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
     _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
             frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds", "matmul_k_half",
                        "matmul_tile", "kernel_overhead", "fused_attention_kernels",
-                       "combines_collectives", "async_collectives"}))
+                       "combines_collectives", "async_collectives", "shared_compute", "in_place_bandwidth"}))
     split = doc.get("split_across_devices", [])
     if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
         raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "
