@@ -16,3 +16,19 @@ def test_fit_gemm_shape_recovers_the_generating_constants(tile, k_half):
                               matmul_efficiency=1.0)
     eff = {s: float(dev.gemm_efficiency(*s)) for s in GEMM_SHAPES}
     assert fit_gemm_shape(eff) == (tile, k_half)
+
+
+def test_calibrate_measures_the_simulated_devices():
+    """A quick calibration of the 8 simulated CPU devices: one pool of compute (a device runs faster while
+    others idle), in-place streaming measured next to fresh outputs, a link per group size, and a profile
+    that round-trips through JSON."""
+    from mistjax.hardware.calibrate import calibrate
+
+    lines: list[str] = []
+    profile = calibrate(name="test", quick=True, log=lines.append)
+    dev = profile.device
+    assert dev.shared_compute and not dev.async_collectives and not dev.combines_collectives
+    assert dev.in_place_bandwidth > 0 and dev.hbm_bandwidth > 0 and dev.update_bandwidth == dev.in_place_bandwidth
+    assert sorted(profile.intra_node) == [2, 4, 8] and all(link.latency > 0 for link in profile.intra_node.values())
+    assert ClusterSpec.from_json(profile.to_json()) == profile
+    assert any("one pool of compute" in line for line in lines)

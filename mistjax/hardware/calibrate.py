@@ -151,28 +151,33 @@ def gemm_shape_constants(peak: float, dtype: Any, repeats: int = 3, devices: lis
 
 
 def _all_gather_seconds(mesh: jax.sharding.Mesh, nbytes: int, trips: int, repeats: int) -> float:
-    """Seconds per all-gather of an ``nbytes`` result, from ``trips`` dependent all-gathers in one program.
+    """Seconds per all-gather of an ``nbytes`` result over the mesh's ``"x"`` axis, from ``trips`` dependent
+    all-gathers in one program, every group of the ``("r", "x")`` mesh gathering at once.
 
     Inside one program, as a train step issues them: no dispatch in the figure (the model charges
     `DeviceSpec.dispatch_seconds` per program separately).
     """
-    g = mesh.devices.size
+    g = mesh.shape["x"]
     local = max(nbytes // 4 // g, 1)
 
     def body(_: Any, y: jax.Array) -> jax.Array:  # the next gather reads this one's result
         return jax.lax.all_gather(y, "x", tiled=True)[:local] * 1.0
 
-    x = jax.device_put(jnp.ones((local * g,), jnp.float32), NamedSharding(mesh, P("x")))
-    f = jax.jit(jax.shard_map(lambda y: jax.lax.fori_loop(0, trips, body, y), mesh=mesh, in_specs=P("x"),
-                              out_specs=P("x"), check_vma=False))
+    spec = P(("r", "x"))
+    x = jax.device_put(jnp.ones((local * mesh.size,), jnp.float32), NamedSharding(mesh, spec))
+    f = jax.jit(jax.shard_map(lambda y: jax.lax.fori_loop(0, trips, body, y), mesh=mesh, in_specs=spec,
+                              out_specs=spec, check_vma=False))
     return _best_time(lambda: f(x), repeats) / trips
 
 
-def collective_link(devices: list[Any], sizes: tuple[int, int], repeats: int = 3) -> LinkModel:
-    """Alpha-beta fit of a ring all-gather over `devices`: the latency from a tiny buffer, the bandwidth from
-    two buffer sizes (bytes of the result), every time per collective inside one program."""
-    g = len(devices)
-    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+def collective_link(devices: list[Any], group: int, sizes: tuple[int, int], repeats: int = 3) -> LinkModel:
+    """Alpha-beta fit of a ring all-gather over groups of ``group`` consecutive ``devices``, every group
+    gathering at once as in a train step (on simulated CPU devices a group's rendezvous waits for threads
+    that share the cores with the other groups': 2.4x the latency of one group alone for pairs, measured):
+    the latency from a tiny buffer, the bandwidth from two buffer sizes (bytes of the result), every time
+    per collective inside one program."""
+    g = group
+    mesh = jax.sharding.Mesh(np.array(devices[: len(devices) // g * g]).reshape(-1, g), ("r", "x"))
     tiny = _all_gather_seconds(mesh, 4 * g, 32, repeats)
     (s0, s1) = sizes
     t0, t1 = (_all_gather_seconds(mesh, n, 4, repeats) for n in sizes)
@@ -245,8 +250,9 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
     intra = {}
     for g in (2, 4, 8):
         if g <= n_dev:
-            intra[g] = collective_link(devices[:g], (big // 64, big), reps)
-            log(f"all-gather over {g}: {intra[g].bandwidth / 1e9:.2f} GB/s, latency {intra[g].latency * 1e6:.1f} us")
+            intra[g] = collective_link(devices, g, (big // 64, big), reps)
+            log(f"all-gather over {g} (all {n_dev // g} groups at once): {intra[g].bandwidth / 1e9:.2f} GB/s, "
+                f"latency {intra[g].latency * 1e6:.1f} us")
     if not intra:
         intra = {1: LinkModel(hbm, 1e-6)}
     inter = interference_factors(devices[: min(n_dev, 8)], big // 4, reps) if n_dev > 1 else InterferenceParams.serial()
