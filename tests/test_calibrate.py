@@ -20,15 +20,19 @@ def test_fit_gemm_shape_recovers_the_generating_constants(tile, k_half):
 
 def test_calibrate_measures_the_simulated_devices():
     """A quick calibration of the 8 simulated CPU devices: one pool of compute (a device runs faster while
-    others idle), in-place streaming measured next to fresh outputs, a link per group size, and a profile
-    that round-trips through JSON."""
+    others idle), in-place streaming measured next to fresh outputs, kernel and dispatch overheads, a link
+    per group size (finite figures even where quick sizes drown in noise), and a profile that round-trips
+    through JSON."""
     from mistjax.hardware.calibrate import calibrate
 
     lines: list[str] = []
     profile = calibrate(name="test", quick=True, log=lines.append)
     dev = profile.device
     assert dev.shared_compute and not dev.async_collectives and not dev.combines_collectives
-    assert dev.in_place_bandwidth > 0 and dev.hbm_bandwidth > 0 and dev.update_bandwidth == dev.in_place_bandwidth
-    assert sorted(profile.intra_node) == [2, 4, 8] and all(link.latency > 0 for link in profile.intra_node.values())
+    assert dev.update_bandwidth == dev.in_place_bandwidth
+    assert all(0 < bw < 1e13 for bw in (dev.in_place_bandwidth, dev.hbm_bandwidth, dev.peak_flops))  # no 1 / 0
+    assert 0 < dev.kernel_overhead < 1e-3 and 0 < dev.dispatch_seconds < 1e-1
+    assert sorted(profile.intra_node) == [2, 4, 8]
+    assert all(link.latency > 0 and link.bandwidth < 1e13 for link in profile.intra_node.values())
     assert ClusterSpec.from_json(profile.to_json()) == profile
     assert any("one pool of compute" in line for line in lines)

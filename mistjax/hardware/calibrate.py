@@ -1,11 +1,11 @@
 """`mistjax calibrate`: measure the present devices and write a cluster profile the tuner can load.
 
 Measures, on the devices JAX sees: matmul throughput (and whether the devices share one pool of it), memory
-bandwidth (fresh outputs and in place), collective bandwidth and latency per group size (alpha-beta fit of
-all-gathers inside one program: a tiny buffer, two sizes), host<->device copy bandwidth, and the slowdown of
-each channel when compute, collectives and host copies run in one program at the same time (Mist's
-interference factors, one value per channel subset). The result is
-a `ClusterSpec` JSON (the same format as the presets), so ``autoshard(..., hardware="profile.json")``
+bandwidth (fresh outputs and in place), the overhead of a kernel and of dispatching a program, collective
+bandwidth and latency per group size (alpha-beta fit of all-gathers inside one program: a tiny buffer, two
+sizes), host<->device copy bandwidth, and the slowdown of each channel when compute, collectives and host
+copies run in one program at the same time (Mist's interference factors, one value per channel subset). The
+result is a `ClusterSpec` JSON (the same format as the presets), so ``autoshard(..., hardware="profile.json")``
 and ``mistjax plan --cluster profile.json`` use measured numbers.
 """
 
@@ -75,7 +75,9 @@ def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = 
         x = jax.device_put(jnp.ones((mesh.size * size // 4,), jnp.float32), spec)
         times.append(_best_donated_time(f, x, repeats) if in_place else _best_time(lambda x=x: f(x), repeats))
     slope = float(np.polyfit(2 * sizes, np.array(times), 1)[0])  # seconds per byte read + written
-    return 1.0 / max(slope, 1e-18)
+    if slope <= 0:  # the sizes are too small to rise above the launch noise: the largest one's rate, launch included
+        return float(2 * sizes[-1] / times[-1])
+    return 1.0 / slope
 
 
 def _best_donated_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: int) -> float:
@@ -98,6 +100,40 @@ def shares_compute(flops_all: float, n: int, dtype: Any, repeats: int = 3, devic
     if len(devices) < 2:
         return False
     return matmul_flops(n, dtype, repeats, devices[: len(devices) // 2]) > 1.5 * flops_all
+
+
+def kernel_overhead(repeats: int = 3, devices: list[Any] | None = None) -> float:
+    """Seconds each kernel of a program costs beyond its work, every device of ``devices`` running at once:
+    the slope between chains of 16 and 128 dependent 16 x 16 matmuls (about no work; XLA fuses no two)."""
+    mesh, spec = _spread(devices)
+    x = jax.device_put(jnp.ones((mesh.size * 16, 16), jnp.float32), spec)
+    w = jnp.eye(16, dtype=jnp.float32) * 0.5
+
+    def chain(k: int) -> Callable[..., Any]:
+        def run(x: jax.Array, w: jax.Array) -> jax.Array:
+            for _ in range(k):
+                x = x @ w
+            return x
+
+        return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+
+    short, long = (_best_time(lambda f=f: f(x, w), repeats) for f in (chain(16), chain(128)))
+    return max((long - short) / 112, 0.0)
+
+
+def dispatch_seconds(calls: int = 200, devices: list[Any] | None = None) -> float:
+    """Host seconds per call of a one-element jitted program on two devices (``devices[:2]``): what issuing
+    any program costs the host, whatever it computes (the MPMD pipeline issues many per step). The calls
+    are issued back to back without waiting, so the figure is the host's, not the devices'."""
+    mesh, spec = _spread((devices or jax.devices())[:2])
+    x = jax.device_put(jnp.zeros((mesh.size,), jnp.float32), spec)
+    add = jax.jit(lambda v: v + 1)
+    jax.block_until_ready(add(x))
+    t0 = time.perf_counter()
+    ys = [add(x) for _ in range(calls)]
+    seconds = (time.perf_counter() - t0) / calls
+    jax.block_until_ready(ys)
+    return seconds
 
 
 # Small GEMMs (m, n, k) whose throughput fixes the kernel pricing's shape constants (`gemm_shape_constants`).
@@ -182,7 +218,8 @@ def collective_link(devices: list[Any], group: int, sizes: tuple[int, int], repe
     (s0, s1) = sizes
     t0, t1 = (_all_gather_seconds(mesh, n, 4, repeats) for n in sizes)
     # t = (g-1) * alpha + (g-1)/g * bytes / bw: alpha where the bytes are nothing, bw from the two sizes.
-    per_byte = max((t1 - t0) / ((g - 1) / g * (s1 - s0)), 1e-15)
+    # (t1 <= t0: the sizes too close for the noise; the larger one's rate, latency included, bounds it)
+    per_byte = (t1 - t0) / ((g - 1) / g * (s1 - s0)) if t1 > t0 else t1 / ((g - 1) / g * s1)
     alpha = max(tiny / (g - 1), 0.0)
     return LinkModel(bandwidth=1.0 / per_byte, latency=alpha)
 
@@ -245,6 +282,8 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
         f"memory {hbm / 1e9:.1f} GB/s ({hbm_in_place / 1e9:.1f} GB/s in place); "
         f"{'one pool of compute' if shared else 'independent compute'}")
     tile, k_half = gemm_shape_constants(flops, dtype, reps, devices, log)
+    per_kernel, dispatch = kernel_overhead(reps, devices), dispatch_seconds(50 if quick else 200, devices)
+    log(f"per kernel {per_kernel * 1e6:.1f} us (all devices at once), dispatch {dispatch * 1e6:.0f} us per program")
     h2d, d2h = host_links(big, reps)
     log(f"host->device {h2d.bandwidth / 1e9:.2f} GB/s, device->host {d2h.bandwidth / 1e9:.2f} GB/s")
     intra = {}
@@ -261,7 +300,8 @@ def calibrate(*, name: str = "calibrated", quick: bool = False, log: Callable[[s
     device = DeviceSpec(name=f"{platform}: {devices[0].device_kind}", peak_flops=flops, peak_flops_fp32=flops32,
                         hbm_bytes=hbm_bytes, hbm_bandwidth=hbm, in_place_bandwidth=hbm_in_place,
                         host_to_device=h2d, device_to_host=d2h,
-                        matmul_efficiency=1.0, memory_efficiency=1.0,
+                        matmul_efficiency=1.0, memory_efficiency=1.0, kernel_overhead=per_kernel,
+                        dispatch_seconds=dispatch,
                         # the zoo's fused attention is cuDNN on GPUs only, the blockwise kernel elsewhere
                         fused_attention_kernels=platform == "gpu", matmul_tile=tile, matmul_k_half=k_half,
                         # XLA:CPU has no all-gather / reduce-scatter combiner: one collective per leaf
