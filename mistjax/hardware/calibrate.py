@@ -29,13 +29,15 @@ from mistjax.hardware.presets import ClusterSpec, DeviceSpec, LinkModel
 
 
 def _best_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one untimed (compiling) call: the median, as the
+    benchmarks report a step's, so a lucky call on a shared host does not set the figure."""
     jax.block_until_ready(fn())  # compile + warm up
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def _spread(devices: list[Any] | None) -> tuple[jax.sharding.Mesh, NamedSharding]:
@@ -81,14 +83,14 @@ def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = 
 
 
 def _best_donated_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: int) -> float:
-    """Best seconds of ``x = f(x)`` (``f`` donates its argument), after one untimed call."""
+    """Median seconds of ``x = f(x)`` (``f`` donates its argument), after one untimed call."""
     x = jax.block_until_ready(f(x))
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         x = jax.block_until_ready(f(x))
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def shares_compute(flops_all: float, n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None = None,
