@@ -28,7 +28,7 @@ from mistjax.hardware.interference import MASKS, InterferenceParams
 from mistjax.hardware.presets import ClusterSpec, DeviceSpec, LinkModel
 
 
-def _best_time(fn: Callable[[], Any], repeats: int) -> float:
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after one untimed (compiling) call: the median, as the
     benchmarks report a step's, so a lucky call on a shared host does not set the figure."""
     jax.block_until_ready(fn())  # compile + warm up
@@ -55,14 +55,14 @@ def matmul_flops(n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None
     mesh, spec = _spread(devices)
     a = jax.device_put(jnp.ones((mesh.size * n, n), dtype), spec)
     f = jax.jit(jax.shard_map(lambda a: a @ a, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    return 2 * n**3 / _best_time(lambda: f(a), repeats)
+    return 2 * n**3 / _median_time(lambda: f(a), repeats)
 
 
 def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = None, in_place: bool = False
                      ) -> float:
     """Streaming read+write bytes/s of one device while every device of ``devices`` streams its buffer.
 
-    The least-squares slope of the best times at four sizes up to ``nbytes`` per device, so a program's fixed
+    The least-squares slope of the median times at four sizes up to ``nbytes`` per device, so a program's fixed
     launch cost (large for several simulated CPU devices) does not count as bandwidth, and one noisy size
     (a shared host) moves the fit less than it moved a two-point slope. Each call writes a fresh output, as
     a program writes its temporaries (on XLA:CPU that pays the host's first-touch page faults); with
@@ -75,14 +75,14 @@ def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = 
     times = []
     for size in sizes.astype(int):
         x = jax.device_put(jnp.ones((mesh.size * size // 4,), jnp.float32), spec)
-        times.append(_best_donated_time(f, x, repeats) if in_place else _best_time(lambda x=x: f(x), repeats))
+        times.append(_median_donated_time(f, x, repeats) if in_place else _median_time(lambda x=x: f(x), repeats))
     slope = float(np.polyfit(2 * sizes, np.array(times), 1)[0])  # seconds per byte read + written
     if slope <= 0:  # the sizes are too small to rise above the launch noise: the largest one's rate, launch included
         return float(2 * sizes[-1] / times[-1])
     return 1.0 / slope
 
 
-def _best_donated_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: int) -> float:
+def _median_donated_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, repeats: int) -> float:
     """Median seconds of ``x = f(x)`` (``f`` donates its argument), after one untimed call."""
     x = jax.block_until_ready(f(x))
     times = []
@@ -119,7 +119,7 @@ def kernel_overhead(repeats: int = 3, devices: list[Any] | None = None) -> float
 
         return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
 
-    short, long = (_best_time(lambda f=f: f(x, w), repeats) for f in (chain(16), chain(128)))
+    short, long = (_median_time(lambda f=f: f(x, w), repeats) for f in (chain(16), chain(128)))
     return max((long - short) / 112, 0.0)
 
 
@@ -158,7 +158,7 @@ def gemm_throughput(m: int, n: int, k: int, dtype: Any, repeats: int = 3, device
     for batch in batches:
         a = jax.device_put(jnp.ones((mesh.size * batch, m, k), dtype), spec)
         b = jax.device_put(jnp.ones((mesh.size * batch, k, n), dtype), spec)
-        times.append(_best_time(lambda a=a, b=b: f(a, b), repeats))
+        times.append(_median_time(lambda a=a, b=b: f(a, b), repeats))
     return 2 * m * n * k * (batches[1] - batches[0]) / max(times[1] - times[0], 1e-9)
 
 
@@ -205,7 +205,7 @@ def _all_gather_seconds(mesh: jax.sharding.Mesh, nbytes: int, trips: int, repeat
     x = jax.device_put(jnp.ones((local * mesh.size,), jnp.float32), NamedSharding(mesh, spec))
     f = jax.jit(jax.shard_map(lambda y: jax.lax.fori_loop(0, trips, body, y), mesh=mesh, in_specs=spec,
                               out_specs=spec, check_vma=False))
-    return _best_time(lambda: f(x), repeats) / trips
+    return _median_time(lambda: f(x), repeats) / trips
 
 
 def collective_link(devices: list[Any], group: int, sizes: tuple[int, int], repeats: int = 3) -> LinkModel:
@@ -233,8 +233,8 @@ def host_links(nbytes: int, repeats: int = 3) -> tuple[LinkModel, LinkModel]:
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     device = jax.sharding.SingleDeviceSharding(dev)
     xh = jax.device_put(x, host)
-    d2h = nbytes / _best_time(lambda: jax.device_put(x, host), repeats)
-    h2d = nbytes / _best_time(lambda: jax.device_put(xh, device), repeats)
+    d2h = nbytes / _median_time(lambda: jax.device_put(x, host), repeats)
+    h2d = nbytes / _median_time(lambda: jax.device_put(xh, device), repeats)
     return LinkModel(h2d, 10e-6), LinkModel(d2h, 10e-6)
 
 
@@ -257,11 +257,11 @@ def interference_factors(devices: list[Any], nbytes: int, repeats: int = 3) -> I
         3: lambda a, v, vh: jax.device_put(v * 1.0, jax.memory.Space.Host),  # returned, so the copy runs
     }
     jitted = {k: jax.jit(op) for k, op in ops.items()}
-    alone = {k: _best_time(lambda f=f: f(a, v, vh), repeats) for k, f in jitted.items()}
+    alone = {k: _median_time(lambda f=f: f(a, v, vh), repeats) for k, f in jitted.items()}
     factors = []
     for mask in MASKS:
         joint = jax.jit(lambda a, v, vh, mask=mask: tuple(ops[k](a, v, vh) for k in mask))
-        t = _best_time(lambda j=joint: j(a, v, vh), repeats)
+        t = _median_time(lambda j=joint: j(a, v, vh), repeats)
         slow = max(1.0, min(float(len(mask)), t / max(alone[k] for k in mask)))
         factors.extend([slow] * len(mask))
     return InterferenceParams(tuple(factors))
