@@ -144,9 +144,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except PlanError as e:
         raise CliError(str(e)) from e
     report = analyze(workload, plan, cluster)
-    print(report.summary())
-    for note in report.notes:
-        print(f"  note: {note}")
+    print(report.summary())  # with its notes
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
     return _verify(_model_config(args), workload, plan, cluster, report) if args.verify else 0

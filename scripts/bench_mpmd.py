@@ -69,24 +69,24 @@ def time_steps(step, state, batch, steps: int) -> tuple[list[dict], object]:
 
 
 def dispatch_floor(calls: int = 300) -> dict[str, float]:
-    """Host ms per call of a 1-element jitted add on a 2-device sub-mesh, and of a device_put of it to
-    another sub-mesh: what any op costs the host here, whatever it computes."""
+    """Host ms per call of a 1-element jitted add on a 2-device sub-mesh (`calibrate.dispatch_seconds`, what
+    ``mistjax calibrate`` stores as ``dispatch_seconds``), and of a device_put of it to another sub-mesh: what
+    any op costs the host here, whatever it computes."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from mistjax.hardware.calibrate import dispatch_seconds
 
     devs = jax.devices()
     a, b = Mesh(devs[0:2], ("x",)), Mesh(devs[2:4], ("x",))
     x = jax.device_put(jnp.zeros((2,)), NamedSharding(a, P("x")))
-    add = jax.jit(lambda v: v + 1)
     dst = NamedSharding(b, P("x"))
-    out = {}
-    for name, fn in (("program", lambda: add(x)), ("transfer", lambda: jax.device_put(x, dst))):
-        jax.block_until_ready(fn())
-        t0 = time.perf_counter()
-        ys = [fn() for _ in range(calls)]
-        out[name] = 1e3 * (time.perf_counter() - t0) / calls
-        jax.block_until_ready(ys)
-    return out
+    jax.block_until_ready(jax.device_put(x, dst))
+    t0 = time.perf_counter()
+    ys = [jax.device_put(x, dst) for _ in range(calls)]
+    transfer = 1e3 * (time.perf_counter() - t0) / calls
+    jax.block_until_ready(ys)
+    return {"program": 1e3 * dispatch_seconds(calls, devs), "transfer": transfer}
 
 
 def main() -> None:

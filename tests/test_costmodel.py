@@ -79,7 +79,6 @@ def test_predict_and_analyze(wl):
     assert acts[0] > acts[1] > 0
 
 
-
 def test_shared_compute_pipeline_spreads_its_work_over_the_pool(wl):
     """On devices that share one pool of compute (XLA:CPU), an idle stage lends its share to the busy one:
     the pipeline costs its total work over the groups, between the lock-step makespan's 1 / groups and 1x."""
@@ -91,8 +90,10 @@ def test_shared_compute_pipeline_spreads_its_work_over_the_pool(wl):
                                                                 pool.prediction.stage_delta))
     assert lock.step_time / 2 <= pool.step_time < lock.step_time
     assert pool.step_time == pytest.approx(max(work / 2, lock.step_time / 2))
+    assert "one pool of compute" in pool.summary() and not lock.notes  # the user is told why
     single = uniform_plan(4, 8, micro_batch=2)  # one program: every device busy, nothing to lend
     assert analyze(wl, single, pooled).step_time == analyze(wl, single, own).step_time
+
 
 def test_hlo_counter_reads_tuple_collectives():
     text = """HloModule m

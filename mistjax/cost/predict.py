@@ -54,6 +54,7 @@ class Analysis:
             lines.append(f"  stage {i}: MiB: {cats}")
         lines.append("  collectives/step: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in
                                                          self.collective_bytes.items()))
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -138,6 +139,9 @@ def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
     else:
         # The host issues the step while the devices run it: it costs time only where it is slower.
         step = max(_pipeline_step(plan, c, bool(cluster.device.shared_compute)), dispatch)
+    pooled = S > 1 and cluster.device.shared_compute
+    notes = (("the devices share one pool of compute (DeviceSpec.shared_compute): the pipeline is priced as its "
+              "total work over the pool, not its lock-step makespan"),) if pooled else ()
     mist = float(pipeline_time(c.stable, c.delta, G, "gpipe" if plan.schedule == "gpipe" else "1f1b"))
     tokens = plan.global_batch * workload.seq_len
     pred = Prediction(step_time=step, stage_stable=tuple(float(x) for x in c.stable),
@@ -154,7 +158,8 @@ def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
                     stage_bwd=tuple(map(float, c.bwd)), stage_memory=stage_memory,
                     stage_host=tuple(map(float, host)), xla_cpu_peak=tuple(float(x) for x in peak + host),
                     collective_bytes=coll, flops=tuple(map(float, np.broadcast_to(c.flops, (S,)))),
-                    flops_xla=tuple(map(float, np.broadcast_to(c.flops_xla, (S,)))), dispatch_time=dispatch)
+                    flops_xla=tuple(map(float, np.broadcast_to(c.flops_xla, (S,)))), dispatch_time=dispatch,
+                    notes=notes)
 
 
 def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:

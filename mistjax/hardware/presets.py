@@ -117,7 +117,6 @@ class DeviceSpec:
             if not isinstance(getattr(self, f), LinkModel):
                 raise ValueError(f"device.{f}: expected a LinkModel")
 
-
     @property
     def update_bandwidth(self) -> float:
         """Bytes/s of the optimizer update, which overwrites the donated state: ``in_place_bandwidth`` where
