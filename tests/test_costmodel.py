@@ -12,6 +12,7 @@ import pytest
 import mistjax
 from mistjax.core.hlo import collectives as hlo_collectives
 from mistjax.cost import StageStrategies, Workload, analyze, predict, stage_cost
+from mistjax.cost.layout import totals_over
 from mistjax.hardware import ClusterSpec
 from mistjax.plan import Prediction, uniform_plan
 from mistjax.validate.check import FULL_GRID, SMALL_GRID, compare_cell, grid_plan, workload_for
@@ -187,6 +188,21 @@ def test_async_collectives_price_the_deferred_sync_below_the_serial_one(wl):
         assert float(a.bwd) > float(s.bwd) and float(a.fwd) == float(s.fwd)
         extra.append(float(a.memory["grads"]) - float(s.memory["grads"]))
     assert extra[0] > 0 and extra[0] == pytest.approx(extra[1])
+
+
+def test_fetched_weights_follow_the_runtimes_loops(wl):
+    """ZeRO-3's gathered weights as the runtime holds them: two layers inside the layer loops where it
+    double-buffers the fetches (asynchronous collectives), one where it does not; the gathered embedding /
+    head for the whole step when G > 1 (XLA hoists their gathers out of the micro-batch loop), only next
+    to their own part when G == 1 (cheaper by at least the smaller of the two)."""
+    def buffers(cluster, **kw):
+        return float(stage_cost(wl, cluster, StageStrategies.make(zero=3, b=2, dp=8, layers=4, **kw)).memory["buffers"])
+
+    lt = totals_over(wl, (1, 8, 3, 0.0, 0.0, 0.0, True, True, 4))
+    one_layer = float(lt["w_layer_fetch"])
+    assert one_layer > 0 and float(lt["w_pre_fetch"]) > 0 and float(lt["w_post_fetch"]) > 0
+    assert buffers(A100, G=2) - buffers(A100_SYNC, G=2) == pytest.approx(one_layer)
+    assert buffers(A100_SYNC, G=2) - buffers(A100_SYNC, G=1) >= min(float(lt["w_pre_fetch"]), float(lt["w_post_fetch"]))
 
 
 def test_layer_collectives_add_to_compute_without_async_collectives(wl):

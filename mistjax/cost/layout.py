@@ -21,7 +21,8 @@ from mistjax.cost.workload import ParamLeaf, Workload
 
 FIELDS = ("w_layer_dev", "w_layer_host", "w_layer_shard", "w_other_dev", "w_other_shard", "opt_layer_dev",
           "opt_layer_host", "opt_other_dev", "opt_other_host", "g_layer_shard", "g_other_shard",
-          "acc_layer_host_frac", "w_layer_fetch", "w_other_fetch", "w_layer_dev_acc_host")
+          "acc_layer_host_frac", "w_layer_fetch", "w_other_fetch", "w_pre_fetch", "w_post_fetch",
+          "w_layer_dev_acc_host")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class LeafTotals:
     acc_layer_host_frac: float  # fraction of the stacked gradient accumulators kept in host memory
     w_layer_fetch: float  # bytes of one layer that are fetched per use (ZeRO-3 gathered or host-streamed)
     w_other_fetch: float  # non-stacked bytes gathered once per micro-batch (ZeRO-3)
+    w_pre_fetch: float  # the part of `w_other_fetch` the pre part reads (embedding)
+    w_post_fetch: float  # the part of `w_other_fetch` the post part reads (head, final norm)
     w_layer_dev_acc_host: float  # `w_layer_dev` of the leaves whose gradient accumulator is on host
 
 
@@ -122,6 +125,9 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
     o_host = opt_host.sum(axis=0)  # copies of each leaf on host
     layer, other = stacked, held_other
     fetched = w_host | (shardable & (zero >= 3))
+    other_fetched = other & shardable & (zero >= 3)
+    reads = [x.parts or frozenset({"pre"}) for x in wl.leaves]
+    by_pre, by_post = (np.array([part in r for r in reads]) for part in ("pre", "post"))
 
     def total(values: np.ndarray, mask: np.ndarray) -> float:
         return float(np.sum((values * per)[mask]))
@@ -133,7 +139,8 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
         opt_other_dev=total(o * (wl.opt_copies - o_host), other), opt_other_host=total(o * o_host, other),
         g_layer_shard=total(g_sh, layer), g_other_shard=total(g_sh, other), acc_layer_host_frac=acc_frac,
         w_layer_fetch=total(nbytes, layer & fetched),
-        w_other_fetch=total(nbytes, other & shardable & (zero >= 3)),
+        w_other_fetch=total(nbytes, other_fetched), w_pre_fetch=total(nbytes, other_fetched & by_pre),
+        w_post_fetch=total(nbytes, other_fetched & by_post),
         w_layer_dev_acc_host=total(w_sh, layer & ~w_host & acc_host))
 
 

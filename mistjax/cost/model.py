@@ -15,7 +15,7 @@ from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
-from mistjax.cost.stage_time import defers_row_sync, layer_times, step_extras, synced_in_loop
+from mistjax.cost.stage_time import defers_row_sync, double_buffers_fetches, layer_times, step_extras, synced_in_loop
 from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 
@@ -123,15 +123,14 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
                       param_full=nl * param_layer + param_other)
 
 
-def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds
-             ) -> np.ndarray:
-    """Transient device bytes: the largest liveness peak, recompute space, fetched weights, the batch."""
+def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
+             double_buffer: bool) -> np.ndarray:
+    """Transient device bytes: the largest liveness peak, recompute space, fetched weights, the batch.
+    `double_buffer`: `cost.stage_time.double_buffers_fetches`."""
     pols, c = workload.policies, kinds.n_remat
     blk_peak = np.maximum(v.block.bwd_peak_bytes("none"), v.block.fwd_peak_bytes("none"))
     blk_peak = np.maximum(blk_peak, np.where(c > 0, v.block.pick(v.block.bwd_peak_bytes, pols, k.policy), 0.0))
-    part_peak = np.maximum(
-        np.where(k.last, v.post.fwd_peak_bytes("none") + v.post.bwd_peak_bytes("none"), 0.0),
-        np.where(k.first, v.pre.fwd_peak_bytes("none") + v.pre.bwd_peak_bytes("none"), 0.0))
+    part_peak, whole_step = _part_peak(k, v, lt)
     # A checkpointed layer's backward peak (bwd_peak[policy]) already holds its recomputed residuals;
     # what XLA adds is at most the residuals its policy did not keep next to the plain backward's
     # transients (measured: charging both on top of each other over-predicted remat cells by 10-26%).
@@ -140,16 +139,31 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     recompute = np.maximum(np.maximum(remat_bwd, 0.0), np.where(kinds.n_off > 0, kinds.saved_plain, 0.0))
     # Fetched layer weights live only inside the layer loops: two layers at once in a scan unrolled by 2
     # (`runtime.remat.make_layer_loop` unrolls every segment of more than two layers with fetches: plain,
-    # checkpointed or offloaded; forward, and backward where they are fetched again), one otherwise. They
-    # are never live next to pre / post's transients; the ZeRO-3-gathered embedding / head is (whole step).
-    unrolled = (kinds.n_plain > 2) | (kinds.n_remat > 2) | (kinds.n_off > 2)
+    # checkpointed or offloaded; forward, and backward where they are fetched again; only where fetches
+    # overlap compute), one otherwise. They are never live next to pre / post's transients.
+    unrolled = double_buffer & ((kinds.n_plain > 2) | (kinds.n_remat > 2) | (kinds.n_off > 2))
     layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
     tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0  # int32 inputs + targets of the local batch
     # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
     # stage also holds the activation it received and the cotangent waiting for its backward.
     messages = np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
-    return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + lt["w_other_fetch"] + tokens + messages
+    return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + whole_step + tokens + messages
             + _segment_slices(workload, k, kinds, lt))
+
+
+def _part_peak(k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(pre / post transient peak, ZeRO-3-gathered embedding / head bytes live for the whole step).
+
+    With G > 1 XLA hoists the (loop-invariant) gathers of embedding and head out of the micro-batch loop,
+    so both live for the whole step (a pipeline's stage programs are charged the same); with G == 1 each
+    is gathered where its part runs and freed after its last use (measured on XLA:CPU: ZeRO-3 gpt3-small
+    s32 b2 holds only the gathered head at its peak), so it joins its part's peak.
+    """
+    hoisted = (k.G > 1) | k.pipelined
+    post = v.post.fwd_peak_bytes("none") + v.post.bwd_peak_bytes("none") + np.where(hoisted, 0.0, lt["w_post_fetch"])
+    pre = v.pre.fwd_peak_bytes("none") + v.pre.bwd_peak_bytes("none") + np.where(hoisted, 0.0, lt["w_pre_fetch"])
+    return (np.maximum(np.where(k.last, post, 0.0), np.where(k.first, pre, 0.0)),
+            np.where(hoisted, lt["w_other_fetch"], 0.0))
 
 
 def _segment_slices(workload: Workload, k: Knobs, kinds: LayerKinds, lt: dict[str, np.ndarray]) -> np.ndarray:
@@ -167,7 +181,7 @@ def _segment_slices(workload: Workload, k: Knobs, kinds: LayerKinds, lt: dict[st
 
 
 def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
-           step: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+           step: dict[str, np.ndarray], double_buffer: bool) -> tuple[np.ndarray, np.ndarray]:
     """FLOPs per device per step, and as XLA's cost analysis counts them (each loop body once)."""
     c = kinds.n_remat
     blk = v.block.fwd_flops + v.block.bwd_flops
@@ -178,9 +192,10 @@ def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndar
     flops = k.G * (k.layers * blk + c * rec_c + kinds.n_off * rec_off + parts) + step["flops"]
 
     # XLA counts a loop body once: the micro-batch loop (G > 1) and each layer segment's scan.
-    # Segments of more than two layers with fetches are unrolled by 2; the pipeline executor's are not.
+    # Segments of more than two layers with fetches are unrolled by 2 (`double_buffer`); the pipeline
+    # executor's are not counted that way.
     def counted(n: np.ndarray) -> np.ndarray:
-        u = np.where((lt["w_layer_fetch"] > 0) & ~k.pipelined & (n > 2), 2.0, 1.0)
+        u = np.where(double_buffer & (lt["w_layer_fetch"] > 0) & ~k.pipelined & (n > 2), 2.0, 1.0)
         return np.where(n <= 0, 0.0, np.where(n > 1, u + np.mod(n, u), 1.0))
 
     cnt_plain, cnt_c, cnt_off = counted(kinds.n_plain), counted(c), counted(kinds.n_off)
@@ -210,12 +225,13 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     kinds = layer_kinds(workload, k, v)
     activations, act_host = _activations(k, v, kinds)
     states = state_bytes(workload, k, v, lt, deferred=defers_row_sync(cluster))
+    double_buffer = double_buffers_fetches(cluster)
     memory = {"params": states.params, "optimizer": states.optimizer, "grads": states.grads,
-              "activations": activations, "buffers": _buffers(workload, k, v, lt, kinds)}
+              "activations": activations, "buffers": _buffers(workload, k, v, lt, kinds, double_buffer)}
     peak = sum(memory.values())
     lay = layer_times(workload, cluster, k, v, lt, kinds)
     ext = step_extras(workload, cluster, k, v, lt, states, kinds)
-    flops, flops_xla = _flops(workload, k, v, lt, kinds, ext)
+    flops, flops_xla = _flops(workload, k, v, lt, kinds, ext, double_buffer)
     ok_tp = workload.compiled.feasible(k.b, s, k.t)
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"], memory=memory,
                      peak=peak, feasible=(peak <= cluster.memory_budget()) & ok_tp, host=states.host + act_host,

@@ -137,6 +137,13 @@ def defers_row_sync(cluster: Any) -> bool:
     return bool(cluster.device.async_collectives)
 
 
+def double_buffers_fetches(cluster: Any) -> bool:
+    """Whether the runtime runs layer segments of more than two layers with fetches two layers per
+    iteration on this cluster (`DeviceSpec.async_collectives`, the runtime's
+    `runtime.grads.double_buffers_fetches`): then two layers of fetched weights are live at once."""
+    return bool(cluster.device.async_collectives)
+
+
 def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray, rs_ops: Any = 1.0) -> np.ndarray:
     """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as

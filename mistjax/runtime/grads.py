@@ -265,8 +265,10 @@ def _slice_grad(spec: GradSpec, plan: Plan) -> SliceGrad:
     return lambda ct: _finish_one(ct, spec, plan, layer_slice=True)
 
 
-def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec], plan: Plan) -> LayerLoopFn | None:
-    """The plan's layer loop for the traced loss (remat, per-layer fetches, activation offload), or None."""
+def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec], plan: Plan,
+                double_buffer: bool) -> LayerLoopFn | None:
+    """The plan's layer loop for the traced loss (remat, per-layer fetches, activation offload), or None;
+    `double_buffer`: `double_buffers_fetches`."""
     if traced.stack is None:
         needs_stack = stage.remat_layers > 0 or stage.offload_acts > 0 or any(
             (s.weights_sharded or s.layout.host) and s.layout.stacked for s in specs)
@@ -281,7 +283,7 @@ def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec],
         gather=[None if i is None else make_fetch(specs[traced.real_index(i)], traced.groups is None)
                 for i in st.xs_leaf],
         carry_constraint=_sp_constraint(plan.tp), offload_layers=stage.offloaded_layers,
-        offload_names=checkpoint_names(st.body), refetch_plain=True,
+        offload_names=checkpoint_names(st.body), refetch_plain=True, double_buffer=double_buffer,
         prepare=[None if i is None or traced.groups is not None else _slice_grad(specs[i], plan) for i in st.xs_leaf])
 
 
@@ -349,6 +351,19 @@ def defers_row_sync(mesh: Mesh) -> bool:
     return mesh.devices.flat[0].platform in ASYNC_COLLECTIVE_PLATFORMS
 
 
+def double_buffers_fetches(mesh: Mesh | None) -> bool:
+    """Whether a step compiled for `mesh` runs its fetching layer loops two layers per iteration
+    (`runtime.remat.make_layer_loop`'s `double_buffer`: layer i+1's ZeRO-3 gather or host copy under layer
+    i's compute).
+
+    Only where XLA runs collectives and copies asynchronously (`defers_row_sync`): on XLA:CPU the fetch is
+    serial whatever the loop, and the second layer's weights and transients only cost memory (ZeRO-3
+    llama-tiny / llama-small steps: 18-20% of the compiled peak, docs/cost_model.md). The cost model
+    mirrors this with `DeviceSpec.async_collectives`. No mesh (an abstract trace): as on a GPU.
+    """
+    return mesh is None or defers_row_sync(mesh)
+
+
 def synced_leaves(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Sequence[bool], mesh: Mesh
                   ) -> frozenset[int]:
     """The leaves whose step gradient can be synchronised per layer inside the backward (Megatron-LM's
@@ -413,7 +428,8 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
     (`defers_row_sync`).
     """
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
-    layer_loop = _entering_split(_layer_loop(traced, plan.stages[0], specs, plan), plan.tp)
+    layer_loop = _entering_split(_layer_loop(traced, plan.stages[0], specs, plan, double_buffers_fetches(mesh)),
+                                 plan.tp)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 
     def read_param(i: int, v: jax.Array) -> jax.Array:

@@ -57,6 +57,7 @@ from mistjax.runtime.grads import (
     _split_microbatches,
     _to_device,
     _to_host,
+    double_buffers_fetches,
     in_loop_leaves,
     make_fetch,
     psum_live,
@@ -259,6 +260,7 @@ class StagePrograms:
                                gather=gathers, carry_constraint=sp_constraint,
                                offload_layers=offloaded_layers(n, plan.remat_layers, plan.offload_acts),
                                offload_names=checkpoint_names(st.body), refetch_plain=True,
+                               double_buffer=double_buffers_fetches(self.spec.mesh),
                                prepare=[_slice_grad(self.grad_specs[self.pos[i]], sp.plan) for i in st.xs_leaf])
 
     @property

@@ -81,7 +81,8 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
                     gather: Sequence[Callable[[Any], Any] | None],
                     carry_constraint: Callable[[Any], Any] | None = None,
                     offload_layers: int = 0, offload_names: Sequence[str] = (),
-                    refetch_plain: bool = False, prepare: Sequence[SliceGrad | None] = ()) -> LayerLoopFn:
+                    refetch_plain: bool = False, prepare: Sequence[SliceGrad | None] = (),
+                    double_buffer: bool = True) -> LayerLoopFn:
     """A layer loop for `mistjax.trace.split.evaluate`.
 
     Args:
@@ -101,6 +102,9 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
         `runtime.accumulate`); used when the loop is called with ``accs``. Then a stack of several
         segments reads each layer's rows of the accumulated stacks (`accumulate.scan_rows`) instead of
         scanning per-segment slices of them (each a copy of those weights for the whole step).
+      double_buffer: run segments of more than two layers with fetches two layers per iteration, so
+        that layer i+1's fetch overlaps layer i's compute. Only worth it where the platform runs
+        collectives and copies asynchronously (`runtime.grads.double_buffers_fetches`).
 
     Returns:
       ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None, defer=False)``: ``(carry, ys)``,
@@ -163,7 +167,7 @@ def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
             # this one and keeps its unroll, so its re-fetches are double-buffered too. A segment of two
             # layers stays a loop of two trips: unrolled, it would be one trip, which XLA inlines and then
             # merges the backward's re-fetch with the forward's (the gathered weights would stay live).
-            unroll = 2 if any_gather and end - start > 2 else 1
+            unroll = 2 if double_buffer and any_gather and end - start > 2 else 1
             if any(isinstance(x, LayerSlices) for x in xs):  # an unrolled stack: its own leaves per layer
                 if accs is not None:
                     raise ValueError("in-loop gradient accumulation needs a stacked layer scan")
