@@ -126,8 +126,8 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
     layer, other = stacked, held_other
     fetched = w_host | (shardable & (zero >= 3))
     other_fetched = other & shardable & (zero >= 3)
-    reads = [x.parts or frozenset({"pre"}) for x in wl.leaves]
-    by_pre, by_post = (np.array([part in r for r in reads]) for part in ("pre", "post"))
+    by_pre = np.array([held(x, True, False) for x in wl.leaves])  # read by the pre part (as `held` says)
+    by_post = np.array([held(x, False, True) for x in wl.leaves])
 
     def total(values: np.ndarray, mask: np.ndarray) -> float:
         return float(np.sum((values * per)[mask]))
