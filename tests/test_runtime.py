@@ -251,6 +251,34 @@ def test_layer_loop_double_buffers_fetches_only_where_they_overlap(monkeypatch):
     assert hlo.memory_stats(single)["temp"] < hlo.memory_stats(double)["temp"]
 
 
+def test_double_buffered_odd_segment_keeps_one_copy_of_its_residuals():
+    """An odd segment under the double buffer runs its last layer as its own scan: ``lax.scan`` with an
+    unroll that does not divide the length would concatenate the remainder's residuals onto the loop's
+    (a second copy of every stacked residual at the end of the forward). The gradients stay autodiff's."""
+    from mistjax.runtime.remat import make_layer_loop
+
+    L, B, D = 5, 4, 32
+    k = jax.random.split(jax.random.key(1), 3)
+    h0, ws = jax.random.normal(k[0], (B, D)), jax.random.normal(k[1], (L, D, D)) / 4
+
+    def body(consts, c, x):
+        return [jnp.tanh(c[0] @ x[0])], []
+
+    def loss(h0, ws, double_buffer):
+        loop = make_layer_loop(num_layers=L, remat_layers=0, policy="full", gather=[lambda w: w * 1.0],
+                               double_buffer=double_buffer)
+        c, _ = loop(body, [], [h0], [ws])
+        return jnp.sum(c[0] ** 2)
+
+    grads = {db: jax.jit(jax.grad(functools.partial(loss, double_buffer=db), argnums=(0, 1)))(h0, ws)
+             for db in (False, True)}
+    for a, b in zip(grads[False], grads[True]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    text = jax.jit(jax.grad(functools.partial(loss, double_buffer=True), argnums=(0, 1))).lower(h0, ws).as_text()
+    stacked = [ln for ln in text.splitlines() if "concatenate" in ln and f"tensor<{L}x{B}x{D}x" in ln]
+    assert not stacked, stacked
+
+
 def test_refetching_layer_loop_matches_autodiff():
     """make_layer_loop with a gather: consts / carry / stored-shard gradients equal plain autodiff's
     (the gather's transpose reduce-scatters), no residual is a gathered weight, and without a
