@@ -5,12 +5,16 @@ Reimplements Mist (EuroSys'25) and MiCS (VLDB'22) on JAX/Flax. See README.md and
 
 from typing import Any
 
-from mistjax.api import autoshard, grad, value_and_grad
-from mistjax.api import nnx as nnx  # NNX idioms: mistjax.nnx.value_and_grad, mistjax.nnx.functional
-from mistjax.api.precision import with_master_weights
-from mistjax.plan import Plan, PlanError, Prediction, StagePlan, uniform_plan
-from mistjax.runtime.checks import StepError
-from mistjax.runtime.report import NoOpWarning
+from mistjax import _platform
+
+_platform.choose()  # before anything imports jax: the CPU platform, quietly, on a machine without a GPU driver
+
+from mistjax.api import autoshard, grad, value_and_grad  # noqa: E402
+from mistjax.api import nnx as nnx  # noqa: E402  NNX idioms: mistjax.nnx.value_and_grad, mistjax.nnx.functional
+from mistjax.api.precision import with_master_weights  # noqa: E402
+from mistjax.plan import Plan, PlanError, Prediction, StagePlan, uniform_plan  # noqa: E402
+from mistjax.runtime.checks import StepError  # noqa: E402
+from mistjax.runtime.report import NoOpWarning  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,10 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +106,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
           f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
     try:
-        result = mistjax.tune(workload, cluster, time_limit=args.time_limit,
-                              baselines=() if args.no_baselines else None)
+        with _search_progress(args.progress) as progress:
+            result = mistjax.tune(workload, cluster, time_limit=args.time_limit,
+                                  baselines=() if args.no_baselines else None, progress=progress)
     except RuntimeError as e:
         raise CliError(str(e)) from e
     print(result.summary())
@@ -116,6 +119,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot), result)
     return _verify(_model_config(args), workload, plan, cluster) if args.verify else 0
+
+
+@contextlib.contextmanager
+def _search_progress(mode: str) -> Iterator[Any]:
+    """A tqdm bar on stderr over each searched space's outer keys: with ``auto`` only when stderr is a terminal
+    and a search runs longer than a second; ``on`` always, ``off`` never. Yields the tuner's ``progress`` callback."""
+    if mode == "off":
+        yield None
+        return
+    from tqdm import tqdm
+
+    bars: list[Any] = []
+
+    def progress(space: str, visited: int, total: int) -> None:
+        if visited == 0:  # a search starts: one bar per space, cleared when it ends
+            bars.append(tqdm(total=total, desc=f"searching {space}", unit="key", file=sys.stderr, leave=False,
+                             disable=None if mode == "auto" else False, delay=1.0, mininterval=0.5))
+        bars[-1].update(visited - bars[-1].n)
+        if visited >= total:
+            bars[-1].close()
+
+    try:
+        yield progress
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -242,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     workload_args(q, True)
     q.add_argument("--time-limit", type=positive_float, default=60.0, help="seconds for the search")
     q.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    q.add_argument("--progress", default="auto", choices=["auto", "on", "off"],
+                   help="progress bar over the search's outer keys on stderr (auto: on a terminal, searches over 1 s)")
     q.add_argument("--json", default=None, help="save the plan as JSON")
     q.set_defaults(fn=cmd_plan)
 

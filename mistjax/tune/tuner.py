@@ -13,6 +13,7 @@ import dataclasses
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,9 @@ from mistjax.tune.intra import ScheduleMemo, StageTables, sample_stage_tables
 from mistjax.tune.space import OuterKey, SearchSpace, outer_keys
 
 _KEY_SHARE = 0.5  # of the search's time left, the most one outer key may use
+# ``progress(space_name, keys_visited, keys_total)``: called as a search starts (0 visited), after each outer key it
+# visits (pruned or searched) and as it ends (all visited, also when its time limit stopped it early).
+Progress = Callable[[str, int, int], None]
 
 __all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "default_cost_model", "fingerprints", "search",
            "tune"]
@@ -191,7 +195,8 @@ def _key_bounds(workload: Any, cluster: Any, cost: CostModel, keys: list[OuterKe
 
 
 def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, time_limit: float = 60.0,
-           cost: CostModel | None = None, best_cost: float | None = None, prune: bool = True) -> SearchResult:
+           cost: CostModel | None = None, best_cost: float | None = None, prune: bool = True,
+           progress: Progress | None = None) -> SearchResult:
     """Search one space for the plan with the lowest predicted step time.
 
     Outer keys are visited best-bound first (`inter.key_bound`: each key's fastest strategies
@@ -210,6 +215,8 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
         best_cost: an objective to beat from elsewhere (keys that cannot beat it report None).
         prune: skip strategies that bounds prove useless (see `inter.tune_key`); False prices
             every strategy of every key (Mist's exhaustive evaluation; slow).
+        progress: ``progress(space.name, keys_visited, keys_total)`` as the search starts, after each
+            outer key and as it ends (e.g. a progress bar; it does not change the search).
     """
     space = space or SearchSpace()
     cost = cost or default_cost_model()
@@ -219,6 +226,8 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     keys = outer_keys(space, L, int(workload.global_batch), cluster.nodes, cluster.devices_per_node,
                       workload.supports_tp)
     memo = ScheduleMemo(space.schedules)
+    if progress is not None:
+        progress(space.name, 0, len(keys))
     bounds = _key_bounds(workload, cluster, cost, keys, space, memo, deadline) if prune else [0.0] * len(keys)
     # Best bound first, but a key's siblings of other pipeline schedules right after it: they reuse its
     # prices (`intra.ScheduleMemo`), and the pruning test below still applies to each of them.
@@ -232,7 +241,9 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     evaluated = milps = done = 0
     frontier, timed_out = [], False
     fastest_key = math.inf  # seconds the quickest key searched so far took
-    for i in order:
+    for visited, i in enumerate(order):
+        if progress is not None and visited:
+            progress(space.name, visited, len(keys))
         key = keys[i]
         cut = best[1].objective if best is not None else best_cost
         if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
@@ -261,6 +272,8 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
             best = (tables, choice)
             found.append((choice.objective, build_plan(tables, choice).replace(grad_dtype=workload.grad_dtype),
                           _pareto_data(tables, choice, space.pareto_k, False)))
+    if progress is not None:
+        progress(space.name, len(keys), len(keys))
     seconds = time.perf_counter() - t0
     if timed_out:
         warnings.warn(f"tuning space {space.name!r} hit its time limit ({time_limit:g} s) after {done} of "
@@ -366,7 +379,7 @@ def no_plan_message(workload: Any, cluster: Any, cost: CostModel) -> str:
 
 def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_limit: float = 60.0,
          baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: CostModel | None = None,
-         baseline_time_limit: float = 60.0) -> TuneResult:
+         baseline_time_limit: float = 60.0, progress: Progress | None = None) -> TuneResult:
     """Tune a plan for ``workload`` on ``cluster`` and compare it with the baselines.
 
     Every space searched here is contained in mistjax's full space, so when a baseline's plan is
@@ -382,18 +395,19 @@ def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_
         ablations: also search the ablation steps.
         cost: the cost model (default `mistjax.cost.COST_MODEL`).
         baseline_time_limit: seconds for each baseline / ablation search.
+        progress: passed to each `search` (mistjax's space, then the baselines and ablations).
 
     Raises:
         RuntimeError: no plan of the space fits in memory.
     """
     cost = cost or default_cost_model()
     t0 = time.perf_counter()
-    main = search(workload, cluster, space, time_limit=time_limit, cost=cost)
+    main = search(workload, cluster, space, time_limit=time_limit, cost=cost, progress=progress)
     t1 = time.perf_counter()
-    base = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost)
+    base = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress)
             for name, sp in baseline_spaces(baselines).items()}
     t2 = time.perf_counter()
-    abl = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost)
+    abl = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress)
            for name, sp in ablation_spaces().items()} if ablations else {}
     t3 = time.perf_counter()
     plan, note = main.plan, ""
