@@ -14,6 +14,7 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,12 @@ from jax.extend import core as jex
 
 from mistjax.api.precision import MasterWeightsState
 from mistjax.core.layout import OPT, PARAM
-from mistjax.core.plan import Plan, PlanError, Prediction
+from mistjax.core.plan import Plan, PlanDoesNotFit, PlanError, Prediction, format_bytes
 from mistjax.core.strategies import CostModel
 from mistjax.cost.workload import OPTIMIZERS, Workload
 from mistjax.hardware.presets import ClusterSpec
+from mistjax.runtime import fit
+from mistjax.runtime.mpmd_state import is_staged
 from mistjax.runtime.step import LossCall, ShardedStep, StepAnalysis, TrainStep, analyze_step
 from mistjax.tune.space import SearchSpace
 from mistjax.tune.tuner import TunedPlan, TuneResult, default_cost_model, fingerprints, tune
@@ -34,6 +37,8 @@ from mistjax.tune.tuner import TunedPlan, TuneResult, default_cost_model, finger
 __all__ = ["AutoShardedStep", "detect_cluster", "step_workload"]
 
 _CACHE_FORMAT = "mistjax.tuned-plan"
+_MAX_RETUNES = 3  # re-tunes after a tuned plan did not fit the devices' free memory
+_RETUNE_MARGIN = 0.03  # of the lowered budget, kept free for what the cost model's error may add
 # device_kind substrings -> preset, most specific first.
 _GPU_PRESETS = (("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100-80gb"), ("H200", "h200"), ("H100", "h100"),
                 ("L4", "l4"))
@@ -200,8 +205,42 @@ def _save_cached(path: Path, plan: TunedPlan, fps: dict[str, str]) -> None:
     tmp.replace(path)
 
 
+def _lowered_budget(plan: Plan, err: PlanDoesNotFit, budget: float) -> float:
+    """The per-device budget to re-tune for after ``plan`` did not fit.
+
+    From the stage's predicted peak (or the budget, if lower), the measured gap is taken off twice over:
+    as bytes (an error of the prediction that stays when the plan changes, e.g. a buffer it does not
+    model) and in proportion (x available / needed, an error that scales with the plan); the lower of
+    the two, less a margin for what the next plan's prediction may miss.
+    """
+    pred = plan.prediction
+    predicted = sum(pred.stage_memory[err.stage].values()) if pred and err.stage < len(pred.stage_memory) else 0.0
+    base = min(budget, predicted) if predicted > 0 else budget
+    return min(base - err.gap, base * max(err.available, 0.0) / err.need) * (1 - _RETUNE_MARGIN)
+
+
+@dataclass
+class _Tuning:
+    """What tuning needs again when autoshard re-tunes (`AutoShardedStep._retune`)."""
+
+    workload: Any
+    cluster: ClusterSpec  # lowered by each re-tune
+    space: SearchSpace
+    cost: CostModel
+    fingerprints: dict[str, str]  # of the first cluster: a re-tuned plan is cached for the same inputs
+    path: Path | None  # the plan cache file
+    devices: list[Any]
+    global_batch: int
+
+
 class AutoShardedStep:
-    """A train step whose plan is tuned on first use (see `mistjax.autoshard`)."""
+    """A train step whose plan is tuned on first use (see `mistjax.autoshard`).
+
+    Before the first step the tuned plan's compiled programs are checked against each device's free memory
+    (`mistjax.runtime.fit`, on devices that report a limit); a plan that does not fit is re-tuned for a
+    budget lowered by the measured gap, at most `_MAX_RETUNES` times (said on stderr, as a `RuntimeWarning`
+    and in `summary`), and only a plan that fits is cached.
+    """
 
     def __init__(self, train_step: TrainStep, mesh: Any = None, *, hardware: Any = None,
                  global_batch: int | None = None, memory_budget: float | None = None,
@@ -215,7 +254,10 @@ class AutoShardedStep:
         self.cost, self.axis_rules, self.verbose = cost, axis_rules, verbose
         self.result: TuneResult | None = None  # the tuner's full result (None when the plan came from the cache)
         self.cache_hit = False
+        self.retunes: list[str] = []  # one line per re-tune after the memory check (see `summary`)
         self._inner: ShardedStep | None = None
+        self._tuning: _Tuning | None = None
+        self._unsaved: TunedPlan | None = None  # tuned, to be cached once it is known to fit
 
     # ---------------------------------------------------------------- tuning
     def _workload(self, state: Any, batch: Any, analysis: StepAnalysis, global_batch: int) -> Any:
@@ -266,22 +308,80 @@ class AutoShardedStep:
         space = self._space(analysis, B, len(devices))
         fps = fingerprints(workload, cluster, getattr(analysis, "params_fingerprint", ""))
         path = self.cache_dir / f"plan-{_cache_key(fps, space, cost)}.json" if self.cache_dir else None
+        self._tuning = _Tuning(workload, cluster, space, cost, fps, path, devices, B)
         plan = _load_cached(path, fps) if path is not None and path.is_file() else None
         self.cache_hit = plan is not None
         if plan is None:
-            self._say(f"tuning a plan for {len(devices)} x {cluster.device.name} (global batch {B}, search limited "
-                      f"to {self.time_limit:g} s)")
-            t1 = time.perf_counter()
-            self.result = tune(workload, cluster, space=space, time_limit=self.time_limit, baselines=self.baselines,
-                               cost=cost)
-            self._say(f"tuned in {time.perf_counter() - t1:.1f} s: " + self.result.plan.summary().splitlines()[0])
-            plan = self.result.plan.replace(fingerprints=fps)
-            if path is not None:
-                _save_cached(path, plan, fps)
+            plan = self._search(cluster)
         else:
             self._say(f"plan read from the cache {str(path)!r}")
-        self._inner = ShardedStep(self.train_step, self.user_mesh if self.user_mesh is not None else devices, plan,
-                                  axis_rules=self.axis_rules)
+        self._build(plan)
+        if not fit.capacities(devices):  # no device reports a memory limit (CPU): nothing to check
+            self._save()
+
+    def _search(self, cluster: ClusterSpec) -> TunedPlan:
+        """Tune for ``cluster`` (the plan is cached only once it fits: `_save`)."""
+        t = self._tuning
+        assert t is not None
+        self._say(f"tuning a plan for {len(t.devices)} x {cluster.device.name} (global batch {t.global_batch}, "
+                  f"{format_bytes(cluster.memory_budget())} per device, search limited to {self.time_limit:g} s)")
+        t1 = time.perf_counter()
+        self.result = tune(t.workload, cluster, space=t.space, time_limit=self.time_limit, baselines=self.baselines,
+                           cost=t.cost)
+        self._say(f"tuned in {time.perf_counter() - t1:.1f} s: " + self.result.plan.summary().splitlines()[0])
+        self._unsaved = self.result.plan.replace(fingerprints=t.fingerprints)
+        return self._unsaved
+
+    def _build(self, plan: Plan) -> None:
+        assert self._tuning is not None
+        mesh = self.user_mesh if self.user_mesh is not None else self._tuning.devices
+        self._inner = ShardedStep(self.train_step, mesh, plan, axis_rules=self.axis_rules)
+
+    def _save(self) -> None:
+        """Cache the tuned plan (once: after it passed the memory check, or where nothing is checked)."""
+        if self._unsaved is not None and self._tuning is not None and self._tuning.path is not None:
+            _save_cached(self._tuning.path, self._unsaved, self._tuning.fingerprints)
+        self._unsaved = None
+
+    def _fitted(self, state: Any, batch: Any) -> Any:
+        """``state`` after the plan's memory check before the first step (placed where it ran); a tuned plan
+        that does not fit is re-tuned (`_retune`) until one fits."""
+        assert self._inner is not None
+        while self._inner.fit is None and batch is not None:
+            try:
+                state = self._inner.verify_memory(state, batch)
+            except PlanDoesNotFit as e:
+                state = self._retune(e, state)
+        if self._inner.fit is not None:
+            self._save()
+        return state
+
+    def _retune(self, err: PlanDoesNotFit, state: Any) -> Any:
+        """Tune again for a budget lowered by the measured gap; returns ``state`` for the new plan."""
+        t, old = self._tuning, self._inner
+        assert t is not None and old is not None
+        budget = t.cluster.memory_budget()
+        target = _lowered_budget(old.plan, err, budget)
+        if len(self.retunes) >= _MAX_RETUNES or target <= 0:
+            raise PlanDoesNotFit(f"{err}; autoshard tuned this plan and re-tuned {len(self.retunes)} time(s) for the "
+                                 "measured gap; pass memory_budget=... lower, or a plan", stage=err.stage,
+                                 need=err.need, available=err.available, report=err.report) from err
+        note = (f"the tuned plan does not fit: stage {err.stage} needs {format_bytes(err.need)} per device, "
+                f"{format_bytes(err.available)} are free; re-tuning for {format_bytes(target)} per device "
+                f"(was {format_bytes(budget)})")
+        self.retunes.append(note)
+        self._say(note)
+        warnings.warn(f"mistjax.autoshard: {note}", RuntimeWarning, stacklevel=4)
+        t.cluster = t.cluster.with_memory(t.cluster.device.hbm_bytes * target / budget)
+        try:
+            plan = self._search(t.cluster)
+        except RuntimeError as e:
+            raise PlanDoesNotFit(f"{err}; autoshard re-tuned for {format_bytes(target)} per device, but {e}",
+                                 stage=err.stage, need=err.need, available=err.available, report=err.report) from e
+        self._build(plan)
+        if any(is_staged(x) for x in jax.tree.leaves(state, is_leaf=is_staged)):
+            state = old.gather(state)  # pieces placed for the old pipeline: whole arrays for the new plan
+        return state
 
     def _ready(self, state: Any, batch: Any | None, what: str) -> ShardedStep:
         if self._inner is None:
@@ -304,6 +404,11 @@ class AutoShardedStep:
         """What each knob did (`mistjax.runtime.report.AppliedReport`), once placed."""
         return self._inner.applied if self._inner is not None else None
 
+    @property
+    def fit(self) -> fit.FitReport | None:
+        """The memory check before the first step (`mistjax.runtime.fit.FitReport`), once it ran."""
+        return self._inner.fit if self._inner is not None else None
+
     def report(self) -> str:
         """What each knob of the tuned plan did to this step (after the first place / call)."""
         if self._inner is None:
@@ -311,17 +416,24 @@ class AutoShardedStep:
         return self._inner.report()
 
     def summary(self) -> str:
-        """The tuned plan's summary and what was applied."""
+        """The tuned plan's summary, what was applied, the memory check and the re-tunes it caused."""
         if self._inner is None:
             raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
-        return self._inner.summary()
+        lines = [self._inner.summary()]
+        if self.retunes:
+            lines += [f"re-tuned {len(self.retunes)} time(s) after the memory check before the first step:"]
+            lines += [f"  {note}" for note in self.retunes]
+        return "\n".join(lines)
 
     @property
     def mesh(self) -> Any:
         return self._inner.mesh if self._inner is not None else None
 
     def place(self, state: Any, batch: Any | None = None) -> Any:
-        return self._ready(state, batch, "step.place(state, batch)").place(state, batch)
+        self._ready(state, batch, "step.place(state, batch)")
+        state = self._fitted(state, batch)
+        assert self._inner is not None
+        return self._inner.place(state, batch)
 
     def batch_shardings(self, batch: Any) -> Any:
         return self._ready(None, None, "step.place(state, batch)").batch_shardings(batch)
@@ -333,4 +445,7 @@ class AutoShardedStep:
         return self._ready(state, batch, "step.lower(state, batch)").lower(state, batch)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        return self._ready(state, batch, "step(state, batch)")(state, batch)
+        self._ready(state, batch, "step(state, batch)")
+        state = self._fitted(state, batch)
+        assert self._inner is not None
+        return self._inner(state, batch)

@@ -36,6 +36,28 @@ class PlanError(ValueError):
     """A plan is malformed or does not fit the model, mesh or batch it is applied to."""
 
 
+class PlanDoesNotFit(PlanError):
+    """The compiled plan needs more memory on a device than the device has free (checked before the first
+    step runs, `mistjax.runtime.fit`).
+
+    Attributes:
+        stage: the pipeline stage that does not fit (0 for a plan with one stage).
+        need: bytes per device the stage needs at its peak.
+        available: bytes the device can still give it (its limit minus what other buffers hold).
+        report: the whole check (`mistjax.runtime.fit.FitReport`), or None.
+    """
+
+    def __init__(self, message: str, *, stage: int = 0, need: float = 0.0, available: float = 0.0,
+                 report: Any = None) -> None:
+        super().__init__(message)
+        self.stage, self.need, self.available, self.report = stage, float(need), float(available), report
+
+    @property
+    def gap(self) -> float:
+        """Bytes per device missing: ``need - available``."""
+        return self.need - self.available
+
+
 def _check_remat_policy(policy: str) -> None:
     if policy in REMAT_POLICIES:
         return
@@ -440,5 +462,5 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
                 shard_group=shard_group, schedule=schedule, grad_dtype=grad_dtype)
 
 
-__all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "uniform_plan", "params_fingerprint", "PLAN_MESH_AXES",
-           "SCHEMA_VERSION", "REMAT_POLICIES"]
+__all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "PlanDoesNotFit", "uniform_plan", "params_fingerprint",
+           "PLAN_MESH_AXES", "SCHEMA_VERSION", "REMAT_POLICIES"]

@@ -23,6 +23,7 @@ from mistjax.core.layout import (
     state_shardings,
 )
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
+from mistjax.runtime import fit
 from mistjax.runtime.checks import (
     StepError,
     TokenRange,
@@ -196,6 +197,7 @@ class ShardedStep:
         self.layouts: list[LeafLayout] | None = None
         self.analysis: StepAnalysis | None = None
         self.applied: AppliedReport | None = None  # what each knob did, once the step is set up
+        self.fit: fit.FitReport | None = None  # the memory check before the first step (`verify_memory`)
         self._jitted: Any = None
         self._state_tree: Any = None
 
@@ -308,8 +310,38 @@ class ShardedStep:
         return self.applied.summary()
 
     def summary(self) -> str:
-        """The plan's summary, followed by what was applied once the step is placed."""
-        return self.plan.summary() + ("\n" + self.applied.summary() if self.applied is not None else "")
+        """The plan's summary, followed by what was applied once the step is placed and the memory check."""
+        return (self.plan.summary() + ("\n" + self.applied.summary() if self.applied is not None else "")
+                + ("\n" + self.fit.summary() if self.fit is not None and self.fit.checked else ""))
+
+    def verify_memory(self, state: Any, batch: Any) -> Any:
+        """Check that the compiled plan fits every local device's free memory (`mistjax.runtime.fit`).
+
+        The first ``step(state, batch)`` calls it before running. Where no device reports a memory limit
+        (the CPU) nothing is checked or compiled early.
+
+        Returns:
+            The state, placed (returned as is where nothing was checked).
+        Raises:
+            PlanDoesNotFit: a stage needs more than its device has free; the error names the stage, the
+                bytes and the plan knobs that would lower them.
+        """
+        if not fit.capacities(self.mesh.devices.flat):
+            self.fit = fit.FitReport()
+            return state
+        if self._mpmd is not None:
+            self.plan.check_batch(_leading_dim(batch))
+            state = self._mpmd.place(state, batch)
+            report = fit.check_pipeline(self._mpmd, self._mpmd.compile_stages(state, batch), state)
+        else:
+            self._ensure(state, batch)
+            state = jax.device_put(state, self._state_shardings)
+            placed = self.place_batch(batch)
+            compiled = self._jitted.lower(state, placed).compile()
+            report = fit.check_single(self.plan, compiled, self.mesh.devices.flat, (state, placed))
+        fit.raise_if_misfit(report, self.plan)  # unchanged `self.fit`: the next call checks again
+        self.fit = report
+        return state
 
     def batch_shardings(self, batch: Any) -> Any:
         """The shardings `__call__` expects for `batch` (for building global arrays per process)."""
@@ -349,6 +381,8 @@ class ShardedStep:
         return self._jitted.lower(state_in, batch_in)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        if self.fit is None:
+            state = self.verify_memory(state, batch)
         if self._mpmd is not None:
             return self._mpmd(state, batch)
         self._ensure(state, batch)

@@ -21,7 +21,8 @@ activations and cotangents received and queued for a later program (one micro-ba
 each), allocator, cuBLAS/cuDNN and NCCL overheads (as for single programs). Compile-only devices have no
 host memory space: state the plan offloads is counted by XLA:GPU on the device where a program takes it
 as an argument (the update rounds; `ProgramAot.host_in_arguments`), and as host (not resident) otherwise;
-`StageAot.peak_host_kept` is the peak with it left on host.
+`StageAot.peak_host_kept` is the peak with it left on host. The resident bytes are counted by
+`mistjax.runtime.mpmd_memory`, as the runtime's memory check before the first step counts them.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mistjax.core.plan import Plan
+from mistjax.runtime.mpmd_memory import (
+    group_peers,
+    most_in_flight,
+    others_in_flight,
+    persistent,
+    resident_parts,
+    shard_bytes,
+    takes,
+)
 from mistjax.validate.gpu_aot import DeviceMemory, compile_only_devices, device_mesh, target_for
 
 
@@ -109,101 +117,19 @@ class PipelineAotReport:
         return out
 
 
-# ------------------------------------------------------------------------------------------ bytes
-def shard_bytes(aval: Any) -> int:
-    """Bytes per device of an abstract array with a sharding."""
-    return int(np.prod(aval.sharding.shard_shape(tuple(aval.shape)))) * np.dtype(aval.dtype).itemsize
-
-
-def others_in_flight(ex: Any) -> dict[tuple[int, str], int]:
-    """Per (stage, F | B): the most other micro-batches' residuals held while that program runs."""
-    live = [0] * ex.K
-    out: dict[tuple[int, str], int] = {}
-    for op in ex.issue:
-        if op.kind == "FB":
-            continue
-        k = op.stage
-        others = live[k] if op.kind == "F" else live[k] - 1
-        out[(k, op.kind)] = max(out.get((k, op.kind), 0), others)
-        live[k] += 1 if op.kind == "F" else -1
-    return out
-
-
-# ---------------------------------------------------------------------------------------- resident
-@dataclass(frozen=True)
-class _Persistent:
-    """What lives on one stage between programs, per device."""
-
-    state: dict[int, int]  # state leaf -> device bytes of its piece (device-placed pieces)
-    host: dict[int, int]  # state leaf -> bytes of its host-placed piece
-    acc: int  # gradient accumulators + loss sums
-    residual: int  # one micro-batch's residuals
-    most_in_flight: int
-
-
-def _persistent(ex: Any, k: int, in_flight: int) -> _Persistent:
-    """Host placement from the plan's layouts: compile-only devices drop ``pinned_host`` from shardings."""
-    pr = ex.programs[k]
-    pieces = {i: shard_bytes(ex._piece_aval(i, k)) for i in ex.held[k]}
-    host = {i for i in pieces if ex.layouts[k][i].host}
-    acc = sum(shard_bytes(a) for a, h in zip(pr.acc_avals(), pr.spec.acc_host) if not h)
-    acc += sum(shard_bytes(a) for a in (pr.loss_acc_avals() if k == ex.K - 1 else []))
-    return _Persistent({i: b for i, b in pieces.items() if i not in host}, {i: pieces[i] for i in host}, acc,
-                       ex.residual_bytes()[k], in_flight)
-
-
-def _takes(ex: Any, k: int, phase: str) -> tuple[set[int], bool]:
-    """(state leaves the program takes as arguments, whether it takes the accumulators)."""
-    params = {ex.param_index[j] for j in ex.programs[k].spec.params}
-    if phase in ("forward",):
-        return params, False
-    if phase in ("backward", "last"):
-        return params, True
-    if phase == "finish":
-        return set(), True
-    if phase.startswith("update"):
-        rnd = ex.rounds[(k, int(phase[len("update"):]))]
-        return {g[1] for g in rnd.groups if g[0] == "state"}, False
-    return set(), False  # split, metrics
-
-
-def resident_parts(ex: Any, k: int, phase: str, mine: _Persistent, others: list[_Persistent],
-                   flight: dict[tuple[int, str], int]) -> dict[str, int]:
-    """Device bytes live on stage ``k``'s devices while ``phase`` runs that are not its arguments."""
-    state_in, acc_in = _takes(ex, k, phase)
-    n_res = flight.get((k, "F" if phase == "forward" else "B"), 0) if phase in ("forward", "backward") else 0
-    parts = {"state": sum(b for i, b in mine.state.items() if i not in state_in),
-             "accumulators": 0 if acc_in else mine.acc, "residuals": n_res * mine.residual}
-    for o in others:  # the device group's other chunks (virtual stages)
-        parts["state"] += sum(o.state.values())
-        parts["accumulators"] += o.acc
-        parts["residuals"] += o.most_in_flight * o.residual
-    return parts
-
-
-# ----------------------------------------------------------------------------------------- compile
-def most_in_flight(ex: Any) -> list[int]:
-    live, most = [0] * ex.K, [0] * ex.K
-    for op in ex.issue:
-        if op.kind in ("F", "B"):
-            live[op.stage] += 1 if op.kind == "F" else -1
-            most[op.stage] = max(most[op.stage], live[op.stage])
-    return most
-
-
 def stage_reports(ex: Any, compiled: dict[tuple[int, str], Any]) -> tuple[StageAot, ...]:
     """Per stage: each program's memory analysis with its resident bytes, and the stage's peak."""
     flight, most = others_in_flight(ex), most_in_flight(ex)
-    pers = [_persistent(ex, k, most[k]) for k in range(ex.K)]
+    pers = [persistent(ex, k, most[k]) for k in range(ex.K)]
     out = []
     for k in range(ex.K):
-        others = [pers[j] for j in range(ex.K) if j != k and j % ex.S == k % ex.S]
+        others = group_peers(ex, k, pers)
         progs = []
         for (kk, phase), c in sorted(compiled.items()):
             if kk != k:
                 continue
             parts = resident_parts(ex, k, phase, pers[k], others, flight)
-            host_in = sum(b for i, b in pers[k].host.items() if i in _takes(ex, k, phase)[0])
+            host_in = sum(b for i, b in pers[k].host.items() if i in takes(ex, k, phase)[0])
             progs.append(ProgramAot(phase, DeviceMemory.of(c), sum(parts.values()), parts, host_in))
         out.append(StageAot(k, tuple(ex.plan.stages[k].layers), tuple(progs), sum(pers[k].state.values()),
                             sum(pers[k].host.values()), pers[k].acc, pers[k].residual, most[k]))
@@ -239,5 +165,5 @@ def verify_pipeline(config: Any, seq_len: int, global_batch: int, plan: Plan, cl
     return compile_pipeline(step, state, batch, plan, cluster)
 
 
-__all__ = ["PipelineAotReport", "ProgramAot", "StageAot", "compile_pipeline", "others_in_flight", "shard_bytes",
-           "stage_reports", "verify_pipeline"]
+__all__ = ["PipelineAotReport", "ProgramAot", "StageAot", "compile_pipeline", "most_in_flight", "others_in_flight",
+           "resident_parts", "shard_bytes", "stage_reports", "verify_pipeline"]

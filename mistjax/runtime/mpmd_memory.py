@@ -1,0 +1,133 @@
+"""What lives on a pipeline stage's devices between its programs, and the stage's peak.
+
+An MPMD plan (`mistjax.runtime.mpmd`) runs one program per (stage, phase); XLA's ``memory_analysis``
+of each sees only its own arguments, outputs and temporaries. A stage's peak adds what lives on its
+devices between programs and is not an argument of the program running:
+
+    peak(stage) = max over its programs p of [ argument(p) + output(p) + temp(p) - alias(p) + resident(p) ]
+
+``resident(p)``: the stage's state pieces that ``p`` does not take, the gradient accumulators and loss
+sums where ``p`` does not take them, and the residuals of the *other* micro-batches in flight (from the
+schedule's issue order); with virtual stages, the device group's other chunks add their state,
+accumulators and most residuals held (an upper bound). Not counted: activations and cotangents received
+and queued for a later program, allocator and library overheads.
+
+The deviceless verifier (`mistjax.validate.gpu_aot_pipeline`) and the runtime's memory check before the
+first step (`mistjax.runtime.fit`) both count a stage's peak this way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+def shard_bytes(aval: Any) -> int:
+    """Bytes per device of an abstract array with a sharding."""
+    return int(np.prod(aval.sharding.shard_shape(tuple(aval.shape)))) * np.dtype(aval.dtype).itemsize
+
+
+def program_peak(compiled: Any) -> int:
+    """Device bytes one compiled program needs: argument + output + temp - alias (``memory_analysis``)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def others_in_flight(ex: Any) -> dict[tuple[int, str], int]:
+    """Per (stage, F | B): the most other micro-batches' residuals held while that program runs."""
+    live = [0] * ex.K
+    out: dict[tuple[int, str], int] = {}
+    for op in ex.issue:
+        if op.kind == "FB":
+            continue
+        k = op.stage
+        others = live[k] if op.kind == "F" else live[k] - 1
+        out[(k, op.kind)] = max(out.get((k, op.kind), 0), others)
+        live[k] += 1 if op.kind == "F" else -1
+    return out
+
+
+def most_in_flight(ex: Any) -> list[int]:
+    """Per stage: the most micro-batches whose residuals it holds at once."""
+    live, most = [0] * ex.K, [0] * ex.K
+    for op in ex.issue:
+        if op.kind in ("F", "B"):
+            live[op.stage] += 1 if op.kind == "F" else -1
+            most[op.stage] = max(most[op.stage], live[op.stage])
+    return most
+
+
+@dataclass(frozen=True)
+class Persistent:
+    """What lives on one stage between programs, per device."""
+
+    state: dict[int, int]  # state leaf -> device bytes of its piece (device-placed pieces)
+    host: dict[int, int]  # state leaf -> bytes of its host-placed piece
+    acc: int  # gradient accumulators + loss sums
+    residual: int  # one micro-batch's residuals
+    most_in_flight: int
+
+
+def persistent(ex: Any, k: int, in_flight: int) -> Persistent:
+    """Stage ``k``'s persistent bytes; host placement from the plan's layouts (not the shardings, which
+    compile-only devices drop ``pinned_host`` from)."""
+    pr = ex.programs[k]
+    pieces = {i: shard_bytes(ex._piece_aval(i, k)) for i in ex.held[k]}
+    host = {i for i in pieces if ex.layouts[k][i].host}
+    acc = sum(shard_bytes(a) for a, h in zip(pr.acc_avals(), pr.spec.acc_host) if not h)
+    acc += sum(shard_bytes(a) for a in (pr.loss_acc_avals() if k == ex.K - 1 else []))
+    return Persistent({i: b for i, b in pieces.items() if i not in host}, {i: pieces[i] for i in host}, acc,
+                      ex.residual_bytes()[k], in_flight)
+
+
+def takes(ex: Any, k: int, phase: str) -> tuple[set[int], bool]:
+    """(state leaves the program takes as arguments, whether it takes the accumulators)."""
+    params = {ex.param_index[j] for j in ex.programs[k].spec.params}
+    if phase in ("forward",):
+        return params, False
+    if phase in ("backward", "last"):
+        return params, True
+    if phase == "finish":
+        return set(), True
+    if phase.startswith("update"):
+        rnd = ex.rounds[(k, int(phase[len("update"):]))]
+        return {g[1] for g in rnd.groups if g[0] == "state"}, False
+    return set(), False  # split, metrics
+
+
+def resident_parts(ex: Any, k: int, phase: str, mine: Persistent, others: list[Persistent],
+                   flight: dict[tuple[int, str], int]) -> dict[str, int]:
+    """Device bytes live on stage ``k``'s devices while ``phase`` runs that are not its arguments."""
+    state_in, acc_in = takes(ex, k, phase)
+    n_res = flight.get((k, "F" if phase == "forward" else "B"), 0) if phase in ("forward", "backward") else 0
+    parts = {"state": sum(b for i, b in mine.state.items() if i not in state_in),
+             "accumulators": 0 if acc_in else mine.acc, "residuals": n_res * mine.residual}
+    for o in others:  # the device group's other chunks (virtual stages)
+        parts["state"] += sum(o.state.values())
+        parts["accumulators"] += o.acc
+        parts["residuals"] += o.most_in_flight * o.residual
+    return parts
+
+
+def group_peers(ex: Any, k: int, pers: list[Persistent]) -> list[Persistent]:
+    """The persistent bytes of the other chunks on stage ``k``'s device group (virtual stages)."""
+    return [pers[j] for j in range(ex.K) if j != k and j % ex.S == k % ex.S]
+
+
+def stage_peaks(ex: Any, compiled: dict[tuple[int, str], Any]) -> dict[int, tuple[int, str]]:
+    """Per stage with compiled programs: (its peak bytes per device, the phase at the peak)."""
+    flight, most = others_in_flight(ex), most_in_flight(ex)
+    pers = [persistent(ex, k, most[k]) for k in range(ex.K)]
+    out: dict[int, tuple[int, str]] = {}
+    for (k, phase), c in sorted(compiled.items()):
+        parts = resident_parts(ex, k, phase, pers[k], group_peers(ex, k, pers), flight)
+        peak = program_peak(c) + sum(parts.values())
+        if k not in out or peak > out[k][0]:
+            out[k] = (peak, phase)
+    return out
+
+
+__all__ = ["Persistent", "group_peers", "most_in_flight", "others_in_flight", "persistent", "program_peak",
+           "resident_parts", "shard_bytes", "stage_peaks", "takes"]
