@@ -105,20 +105,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload = _workload(args)
     print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
           f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
-    try:
-        with _search_progress(args.progress) as progress:
-            result = mistjax.tune(workload, cluster, time_limit=args.time_limit,
-                                  baselines=() if args.no_baselines else None, progress=progress)
-    except RuntimeError as e:
-        raise CliError(str(e)) from e
-    print(result.summary())
-    plan = result.plan.as_plan() if hasattr(result.plan, "as_plan") else result.plan
+    print(margin_line(cluster))
+    results: list[Any] = []
+
+    def tune_fn(c: Any) -> Plan:
+        try:
+            with _search_progress(args.progress) as progress:
+                results.append(mistjax.tune(workload, c, time_limit=args.time_limit,
+                                            baselines=() if args.no_baselines else None, progress=progress))
+        except RuntimeError as e:
+            raise CliError(str(e)) from e
+        plan = results[-1].plan
+        return plan.as_plan() if hasattr(plan, "as_plan") else plan
+
+    verified = _tune_verified(_model_config(args), workload, cluster, tune_fn) if args.verify else None
+    plan = verified.plan if verified else tune_fn(cluster)
+    print(results[-1].summary())
     if args.json:
         plan.save(args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        _plots(workload, plan, cluster, Path(args.plot), result)
-    return _verify(_model_config(args), workload, plan, cluster) if args.verify else 0
+        _plots(workload, plan, cluster, Path(args.plot), results[-1])
+    if verified is None:
+        return 0
+    from mistjax.validate.gpu_aot import format_verification
+
+    print(format_verification(verified.rounds[-1].report, verified.analysis))
+    print("verified tuning (the plan compiled for the GPU; re-tuned with the measured gap if above the budget):")
+    print(verified.summary())
+    return 0 if verified.rounds[-1].report.fits else 1
+
+
+def margin_line(cluster: Any) -> str:
+    """What the planning budget holds back for the memory model's misses, and where that figure comes from."""
+    dev = cluster.device
+    if not dev.memory_margin:
+        return "  memory margin: none (plans use the whole budget; --verify checks them on the GPU's compiler)"
+    return (f"  memory margin: {dev.memory_margin:.1%} of each plan's non-state memory (gradients, activations, "
+            f"buffers) held back; {dev.memory_margin_source or 'source not recorded'}")
+
+
+def _tune_verified(config: Any, workload: Any, cluster: Any, tune_fn: Any) -> Any:
+    """`mistjax.validate.verified.tune_verified`, printing each round as it ends."""
+    from mistjax.validate.gpu_aot import GpuAotUnavailable
+    from mistjax.validate.verified import tune_verified
+
+    def say(r: Any) -> None:
+        print(f"  compiled for XLA:GPU: predicted {max(r.predicted) / 2**30:.2f} GiB, XLA:GPU {max(r.xla) / 2**30:.2f} "
+              f"GiB per device" + (f"; {r.overflow / 2**30:.2f} GiB over the budget: re-tuning with the measured gap"
+                                   if r.overflow > 0 else ""), flush=True)
+
+    print(f"verifying on XLA:GPU for {cluster.nodes}x{cluster.devices_per_node} {cluster.device.name} "
+          "(deviceless compile; minutes at full scale)...", flush=True)
+    try:
+        return tune_verified(config, workload, cluster, tune_fn, on_round=say)
+    except (GpuAotUnavailable, ValueError) as e:
+        raise CliError(f"--verify: {e}") from e
 
 
 @contextlib.contextmanager
@@ -262,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--plot", default=None, help="write PNG plots into this folder")
         q.add_argument("--verify", action="store_true",
                        help="compile the plan for the cluster's GPUs with XLA:GPU (deviceless AOT, no GPU needed) "
-                            "and print its per-device memory next to the prediction; exit status 1 if it does not "
-                            "fit (needs pip install 'mistjax[gpu-aot]')")
+                            "and print its per-device memory next to the prediction; `plan` re-tunes with the "
+                            "measured gap (up to 3 rounds) while XLA's peak is above the planning budget; exit "
+                            "status 1 if the plan does not fit the card (needs pip install 'mistjax[gpu-aot]')")
 
     q = sub.add_parser("plan", help="tune a plan and compare it with the baselines",
                        description="Tune a plan for a model on a cluster. Example: mistjax plan --model gpt3-22b "

@@ -12,6 +12,8 @@ Example::
 
 from __future__ import annotations
 
+# mistjax first: it chooses the platform quietly (no CUDA plugin noise) before jax starts.
+import mistjax  # noqa: F401
 import jax
 from flax import nnx
 

@@ -58,9 +58,6 @@ def test_help_texts(tmp_path: Path) -> None:
     assert "usage" in proc.stdout
 
 
-@pytest.mark.xfail(CUDA_PLUGIN_WITHOUT_DRIVER, strict=False,
-                   reason="models/__init__.py imports jax before mistjax, so the CUDA plugin's libraries log "
-                          "as they load; it needs `import mistjax` (the platform choice) first")
 def test_models_list(tmp_path: Path) -> None:
     proc = _run([sys.executable, "-m", "models", "--list"], tmp_path)
     assert "gpt3-tiny" in proc.stdout

@@ -196,3 +196,25 @@ def test_pipelined_plan_compiles_per_stage_for_two_l4s():
     for st in r.stages:
         assert st.peak == max(p.memory.peak + p.resident for p in st.programs) > st.state
     assert r.to_dict()["peak_per_stage"] == r.peak_per_stage
+
+
+@needs_plugin
+def test_cli_verifies_a_pipelined_plan_per_stage(tmp_path, capsys):
+    """`explain --verify` compiles every (stage, phase) program of a pipelined plan (it failed with "a
+    pipelined plan runs one program per (stage, phase)"): a row per stage, predicted next to XLA:GPU, and
+    the report survives the subprocess's JSON (`report_from_dict`)."""
+    from mistjax.plan import Plan, StagePlan
+
+    half = TINY.num_layers // 2
+    plan = Plan(stages=(StagePlan(layers=(0, half), shard_opt=True), StagePlan(layers=(half, TINY.num_layers))),
+                micro_batch=2, grad_accum=2, dp=1)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    args = ["explain", str(path), "--model", "gpt3-tiny", "--cluster", "l4:1x2", "--global-batch", "4",
+            "--seq-len", "32", "--verify"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "XLA:GPU deviceless compile of 2 pipeline stages' programs for 2 x NVIDIA L4" in out
+    rows = [ln for ln in out.splitlines() if ln.strip().startswith(("0 (layers 0-", "1 (layers "))]
+    assert len(rows) == 2 and all("backward:" in r or "last:" in r or "update" in r or "finish" in r for r in rows)
+    assert "fits: XLA:GPU needs" in out

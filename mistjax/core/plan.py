@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,17 @@ class StagePlan:
         return offloaded_layers(self.num_layers, self.remat_layers, self.offload_acts)
 
 
+STATE_CATEGORIES = ("params", "optimizer")  # memory categories that are the train state (XLA's arguments)
+
+
+def guarded_peak(memory: Mapping[str, Any], margin: float) -> Any:
+    """A peak with ``margin`` of its non-state part added (`DeviceSpec.memory_margin`): what a plan must
+    keep within the budget. Works on floats and on the cost model's per-strategy arrays alike."""
+    total = sum(memory.values())
+    state = sum(memory.get(c, 0.0) for c in STATE_CATEGORIES)
+    return total + margin * (total - state)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What the cost model predicted for a plan (seconds and bytes per device)."""
@@ -166,6 +178,10 @@ class Prediction:
     @property
     def peak_memory(self) -> float:
         return max((sum(m.values()) for m in self.stage_memory), default=0.0)
+
+    def guarded_peak(self, margin: float) -> float:
+        """The largest stage's `guarded_peak`."""
+        return max((float(guarded_peak(m, margin)) for m in self.stage_memory), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -463,4 +479,4 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
 
 
 __all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "PlanDoesNotFit", "uniform_plan", "params_fingerprint",
-           "PLAN_MESH_AXES", "SCHEMA_VERSION", "REMAT_POLICIES"]
+           "guarded_peak", "STATE_CATEGORIES", "PLAN_MESH_AXES", "SCHEMA_VERSION", "REMAT_POLICIES"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mistjax.analysis.compiled import ProfileValues
+from mistjax.core.plan import guarded_peak
 from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
@@ -138,10 +139,10 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     remat_bwd = np.where(c > 0, kinds.saved_plain - kinds.saved_remat + v.block.bwd_peak_bytes("none") - blk_peak, 0.0)
     recompute = np.maximum(np.maximum(remat_bwd, 0.0), np.where(kinds.n_off > 0, kinds.saved_plain, 0.0))
     # Fetched layer weights live only inside the layer loops: two layers at once in a scan unrolled by 2
-    # (`runtime.remat.make_layer_loop` unrolls every segment of more than two layers with fetches: plain,
-    # checkpointed or offloaded; forward, and backward where they are fetched again; only where fetches
-    # overlap compute), one otherwise. They are never live next to pre / post's transients.
-    unrolled = double_buffer & ((kinds.n_plain > 2) | (kinds.n_remat > 2) | (kinds.n_off > 2))
+    # (`runtime.remat.make_layer_loop` unrolls every plain or checkpointed segment of more than two layers
+    # with fetches; forward, and backward where they are fetched again; only where fetches overlap
+    # compute), one otherwise. They are never live next to pre / post's transients.
+    unrolled = double_buffer & ((kinds.n_plain > 2) | (kinds.n_remat > 2))  # offloading segments: never
     layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
     tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0  # int32 inputs + targets of the local batch
     # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
@@ -212,7 +213,8 @@ def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndar
 def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) -> StageCost:
     """Price every strategy of ``st`` on ``cluster`` (vectorised; no Python loop per strategy).
 
-    Feasibility covers memory (``peak <= cluster.memory_budget()``) and tensor-parallel divisibility;
+    Feasibility covers memory (the peak with the device's `memory_margin` on its non-state part,
+    `mistjax.core.plan.guarded_peak`, within ``cluster.memory_budget()``) and tensor-parallel divisibility;
     ``b * dp * G`` matching the global batch is the tuner's job.
     """
     k = Knobs.of(st)
@@ -234,7 +236,8 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     flops, flops_xla = _flops(workload, k, v, lt, kinds, ext, double_buffer)
     ok_tp = workload.compiled.feasible(k.b, s, k.t)
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"], memory=memory,
-                     peak=peak, feasible=(peak <= cluster.memory_budget()) & ok_tp, host=states.host + act_host,
+                     peak=peak, feasible=(guarded_peak(memory, cluster.device.memory_margin)
+                                          <= cluster.memory_budget()) & ok_tp, host=states.host + act_host,
                      host_acts=act_host, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
                      comm={kd: ext[f"comm.{kd}"] for kd in ("all-gather", "reduce-scatter", "all-reduce")},
                      optimizer_step=ext["update"] + ext["regather"])

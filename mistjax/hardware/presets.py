@@ -95,6 +95,13 @@ class DeviceSpec:
     # stages' share, so a pipeline costs about its total work spread over the node, not its lock-step
     # makespan (`mistjax.cost.predict`). False: each device computes on its own (GPUs, TPUs).
     shared_compute: bool = False
+    # Fraction of a plan's non-state memory (gradients, activations, buffers) held back for what the memory
+    # model misses on this compiler: a plan fits when ``state + (1 + memory_margin) * rest`` is within the
+    # budget. Fitted by scripts/fit_memory_margin.py from XLA:GPU compiles of tuned plans
+    # (scripts/bench_gpu_aot_tuned.py); ``memory_margin_source`` says which. 0: none (XLA:CPU, whose grid
+    # the model is checked on directly).
+    memory_margin: float = 0.0
+    memory_margin_source: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -107,6 +114,7 @@ class DeviceSpec:
             _check_num("device", f, getattr(self, f), at_most_one=True)
         _check_num("device", "dispatch_seconds", self.dispatch_seconds, positive=False)
         _check_num("device", "in_place_bandwidth", self.in_place_bandwidth, positive=False)
+        _check_num("device", "memory_margin", self.memory_margin, positive=False)
         _check_num("device", "matmul_tile", self.matmul_tile)
         for f in ("matmul_k_half", "kernel_overhead"):
             _check_num("device", f, getattr(self, f), positive=False)
@@ -236,6 +244,13 @@ class ClusterSpec:
     def with_memory(self, hbm_bytes: float) -> ClusterSpec:
         """Copy whose devices have ``hbm_bytes`` of memory (to emulate smaller cards)."""
         return replace(self, device=replace(self.device, hbm_bytes=hbm_bytes))
+
+    def with_budget(self, budget_bytes: float) -> ClusterSpec:
+        """Copy whose plans may use ``budget_bytes`` per device (the card's memory unchanged)."""
+        if not 0 < budget_bytes <= self.device.hbm_bytes:
+            raise ValueError(f"a memory budget of {budget_bytes / 2**30:.2f} GiB per device is not within the "
+                             f"card's {self.device.hbm_bytes / 2**30:.2f} GiB")
+        return replace(self, device=replace(self.device, usable_memory_fraction=budget_bytes / self.device.hbm_bytes))
 
     def with_shape(self, nodes: int, devices_per_node: int) -> ClusterSpec:
         """Copy with a different node count / node size (links unchanged)."""
@@ -409,7 +424,8 @@ def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
     _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
             frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds", "matmul_k_half",
                        "matmul_tile", "kernel_overhead", "fused_attention_kernels",
-                       "combines_collectives", "async_collectives", "shared_compute", "in_place_bandwidth"}))
+                       "combines_collectives", "async_collectives", "shared_compute", "in_place_bandwidth",
+                       "memory_margin", "memory_margin_source"}))
     split = doc.get("split_across_devices", [])
     if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
         raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "

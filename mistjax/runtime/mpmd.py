@@ -105,7 +105,10 @@ class MpmdStep:
                              for d in range(self.S)]
         self.meshes = [self.group_meshes[k % self.S] for k in range(self.K)]
         me = jax.process_index()
-        self.local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
+        # Compile-only devices (deviceless XLA:GPU compiles of a multi-host topology) belong to no running
+        # process: this process lowers and compiles every stage's programs.
+        compile_only = not set(self.mesh.devices.flat) & set(jax.devices())
+        self.local = [compile_only or any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
         self.issue: list[Op] = issue_order(plan.schedule, self.S, plan.grad_accum, plan.virtual_stages)
         self.rows = StageRows(tuple(s.layers[0] for s in plan.stages), tuple(s.layers[1] for s in plan.stages))
         self.stats = DispatchStats()
@@ -827,8 +830,13 @@ class MpmdStep:
 
     # ================================================================== inspection
     def residual_bytes(self) -> list[int]:
-        """Per stage: bytes per device its forward keeps for one micro-batch (0 on the last stage)."""
-        return [0 if k == self.K - 1 else self.programs[k].classify().nbytes for k in range(self.K)]
+        """Per stage: bytes per device its forward keeps in device memory for one micro-batch (0 on the last
+        stage); the part an offload policy moves to host is `residual_host_bytes`."""
+        return [0 if k == self.K - 1 else self.programs[k].classify().device_nbytes for k in range(self.K)]
+
+    def residual_host_bytes(self) -> list[int]:
+        """Per stage: bytes per device of one micro-batch's residuals kept in host memory (offloaded)."""
+        return [0 if k == self.K - 1 else self.programs[k].classify().host_nbytes for k in range(self.K)]
 
     def compile_stages(self, state: Any, batch: Any, phases: Sequence[str] | None = None, *,
                        compile: bool = True) -> dict[tuple[int, str], Any]:

@@ -65,7 +65,17 @@ class Residuals:
     @property
     def nbytes(self) -> int:
         """Bytes of the stored leaves, device and host."""
-        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, *_ in self.avals)
+        return self.device_nbytes + self.host_nbytes
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of the stored leaves kept in device memory."""
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _, host in self.avals if not host)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the stored leaves an offload policy puts in host memory."""
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _, host in self.avals if host)
 
     def take(self, vjp: Callable[..., Any]) -> list[Any]:
         """The stored leaves of a ``jax.vjp`` function traced like the classified one."""

@@ -288,7 +288,7 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
     for rank in range(len(found)):
         objective, plan, pareto = found[-1 - rank]
         pred = cost.predict(workload, plan, cluster)
-        if pred.peak_memory <= budget * (1 + 1e-9):
+        if pred.guarded_peak(cluster.device.memory_margin) <= budget * (1 + 1e-9):
             break
     else:
         warnings.warn(f"space {space.name!r}: every plan found exceeds the memory budget under the full prediction; "

@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -207,15 +207,25 @@ class GpuAotReport:
         return self.memory.peak
 
     @property
+    def peak_host_kept(self) -> int:
+        """The peak with the state the plan offloads left in host memory (as on a GPU with host memory)."""
+        return self.memory.peak - self.offloaded_state
+
+    @property
+    def peak_per_stage(self) -> list[int]:
+        """One program, one stage: `peak_host_kept` (the interface of `PipelineAotReport`)."""
+        return [self.peak_host_kept]
+
+    @property
     def fits(self) -> bool:
-        """XLA:GPU's per-device peak is within the card's memory."""
-        return self.memory.peak <= self.capacity
+        """XLA:GPU's per-device peak (offloaded state on host) is within the card's memory."""
+        return self.peak_host_kept <= self.capacity
 
     def to_dict(self, with_hlo: bool = False) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         if not with_hlo:
             out.pop("hlo_text")
-        out["peak"], out["fits"] = self.peak, self.fits
+        out["peak"], out["fits"], out["peak_per_stage"] = self.peak, self.fits, self.peak_per_stage
         return out
 
     @classmethod
@@ -226,6 +236,33 @@ class GpuAotReport:
                       "collectives": {k: CollectiveStats(**v) for k, v in d["collectives"].items()},
                       "peak_buffers": tuple(LiveBuffer(**b) for b in d["peak_buffers"]),
                       "notes": tuple(d.get("notes", ()))})
+
+
+class Verification(Protocol):
+    """What a deviceless compile of a plan reports, single-program (`GpuAotReport`) or pipelined
+    (`mistjax.validate.gpu_aot_pipeline.PipelineAotReport`)."""
+
+    cluster: str
+    device_kind: str
+    num_devices: int
+    capacity: float
+    budget: float
+    compile_seconds: float
+
+    @property
+    def peak_per_stage(self) -> list[int]: ...  # XLA's per-device peak of each stage, offloaded state on host
+
+    @property
+    def fits(self) -> bool: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def group_peaks(report: Verification, groups: int) -> tuple[float, ...]:
+    """XLA's peak per device group: a pipeline's stages g, g + groups, ... share group g's devices (each
+    stage's peak already counts what the group's other stages keep resident)."""
+    peaks = report.peak_per_stage
+    return tuple(float(max(peaks[g::groups])) for g in range(groups))
 
 
 def xla_cost_analysis(compiled: Any) -> dict[str, float] | None:
@@ -370,10 +407,30 @@ def verify_model(config: Any, seq_len: int, global_batch: int, plan: Plan, clust
     return compile_plan(step, state, batch, plan, cluster, **options)
 
 
+def verify_any(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any) -> Verification:
+    """`verify_model`, or for a pipelined plan every (stage, phase) program of the MPMD executor
+    (`mistjax.validate.gpu_aot_pipeline.verify_pipeline`), in this process."""
+    if plan.num_stages > 1:
+        from mistjax.validate.gpu_aot_pipeline import verify_pipeline
+
+        return verify_pipeline(config, seq_len, global_batch, plan, cluster)
+    return verify_model(config, seq_len, global_batch, plan, cluster)
+
+
+def report_from_dict(d: dict[str, Any]) -> Verification:
+    """A `GpuAotReport` or `PipelineAotReport` from its ``to_dict()``."""
+    if d.get("pipelined"):
+        from mistjax.validate.gpu_aot_pipeline import PipelineAotReport
+
+        return PipelineAotReport.from_dict(d)
+    return GpuAotReport.from_dict(d)
+
+
 def verify_in_subprocess(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any, *,
-                         timeout: float = 1800.0) -> GpuAotReport:
-    """`verify_model` in a fresh ``JAX_PLATFORMS=cpu`` Python process (safe whatever this process's JAX
-    platform state is). Raises `GpuAotUnavailable` with the reason when the compile cannot run."""
+                         timeout: float = 1800.0) -> Verification:
+    """`verify_any` in a fresh ``JAX_PLATFORMS=cpu`` Python process (safe whatever this process's JAX
+    platform state is): a `GpuAotReport`, or a `PipelineAotReport` for a pipelined plan. Raises
+    `GpuAotUnavailable` with the reason when the compile cannot run."""
     problem = plugin_problem()  # imports jax but initialises no backend
     if problem:
         raise GpuAotUnavailable(problem)
@@ -395,7 +452,7 @@ def verify_in_subprocess(config: Any, seq_len: int, global_batch: int, plan: Pla
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "cudart_stub" not in ln
                      and "absl::InitializeLog" not in ln]
             raise GpuAotUnavailable("the XLA:GPU compile failed:\n  " + "\n  ".join(lines[-12:]))
-        return GpuAotReport.from_dict(json.loads(paths["out"].read_text()))
+        return report_from_dict(json.loads(paths["out"].read_text()))
 
 
 # ------------------------------------------------------------------------------------- comparison
@@ -411,8 +468,21 @@ def predicted_split(analysis: Any) -> dict[str, float]:
             "host": float(analysis.stage_host[i]), "stage": float(i)}
 
 
-def format_verification(report: GpuAotReport, analysis: Any | None = None) -> str:
+def verdict(report: Verification) -> str:
+    """Whether XLA:GPU's largest per-device peak fits the card and the planning budget, in one line."""
+    need, card = format_bytes(max(report.peak_per_stage)), format_bytes(report.capacity)
+    if not report.fits:
+        return f"does not fit: XLA:GPU needs {need} of {card} per device"
+    if report.budget and max(report.peak_per_stage) > report.budget:
+        return (f"fits the card, barely: XLA:GPU needs {need} of {card}, above the planning budget of "
+                f"{format_bytes(report.budget)}")
+    return f"fits: XLA:GPU needs {need} of {card} per device"
+
+
+def format_verification(report: Verification, analysis: Any | None = None) -> str:
     """A short table: XLA:GPU's per-device memory next to the prediction, the fit verdict, collectives."""
+    if not isinstance(report, GpuAotReport):
+        return _format_pipelined(report, analysis)
     pred = predicted_split(analysis) if analysis is not None else None
     mem = report.memory
     unit, uname = (2**30, "GiB") if max(mem.peak, pred["peak"] if pred else 0) >= 2**30 else (2**20, "MiB")
@@ -437,14 +507,21 @@ def format_verification(report: GpuAotReport, analysis: Any | None = None) -> st
         lines.append("  largest values live at XLA's peak:")
         for b in report.peak_buffers[:6]:
             lines.append(f"    {format_bytes(b.nbytes):>10s} {b.kind:10s} {b.shape:26s} {b.op_name[-64:]}")
-    need, card = format_bytes(mem.peak), format_bytes(report.capacity)
-    if not report.fits:
-        lines.append(f"  does not fit: XLA:GPU needs {need} of {card} per device")
-    elif mem.peak > report.budget:
-        lines.append(f"  fits the card, barely: XLA:GPU needs {need} of {card}, above the planning budget of "
-                     f"{format_bytes(report.budget)}")
-    else:
-        lines.append(f"  fits: XLA:GPU needs {need} of {card} per device")
+    lines.append("  " + verdict(report))
+    return "\n".join(lines)
+
+
+def _format_pipelined(report: Any, analysis: Any | None) -> str:
+    from mistjax.validate.gpu_aot_pipeline import format_pipeline
+
+    groups = len(analysis.stage_memory) if analysis is not None else len(report.stages)
+    pred = ([float(sum(m.values())) for m in analysis.stage_memory] if analysis is not None
+            else [float("nan")] * groups)
+    unit, uname = (2**30, "GiB") if max(report.peak_per_stage) >= 2**30 else (2**20, "MiB")
+    lines = [f"XLA:GPU deviceless compile of {len(report.stages)} pipeline stages' programs for "
+             f"{report.num_devices} x {report.device_kind} ({report.compile_seconds:.0f} s), per device in {uname}:"]
+    lines += format_pipeline(report, pred, unit, uname)
+    lines.append("  " + verdict(report))
     return "\n".join(lines)
 
 
@@ -467,15 +544,15 @@ def _main(argv: list[str] | None = None) -> int:
     config = ModelConfig(**json.loads(Path(args.model).read_text()))
     cluster = (ClusterSpec.from_json(Path(args.cluster).read_text()) if Path(args.cluster).is_file()
                else ClusterSpec.parse(args.cluster))
-    report = verify_model(config, args.seq_len, args.global_batch, Plan.load(args.plan), cluster)
+    report = verify_any(config, args.seq_len, args.global_batch, Plan.load(args.plan), cluster)
     Path(args.out).write_text(json.dumps(report.to_dict()))
     return 0
 
 
-__all__ = ["INSTALL_HINT", "TARGET_SPECS", "CollectiveStats", "DeviceMemory", "GpuAotReport", "GpuAotUnavailable",
-           "GpuTarget", "collective_stats", "compile_only_devices", "compile_plan", "device_mesh",
-           "format_verification", "load_target", "plugin_problem", "predicted_split", "target_for",
-           "verify_in_subprocess", "verify_model", "xla_cost_analysis", "zoo_step"]
+__all__ = ["CollectiveStats", "DeviceMemory", "GpuAotReport", "GpuAotUnavailable", "GpuTarget", "INSTALL_HINT",
+           "TARGET_SPECS", "Verification", "collective_stats", "compile_only_devices", "compile_plan", "device_mesh",
+           "format_verification", "load_target", "plugin_problem", "predicted_split", "report_from_dict",
+           "target_for", "verify_any", "verify_in_subprocess", "verify_model", "xla_cost_analysis", "zoo_step"]
 
 if __name__ == "__main__":
     sys.exit(_main())

@@ -42,7 +42,7 @@ from mistjax.runtime.mpmd_memory import (
     shard_bytes,
     takes,
 )
-from mistjax.validate.gpu_aot import DeviceMemory, compile_only_devices, device_mesh, target_for
+from mistjax.validate.gpu_aot import DeviceMemory, compile_only_devices, device_mesh, group_peaks, target_for
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class ProgramAot:
     memory: DeviceMemory  # XLA:GPU's memory_analysis of the program, per device
     resident: int  # device bytes live between programs that are not its arguments (module docstring)
     resident_parts: dict[str, int]  # resident by kind: state, accumulators, residuals
-    host_in_arguments: int = 0  # host-placed state it takes, which compile-only XLA:GPU counts in `argument`
+    # host-placed state it takes and offloaded residuals it takes or makes, which compile-only XLA:GPU counts
+    # on the device (in `argument` / `output`)
+    host_in_arguments: int = 0
 
     @property
     def peak(self) -> int:
@@ -102,10 +104,31 @@ class PipelineAotReport:
     stages: tuple[StageAot, ...]
     capacity: float  # bytes of one card
     compile_seconds: float
+    budget: float = 0.0  # bytes a plan may use per device (cluster.memory_budget())
 
     @property
     def peak_per_stage(self) -> list[int]:
-        return [s.peak for s in self.stages]
+        """Each stage's peak with the state the plan offloads kept on host (as on a GPU with host memory)."""
+        return [s.peak_host_kept for s in self.stages]
+
+    @property
+    def fits(self) -> bool:
+        """Every stage's peak is within the card's memory."""
+        return max(self.peak_per_stage) <= self.capacity
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PipelineAotReport:
+        """The report `to_dict` wrote (its derived keys ignored)."""
+        def program(p: dict[str, Any]) -> ProgramAot:
+            return ProgramAot(p["phase"], DeviceMemory(**p["memory"]), p["resident"], dict(p["resident_parts"]),
+                              p.get("host_in_arguments", 0))
+
+        def stage(s: dict[str, Any]) -> StageAot:
+            return StageAot(s["stage"], tuple(s["layers"]), tuple(program(p) for p in s["programs"]), s["state"],
+                            s["offloaded"], s["accumulators"], s["residual_bytes"], s["in_flight"])
+
+        return cls(d["cluster"], d["device_kind"], d["num_devices"], tuple(stage(s) for s in d["stages"]),
+                   d["capacity"], d["compile_seconds"], d.get("budget", 0.0))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -113,8 +136,25 @@ class PipelineAotReport:
             d["peak"], d["peak_phase"], d["peak_host_kept"] = s.peak, s.peak_phase, s.peak_host_kept
             for p, pd in zip(s.programs, d["programs"]):
                 pd["peak"], pd["xla_peak"], pd["peak_host_kept"] = p.peak, p.memory.peak, p.peak_host_kept
-        out["peak_per_stage"] = self.peak_per_stage
+        out["peak_per_stage"], out["fits"], out["pipelined"] = self.peak_per_stage, self.fits, True
         return out
+
+
+def format_pipeline(report: PipelineAotReport, predicted: list[float], unit: float, uname: str) -> list[str]:
+    """Per device group: the predicted peak next to XLA:GPU's, the program at XLA's peak and what lives
+    beside it (`resident_parts`)."""
+    lines = [f"  {'stage':<16s} {'predicted':>10s} {'XLA:GPU':>10s}  XLA's peak program: args + out + temp - alias, "
+             f"+ resident state / accumulators / residuals ({uname})"]
+    xla = group_peaks(report, len(predicted))
+    for g, (p, x) in enumerate(zip(predicted, xla)):
+        st = max((s for s in report.stages if s.stage % len(predicted) == g), key=lambda s: s.peak_host_kept)
+        prog = max(st.programs, key=lambda q: q.peak_host_kept)
+        m, r = prog.memory, prog.resident_parts
+        label = f"{g} (layers {st.layers[0]}-{st.layers[1]})"
+        lines.append(f"  {label:<16s} {p / unit:10.2f} {x / unit:10.2f}  {prog.phase}: {m.argument / unit:.2f} + "
+                     f"{m.output / unit:.2f} + {m.temp / unit:.2f} - {m.alias / unit:.2f}, + {r['state'] / unit:.2f} "
+                     f"/ {r['accumulators'] / unit:.2f} / {r['residuals'] / unit:.2f}")
+    return lines
 
 
 def stage_reports(ex: Any, compiled: dict[tuple[int, str], Any]) -> tuple[StageAot, ...]:
@@ -130,6 +170,8 @@ def stage_reports(ex: Any, compiled: dict[tuple[int, str], Any]) -> tuple[StageA
                 continue
             parts = resident_parts(ex, k, phase, pers[k], others, flight)
             host_in = sum(b for i, b in pers[k].host.items() if i in takes(ex, k, phase)[0])
+            # Offloaded residuals: the forward's outputs and the backward's arguments, in host memory on a GPU.
+            host_in += ex.residual_host_bytes()[k] if phase in ("forward", "backward") else 0
             progs.append(ProgramAot(phase, DeviceMemory.of(c), sum(parts.values()), parts, host_in))
         out.append(StageAot(k, tuple(ex.plan.stages[k].layers), tuple(progs), sum(pers[k].state.values()),
                             sum(pers[k].host.values()), pers[k].acc, pers[k].residual, most[k]))
@@ -154,7 +196,7 @@ def compile_pipeline(train_step: Any, state: Any, batch: Any, plan: Plan, cluste
     return PipelineAotReport(cluster=f"{cluster.name}:{cluster.nodes}x{cluster.devices_per_node}",
                              device_kind=devices[0].device_kind, num_devices=len(devices),
                              stages=stage_reports(step._mpmd, compiled), capacity=float(cluster.device.hbm_bytes),
-                             compile_seconds=seconds)
+                             compile_seconds=seconds, budget=float(cluster.memory_budget()))
 
 
 def verify_pipeline(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any) -> PipelineAotReport:
@@ -165,5 +207,5 @@ def verify_pipeline(config: Any, seq_len: int, global_batch: int, plan: Plan, cl
     return compile_pipeline(step, state, batch, plan, cluster)
 
 
-__all__ = ["PipelineAotReport", "ProgramAot", "StageAot", "compile_pipeline", "most_in_flight", "others_in_flight",
-           "resident_parts", "shard_bytes", "stage_reports", "verify_pipeline"]
+__all__ = ["PipelineAotReport", "ProgramAot", "StageAot", "compile_pipeline", "format_pipeline",
+           "most_in_flight", "others_in_flight", "resident_parts", "shard_bytes", "stage_reports", "verify_pipeline"]
