@@ -24,7 +24,7 @@ from jax.extend import core as jex
 
 from mistjax.api.precision import MasterWeightsState
 from mistjax.core.layout import OPT, PARAM
-from mistjax.core.plan import Plan, PlanDoesNotFit, PlanError, Prediction, format_bytes
+from mistjax.core.plan import Plan, PlanDoesNotFit, PlanError, Prediction, format_bytes, lowered_budget
 from mistjax.core.strategies import CostModel
 from mistjax.cost.workload import OPTIMIZERS, Workload
 from mistjax.hardware.presets import ClusterSpec
@@ -38,7 +38,6 @@ __all__ = ["AutoShardedStep", "detect_cluster", "step_workload"]
 
 _CACHE_FORMAT = "mistjax.tuned-plan"
 _MAX_RETUNES = 3  # re-tunes after a tuned plan did not fit the devices' free memory
-_RETUNE_MARGIN = 0.03  # of the lowered budget, kept free for what the cost model's error may add
 # device_kind substrings -> preset, most specific first.
 _GPU_PRESETS = (("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100-80gb"), ("H200", "h200"), ("H100", "h100"),
                 ("L4", "l4"))
@@ -206,17 +205,10 @@ def _save_cached(path: Path, plan: TunedPlan, fps: dict[str, str]) -> None:
 
 
 def _lowered_budget(plan: Plan, err: PlanDoesNotFit, budget: float) -> float:
-    """The per-device budget to re-tune for after ``plan`` did not fit.
-
-    From the stage's predicted peak (or the budget, if lower), the measured gap is taken off twice over:
-    as bytes (an error of the prediction that stays when the plan changes, e.g. a buffer it does not
-    model) and in proportion (x available / needed, an error that scales with the plan); the lower of
-    the two, less a margin for what the next plan's prediction may miss.
-    """
+    """The per-device budget to re-tune for after ``plan`` did not fit (`mistjax.core.plan.lowered_budget`)."""
     pred = plan.prediction
     predicted = sum(pred.stage_memory[err.stage].values()) if pred and err.stage < len(pred.stage_memory) else 0.0
-    base = min(budget, predicted) if predicted > 0 else budget
-    return min(base - err.gap, base * max(err.available, 0.0) / err.need) * (1 - _RETUNE_MARGIN)
+    return lowered_budget(budget, predicted, err.need, err.available)
 
 
 @dataclass

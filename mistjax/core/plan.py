@@ -165,6 +165,22 @@ def guarded_peak(memory: Mapping[str, Any], margin: float) -> Any:
     return total + margin * (total - state)
 
 
+RETUNE_MARGIN = 0.03  # of a lowered budget, kept free for what the next plan's prediction may miss
+
+
+def lowered_budget(budget: float, predicted: float, need: float, available: float) -> float:
+    """The per-device budget to re-tune for after a plan predicted at ``predicted`` bytes needed ``need``
+    where ``available`` were (compiled for the GPU, or measured free on it).
+
+    From the predicted peak (or the budget, if lower), the gap is taken off twice over: as bytes (an
+    error of the prediction that stays when the plan changes, e.g. a buffer it does not model) and in
+    proportion (x available / need, an error that scales with the plan); the lower of the two, less
+    `RETUNE_MARGIN`. Below the plan's own prediction, so a search cannot return that plan again.
+    """
+    base = min(budget, predicted) if predicted > 0 else budget
+    return min(base - (need - available), base * max(available, 0.0) / need) * (1 - RETUNE_MARGIN)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What the cost model predicted for a plan (seconds and bytes per device)."""
@@ -479,4 +495,5 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
 
 
 __all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "PlanDoesNotFit", "uniform_plan", "params_fingerprint",
-           "guarded_peak", "STATE_CATEGORIES", "PLAN_MESH_AXES", "SCHEMA_VERSION", "REMAT_POLICIES"]
+           "guarded_peak", "lowered_budget", "RETUNE_MARGIN", "STATE_CATEGORIES",
+           "PLAN_MESH_AXES", "SCHEMA_VERSION", "REMAT_POLICIES"]

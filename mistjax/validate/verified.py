@@ -2,8 +2,9 @@
 
 The cost model predicts each device group's peak; XLA:GPU's compile of the runtime's real program says
 what the card will need. When XLA's largest peak is above the planning budget, the search runs again
-with a budget below that plan's predicted peak by the overflow (the measured gap), until a plan's
-compiled peak is within the budget or the rounds run out. Every round is kept, so the report says what
+with a budget below that plan's predicted peak by the measured gap (`mistjax.core.plan.lowered_budget`,
+the rule autoshard's memory check re-tunes by), until a plan's compiled peak is within the budget or the
+rounds run out. Every round is kept, so the report says what
 was tried and why.
 """
 
@@ -13,13 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mistjax.core.plan import Plan, format_bytes
+import numpy as np
+
+from mistjax.core.plan import Plan, format_bytes, lowered_budget
 from mistjax.cost.predict import Analysis, analyze
 from mistjax.hardware.presets import ClusterSpec
 from mistjax.validate.gpu_aot import Verification, group_peaks, verify_in_subprocess
-
-# One round's step when the overflow is tiny: at least this fraction of the budget comes off.
-MIN_STEP = 0.01
 
 TuneFn = Callable[[ClusterSpec], Plan]
 VerifyFn = Callable[[Any, int, int, Plan, ClusterSpec], Verification]
@@ -108,10 +108,10 @@ def tune_verified(config: Any, workload: Any, cluster: ClusterSpec, tune_fn: Tun
             on_round(rounds[-1])
         if rounds[-1].overflow <= 0:
             break
-        # Below this plan's own predicted peak, so the search cannot return it again.
-        step = max(rounds[-1].overflow, MIN_STEP * target)
-        current = current.with_budget(min(current.memory_budget(), max(predicted)) - step)
+        worst = int(np.argmax(rounds[-1].xla))  # the group furthest over the budget
+        current = current.with_budget(lowered_budget(current.memory_budget(), predicted[worst],
+                                                     rounds[-1].xla[worst], target))
     return VerifiedPlan(tuple(rounds), analysis)
 
 
-__all__ = ["MIN_STEP", "VerifiedPlan", "VerifyRound", "tune_verified"]
+__all__ = ["VerifiedPlan", "VerifyRound", "tune_verified"]
