@@ -102,6 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, args.memory_gib)
     if args.verify:
         _verify_ready(cluster)
+    elif args.verify is None:  # default: verify where the GPU's compiler and a target spec are here
+        args.verify = _can_verify(cluster)
     workload = _workload(args)
     print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
           f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
@@ -139,10 +141,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def margin_line(cluster: Any) -> str:
     """What the planning budget holds back for the memory model's misses, and where that figure comes from."""
     dev = cluster.device
-    if not dev.memory_margin:
+    if not dev.memory_margin_source:
         return "  memory margin: none (plans use the whole budget; --verify checks them on the GPU's compiler)"
     return (f"  memory margin: {dev.memory_margin:.1%} of each plan's non-state memory (gradients, activations, "
-            f"buffers) held back; {dev.memory_margin_source or 'source not recorded'}")
+            f"buffers) held back beyond the budget; {dev.memory_margin_source}")
 
 
 def _tune_verified(config: Any, workload: Any, cluster: Any, tune_fn: Any) -> Any:
@@ -219,6 +221,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
     return _verify(_model_config(args), workload, plan, cluster, report) if args.verify else 0
+
+
+def _can_verify(cluster: Any) -> bool:
+    """Whether ``--verify`` can run here: the deviceless XLA:GPU compiler is installed and the cluster's
+    GPU has a target spec (`mistjax.validate.gpu_aot`)."""
+    try:
+        _verify_ready(cluster)
+    except CliError:
+        return False
+    return True
 
 
 def _verify_ready(cluster: Any) -> None:
@@ -302,11 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--memory-gib", type=positive_float, default=None,
                        help="override device memory in GiB (emulate smaller cards)")
         q.add_argument("--plot", default=None, help="write PNG plots into this folder")
-        q.add_argument("--verify", action="store_true",
+        q.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                        help="compile the plan for the cluster's GPUs with XLA:GPU (deviceless AOT, no GPU needed) "
                             "and print its per-device memory next to the prediction; `plan` re-tunes with the "
                             "measured gap (up to 3 rounds) while XLA's peak is above the planning budget; exit "
-                            "status 1 if the plan does not fit the card (needs pip install 'mistjax[gpu-aot]')")
+                            "status 1 if the plan does not fit the card (needs pip install 'mistjax[gpu-aot]'). "
+                            "Default: `plan` verifies where that compiler and the GPU's target spec are installed "
+                            "(--no-verify skips it), `explain` does not")
 
     q = sub.add_parser("plan", help="tune a plan and compare it with the baselines",
                        description="Tune a plan for a model on a cluster. Example: mistjax plan --model gpt3-22b "

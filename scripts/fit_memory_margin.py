@@ -2,7 +2,7 @@
 
 Usage::
 
-    python scripts/fit_memory_margin.py docs/results/gpu_aot_tuned.json [--write] [--quantile 1.0]
+    python scripts/fit_memory_margin.py docs/results/gpu_aot_tuned.json [--write] [--quantile 1.0] [--reprice]
 
 Input: the JSON of ``scripts/bench_gpu_aot_tuned.py`` (every tuned plan's predicted and XLA:GPU peak per
 device group, with the predicted state / rest split). For each group, the margin on the predicted non-state
@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Args:
     results: tyro.conf.Positional[str]  # bench_gpu_aot_tuned.py's JSON
     quantile: float = 1.0  # of the per-group margins needed (1.0: the largest)
     write: bool = False  # store the margin in the GPU presets' catalog JSONs
+    reprice: bool = False  # price the compiled plans again with this checkout's cost model (XLA's peaks stay)
     catalog: Annotated[str, tyro.conf.arg(help="folder of the preset JSONs")] = str(CATALOG)
 
 
@@ -62,14 +64,42 @@ def needed_margins(results: dict) -> list[tuple[str, int, float]]:
     return out
 
 
+def reprice(results: dict) -> dict:
+    """The results with every compiled plan's prediction redone by the current cost model (the plans and
+    XLA's peaks are what they were): refit after a change of the memory model without compiling again."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_gpu_aot_tuned as bench
+
+    import models
+    from mistjax.core.plan import Plan
+    from mistjax.cost.predict import analyze
+    from mistjax.hardware.presets import ClusterSpec
+
+    cells = {c.id: c for c in bench.CELLS}
+    for cell in results["cells"]:
+        spec = cells[cell["id"]]
+        workload = models.workload(bench.config_of(spec), spec.seq, spec.global_batch)
+        for r in cell["rounds"]:
+            cluster = ClusterSpec.parse(spec.cluster).with_budget(r["budget"])
+            a = analyze(workload, Plan.from_dict(r["plan"]), cluster)
+            r["predicted"] = [float(sum(m.values())) for m in a.stage_memory]
+            r["components"] = bench.split(a)
+    return results
+
+
 def write_margin(folder: Path, margin: float, source: str) -> list[str]:
+    """Set ``device.memory_margin`` / ``memory_margin_source`` in each GPU preset, editing the text in
+    place (after ``usable_memory_fraction``) so that the rest of the hand-written document is unchanged."""
     written = []
+    fields = f'"memory_margin": {round(margin, 4)},\n  "memory_margin_source": {json.dumps(source)},\n  '
     for name in GPU_PRESETS:
         path = folder / f"{name}.json"
-        doc = json.loads(path.read_text())
-        doc["device"]["memory_margin"] = round(margin, 4)
-        doc["device"]["memory_margin_source"] = source
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        text = re.sub(r'"memory_margin": [^\n]*\n\s*"memory_margin_source": [^\n]*\n\s*', "", path.read_text())
+        text, n = re.subn(r'("usable_memory_fraction": [^,\n]+,\n\s*)', lambda m: m.group(1) + fields, text, count=1)
+        if n != 1:
+            raise SystemExit(f"fit_memory_margin: {path} has no device.usable_memory_fraction to write after")
+        json.loads(text)  # still a valid document
+        path.write_text(text)
         written.append(str(path))
     return written
 
@@ -77,6 +107,8 @@ def write_margin(folder: Path, margin: float, source: str) -> list[str]:
 def main(argv: list[str] | None = None) -> float:
     args = tyro.cli(Args, args=argv, description=__doc__)
     results = json.loads(Path(args.results).read_text())
+    if args.reprice:
+        results = reprice(results)
     rows = needed_margins(results)
     if not rows:
         sys.exit(f"fit_memory_margin: {args.results} holds no compiled plan")
@@ -92,7 +124,8 @@ def main(argv: list[str] | None = None) -> float:
         date = datetime.date.today().isoformat()
         source = (f"fitted by scripts/fit_memory_margin.py (quantile {args.quantile:g}) to {len(rows)} device groups "
                   f"of XLA:GPU deviceless compiles of tuned plans ({os.path.basename(args.results)}, "
-                  f"scripts/bench_gpu_aot_tuned.py), {date}")
+                  "scripts/bench_gpu_aot_tuned.py" + (", re-priced by the cost model that reads this"
+                                                      if args.reprice else "") + f"), {date}")
         for path in write_margin(Path(args.catalog), margin, source):
             print(f"wrote {path}")
     return margin

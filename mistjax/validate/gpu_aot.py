@@ -440,19 +440,44 @@ def verify_in_subprocess(config: Any, seq_len: int, global_batch: int, plan: Pla
         paths["model"].write_text(json.dumps(dataclasses.asdict(config)))
         paths["plan"].write_text(plan.to_json())
         paths["cluster"].write_text(cluster.to_json())
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         cmd = [sys.executable, "-m", "mistjax.validate.gpu_aot", "--model", str(paths["model"]), "--plan",
                str(paths["plan"]), "--cluster", str(paths["cluster"]), "--seq-len", str(seq_len),
                "--global-batch", str(global_batch), "--out", str(paths["out"])]
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            raise GpuAotUnavailable(f"the XLA:GPU compile did not finish within {timeout:.0f} s") from e
+        proc = _compile_process(cmd, {}, timeout)
+        if proc.returncode != 0 and _NO_TILES in proc.stderr:
+            # Without autotuning (deviceless), XLA's Triton GEMM emitter can find no tile sizes for some dots;
+            # cuBLAS GEMMs compile them (what XLA autotuning may pick on the GPU too).
+            proc = _compile_process(cmd, {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, timeout)
         if proc.returncode != 0 or not paths["out"].is_file():
-            lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "cudart_stub" not in ln
-                     and "absl::InitializeLog" not in ln]
-            raise GpuAotUnavailable("the XLA:GPU compile failed:\n  " + "\n  ".join(lines[-12:]))
+            raise GpuAotUnavailable("the XLA:GPU compile failed: " + _failure(proc.stderr))
         return report_from_dict(json.loads(paths["out"].read_text()))
+
+
+_NO_TILES = "Couldn't find output tile sizes"
+
+
+def _compile_process(cmd: list[str], flags: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run the compile subprocess with JAX_PLATFORMS=cpu and ``flags`` appended to the environment's."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for name, value in flags.items():
+        env[name] = f"{env.get(name, '')} {value}".strip()
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise GpuAotUnavailable(f"the XLA:GPU compile did not finish within {timeout:.0f} s") from e
+
+
+_EXCEPTION = re.compile(r"^(\w+\.)*\w*(Error|Exception|Unavailable): ")
+
+
+def _failure(stderr: str) -> str:
+    """The compile subprocess's exception line (XLA's error text can run to thousands of characters of HLO:
+    its head is kept), then the last lines of its traceback."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and "cudart_stub" not in ln
+             and "absl::InitializeLog" not in ln]
+    raised = [ln for ln in lines if _EXCEPTION.match(ln)]
+    head = (raised[-1][:1500] + "\n  ") if raised else ""
+    return head + "\n  ".join(ln[:300] for ln in lines[-8:])
 
 
 # ------------------------------------------------------------------------------------- comparison
