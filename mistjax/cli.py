@@ -100,6 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import mistjax
 
     cluster = load_cluster(args.cluster, args.memory_gib)
+    required = bool(args.verify)  # asked for: a failed compile is an error; by default only a warning
     if args.verify:
         _verify_ready(cluster)
     elif args.verify is None:  # default: verify where the GPU's compiler and a target spec are here
@@ -120,8 +121,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = results[-1].plan
         return plan.as_plan() if hasattr(plan, "as_plan") else plan
 
-    verified = _tune_verified(_model_config(args), workload, cluster, tune_fn) if args.verify else None
-    plan = verified.plan if verified else tune_fn(cluster)
+    verified = _tune_verified(_model_config(args), workload, cluster, tune_fn, required) if args.verify else None
+    if verified is not None:
+        plan = verified.plan
+    elif results:  # the verification failed after the search
+        plan = results[-1].plan.as_plan() if hasattr(results[-1].plan, "as_plan") else results[-1].plan
+    else:
+        plan = tune_fn(cluster)
     print(results[-1].summary())
     if args.json:
         plan.save(args.json)
@@ -147,8 +153,9 @@ def margin_line(cluster: Any) -> str:
             f"buffers) held back beyond the budget; {dev.memory_margin_source}")
 
 
-def _tune_verified(config: Any, workload: Any, cluster: Any, tune_fn: Any) -> Any:
-    """`mistjax.validate.verified.tune_verified`, printing each round as it ends."""
+def _tune_verified(config: Any, workload: Any, cluster: Any, tune_fn: Any, required: bool) -> Any:
+    """`mistjax.validate.verified.tune_verified`, printing each round as it ends. A compile that fails is an
+    error when ``--verify`` was asked for, else a warning (and None: the plan stays unverified)."""
     from mistjax.validate.gpu_aot import GpuAotUnavailable
     from mistjax.validate.verified import tune_verified
 
@@ -162,7 +169,11 @@ def _tune_verified(config: Any, workload: Any, cluster: Any, tune_fn: Any) -> An
     try:
         return tune_verified(config, workload, cluster, tune_fn, on_round=say)
     except (GpuAotUnavailable, ValueError) as e:
-        raise CliError(f"--verify: {e}") from e
+        if required:
+            raise CliError(f"--verify: {e}") from e
+        print(f"mistjax plan: warning: the plan could not be verified on XLA:GPU ({e}); it is unverified "
+              "(--no-verify skips the compile)", file=sys.stderr)
+        return None
 
 
 @contextlib.contextmanager

@@ -207,7 +207,9 @@ def _save_cached(path: Path, plan: TunedPlan, fps: dict[str, str]) -> None:
 def _lowered_budget(plan: Plan, err: PlanDoesNotFit, budget: float) -> float:
     """The per-device budget to re-tune for after ``plan`` did not fit (`mistjax.core.plan.lowered_budget`)."""
     pred = plan.prediction
-    predicted = sum(pred.stage_memory[err.stage].values()) if pred and err.stage < len(pred.stage_memory) else 0.0
+    # stage_memory is per device group; a pipeline's stage k runs on group k % groups (virtual stages).
+    predicted = sum(pred.stage_memory[err.stage % len(pred.stage_memory)].values()) if pred and pred.stage_memory \
+        else 0.0
     return lowered_budget(budget, predicted, err.need, err.available)
 
 
@@ -364,7 +366,7 @@ class AutoShardedStep:
         self.retunes.append(note)
         self._say(note)
         warnings.warn(f"mistjax.autoshard: {note}", RuntimeWarning, stacklevel=4)
-        t.cluster = t.cluster.with_memory(t.cluster.device.hbm_bytes * target / budget)
+        t.cluster = t.cluster.with_budget(target)
         try:
             plan = self._search(t.cluster)
         except RuntimeError as e:

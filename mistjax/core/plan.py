@@ -178,7 +178,7 @@ def lowered_budget(budget: float, predicted: float, need: float, available: floa
     `RETUNE_MARGIN`. Below the plan's own prediction, so a search cannot return that plan again.
     """
     base = min(budget, predicted) if predicted > 0 else budget
-    return min(base - (need - available), base * max(available, 0.0) / need) * (1 - RETUNE_MARGIN)
+    return min(base - (need - available), base * max(available, 0.0) / max(need, 1.0)) * (1 - RETUNE_MARGIN)
 
 
 @dataclass(frozen=True)

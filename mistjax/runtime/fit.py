@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from mistjax.core.plan import Plan, PlanDoesNotFit, format_bytes
 from mistjax.runtime.mpmd_memory import program_peak, stage_peaks
@@ -205,9 +206,22 @@ def misfit_error(report: FitReport, plan: Plan) -> PlanDoesNotFit:
 
 
 def raise_if_misfit(report: FitReport, plan: Plan) -> None:
-    """Raise `misfit_error` if a stage of ``report`` does not fit."""
+    """Raise `misfit_error` if a stage of ``report`` does not fit; in a multi-process run every process
+    raises when any does (each checks its own devices, and one process stopping alone would leave the
+    others waiting in the step's first collective)."""
+    local = max((f.need - f.available for f in report.misfits), default=0.0)
+    gaps = np.array([local])
+    if jax.process_count() > 1:  # every process takes part, misfit or not
+        from jax.experimental import multihost_utils
+
+        gaps = np.asarray(multihost_utils.process_allgather(np.float64(local))).reshape(-1)
     if report.misfits:
         raise misfit_error(report, plan)
+    worst = int(np.argmax(gaps))
+    if gaps[worst] > 0:
+        raise PlanDoesNotFit(f"the plan does not fit in device memory on process {worst} (short by "
+                             f"{format_bytes(gaps[worst])} per device; that process's error names the stage "
+                             "and the knobs)", need=float(gaps[worst]), available=0.0, report=report)
 
 
 __all__ = ["FitReport", "StageFit", "capacities", "check_pipeline", "check_single", "device_capacity",

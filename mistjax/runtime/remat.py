@@ -89,14 +89,15 @@ def _unrolled_segments(segments: Sequence[tuple[int, int, str]], double_buffer: 
     with the forward's (the gathered weights would stay live). An odd segment runs its last layer as a
     scan of its own: ``lax.scan`` with an unroll that does not divide the length concatenates the
     remainder's outputs, residual stacks included, onto the loop's (a copy of every stacked residual:
-    15 GiB per device for a 31-layer Llama-3-8B segment at 16k tokens per micro-batch on XLA:GPU). A
+    15 GiB per device for a 31-layer Llama-3-8B segment at 16k tokens per micro-batch on XLA:GPU); a
+    segment of three layers runs one layer per iteration (its split would leave a one-trip loop). A
     segment that offloads its activations keeps one layer per iteration: XLA:GPU (jaxlib 0.10.2) fails
     to compile host-placed residual stacks of an unrolled scan (an INTERNAL layout-assignment error).
     """
     out = []
     for start, end, kind in segments:
-        if not (double_buffer and end - start > 2) or kind == "offload":
-            out.append((start, end, kind, 1))
+        if not (double_buffer and end - start > 2) or kind == "offload" or end - start == 3:
+            out.append((start, end, kind, 1))  # (3 = a two-trip loop of two layers + one: inlined as above)
         elif (end - start) % 2:
             out += [(start, end - 1, kind, 2), (end - 1, end, kind, 1)]
         else:

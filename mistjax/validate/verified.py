@@ -63,7 +63,7 @@ class VerifiedPlan:
         for i, r in enumerate(self.rounds):
             pred = max(r.predicted)
             lines.append(f"  round {i + 1}: budget {format_bytes(r.budget)}, predicted {format_bytes(pred)}, XLA:GPU "
-                         f"{format_bytes(max(r.xla))} ({max(r.xla) / pred - 1:+.1%})"
+                         f"{format_bytes(max(r.xla))} ({max(r.xla) / max(pred, 1.0) - 1:+.1%})"
                          + (f": {format_bytes(r.overflow)} over the planning budget" if r.overflow > 0 else ""))
         budget = format_bytes(self.rounds[0].report.budget)
         if self.verified and len(self.rounds) > 1:
@@ -93,12 +93,18 @@ def tune_verified(config: Any, workload: Any, cluster: ClusterSpec, tune_fn: Tun
 
     Raises:
       GpuAotUnavailable: the GPU compiler is not installed or the compile failed.
-      RuntimeError: a lowered budget leaves no feasible plan (the message names the budget).
+      Exception: whatever ``tune_fn`` raises in the first round (no plan at all); a lowered budget that
+        leaves no plan ends the rounds instead (`VerifiedPlan.verified` is False).
     """
     target = cluster.memory_budget()
     current, rounds = cluster, []
     for _ in range(max_rounds):
-        plan = tune_fn(current)
+        try:
+            plan = tune_fn(current)
+        except Exception:  # noqa: BLE001 - a lowered budget that leaves no plan: keep the rounds so far
+            if not rounds:
+                raise
+            break
         analysis = analyze(workload, plan, current)
         predicted = tuple(float(sum(m.values())) for m in analysis.stage_memory)
         report = verify(config, workload.seq_len, workload.global_batch, plan, cluster)
@@ -109,8 +115,10 @@ def tune_verified(config: Any, workload: Any, cluster: ClusterSpec, tune_fn: Tun
         if rounds[-1].overflow <= 0:
             break
         worst = int(np.argmax(rounds[-1].xla))  # the group furthest over the budget
-        current = current.with_budget(lowered_budget(current.memory_budget(), predicted[worst],
-                                                     rounds[-1].xla[worst], target))
+        budget = lowered_budget(current.memory_budget(), predicted[worst], rounds[-1].xla[worst], target)
+        if budget <= 0:
+            break
+        current = current.with_budget(budget)
     return VerifiedPlan(tuple(rounds), analysis)
 
 
