@@ -154,6 +154,26 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "pipelined_cells": sum(rec["rounds"][-1]["pipelined"] for rec in recs)}
 
 
+def markdown(recs: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """The table for docs/benchmarks.md: each cell's first plan and, when it was re-tuned, its last."""
+    lines = ["| cell | round | plan | predicted GiB | XLA:GPU GiB | pred / XLA - 1 (largest group) | fits card | "
+             "in budget |", "|---|---|---|---|---|---|---|---|"]
+    for rec in recs:
+        rounds = rec["rounds"] if len(rec["rounds"]) == 1 else [rec["rounds"][0], rec["rounds"][-1]]
+        for i, r in zip((1, len(rec["rounds"])), rounds):
+            p, x = max(r["predicted"]), max(r["xla"])
+            lines.append(f"| {rec['id']} | {i} | {r['plan_text']} | {p / GiB:.2f} | {x / GiB:.2f} | {p / x - 1:+.3f} | "
+                         f"{'yes' if r['fits'] else '**no**'} | {'yes' if r['within_budget'] else 'no'} |")
+    lines.append("")
+    lines.append(f"{summary['cells']} cells, {summary['compiled_plans']} plans compiled; per device group |pred / "
+                 f"XLA - 1| median {summary['group_err_median']:.3f}, max {summary['group_err_max']:.3f}; largest "
+                 f"group's peak median {summary['peak_err_median']:.3f}, max {summary['peak_err_max']:.3f}; first "
+                 f"plan fits its card {summary['first_plan_fits_card']} / {summary['cells']}, within the planning "
+                 f"budget {summary['first_plan_within_budget']}; last plan fits {summary['final_fits_card']}, within "
+                 f"budget {summary['final_within_budget']}.")
+    return "\n".join(lines)
+
+
 @dataclass
 class Args:
     """Tune every cell, compile its plan for the GPU, compare."""
@@ -162,10 +182,15 @@ class Args:
     cells: str = ""  # comma-separated cell ids (default: all)
     time_limit: float = 20.0  # seconds per search
     rounds: int = 1  # plans tuned and compiled per cell (> 1: re-tune with the measured gap)
+    reprint: str = ""  # print the table of a JSON written by --json (no tuning, no compiles)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = tyro.cli(Args, args=argv, description=__doc__)
+    if args.reprint:
+        done = json.loads(Path(args.reprint).read_text())
+        print(markdown(done["cells"], summarise(done["cells"])))
+        return done
     from mistjax.validate.gpu_aot import plugin_problem
 
     problem = plugin_problem()
@@ -187,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Path(args.json_out).write_text(json.dumps({"cells": recs, "summary": summarise(recs)}, indent=1))
     summary = summarise(recs)
     print(json.dumps(summary, indent=1))
+    print(markdown(recs, summary))
     return {"cells": recs, "summary": summary}
 
 
