@@ -85,6 +85,7 @@ class StateBytes:
     grad_full: np.ndarray  # the stage's whole gradient (one copy, in the gradient dtype)
     grad_shard: np.ndarray  # the stage's gradient as reduce-scattered over the partition group
     param_full: np.ndarray  # the stage's whole parameters (one copy, in their storage dtype)
+    host_state: np.ndarray  # offloaded parameters and optimizer state (what the update brings in and out)
 
 
 __all__ = ["Knobs", "LayerKinds", "StateBytes"]

@@ -87,7 +87,7 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     nl, zero, G = k.layers, k.zero, k.G
     params = nl * lt["w_layer_dev"] + lt["w_other_dev"]
     optimizer = nl * lt["opt_layer_dev"] + lt["opt_other_dev"]
-    host = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
+    host_state = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
     param_layer = v.block.weight_bytes
     param_other = np.where(k.first, v.pre.weight_bytes, 0.0) + np.where(k.last, v.post.weight_bytes, 0.0)
     scale = workload.grad_scale
@@ -120,8 +120,8 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     grads = np.where(accumulates, acc + mb_grads - in_loop, np.maximum(rest, rest * scale) + out)
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
     return StateBytes(params=params, optimizer=optimizer, grads=grads,
-                      host=host + np.where(accumulates, acc_host, 0.0), grad_full=grad_full, grad_shard=grad_shard,
-                      param_full=nl * param_layer + param_other)
+                      host=host_state + np.where(accumulates, acc_host, 0.0), grad_full=grad_full,
+                      grad_shard=grad_shard, param_full=nl * param_layer + param_other, host_state=host_state)
 
 
 def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
@@ -152,14 +152,13 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
             + _segment_slices(workload, k, kinds, lt))
 
 
-def _update_extra(k: Knobs, lt: dict[str, np.ndarray], states: StateBytes) -> np.ndarray:
+def _update_extra(k: Knobs, states: StateBytes) -> np.ndarray:
     """Device bytes the optimizer update holds besides the stored states, once the activations are gone:
     the offloaded weights and optimizer state it brings onto the device (XLA copies a host-placed
     argument in before computing on it), and with ZeRO-1/2 the reduce-scattered gradient shard it reads
     next to the accumulators. Measured on XLA:GPU's compile of the pipeline's update programs (an L4
     falcon-7b stage: 5.0 GiB of temporaries for 4.0 GiB of offloaded optimizer state)."""
-    brought = k.layers * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
-    return brought + np.where((k.zero >= 1) & (k.zero <= 2), states.grad_shard, 0.0)
+    return states.host_state + np.where((k.zero >= 1) & (k.zero <= 2), states.grad_shard, 0.0)
 
 
 def _part_peak(k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -238,7 +237,7 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     activations, act_host = _activations(k, v, kinds)
     states = state_bytes(workload, k, v, lt, deferred=defers_row_sync(cluster))
     double_buffer = double_buffers_fetches(cluster)
-    buffers = np.maximum(_buffers(workload, k, v, lt, kinds, double_buffer), _update_extra(k, lt, states) - activations)
+    buffers = np.maximum(_buffers(workload, k, v, lt, kinds, double_buffer), _update_extra(k, states) - activations)
     memory = {"params": states.params, "optimizer": states.optimizer, "grads": states.grads,
               "activations": activations, "buffers": buffers}
     peak = sum(memory.values())

@@ -309,8 +309,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     dev = cluster.device
     # The update overwrites the donated state in place (`DeviceSpec.update_bandwidth`).
     update = upd_bytes * (3 + 2 * copies) / (dev.update_bandwidth * dev.memory_efficiency)
-    host_state = nl * (lt["w_layer_host"] + lt["opt_layer_host"]) + lt["opt_other_host"]
-    swap = host_copy_time(host_state, dev.host_to_device) + host_copy_time(host_state, dev.device_to_host)
+    swap = host_copy_time(states.host_state, dev.host_to_device) + host_copy_time(states.host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)
     hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
     delta = sync + sync_bwd + regather + update + swap + hoisted
