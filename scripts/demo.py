@@ -13,9 +13,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-
+# mistjax before jax: it chooses the platform quietly (no CUDA plugin noise on a machine without a GPU).
 from mistjax.train.loop import TrainConfig, run_training, save_loss_plot  # noqa: E402
+import jax  # noqa: E402
 
 
 def describe_shardings(state: object, limit: int = 8) -> str:
