@@ -51,6 +51,14 @@ def test_plan_and_explain(tmp_path: Path) -> None:
     assert "peak" in proc.stdout
 
 
+def test_demo(tmp_path: Path) -> None:
+    """`make demo` (the README's main job), shortened to a few steps: quiet, and it writes the loss plot."""
+    out = tmp_path / "demo_out"
+    proc = _run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(out), "--steps", "4"], tmp_path)
+    _assert_quiet(proc)
+    assert (out / "loss.png").is_file()
+
+
 def test_help_texts(tmp_path: Path) -> None:
     _assert_quiet(_run([str(BIN / "mistjax"), "calibrate", "--help"], tmp_path))
     proc = _run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--help"], tmp_path)
