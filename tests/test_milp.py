@@ -184,6 +184,17 @@ def test_time_limit_without_incumbent_returns_none(monkeypatch: pytest.MonkeyPat
         assert solve_inter_stage(**_random_case(4)) is None
 
 
+def test_solver_error_is_an_early_stop_without_incumbent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cvxpy raises SolverError when HiGHS stops with no point at all (a tiny time limit on a loaded
+    machine): that is an early stop without a feasible assignment (None and a warning), not a traceback."""
+    def fail(self: cp.Problem, *args: object, **kwargs: object) -> None:
+        raise cp.error.SolverError("Solver 'HIGHS' failed.")
+
+    monkeypatch.setattr(cp.Problem, "solve", fail)
+    with pytest.warns(RuntimeWarning, match="before finding a feasible"):
+        assert solve_inter_stage(**_random_case(4)) is None
+
+
 def test_real_zero_time_limit_is_handled() -> None:
     rng = np.random.default_rng(0)
     S, opts, K = 8, [4, 5, 6, 7, 8], 30

@@ -195,7 +195,12 @@ def _run_solver(prob: cp.Problem, options: dict) -> str:
     with warnings.catch_warnings():
         # cvxpy warns "Solution may be inaccurate" on a time limit. We issue our own, clearer warning.
         warnings.filterwarnings("ignore", message="Solution may be inaccurate", category=UserWarning)
-        prob.solve(solver=cp.HIGHS, **options)
+        try:
+            prob.solve(solver=cp.HIGHS, **options)
+        except cp.error.SolverError:
+            # cvxpy raises when HiGHS stops (its time limit, on a loaded machine a tiny one) with no point
+            # at all: that is an early stop without a feasible assignment, which the caller handles.
+            return cp.USER_LIMIT
     return prob.status
 
 
