@@ -125,7 +125,7 @@ def run_cell(cell: TunedCell, time_limit: float, rounds: int) -> dict[str, Any]:
                      "pipelined": r.plan.num_stages > 1})
     return {"id": cell.id, "cluster": cell.cluster, "seq": cell.seq, "global_batch": cell.global_batch,
             "capacity": cluster.device.hbm_bytes, "planning_budget": cluster.memory_budget(),
-            "memory_margin": getattr(cluster.device, "memory_margin", 0.0), "rounds": recs, "verified": v.verified,
+            "memory_margin": cluster.device.memory_margin, "rounds": recs, "verified": v.verified,
             "seconds": time.perf_counter() - t0}
 
 
