@@ -139,10 +139,10 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     remat_bwd = np.where(c > 0, kinds.saved_plain - kinds.saved_remat + v.block.bwd_peak_bytes("none") - blk_peak, 0.0)
     recompute = np.maximum(np.maximum(remat_bwd, 0.0), np.where(kinds.n_off > 0, kinds.saved_plain, 0.0))
     # Fetched layer weights live only inside the layer loops: two layers at once in a scan unrolled by 2
-    # (`runtime.remat.make_layer_loop` unrolls every plain or checkpointed segment of more than two layers
+    # (`runtime.remat.make_layer_loop` unrolls every plain or checkpointed segment of more than three layers
     # with fetches; forward, and backward where they are fetched again; only where fetches overlap
     # compute), one otherwise. They are never live next to pre / post's transients.
-    unrolled = double_buffer & ((kinds.n_plain > 2) | (kinds.n_remat > 2))  # offloading segments: never
+    unrolled = double_buffer & ((kinds.n_plain > 3) | (kinds.n_remat > 3))  # 3 layers or offloading: never
     layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
     tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0  # int32 inputs + targets of the local batch
     # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
