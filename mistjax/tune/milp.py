@@ -24,6 +24,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cvxpy as cp
 import numpy as np
@@ -204,22 +205,75 @@ def _run_solver(prob: cp.Problem, options: dict) -> str:
     return prob.status
 
 
-def solve_inter_stage(
-    stable: CostTable,
-    delta: CostTable,
-    layer_options: Sequence[int],
-    num_layers: int,
-    G: int,
-    *,
-    time_limit: float = 10.0,
-    best_cost: float | None = None,
-    mip_rel_gap: float = 1e-6,
-    verbose: bool = False,
-    highs_options: dict | None = None,
-) -> InterStageSolution | None:
-    """Optimal layer split and per-stage candidate choice by MILP (cvxpy + HiGHS).
+@dataclass(frozen=True)
+class _Triples:
+    """The usable (stage i, option j, candidate k) triples of the MILP, one entry per triple."""
 
-    Model, over the usable (stage i, option j, candidate k) triples only:
+    stage: np.ndarray  # i of each triple
+    option: np.ndarray  # j: index into layer_options
+    candidate: np.ndarray  # k: index into the (i, j) cost arrays
+    stable: np.ndarray  # s_ijk, as the tables give it (unscaled)
+    delta: np.ndarray  # d_ijk, unscaled
+
+    @property
+    def size(self) -> int:
+        """Number of triples (binary variables of the model)."""
+        return int(self.stable.size)
+
+
+def _usable_triples(tables: list[list[tuple[np.ndarray, np.ndarray]]], layer_options: Sequence[int],
+                    num_layers: int, G: int, best_cost: float | None) -> _Triples | None:
+    """The triples the MILP keeps (see `_InterStageModel`), or None when they allow no layer split."""
+    parts: list[tuple[np.ndarray, ...]] = []
+    usable = [[False] * len(layer_options) for _ in tables]
+    for i, row in enumerate(tables):
+        for j, (s, d) in enumerate(row):
+            keep = pareto_mask(s, d, keep_duplicates=False) & _cut_allows(s, G, best_cost)
+            ks = np.flatnonzero(keep)
+            if ks.size == 0:
+                continue
+            usable[i][j] = True
+            parts.append((np.full(ks.size, i), np.full(ks.size, j), ks, s[ks], d[ks]))
+    # No usable triple at all leaves no reachable layer sum, so `parts` is non-empty past this check.
+    if not _layer_split_possible(usable, layer_options, num_layers):
+        return None
+    return _Triples(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+
+
+class _Coefficients(NamedTuple):
+    """The MILP's constant matrices over the triples, costs divided by ``scale``."""
+
+    onehot: sp.csr_matrix  # [S, n]: row i selects stage i's triples
+    stable: sp.csr_matrix  # [S, n]: T = stable @ z
+    exposed: sp.csr_matrix  # [S, n]: D_i - sum_{j<i} T_j = exposed @ z
+    layers: np.ndarray  # [n]: layer count of each triple
+    stable_sum: np.ndarray  # [n]: sum_i T_i = stable_sum @ z
+    scale: float  # the costs' divisor
+
+
+def _coefficients(triples: _Triples, num_stages: int, layer_options: Sequence[int]) -> _Coefficients:
+    """The constant matrices of the model, with the costs rescaled to O(1).
+
+    The rescaling makes HiGHS's absolute tolerances mean the same thing whether the tables are in
+    seconds or microseconds. The reported objective is recomputed unscaled.
+    """
+    S, n = num_stages, triples.size
+    scale = float(max(np.abs(triples.stable).max(), np.abs(triples.delta).max()))
+    scale = scale if scale > 0 else 1.0
+    s_sc, d_sc = triples.stable / scale, triples.delta / scale
+    cols = np.arange(n)
+    onehot = sp.csr_matrix((np.ones(n), (triples.stage, cols)), shape=(S, n))
+    Ms = sp.csr_matrix((s_sc, (triples.stage, cols)), shape=(S, n))
+    Md = sp.csr_matrix((d_sc, (triples.stage, cols)), shape=(S, n))
+    prefix = sp.csr_matrix(np.tril(np.ones((S, S)), k=-1))  # row i sums stages j < i
+    exposed = (Md - prefix @ Ms).tocsr()
+    layers = np.asarray(layer_options, dtype=np.float64)[triples.option]
+    return _Coefficients(onehot, Ms, exposed, layers, s_sc, scale)
+
+
+@dataclass(frozen=True)
+class _InterStageModel:
+    """The inter-stage MILP (Mist §3.5, §5.4) over the usable (stage i, option j, candidate k) triples.
 
     * ``z_ijk`` binary: stage i runs ``layer_options[j]`` layers with candidate k.
     * ``sum_{j,k} z_ijk = 1`` for each i, and ``sum_{i,j,k} layer_options[j] z_ijk = num_layers``.
@@ -230,7 +284,7 @@ def solve_inter_stage(
       ``(G-1) T_max <= best_cost``.
     * minimise ``(G-1) T_max + sum_i T_i + D_max``.
 
-    Two reductions shrink the model without losing the optimum:
+    Two reductions (`_usable_triples`) shrink the model without losing the optimum:
 
     * Infeasible (inf/NaN) candidates get no variable, and neither do candidates that alone break the
       pruning cut.
@@ -240,6 +294,74 @@ def solve_inter_stage(
 
     No stage-symmetry breaking is applied. Stage slots have their own tables, and the exposed-delta
     term depends on stage order, so swapping stages is not a symmetry in general.
+    """
+
+    problem: cp.Problem
+    z: cp.Variable  # [n] boolean, one per triple
+    t_max: cp.Variable  # scalar, scaled seconds
+    d_max: cp.Variable  # scalar, non-negative, scaled seconds
+
+    @classmethod
+    def build(cls, triples: _Triples, num_stages: int, layer_options: Sequence[int], num_layers: int, G: int,
+              best_cost: float | None) -> _InterStageModel:
+        """Variables, constraints and objective of the model over ``triples``."""
+        c = _coefficients(triples, num_stages, layer_options)
+        z = cp.Variable(triples.size, boolean=True)
+        t_max = cp.Variable()
+        d_max = cp.Variable(nonneg=True)
+        constraints = [
+            c.onehot @ z == 1,
+            c.layers @ z == num_layers,
+            c.stable @ z <= t_max,
+            c.exposed @ z <= d_max,
+        ]
+        if best_cost is not None and G > 1:
+            # Already implied by the candidate filter (T_max can equal max_i T_i). It stays in the
+            # model so that the model states the cut.
+            constraints.append((G - 1) * t_max <= best_cost / c.scale)
+        problem = cp.Problem(cp.Minimize((G - 1) * t_max + c.stable_sum @ z + d_max), constraints)
+        return cls(problem, z, t_max, d_max)
+
+    def solve(self, time_limit: float, mip_rel_gap: float, verbose: bool,
+              highs_options: dict | None) -> tuple[str, float]:
+        """Run HiGHS; the cvxpy status and the seconds HiGHS reports it spent."""
+        options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "verbose": verbose}
+        options.update(highs_options or {})
+        status = _run_solver(self.problem, options)
+        stats = self.problem.solver_stats
+        return status, (float(stats.solve_time or 0.0) if stats else 0.0)
+
+
+def _solution(triples: _Triples, chosen: np.ndarray, layer_options: Sequence[int], num_layers: int, G: int,
+              status: str, solve_time: float, t_start: float) -> InterStageSolution:
+    """The `InterStageSolution` of the chosen triples (one per stage), its objective recomputed unscaled."""
+    sel = chosen[np.argsort(triples.stage[chosen])]
+    layers = tuple(int(layer_options[j]) for j in triples.option[sel])
+    if sum(layers) != num_layers:
+        raise RuntimeError(f"decoded layer split {layers} does not sum to {num_layers}")
+    T, D = triples.stable[sel], triples.delta[sel]
+    return InterStageSolution(
+        layers=layers,
+        option_indices=tuple(int(j) for j in triples.option[sel]),
+        candidates=tuple(int(k) for k in triples.candidate[sel]),
+        stable=tuple(float(t) for t in T),
+        delta=tuple(float(x) for x in D),
+        objective=float(pipeline_objective(T, D, G)),
+        status=str(status),
+        solve_time=solve_time,
+        wall_time=time.perf_counter() - t_start,
+        optimal=status == cp.OPTIMAL,
+    )
+
+
+def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequence[int], num_layers: int, G: int, *,
+                      time_limit: float = 10.0, best_cost: float | None = None, mip_rel_gap: float = 1e-6,
+                      verbose: bool = False, highs_options: dict | None = None) -> InterStageSolution | None:
+    """Optimal layer split and per-stage candidate choice by MILP (cvxpy + HiGHS).
+
+    The model (binaries per usable (stage, option, candidate) triple, the 1F1B objective with
+    ``T_max`` / ``D_max``, and the two reductions that shrink it without losing the optimum) is
+    described on `_InterStageModel`.
 
     Args:
         stable: ``stable[i][j]`` = 1-D array over candidates of stage slot i with ``layer_options[j]``
@@ -265,112 +387,29 @@ def solve_inter_stage(
     if G < 1:
         raise ValueError(f"G must be >= 1, got {G}")
     tables = _normalise_tables(stable, delta, layer_options)
-    S = len(tables)
     if best_cost is not None and G == 1 and best_cost < 0:
         return None  # the cut reads 0 <= best_cost
-
-    # Collect the usable triples (i, j, k) with their costs, in flat arrays.
-    stage_of, opt_of, cand_of, s_val, d_val = [], [], [], [], []
-    usable = [[False] * len(layer_options) for _ in range(S)]
-    for i, row in enumerate(tables):
-        for j, (s, d) in enumerate(row):
-            keep = pareto_mask(s, d, keep_duplicates=False) & _cut_allows(s, G, best_cost)
-            ks = np.flatnonzero(keep)
-            if ks.size == 0:
-                continue
-            usable[i][j] = True
-            stage_of.append(np.full(ks.size, i))
-            opt_of.append(np.full(ks.size, j))
-            cand_of.append(ks)
-            s_val.append(s[ks])
-            d_val.append(d[ks])
-    if not _layer_split_possible(usable, layer_options, num_layers):
+    triples = _usable_triples(tables, layer_options, num_layers, G, best_cost)
+    if triples is None:
         return None
-
-    stage_of = np.concatenate(stage_of)
-    opt_of = np.concatenate(opt_of)
-    cand_of = np.concatenate(cand_of)
-    s_val = np.concatenate(s_val)
-    d_val = np.concatenate(d_val)
-    n = s_val.size
-
-    # Rescale the costs to O(1) so that HiGHS's absolute tolerances mean the same thing whether the
-    # tables are in seconds or microseconds. The reported objective is recomputed unscaled.
-    scale = float(max(np.abs(s_val).max(), np.abs(d_val).max()))
-    scale = scale if scale > 0 else 1.0
-    s_sc, d_sc = s_val / scale, d_val / scale
-
-    cols = np.arange(n)
-    onehot = sp.csr_matrix((np.ones(n), (stage_of, cols)), shape=(S, n))
-    Ms = sp.csr_matrix((s_sc, (stage_of, cols)), shape=(S, n))  # T = Ms @ z
-    Md = sp.csr_matrix((d_sc, (stage_of, cols)), shape=(S, n))  # D = Md @ z
-    prefix = sp.csr_matrix(np.tril(np.ones((S, S)), k=-1))  # row i sums stages j < i
-    exposed = (Md - prefix @ Ms).tocsr()  # D_i - sum_{j<i} T_j
-    layer_row = np.asarray(layer_options, dtype=np.float64)[opt_of]
-
-    z = cp.Variable(n, boolean=True)
-    t_max = cp.Variable()
-    d_max = cp.Variable(nonneg=True)
-    constraints = [
-        onehot @ z == 1,
-        layer_row @ z == num_layers,
-        Ms @ z <= t_max,
-        exposed @ z <= d_max,
-    ]
-    if best_cost is not None and G > 1:
-        # Already implied by the candidate filter above (T_max can equal max_i T_i). It stays in the
-        # model so that the model states the cut.
-        constraints.append((G - 1) * t_max <= best_cost / scale)
-    prob = cp.Problem(cp.Minimize((G - 1) * t_max + s_sc @ z + d_max), constraints)
-
-    options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "verbose": verbose}
-    options.update(highs_options or {})
-    status = _run_solver(prob, options)
-    solve_time = float(prob.solver_stats.solve_time or 0.0) if prob.solver_stats else 0.0
-
+    model = _InterStageModel.build(triples, len(tables), layer_options, num_layers, G, best_cost)
+    status, solve_time = model.solve(time_limit, mip_rel_gap, verbose, highs_options)
     if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
         return None
     if status != cp.OPTIMAL and status not in _EARLY_STOP_STATUSES:
         raise RuntimeError(f"HiGHS failed on the inter-stage MILP: cvxpy status {status!r}")
-
-    chosen = _decode(z.value, prob, stage_of, S)
+    chosen = _decode(model.z.value, model.problem, triples.stage, len(tables))
     if chosen is None:
         if status == cp.OPTIMAL:
             raise RuntimeError("HiGHS reported optimal but returned no valid assignment")
-        warnings.warn(
-            f"inter-stage MILP stopped ({status}, time_limit={time_limit}s) before finding a feasible "
-            "assignment; returning None",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"inter-stage MILP stopped ({status}, time_limit={time_limit}s) before finding a feasible "
+                      "assignment; returning None", RuntimeWarning, stacklevel=2)
         return None
-
-    stages = stage_of[chosen]
-    sel = chosen[np.argsort(stages)]
-    layers = tuple(int(layer_options[j]) for j in opt_of[sel])
-    if sum(layers) != num_layers:
-        raise RuntimeError(f"decoded layer split {layers} does not sum to {num_layers}")
-    T, D = s_val[sel], d_val[sel]
-    optimal = status == cp.OPTIMAL
-    if not optimal:
-        warnings.warn(
-            f"inter-stage MILP hit its time limit ({time_limit}s, status {status}); returning the best "
-            "feasible assignment found, which may not be optimal",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return InterStageSolution(
-        layers=layers,
-        option_indices=tuple(int(j) for j in opt_of[sel]),
-        candidates=tuple(int(k) for k in cand_of[sel]),
-        stable=tuple(float(t) for t in T),
-        delta=tuple(float(x) for x in D),
-        objective=float(pipeline_objective(T, D, G)),
-        status=str(status),
-        solve_time=solve_time,
-        wall_time=time.perf_counter() - t_start,
-        optimal=optimal,
-    )
+    sol = _solution(triples, chosen, layer_options, num_layers, G, status, solve_time, t_start)
+    if not sol.optimal:
+        warnings.warn(f"inter-stage MILP hit its time limit ({time_limit}s, status {status}); returning the best "
+                      "feasible assignment found, which may not be optimal", RuntimeWarning, stacklevel=2)
+    return sol
 
 
 def _decode(z_value: np.ndarray | None, prob: cp.Problem, stage_of: np.ndarray, S: int) -> np.ndarray | None:
