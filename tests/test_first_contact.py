@@ -71,6 +71,17 @@ def test_models_list(tmp_path: Path) -> None:
     assert "gpt3-tiny" in proc.stdout
     _assert_quiet(proc)
 
+def test_import_is_light(tmp_path: Path) -> None:
+    """`import mistjax` (and building a step with a plan) loads neither the symbolic analysis (sympy) nor the
+    tuner's solver (cvxpy): they come with the first tuning or tensor-parallel block (issue #30)."""
+    code = ("import sys, mistjax, jax; from mistjax.plan import uniform_plan; "
+            "step = mistjax.autoshard(lambda s, b: (s, {}), jax.devices()[:1], plan=uniform_plan(1, 1)); "
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'sympy', 'cvxpy'}); print(heavy); "
+            "print(sorted(m for m in sys.modules if m.startswith(('mistjax.analysis', 'mistjax.tune', "
+            "'mistjax.cost'))))")
+    proc = _run([sys.executable, "-c", code], tmp_path)
+    assert proc.stdout.split("\n")[:2] == ["[]", "[]"], proc.stdout
+
 
 @pytest.mark.skipif(not CUDA_PLUGIN_WITHOUT_DRIVER, reason="needs the JAX CUDA plugin on a machine without a driver")
 @pytest.mark.parametrize("platforms", [None, "cpu", ""])

@@ -11,7 +11,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.analysis.tp_roles import model_tensor_axes
 from mistjax.core.axes import apply_axis_rules, is_stacked, leaf_axes
 from mistjax.core.layout import (
     DP_AXES,
@@ -142,6 +141,8 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any 
     if stack is not None and traced.groups is None:
         stacked = {order[j] for j in stack.stacked_leaves if order[j] is not None}
     groups = traced.groups if None not in order else None
+    from mistjax.analysis.tp_roles import model_tensor_axes  # here, not at import: the package loads sympy
+
     p_axes = model_tensor_axes(traced, loss.args[0], axis_rules)
     info = state_roles(s_paths, shapes, apply_axis_rules(axes, axis_rules), params,
                        [i if i is not None else -1 for i in order], stacked_params=stacked, groups=groups,

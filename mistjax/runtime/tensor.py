@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
-from mistjax.analysis.block import block_graph, block_layouts, hidden_sizes
-from mistjax.analysis.graph import CallSite, Graph
-from mistjax.analysis.layout import REP, Partial, Shard, State, TPResult, partition_spec, same_layout
 from mistjax.core.layout import LeafLayout
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, bind_equation
+
+# `mistjax.analysis` is imported where a tensor-parallel block is built or run, not at import: its package
+# loads the symbolic analysis (sympy), which `import mistjax` must not pay for (issue #30).
+if TYPE_CHECKING:
+    from mistjax.analysis.graph import CallSite, Graph
+    from mistjax.analysis.layout import State, TPResult
 
 TENSOR_AXIS = "tensor"
 
@@ -43,6 +46,8 @@ class TensorParallelBlock:
     def constrain(self, x: Any, state: State, coll: _Collectives | None = None) -> Any:
         """``x`` constrained to ``state`` (a partial sum is left to GSPMD); through ``coll`` for a
         sequence-split float value, so that its cotangent's gathers can be shared."""
+        from mistjax.analysis.layout import Shard, partition_spec
+
         spec = partition_spec(state, np.ndim(x), self.axis)
         if spec is None or not hasattr(x, "shape"):
             return x
@@ -52,6 +57,8 @@ class TensorParallelBlock:
 
     def evaluate(self, args: Sequence[Any]) -> list[Any]:
         """The layer's outputs from its inputs ``[*consts, *carry, *x_slices]``."""
+        from mistjax.analysis.layout import Partial, Shard
+
         g, res = self.graph, self.result
         env: dict[Any, Any] = dict(g.consts)
         env.update(zip(g.invars, args))
@@ -81,6 +88,8 @@ class TensorParallelBlock:
 
     def _run_node(self, n: Any, env: dict[Any, Any], coll: _Collectives) -> None:
         """Evaluate one node under its propagated layouts, writing its results into ``env``."""
+        from mistjax.analysis.layout import REP, Partial, Shard, same_layout
+
         res = self.result
         vals = [_read(env, v) for v in n.ins]
         eff = res.node_states.get(n, ([REP] * len(n.ins), []))[0]
@@ -128,6 +137,8 @@ class TensorParallelBlock:
         """Bind an inlined ``custom_vjp`` call (the attention kernel, 16-bit probabilities) again on its
         inputs, so its own residuals and backward run. Its inside is per head (no tensor-parallel
         collective): GSPMD carries the inputs' head split through it."""
+        from mistjax.analysis.layout import REP
+
         out = bind_equation(site.eqn, [_read(env, v) for v in site.ins])
         for v, o in zip(site.outs, out):
             if isinstance(v, jex.Var) and v not in site.ins:
@@ -271,6 +282,8 @@ def tensor_parallel_block(fun: Callable[..., Any], traced: TracedLoss, *, layout
     """
     if tp <= 1 or traced.stack is None:
         return None
+    from mistjax.analysis.block import block_graph, block_layouts, hidden_sizes
+
     stack = traced.stack
     sizes = hidden_sizes(stack)
     if sizes is None or sizes[1] % tp:
