@@ -95,6 +95,68 @@ def _default_num_eps(k: int) -> int:
     return k // 2
 
 
+def _sample_counts(k: int, G: int, num_eps: int | None) -> tuple[int, int]:
+    """Slots of the weighted-sum and the epsilon-constraint samplers, after checking the arguments."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if G < 1:
+        raise ValueError(f"G must be >= 1, got {G}")
+    n_eps = _default_num_eps(k) if num_eps is None else int(num_eps)
+    if not 0 <= n_eps <= k - 1:
+        raise ValueError(f"num_eps must be in [0, k-1] = [0, {k - 1}], got {n_eps}")
+    return k - n_eps, n_eps
+
+
+def _weighted_sum_picks(sf: np.ndarray, df: np.ndarray, G: int, n_ws: int) -> list[np.ndarray]:
+    """``argmin alpha/(1-alpha) * stable + delta/G`` over the frontier, for ``n_ws`` interior alphas."""
+    # One vectorised argmin per sample (k <= ~30), not per strategy. This keeps peak memory at the
+    # input size rather than k times it.
+    picks = []
+    for alpha in np.linspace(0.0, 1.0, n_ws + 2)[1:-1]:
+        w = alpha / (1.0 - alpha)
+        picks.append(np.argmin(w * sf + df / G, axis=-1))
+    return picks
+
+
+def _epsilon_picks(s: np.ndarray, sf: np.ndarray, df: np.ndarray, front: np.ndarray, n_eps: int) -> list[np.ndarray]:
+    """``argmin delta`` subject to ``stable <= eps`` over the frontier, ``eps`` spread over its stable range."""
+    if not n_eps:
+        return []
+    s_lo = sf.min(axis=-1)
+    # The frontier point with the largest stable is the one with the smallest delta.
+    s_hi = np.where(front, s, -np.inf).max(axis=-1)
+    ts = np.linspace(0.0, 1.0, n_eps) if n_eps >= 2 else np.array([0.5])
+    picks = []
+    with np.errstate(invalid="ignore"):  # rows without a frontier give nan bounds, masked by the caller
+        for t in ts:
+            # Convex combination, so t=0 and t=1 reproduce the end points exactly.
+            eps = (1.0 - t) * s_lo + t * s_hi
+            # Frontier points are unique, and on the frontier delta falls strictly as stable
+            # rises, so the constrained minimiser is unique.
+            picks.append(np.argmin(np.where(sf <= eps[..., None], df, np.inf), axis=-1))
+    return picks
+
+
+def _distinct_sorted(idx: np.ndarray, s: np.ndarray, d: np.ndarray, any_front: np.ndarray) -> ParetoSample:
+    """The picks ``idx [..., k]`` with repeats and frontier-less rows emptied, sorted by ascending stable."""
+    k = idx.shape[-1]
+    # An earlier slot already holds the same index: drop this copy.
+    same = idx[..., :, None] == idx[..., None, :]
+    dup = (same & np.tril(np.ones((k, k), dtype=bool), k=-1)).any(axis=-1)
+    valid = ~dup & any_front[..., None]
+
+    sel_s = np.where(valid, np.take_along_axis(s, idx, axis=-1), np.inf)
+    sel_d = np.where(valid, np.take_along_axis(d, idx, axis=-1), np.inf)
+    idx = np.where(valid, idx, -1)
+
+    order = np.argsort(sel_s, axis=-1, kind="stable")
+    return ParetoSample(
+        np.take_along_axis(idx, order, axis=-1),
+        np.take_along_axis(sel_s, order, axis=-1),
+        np.take_along_axis(sel_d, order, axis=-1),
+    )
+
+
 def sample_pareto(
     stable: np.ndarray,
     delta: np.ndarray,
@@ -137,15 +199,7 @@ def sample_pareto(
     Returns:
         ``ParetoSample(indices [..., k], stable [..., k], delta [..., k])``.
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if G < 1:
-        raise ValueError(f"G must be >= 1, got {G}")
-    n_eps = _default_num_eps(k) if num_eps is None else int(num_eps)
-    if not 0 <= n_eps <= k - 1:
-        raise ValueError(f"num_eps must be in [0, k-1] = [0, {k - 1}], got {n_eps}")
-    n_ws = k - n_eps
-
+    n_ws, n_eps = _sample_counts(k, G, num_eps)
     s, d, _ = _as_cost_pair(stable, delta)
     batch_shape = s.shape[:-1]
     if s.shape[-1] == 0:
@@ -158,41 +212,5 @@ def sample_pareto(
     front = pareto_mask(s, d, keep_duplicates=False)
     sf = np.where(front, s, np.inf)
     df = np.where(front, d, np.inf)
-    any_front = front.any(axis=-1)
-
-    picks: list[np.ndarray] = []
-    # One vectorised argmin per sample (k <= ~30), not per strategy. This keeps peak memory at the
-    # input size rather than k times it.
-    for alpha in np.linspace(0.0, 1.0, n_ws + 2)[1:-1]:
-        w = alpha / (1.0 - alpha)
-        picks.append(np.argmin(w * sf + df / G, axis=-1))
-
-    if n_eps:
-        s_lo = sf.min(axis=-1)
-        # The frontier point with the largest stable is the one with the smallest delta.
-        s_hi = np.where(front, s, -np.inf).max(axis=-1)
-        ts = np.linspace(0.0, 1.0, n_eps) if n_eps >= 2 else np.array([0.5])
-        with np.errstate(invalid="ignore"):  # rows without a frontier give nan bounds, masked below
-            for t in ts:
-                # Convex combination, so t=0 and t=1 reproduce the end points exactly.
-                eps = (1.0 - t) * s_lo + t * s_hi
-                # Frontier points are unique, and on the frontier delta falls strictly as stable
-                # rises, so the constrained minimiser is unique.
-                picks.append(np.argmin(np.where(sf <= eps[..., None], df, np.inf), axis=-1))
-
-    idx = np.stack(picks, axis=-1).astype(np.int64)
-    # An earlier slot already holds the same index: drop this copy.
-    same = idx[..., :, None] == idx[..., None, :]
-    dup = (same & np.tril(np.ones((k, k), dtype=bool), k=-1)).any(axis=-1)
-    valid = ~dup & any_front[..., None]
-
-    sel_s = np.where(valid, np.take_along_axis(s, idx, axis=-1), np.inf)
-    sel_d = np.where(valid, np.take_along_axis(d, idx, axis=-1), np.inf)
-    idx = np.where(valid, idx, -1)
-
-    order = np.argsort(sel_s, axis=-1, kind="stable")
-    return ParetoSample(
-        np.take_along_axis(idx, order, axis=-1),
-        np.take_along_axis(sel_s, order, axis=-1),
-        np.take_along_axis(sel_d, order, axis=-1),
-    )
+    picks = _weighted_sum_picks(sf, df, G, n_ws) + _epsilon_picks(s, sf, df, front, n_eps)
+    return _distinct_sorted(np.stack(picks, axis=-1).astype(np.int64), s, d, front.any(axis=-1))
