@@ -33,25 +33,12 @@ from jax.extend import core as jex
 
 from mistjax.analysis.fused import UnitCall, unit_of
 from mistjax.analysis.poly import Poly, fit_dim
+from mistjax.core.jaxpr import CHECKPOINTS, CUSTOM_VJP, JIT, Atom, Step, Value, Visit, is_var, walk
 
-CALL_PARAMS = {  # primitive -> param holding the inlined jaxpr
-    "pjit": "jaxpr",
-    "jit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat": "jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "shard_map": "jaxpr",
-}
-
-CHECKPOINTS = frozenset({"remat", "remat2", "checkpoint"})
 # Name of the identity ``jit`` that marks a value an eager runtime writes (models.layers.eager_written).
 EAGER_JIT = "eager_kernel"
-REGIONS = CHECKPOINTS | {"custom_vjp_call", "custom_vjp_call_jaxpr"}
+# Calls a node remembers it was inlined from (`Node.call`): the tensor-parallel runtime runs them again as calls.
+REGIONS = CHECKPOINTS | CUSTOM_VJP
 
 
 def names(text: str) -> frozenset[str]:
@@ -67,9 +54,9 @@ class StructureError(ValueError):
 class CallSite:
     """An inlined ``jax.checkpoint`` / ``custom_vjp`` equation: its inputs and outputs as graph values."""
 
-    eqn: Any
-    ins: tuple[Any, ...]
-    outs: tuple[Any, ...] = ()
+    eqn: jex.JaxprEqn
+    ins: tuple[Atom, ...]
+    outs: tuple[Atom, ...] = ()
 
     @property
     def checkpoint(self) -> bool:
@@ -81,10 +68,10 @@ class Node:
     """One leaf equation (identity-hashed), or a loop / conditional with nested graphs."""
 
     prim: str
-    params: dict[str, Any]
-    ins: list[Any]  # jex.Var or jex.Literal (after inlining substitutions)
-    outs: list[Any]  # jex.Var (or DropVar)
-    eqn: Any  # the reference equation (source info for messages)
+    params: dict[str, Any]  # the equation's parameters, whatever the primitive takes
+    ins: list[Atom]  # after inlining substitutions
+    outs: list[jex.Var]  # DropVar for an unused result
+    eqn: jex.JaxprEqn  # the reference equation (source info for messages)
     subs: list[Graph] = field(default_factory=list)  # scan/while body, cond branches
     length: Poly | None = None  # trip count of a scan / while
     unit: str | None = None  # the fused-attention kernel this node belongs to (mistjax.analysis.fused)
@@ -99,16 +86,16 @@ class Node:
 class Graph:
     """A flattened jaxpr: inputs, leaf nodes in program order, outputs, symbolic dims."""
 
-    invars: list[Any]
-    constvars: list[Any]
+    invars: list[jex.Var]
+    constvars: list[jex.Var]
     nodes: list[Node]
-    outvars: list[Any]
-    dims: dict[Any, tuple[Poly, ...]]  # shared by nested graphs: var -> fitted dims
-    consts: dict[Any, Any] = field(default_factory=dict)  # shared: constvar -> value (inlined ones too)
+    outvars: list[Atom]
+    dims: dict[jex.Var, tuple[Poly, ...]]  # shared by nested graphs: var -> fitted dims
+    consts: dict[jex.Var, Value] = field(default_factory=dict)  # shared: constvar -> value (inlined ones too)
     units: list[UnitCall] = field(default_factory=list)  # fused-attention calls (top-level graph only)
-    eager: set[Any] = field(default_factory=set)  # shared: values an eager runtime writes (EAGER_JIT inputs)
+    eager: set[jex.Var] = field(default_factory=set)  # shared: values an eager runtime writes (EAGER_JIT inputs)
 
-    def shape(self, v: Any) -> tuple[Poly, ...]:
+    def shape(self, v: Atom) -> tuple[Poly, ...]:
         if isinstance(v, jex.Literal):
             return tuple(Poly.const(int(d)) for d in np.shape(v.val))
         return self.dims[v]
@@ -123,37 +110,40 @@ class Graph:
         return out
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, jex.Var) and not isinstance(v, jex.DropVar)
+Env = dict[jex.Var, Atom]  # inlined call's variable -> the graph value it stands for
 
 
-def _call_jaxpr(eqn: Any) -> Any | None:
-    name = eqn.primitive.name
-    if name not in CALL_PARAMS:
-        return None
-    key = CALL_PARAMS[name]
-    if key not in eqn.params:
-        key = next((k for k, v in eqn.params.items() if isinstance(v, jex.ClosedJaxpr | jex.Jaxpr)), None)
-    return None if key is None else eqn.params[key]
+@dataclass
+class _Frame:
+    """What entering one call changed in the builder, to restore at its exit."""
+
+    unit: tuple[str, int | None] | None  # the fused unit the call starts (`unit_of` of its name), or None
+    outer_unit: tuple[str, int | None] | None
+    outer_call: CallSite | None
 
 
-def _open(j: Any) -> tuple[Any, list[Any]]:
-    return (j.jaxpr, list(j.consts)) if isinstance(j, jex.ClosedJaxpr) else (j, [])
+def _check_counts(rj: jex.Jaxpr, ojs: Sequence[jex.Jaxpr], points: Sequence[tuple[int, int]]) -> None:
+    if any(len(o.eqns) != len(rj.eqns) for o in ojs):
+        at = f" at (b, s) = {points}" if len(points) == len(ojs) + 1 else ""  # which size branches
+        raise StructureError(
+            f"traces at different sizes{at} have {[len(rj.eqns)] + [len(o.eqns) for o in ojs]} "
+            "equations; the computation branches on the batch or sequence size"
+        )
 
 
 class _Builder:
     def __init__(self, points: Sequence[tuple[int, int]]):
         self.points = list(points)
-        self.dims: dict[Any, tuple[Poly, ...]] = {}
-        self.consts: dict[Any, Any] = {}
+        self.dims: dict[jex.Var, tuple[Poly, ...]] = {}
+        self.consts: dict[jex.Var, Value] = {}
         self.units: list[UnitCall] = []
         self.unit: tuple[str, int | None] | None = None  # (name, block) of the fused kernel being inlined
-        self._defined: set[Any] = set()  # vars some leaf node already defines (see `_define`)
+        self._defined: set[jex.Var] = set()  # vars some leaf node already defines (see `_define`)
         self.call: CallSite | None = None  # the outermost checkpoint / custom_vjp call being inlined
-        self.eager: set[Any] = set()  # values passed to an EAGER_JIT marker (shared by nested graphs)
+        self.eager: set[jex.Var] = set()  # values passed to an EAGER_JIT marker (shared by nested graphs)
 
-    def fit(self, ref: Any, others: Sequence[Any]) -> None:
-        if not _is_var(ref) or ref in self.dims:
+    def fit(self, ref: Atom, others: Sequence[Atom]) -> None:
+        if not is_var(ref) or ref in self.dims:
             return
         shapes = [tuple(ref.aval.shape)] + [tuple(o.aval.shape) for o in others]
         if any(len(sh) != len(shapes[0]) for sh in shapes):
@@ -161,40 +151,29 @@ class _Builder:
         if not self.points or len(shapes) == 1:
             self.dims[ref] = tuple(Poly.const(int(d)) for d in shapes[0])
             return
-        fitted = []
-        for d in range(len(shapes[0])):
-            vals = [int(sh[d]) for sh in shapes]
-            poly = fit_dim(vals, self.points)
-            fitted.append(poly)
-        self.dims[ref] = tuple(fitted)
+        self.dims[ref] = tuple(fit_dim([int(sh[d]) for sh in shapes], self.points) for d in range(len(shapes[0])))
 
-    def graph(self, ref: Any, others: Sequence[Any]) -> Graph:
-        rj, consts = _open(ref)
-        self.consts.update(zip(rj.constvars, consts))
-        ojs = [_open(o)[0] for o in others]
-        for k, v in enumerate(rj.invars):
-            self.fit(v, [o.invars[k] for o in ojs])
-        for k, v in enumerate(rj.constvars):
-            self.fit(v, [o.constvars[k] for o in ojs])
-        env: dict[Any, Any] = {}
+    def _fit_all(self, refs: Sequence[Atom], others: Sequence[Sequence[Atom]]) -> None:
+        for k, v in enumerate(refs):
+            self.fit(v, [o[k] for o in others])
+
+    def graph(self, ref: jex.ClosedJaxpr, others: Sequence[jex.ClosedJaxpr]) -> Graph:
+        rj = ref.jaxpr
+        self.consts.update(zip(rj.constvars, ref.consts))
+        ojs = [o.jaxpr for o in others]
+        self._fit_all(rj.invars, [o.invars for o in ojs])
+        self._fit_all(rj.constvars, [o.constvars for o in ojs])
+        env: Env = {}
         nodes: list[Node] = []
         self._eqns(rj, ojs, env, nodes)
-        sub = lambda v: env.get(v, v) if _is_var(v) else v  # noqa: E731
-        outvars = [sub(v) for v in rj.outvars]
-        return Graph(
-            invars=list(rj.invars),
-            constvars=list(rj.constvars),
-            nodes=_dce(nodes, outvars),
-            outvars=outvars,
-            dims=self.dims,
-            consts=self.consts,
-            eager=self.eager,
-        )
+        outvars = [_sub(env, v) for v in rj.outvars]
+        return Graph(invars=list(rj.invars), constvars=list(rj.constvars), nodes=_dce(nodes, outvars),
+                     outvars=outvars, dims=self.dims, consts=self.consts, eager=self.eager)
 
-    def _define(self, v: Any, env: dict[Any, Any]) -> Any:
+    def _define(self, v: jex.Var, env: Env) -> jex.Var:
         """The var a leaf equation defines: a fresh one when ``v`` was defined before (the same inner jaxpr
         inlined twice, e.g. one jitted helper called per chunk), so each call's buffers live their own span."""
-        if not _is_var(v):
+        if not is_var(v):
             return v
         if v not in self._defined:
             self._defined.add(v)
@@ -205,91 +184,89 @@ class _Builder:
         env[v] = fresh
         return fresh
 
-    def _eqns(self, rj: Any, ojs: Sequence[Any], env: dict[Any, Any], nodes: list[Node]) -> None:
-        if any(len(o.eqns) != len(rj.eqns) for o in ojs):
-            at = f" at (b, s) = {self.points}" if len(self.points) == len(ojs) + 1 else ""  # which size branches
-            raise StructureError(
-                f"traces at different sizes{at} have {[len(rj.eqns)] + [len(o.eqns) for o in ojs]} "
-                "equations; the computation branches on the batch or sequence size"
-            )
-        sub = lambda v: env.get(v, v) if _is_var(v) else v  # noqa: E731
-        for k, eqn in enumerate(rj.eqns):
-            others = [o.eqns[k] for o in ojs]
-            name = eqn.primitive.name
-            if any(o.primitive.name != name for o in others):
+    def _eqns(self, rj: jex.Jaxpr, ojs: Sequence[jex.Jaxpr], env: Env, nodes: list[Node]) -> None:
+        """Walk ``rj`` with its calls inlined, in step with the aligned traces ``ojs``, into ``nodes``."""
+        _check_counts(rj, ojs, self.points)
+        frames: list[_Frame] = []
+        for k, (step, *others) in enumerate(zip(walk(rj), *(walk(o) for o in ojs))):
+            eqn, name = step.eqn, step.eqn.primitive.name
+            if any(o.eqn.primitive.name != name for o in others):
                 raise StructureError(
-                    f"equation {k} is {name} in one trace and {[o.primitive.name for o in others]} in others"
+                    f"equation {k} is {name} in one trace and {[o.eqn.primitive.name for o in others]} in others"
                 )
-            for j, v in enumerate(eqn.outvars):
-                self.fit(v, [o.outvars[j] for o in others])
-            inner = _call_jaxpr(eqn)
-            if name in ("pjit", "jit") and eqn.params.get("name") == EAGER_JIT:
+            if step.visit is Visit.EXIT:
+                self._exit(step, env, frames.pop())
+                continue
+            self._fit_all(eqn.outvars, [o.eqn.outvars for o in others])
+            if name == JIT and eqn.params.get("name") == EAGER_JIT:
                 # The marker is an identity: its inputs are the marked values (JAX's partial evaluation may
                 # have dropped its outputs, which are the same values).
-                self.eager.update(sub(v) for v in eqn.invars if _is_var(v))
-            if inner is not None:
-                unit = unit_of(str(eqn.params.get("name", ""))) if self.unit is None else None
-                outer_unit, outer_call = self.unit, self.call
-                if unit is not None:
-                    self.unit = (str(eqn.params["name"]), unit[1])
-                if self.call is None and name in REGIONS:
-                    self.call = CallSite(eqn, tuple(sub(v) for v in eqn.invars))
-                ij, consts = _open(inner)
-                self.consts.update(zip(ij.constvars, consts))
-                oijs = [_open(_call_jaxpr(o))[0] for o in others]
-                for j, v in enumerate(ij.constvars):
-                    self.fit(v, [o.constvars[j] for o in oijs])
-                for j, v in enumerate(ij.invars):
-                    self.fit(v, [o.invars[j] for o in oijs])
-                    env[v] = sub(eqn.invars[j]) if j < len(eqn.invars) else v
-                self._eqns(ij, oijs, env, nodes)
-                for j, v in enumerate(eqn.outvars):
-                    if _is_var(v):
-                        ov = ij.outvars[j]
-                        env[v] = env.get(ov, ov) if _is_var(ov) else ov
-                if self.call is not outer_call:
-                    self.call.outs = tuple(sub(v) for v in eqn.outvars)
-                self.call = outer_call
-                if unit is not None:
-                    self.unit = outer_unit
-                    self.units.append(UnitCall(str(eqn.params["name"]), unit[0], unit[1],
-                                               tuple(sub(v) for v in eqn.invars), tuple(sub(v) for v in eqn.outvars)))
-                continue
-            node = Node(
-                prim=name,
-                params=dict(eqn.params),
-                ins=[sub(v) for v in eqn.invars],
-                outs=[self._define(v, env) for v in eqn.outvars],
-                eqn=eqn,
-                unit=self.unit[0] if self.unit else None,
-                unit_block=self.unit[1] if self.unit else None,
-                call=self.call,
-            )
-            leaf_unit = unit_of(name) if self.unit is None else None
-            if leaf_unit is not None:  # cuDNN attention: one primitive per call
-                node.unit = name
-                self.units.append(UnitCall(name, leaf_unit[0], None, tuple(node.ins), tuple(node.outs)))
-            if name == "scan":
-                node.subs = [self.graph(eqn.params["jaxpr"], [o.params["jaxpr"] for o in others])]
-                node.length = (
-                    fit_dim(
-                        [int(eqn.params["length"])] + [int(o.params["length"]) for o in others], self.points
-                    )
-                    if others
-                    else Poly.const(int(eqn.params["length"]))
-                )
-            elif name == "while":
-                node.subs = [
-                    self.graph(eqn.params["body_jaxpr"], [o.params["body_jaxpr"] for o in others]),
-                    self.graph(eqn.params["cond_jaxpr"], [o.params["cond_jaxpr"] for o in others]),
-                ]
-                node.length = Poly.const(1)
-            elif name == "cond":
-                node.subs = [
-                    self.graph(br, [o.params["branches"][i] for o in others])
-                    for i, br in enumerate(eqn.params["branches"])
-                ]
-            nodes.append(node)
+                self.eager.update(_sub(env, v) for v in eqn.invars if is_var(v))
+            if step.visit is Visit.ENTER:
+                frames.append(self._enter(step, others, env))
+            else:
+                nodes.append(self._leaf(eqn, [o.eqn for o in others], env))
+
+    def _enter(self, step: Step, others: Sequence[Step], env: Env) -> _Frame:
+        """Start inlining a call: its body's inputs stand for the call's operands."""
+        eqn, inner = step.eqn, step.inner
+        unit = unit_of(str(eqn.params.get("name", ""))) if self.unit is None else None
+        frame = _Frame(unit, self.unit, self.call)
+        if unit is not None:
+            self.unit = (str(eqn.params["name"]), unit[1])
+        if self.call is None and eqn.primitive.name in REGIONS:
+            self.call = CallSite(eqn, tuple(_sub(env, v) for v in eqn.invars))
+        ij, oijs = inner.jaxpr, [o.inner.jaxpr for o in others]
+        _check_counts(ij, oijs, self.points)
+        self.consts.update(zip(ij.constvars, inner.consts))
+        self._fit_all(ij.constvars, [o.constvars for o in oijs])
+        self._fit_all(ij.invars, [o.invars for o in oijs])
+        for j, v in enumerate(ij.invars):
+            env[v] = _sub(env, eqn.invars[j]) if j < len(eqn.invars) else v
+        return frame
+
+    def _exit(self, step: Step, env: Env, frame: _Frame) -> None:
+        """End inlining a call: its results are its body's outputs."""
+        eqn, ij = step.eqn, step.inner.jaxpr
+        for j, v in enumerate(eqn.outvars):
+            if is_var(v):
+                env[v] = _sub(env, ij.outvars[j])
+        outs = tuple(_sub(env, v) for v in eqn.outvars)
+        if self.call is not frame.outer_call:
+            self.call.outs = outs
+        self.call = frame.outer_call
+        if frame.unit is not None:
+            self.unit = frame.outer_unit
+            ins = tuple(_sub(env, v) for v in eqn.invars)
+            self.units.append(UnitCall(str(eqn.params["name"]), frame.unit[0], frame.unit[1], ins, outs))
+
+    def _leaf(self, eqn: jex.JaxprEqn, others: Sequence[jex.JaxprEqn], env: Env) -> Node:
+        name = eqn.primitive.name
+        node = Node(prim=name, params=dict(eqn.params), ins=[_sub(env, v) for v in eqn.invars],
+                    outs=[self._define(v, env) for v in eqn.outvars], eqn=eqn,
+                    unit=self.unit[0] if self.unit else None, unit_block=self.unit[1] if self.unit else None,
+                    call=self.call)
+        leaf_unit = unit_of(name) if self.unit is None else None
+        if leaf_unit is not None:  # cuDNN attention: one primitive per call
+            node.unit = name
+            self.units.append(UnitCall(name, leaf_unit[0], None, tuple(node.ins), tuple(node.outs)))
+        if name == "scan":
+            node.subs = [self.graph(eqn.params["jaxpr"], [o.params["jaxpr"] for o in others])]
+            lengths = [int(eqn.params["length"])] + [int(o.params["length"]) for o in others]
+            node.length = fit_dim(lengths, self.points) if others else Poly.const(lengths[0])
+        elif name == "while":
+            node.subs = [self.graph(eqn.params[key], [o.params[key] for o in others])
+                         for key in ("body_jaxpr", "cond_jaxpr")]
+            node.length = Poly.const(1)
+        elif name == "cond":
+            node.subs = [self.graph(br, [o.params["branches"][i] for o in others])
+                         for i, br in enumerate(eqn.params["branches"])]
+        return node
+
+
+def _sub(env: Env, v: Atom) -> Atom:
+    """The graph value ``v`` stands for (itself unless it is an inlined call's variable)."""
+    return env.get(v, v) if is_var(v) else v
 
 
 RANDOM = frozenset({"random_bits", "rng_uniform", "rng_bit_generator", "random_seed"})
@@ -304,7 +281,7 @@ def constant_nodes(graph: Graph) -> set[Node]:
     varying = set(graph.invars)
     const: set[Node] = set()
     for n in graph.nodes:
-        depends = any(_is_var(v) and v in varying for v in n.ins)
+        depends = any(is_var(v) and v in varying for v in n.ins)
         if not depends and not n.subs and n.prim not in RANDOM:
             const.add(n)
         else:
@@ -312,15 +289,15 @@ def constant_nodes(graph: Graph) -> set[Node]:
     return const
 
 
-def _dce(nodes: list[Node], outvars: Sequence[Any]) -> list[Node]:
+def _dce(nodes: list[Node], outvars: Sequence[Atom]) -> list[Node]:
     """Drop nodes none of whose results are used (XLA removes them too; JAX's AD leaves some)."""
-    used = {v for v in outvars if _is_var(v)}
+    used = {v for v in outvars if is_var(v)}
     keep = []
     for n in reversed(nodes):
         effects = bool(getattr(n.eqn, "effects", None))
-        if effects or any(_is_var(v) and v in used for v in n.outs):
+        if effects or any(is_var(v) and v in used for v in n.outs):
             keep.append(n)
-            used.update(v for v in n.ins if _is_var(v))
+            used.update(v for v in n.ins if is_var(v))
     return keep[::-1]
 
 

@@ -12,18 +12,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import jax
 import numpy as np
 from jax.extend import core as jex
+from jax.tree_util import PyTreeDef
 
+from mistjax.core.jaxpr import (
+    PLAIN_CALLS,
+    Atom,
+    Value,
+    bind_equation,
+    eval_jaxpr,
+    inline_calls,
+    iter_eqns,
+    read,
+    run_equations,
+)
+from mistjax.core.types import LossFn, PyTree
 from mistjax.trace.unrolled import LayerSlices, ParamGroups, find_unrolled
 
-LayerLoop = Callable[[Callable[..., Any], list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+Operand: TypeAlias = Value | LayerSlices
+"""An input of the loss as the runtime passes it: an array, or the real per-layer leaves of a virtual stacked one."""
+Layer: TypeAlias = Callable[[Sequence[Operand], Sequence[Value], Sequence[Operand]], tuple[list[Value], list[Value]]]
+"""One layer, ``layer(consts, carry, x_slices) -> (carry, y_slices)``."""
+LayerLoop: TypeAlias = Callable[[Layer, list[Operand], list[Value], list[Operand]], tuple[list[Value], list[Value]]]
+"""``layer_loop(layer, consts, carry, xs) -> (carry, ys)``: runs every layer (a scan by default)."""
 # One layer, ``block(consts, carry, x_slices) -> (carry, y_slices)``: a replacement for the scan body
 # (e.g. `mistjax.runtime.tensor.tensor_parallel_block`, which runs it under Megatron's TP layouts).
-BlockFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], tuple[list[Any], list[Any]]]
+BlockFn: TypeAlias = Layer
 
 
 class NoLayerStackError(ValueError):
@@ -53,21 +71,21 @@ class TracedLoss:
 
     closed: jex.ClosedJaxpr  # (param leaves..., other leaves...) -> (loss, aux leaves...)
     num_param_leaves: int  # the first `num_param_leaves` invars are parameter leaves
-    param_tree: Any  # treedef of the differentiated params
-    out_tree: Any  # treedef of fun's output
+    param_tree: PyTreeDef  # treedef of the differentiated params
+    out_tree: PyTreeDef  # treedef of fun's output
     stack: LayerStack | None  # the layer scan, or None for a model without one
-    rest_tree: Any = None  # treedef of the other arguments (to retrace at other sizes)
+    rest_tree: PyTreeDef | None = None  # treedef of the other arguments (to retrace at other sizes)
     # An unrolled layer stack (`mistjax.trace.unrolled`): the jaxpr's parameter invars are then the
     # *virtual* leaves (layer leaves stacked), `num_param_leaves` counts those, and `param_tree` /
     # `real_params` describe the real ones the callers pass.
     groups: ParamGroups | None = None
-    real_params: tuple[Any, ...] = ()  # ShapeDtypeStructs of the real parameter leaves
+    real_params: tuple[jax.ShapeDtypeStruct, ...] = ()  # the real parameter leaves
 
-    def param_structs(self) -> Any:
+    def param_structs(self) -> PyTree:
         """The real parameters as a pytree of ShapeDtypeStructs (to trace the loss again)."""
         return jax.tree.unflatten(self.param_tree, list(self.real_params))
 
-    def virtual(self, param_leaves: Sequence[Any], *, slices: bool = True) -> list[Any]:
+    def virtual(self, param_leaves: Sequence[Value], *, slices: bool = True) -> list[Operand]:
         """The jaxpr's parameter inputs from the real leaves (identity without an unrolled stack)."""
         return list(param_leaves) if self.groups is None else self.groups.to_virtual(param_leaves, slices=slices)
 
@@ -84,14 +102,14 @@ class TracedLoss:
         return self.stack
 
 
-def trace_loss(fun: Callable[..., Any], params: Any, *rest: Any) -> TracedLoss:
+def trace_loss(fun: LossFn, params: PyTree, *rest: PyTree) -> TracedLoss:
     """Trace ``fun(params, *rest)`` (arrays or ShapeDtypeStructs) and find its layer stack."""
     param_leaves, param_tree = jax.tree.flatten(params)
     rest_leaves, rest_tree = jax.tree.flatten(rest)
     n = len(param_leaves)
-    out_tree_box: list[Any] = []
+    out_tree_box: list[PyTreeDef] = []
 
-    def flat_fun(*leaves: Any) -> list[Any]:
+    def flat_fun(*leaves: Value) -> list[Value]:
         p = jax.tree.unflatten(param_tree, leaves[:n])
         r = jax.tree.unflatten(rest_tree, leaves[n:])
         out = fun(p, *r)
@@ -100,30 +118,20 @@ def trace_loss(fun: Callable[..., Any], params: Any, *rest: Any) -> TracedLoss:
         return out_leaves
 
     closed = jax.make_jaxpr(flat_fun)(*param_leaves, *rest_leaves)
-    closed = inline_calls(closed)
+    # Top-level jit calls only, so a scan nested in them is visible; calls with rules of their own
+    # (checkpoint, custom_vjp) stay, as they change what differentiating the loss gives.
+    closed = inline_calls(closed, PLAIN_CALLS, depth=1)
     real = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in param_leaves)
     stack, groups = find_layer_stack(closed, n), None
     if stack is None and n:
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        found = find_unrolled(closed, n, paths, bind_equation)
+        found = find_unrolled(closed, n, paths)
         if found is not None:
             closed, groups = found
             n = len(groups.virtual)
             stack = find_layer_stack(closed, n)
     return TracedLoss(closed=closed, num_param_leaves=n, param_tree=param_tree, out_tree=out_tree_box[0],
                       stack=stack, rest_tree=rest_tree, groups=groups, real_params=real)
-
-
-def inline_calls(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
-    """Inline top-level ``pjit`` / ``closed_call`` equations so a scan nested in them is visible."""
-    if not any(e.primitive.name in ("pjit", "jit", "closed_call") for e in closed.jaxpr.eqns):
-        return closed
-
-    def flat(*args: Any) -> list[Any]:
-        return eval_jaxpr(closed.jaxpr, closed.consts, args, inline=True)
-
-    avals = [v.aval for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
 
 
 def find_layer_stack(closed: jex.ClosedJaxpr, num_param_leaves: int) -> LayerStack | None:
@@ -147,21 +155,11 @@ def find_layer_stack(closed: jex.ClosedJaxpr, num_param_leaves: int) -> LayerSta
 
 def checkpoint_names(closed: jex.ClosedJaxpr) -> tuple[str, ...]:
     """The `checkpoint_name` tags used in a jaxpr (recursing into sub-jaxprs), in order of appearance."""
-    seen: dict[str, None] = {}
-
-    def walk(jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "name":
-                seen.setdefault(eqn.params["name"], None)
-            for sub in jex.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(closed.jaxpr)
-    return tuple(seen)
+    return tuple(dict.fromkeys(e.params["name"] for e in iter_eqns(closed, bodies=True) if e.primitive.name == "name"))
 
 
-def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any],
-              block: BlockFn | None = None) -> tuple[list[Any], list[Any]]:
+def run_block(stack: LayerStack, consts: Sequence[Operand], carry: Sequence[Value], xs: Sequence[Operand],
+              block: BlockFn | None = None) -> tuple[list[Value], list[Value]]:
     """Run one layer: the scan body on one slice of the scanned operands (through `block` if given)."""
     if block is not None:
         carry_out, ys = block(consts, carry, xs)
@@ -170,21 +168,21 @@ def run_block(stack: LayerStack, consts: Sequence[Any], carry: Sequence[Any], xs
     return out[: stack.num_carry], out[stack.num_carry:]
 
 
-def default_layer_loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any]
-                       ) -> tuple[list[Any], list[Any]]:
+def default_layer_loop(body: Layer, consts: list[Operand], carry: list[Value], xs: list[Operand]
+                       ) -> tuple[list[Value], list[Value]]:
     """Plain `lax.scan` over the layers (what the model itself would do); a Python loop over the real
     per-layer leaves of an unrolled stack (`LayerSlices`), as the model itself ran."""
     if any(isinstance(x, LayerSlices) for x in xs):
         return unrolled_loop(lambda c, x: body(consts, c, x), carry, xs)
 
-    def step(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+    def step(c: list[Value], x: list[Value]) -> tuple[list[Value], list[Value]]:
         return body(consts, c, x)
 
     return jax.lax.scan(step, carry, xs)
 
 
-def unrolled_loop(layer: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]], carry: list[Any],
-                  xs: list[Any]) -> tuple[list[Any], list[Any]]:
+def unrolled_loop(layer: Callable[[list[Value], list[Operand]], tuple[list[Value], list[Value]]],
+                  carry: list[Value], xs: list[Operand]) -> tuple[list[Value], list[Value]]:
     """``lax.scan(layer, carry, xs)`` as a Python loop when ``xs`` are `LayerSlices` (an unrolled stack:
     each layer reads its own real leaves); the per-layer outputs are stacked as a scan's would be."""
     num = len(xs[0].parts) if isinstance(xs[0], LayerSlices) else int(np.shape(xs[0])[0])
@@ -196,10 +194,10 @@ def unrolled_loop(layer: Callable[[list[Any], list[Any]], tuple[list[Any], list[
     return list(carry), ys
 
 
-def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any], *,
+def evaluate(traced: TracedLoss, param_leaves: Sequence[Value], rest_leaves: Sequence[Value], *,
              layer_loop: LayerLoop | None = None,
-             read_param: Callable[[int, Any], Any] | None = None,
-             block: BlockFn | None = None) -> list[Any]:
+             read_param: Callable[[int, Operand], Operand] | None = None,
+             block: BlockFn | None = None) -> list[Value]:
     """Evaluate the traced loss, optionally replacing its layer scan with `layer_loop`.
 
     Args:
@@ -219,51 +217,46 @@ def evaluate(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Seque
     jaxpr = traced.closed.jaxpr
     n = traced.num_param_leaves
     stacked = set(stack.stacked_leaves) if stack is not None else set()
-    env: dict[Any, Any] = {}
-    lazy: dict[Any, int] = {}
+    env: dict[jex.Var, Operand] = dict(zip(jaxpr.constvars, traced.closed.consts))
+    lazy: dict[jex.Var, int] = {}
     for i, (v, x) in enumerate(zip(jaxpr.invars, [*traced.virtual(param_leaves), *rest_leaves])):
         env[v] = x
         if read_param is not None and i < n and i not in stacked:
             lazy[v] = traced.real_index(i)
 
-    def read(v: Any) -> Any:
-        if isinstance(v, jex.Literal):
-            return v.val
-        if v in lazy:
+    def get(v: Atom) -> Operand:
+        if isinstance(v, jex.Var) and v in lazy:
             env[v] = read_param(lazy.pop(v), env[v])
-        return env[v]
+        return read(env, v)
 
-    for v, c in zip(jaxpr.constvars, traced.closed.consts):
-        env[v] = c
+    replace = stack is not None and (layer_loop is not None or block is not None or traced.groups is not None)
     for k, eqn in enumerate(jaxpr.eqns):
-        if stack is not None and k == stack.eqn_index and (layer_loop is not None or block is not None
-                                                           or traced.groups is not None):
-            vals = [read(v) for v in eqn.invars]
+        if replace and k == stack.eqn_index:
+            vals = [get(v) for v in eqn.invars]
             nc, ncar = stack.num_consts, stack.num_carry
             body = lambda consts, carry, x: run_block(stack, consts, carry, x, block)  # noqa: E731
             carry, ys = (layer_loop or default_layer_loop)(body, vals[:nc], vals[nc:nc + ncar], vals[nc + ncar:])
             outs = [*carry, *ys]
         else:
-            outs = bind_equation(eqn, [read(v) for v in eqn.invars])
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+            outs = bind_equation(eqn, [get(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+    return [get(v) for v in jaxpr.outvars]
 
 
-def pre_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any]
-             ) -> tuple[list[Any], list[Any]]:
+def pre_part(traced: TracedLoss, param_leaves: Sequence[Value], rest_leaves: Sequence[Value]
+             ) -> tuple[list[Value], list[Value]]:
     """Run everything the layer scan needs: returns the scan's (consts, initial carry)."""
     stack = traced.require_stack()
     jaxpr = traced.closed.jaxpr
     scan = jaxpr.eqns[stack.eqn_index]
     env = _inputs_env(traced, param_leaves, rest_leaves)
     _run_needed(jaxpr, range(stack.eqn_index), scan.invars[:stack.num_consts + stack.num_carry], env)
-    vals = [_read(env, v) for v in scan.invars[:stack.num_consts + stack.num_carry]]
+    vals = [read(env, v) for v in scan.invars[:stack.num_consts + stack.num_carry]]
     return vals[:stack.num_consts], vals[stack.num_consts:]
 
 
-def post_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any],
-              carry: Sequence[Any]) -> list[Any]:
+def post_part(traced: TracedLoss, param_leaves: Sequence[Value], rest_leaves: Sequence[Value],
+              carry: Sequence[Value]) -> list[Value]:
     """Run everything after the layer scan from its final carry (recomputing any pre values it needs)."""
     stack = traced.require_stack()
     jaxpr = traced.closed.jaxpr
@@ -277,11 +270,11 @@ def post_part(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequ
     needed_before = free_vars([jaxpr.eqns[k] for k in after], jaxpr.outvars, defined=set(scan.outvars))
     _run_needed(jaxpr, range(stack.eqn_index), needed_before, env)
     run_equations([jaxpr.eqns[k] for k in after], env)
-    return [_read(env, v) for v in jaxpr.outvars]
+    return [read(env, v) for v in jaxpr.outvars]
 
 
-def scan_operands(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any],
-                  which: Sequence[int]) -> list[Any]:
+def scan_operands(traced: TracedLoss, param_leaves: Sequence[Value], rest_leaves: Sequence[Value],
+                  which: Sequence[int]) -> list[Value]:
     """Evaluate only the layer scan's operands at positions `which` (into its consts + carry).
 
     Only the equations those operands need run, so `param_leaves` may hold placeholders for the
@@ -292,7 +285,7 @@ def scan_operands(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: 
     targets = [jaxpr.eqns[stack.eqn_index].invars[j] for j in which]
     env = _inputs_env(traced, param_leaves, rest_leaves)
     _run_needed(jaxpr, range(stack.eqn_index), targets, env)
-    return [_read(env, v) for v in targets]
+    return [read(env, v) for v in targets]
 
 
 @dataclass(frozen=True)
@@ -311,7 +304,7 @@ def part_usage(traced: TracedLoss) -> PartUsage:
     scan = jaxpr.eqns[stack.eqn_index]
     params = {v: i for i, v in enumerate(jaxpr.invars[: traced.num_param_leaves])}
 
-    def slice_params(indices: Sequence[int], targets: Sequence[Any]) -> set[int]:
+    def slice_params(indices: Sequence[int], targets: Sequence[Atom]) -> set[int]:
         needed = {v for v in targets if isinstance(v, jex.Var)}
         for k in reversed(list(indices)):
             eqn = jaxpr.eqns[k]
@@ -332,21 +325,18 @@ def part_usage(traced: TracedLoss) -> PartUsage:
                      tuple(isinstance(v, jex.Var) and v in dependent for v in consts))
 
 
-def _inputs_env(traced: TracedLoss, param_leaves: Sequence[Any], rest_leaves: Sequence[Any]) -> dict[Any, Any]:
+def _inputs_env(traced: TracedLoss, param_leaves: Sequence[Value], rest_leaves: Sequence[Value]
+                ) -> dict[jex.Var, Value]:
     jaxpr = traced.closed.jaxpr
     env = dict(zip(jaxpr.constvars, traced.closed.consts))
     env.update(zip(jaxpr.invars, [*traced.virtual(param_leaves, slices=False), *rest_leaves]))
     return env
 
 
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    return v.val if isinstance(v, jex.Literal) else env[v]
-
-
-def free_vars(eqns: Sequence[Any], outvars: Sequence[Any], defined: set[Any]) -> list[Any]:
+def free_vars(eqns: Sequence[jex.JaxprEqn], outvars: Sequence[Atom], defined: set[jex.Var]) -> list[jex.Var]:
     """Variables that `eqns` (and `outvars`) read but do not define themselves."""
     defined = set(defined)
-    free: dict[Any, None] = {}
+    free: dict[jex.Var, None] = {}
     for eqn in eqns:
         for v in eqn.invars:
             if isinstance(v, jex.Var) and v not in defined:
@@ -358,7 +348,7 @@ def free_vars(eqns: Sequence[Any], outvars: Sequence[Any], defined: set[Any]) ->
     return list(free)
 
 
-def needed_equations(eqns: Sequence[Any], targets: Sequence[Any]) -> list[Any]:
+def needed_equations(eqns: Sequence[jex.JaxprEqn], targets: Sequence[Atom]) -> list[jex.JaxprEqn]:
     """The equations among `eqns` that `targets` depend on, in order."""
     needed = {v for v in targets if isinstance(v, jex.Var)}
     keep = []
@@ -369,32 +359,15 @@ def needed_equations(eqns: Sequence[Any], targets: Sequence[Any]) -> list[Any]:
     return keep[::-1]
 
 
-def run_equations(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
-    """Evaluate `eqns` in order, reading and writing their values in `env`."""
-    for eqn in eqns:
-        env.update(zip(eqn.outvars, bind_equation(eqn, [_read(env, v) for v in eqn.invars])))
-
-
-def _run_needed(jaxpr: Any, indices: Sequence[int], targets: Sequence[Any], env: dict[Any, Any]) -> None:
+def _run_needed(jaxpr: jex.Jaxpr, indices: Sequence[int], targets: Sequence[Atom], env: dict[jex.Var, Value]
+                ) -> None:
     """Evaluate only the equations among `indices` that `targets` depend on (in order)."""
     run_equations(needed_equations([jaxpr.eqns[k] for k in indices], targets), env)
 
 
-def bind_equation(eqn: Any, args: Sequence[Any], inline: bool = False) -> list[Any]:
-    """Apply one jaxpr equation to concrete or traced ``args`` (inlining a top-level call if ``inline``)."""
-    if inline and eqn.primitive.name in ("pjit", "jit", "closed_call"):
-        sub = eqn.params["jaxpr"]
-        return eval_jaxpr(sub.jaxpr, sub.consts, args, inline=False)
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], inline: bool = False) -> list[Any]:
-    """Evaluate an open jaxpr on ``args`` (one interpreter for the whole project)."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, bind_equation(eqn, [_read(env, v) for v in eqn.invars], inline)))
-    return [_read(env, v) for v in jaxpr.outvars]
+__all__ = [  # bind_equation, eval_jaxpr and run_equations: the interpreter of `mistjax.core.jaxpr`, re-exported
+    "BlockFn", "Layer", "LayerLoop", "LayerStack", "NoLayerStackError", "Operand", "PartUsage", "TracedLoss",
+    "bind_equation", "checkpoint_names", "default_layer_loop", "eval_jaxpr", "evaluate", "find_layer_stack",
+    "free_vars", "needed_equations", "part_usage", "post_part", "pre_part", "run_block", "run_equations",
+    "scan_operands", "trace_loss", "unrolled_loop",
+]

@@ -26,16 +26,20 @@ an array.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
+from jax.tree_util import KeyPath
+
+from mistjax.core.jaxpr import Shaped, Value, bind_equation, read, run_equations
 
 _INDEXED = re.compile(r"^(.*?)_?(\d+)$")
+Axes: TypeAlias = tuple[str | None, ...] | None
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,9 @@ class ParamGroups:
         v = self.virtual[k]
         return v if isinstance(v, int) else v[0]
 
-    def to_virtual(self, real: Sequence[Any], *, slices: bool = True) -> list[Any]:
+    def to_virtual(self, real: Sequence[Value], *, slices: bool = True) -> list[Value | LayerSlices]:
         """Virtual leaves from real ones: a stacked leaf as `LayerSlices` (or stacked, ``slices=False``)."""
-        out: list[Any] = []
+        out: list[Value | LayerSlices] = []
         for v in self.virtual:
             if isinstance(v, int):
                 out.append(real[v])
@@ -76,13 +80,13 @@ class ParamGroups:
                 out.append(ls if slices else ls.stacked())
         return out
 
-    def virtual_avals(self, real: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
-        def sds(x: Any, lead: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
+    def virtual_avals(self, real: Sequence[Shaped]) -> list[jax.ShapeDtypeStruct]:
+        def sds(x: Shaped, lead: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(lead + tuple(np.shape(x)), x.dtype)
 
         return [sds(real[v]) if isinstance(v, int) else sds(real[v[0]], (len(v),)) for v in self.virtual]
 
-    def virtual_axes(self, real: Sequence[Any]) -> list[Any]:
+    def virtual_axes(self, real: Sequence[Axes]) -> list[Axes]:
         """Per virtual leaf, the logical axes (``("layers", *axes)`` for a stacked one; None stays None)."""
         out = []
         for v in self.virtual:
@@ -90,9 +94,9 @@ class ParamGroups:
             out.append(ax if isinstance(v, int) or ax is None else ("layers", *ax))
         return out
 
-    def to_real(self, virtual: Sequence[Any]) -> list[Any]:
+    def to_real(self, virtual: Sequence[Value | LayerSlices]) -> list[Value]:
         """Real leaves from virtual ones (a stacked leaf split into its L layers)."""
-        out: list[Any] = [None] * self.num_real
+        out: list[Value] = [None] * self.num_real
         for v, x in zip(self.virtual, virtual):
             if isinstance(v, int):
                 out[v] = x
@@ -107,14 +111,14 @@ class ParamGroups:
 class LayerSlices:
     """One virtual stacked leaf as its L real per-layer arrays (no stacked copy is made)."""
 
-    parts: tuple[Any, ...]
+    parts: tuple[jax.Array, ...]
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (len(self.parts), *np.shape(self.parts[0]))
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> np.dtype:
         return self.parts[0].dtype
 
     @property
@@ -124,7 +128,7 @@ class LayerSlices:
     def stacked(self) -> jax.Array:
         return jnp.stack(self.parts)
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: int | slice) -> jax.Array | LayerSlices:
         if isinstance(index, slice):
             return LayerSlices(self.parts[index])
         return self.parts[index]
@@ -132,21 +136,21 @@ class LayerSlices:
 
 # ------------------------------------------------------------------------------------ candidates
 
-def _token(key: Any) -> Any:
+def _token(key: Hashable) -> Hashable:
     for attr in ("key", "idx", "name"):
         if hasattr(key, attr):
             return getattr(key, attr)
     return str(key)
 
 
-def _tokens(path: Any) -> tuple[Any, ...]:
+def _tokens(path: KeyPath) -> tuple[Hashable, ...]:
     toks = tuple(_token(k) for k in path)
     while toks and toks[-1] in ("value", "raw_value"):  # nnx.Variable / linen Partitioned boxes
         toks = toks[:-1]
     return toks
 
 
-def _layer_index(tok: Any) -> tuple[str, int] | None:
+def _layer_index(tok: Hashable) -> tuple[str, int] | None:
     """``(stem, index)`` for an index-like key: 3, "3", "layers_3", "Block3"."""
     if isinstance(tok, int) and not isinstance(tok, bool):
         return "", tok
@@ -157,11 +161,11 @@ def _layer_index(tok: Any) -> tuple[str, int] | None:
     return None
 
 
-def candidate_groups(paths: Sequence[Any], avals: Sequence[Any]) -> list[list[list[int]]]:
+def candidate_groups(paths: Sequence[KeyPath], avals: Sequence[Shaped]) -> list[list[list[int]]]:
     """Candidate layer groupings of the leaves, most bytes first: each ``groups[layer][k]`` is the real
     leaf at place ``k`` of layer ``layer``'s subtree (places sorted alike for every layer)."""
     toks = [_tokens(p) for p in paths]
-    cands: dict[tuple[Any, ...], dict[int, dict[tuple[Any, ...], int]]] = {}
+    cands: dict[tuple[Hashable, ...], dict[int, dict[tuple[Hashable, ...], int]]] = {}
     for i, t in enumerate(toks):
         for pos, tok in enumerate(t):
             idx = _layer_index(tok)
@@ -180,7 +184,7 @@ def candidate_groups(paths: Sequence[Any], avals: Sequence[Any]) -> list[list[li
         if any(sorted(layers[k], key=str) != places for k in order):
             continue
 
-        def sig(i: int) -> tuple[Any, ...]:
+        def sig(i: int) -> tuple[tuple[int, ...], str]:
             return tuple(np.shape(avals[i])), str(np.dtype(avals[i].dtype))
 
         groups = [[layers[k][p] for p in places] for k in order]
@@ -199,7 +203,7 @@ class _Sig:
     def __init__(self) -> None:
         self._memo: dict[int, str] = {}
 
-    def param(self, v: Any) -> str:
+    def param(self, v: object) -> str:
         if isinstance(v, jex.ClosedJaxpr | jex.Jaxpr):
             hit = self._memo.get(id(v))
             if hit is None:
@@ -209,10 +213,17 @@ class _Sig:
             return "(" + ",".join(self.param(x) for x in v) + ")"
         return repr(v)
 
-    def __call__(self, eqn: Any) -> tuple[Any, ...]:
+    def __call__(self, eqn: jex.JaxprEqn) -> tuple[Hashable, ...]:
         ins = tuple(("lit", repr(v.val)) if isinstance(v, jex.Literal) else str(v.aval) for v in eqn.invars)
         params = tuple((k, self.param(v)) for k, v in sorted(eqn.params.items()))
         return eqn.primitive.name, params, ins, tuple(str(v.aval) for v in eqn.outvars)
+
+
+Source: TypeAlias = tuple[str, int | tuple[int, int] | None]
+"""How a layer's equation gets one operand: ``("lit", None)`` its literal, ``("x", place)`` its own layer's
+parameter, ``("local", (offset, out))`` a value of its own layer, ``("const", k)`` constant ``k`` of the run,
+``("carry", slot)`` the carry."""
+_Kind: TypeAlias = tuple[str, int | tuple[int, int] | jex.Var | None]  # a Source, or ("outside", var)
 
 
 @dataclass(frozen=True)
@@ -222,16 +233,16 @@ class _Run:
     start: int
     period: int
     num_layers: int
-    sources: tuple[tuple[tuple[str, Any], ...], ...]  # per eqn of layer 0, per input: how to get it
-    consts: tuple[Any, ...]  # outside vars every layer reads
-    carry_init: tuple[Any, ...]  # per carry slot: the outside var layer 0 reads
+    sources: tuple[tuple[Source, ...], ...]  # per eqn of layer 0, per input: how to get it
+    consts: tuple[jex.Var, ...]  # outside vars every layer reads
+    carry_init: tuple[jex.Var, ...]  # per carry slot: the outside var layer 0 reads
     carry_slots: tuple[tuple[int, int], ...]  # per slot: (eqn offset, output index) producing it
 
 
-def _const_aliases(closed: jex.ClosedJaxpr) -> dict[Any, Any]:
+def _const_aliases(closed: jex.ClosedJaxpr) -> dict[jex.Var, jex.Var]:
     """Constvar -> the first constvar of equal value: each layer of an unrolled model may capture its own
     copy of a constant (a rotary table built per attention module), which is one constant of the block."""
-    seen: dict[tuple[Any, ...], Any] = {}
+    seen: dict[tuple[tuple[int, ...], str, bytes], jex.Var] = {}
     out = {}
     for v, c in zip(closed.jaxpr.constvars, closed.consts):
         try:
@@ -244,87 +255,105 @@ def _const_aliases(closed: jex.ClosedJaxpr) -> dict[Any, Any]:
     return out
 
 
-def _prove(jaxpr: Any, groups: list[list[int]], start: int, period: int,
-           aliases: dict[Any, Any] | None = None) -> _Run | None:
+@dataclass(frozen=True)
+class _Candidate:
+    """A candidate run: L repeats of ``period`` equations from ``start``, and where each value is made."""
+
+    jaxpr: jex.Jaxpr
+    groups: list[list[int]]
+    start: int
+    period: int
+    aliases: dict[jex.Var, jex.Var]
+    invar_index: dict[jex.Var, int] = field(init=False)
+    place: dict[int, tuple[int, int]] = field(init=False)  # real leaf -> (layer, place)
+    producer: dict[jex.Var, tuple[int, int, int]] = field(init=False)  # var -> (layer, offset, out index)
+
+    def __post_init__(self) -> None:
+        eqns, end = self.jaxpr.eqns, self.start + len(self.groups) * self.period
+        object.__setattr__(self, "invar_index", {v: i for i, v in enumerate(self.jaxpr.invars)})
+        object.__setattr__(self, "place", {i: (layer, k) for layer, g in enumerate(self.groups)
+                                           for k, i in enumerate(g)})
+        object.__setattr__(self, "producer", {
+            v: ((e - self.start) // self.period, (e - self.start) % self.period, q)
+            for e in range(self.start, end) for q, v in enumerate(eqns[e].outvars)})
+
+    def kind(self, layer: int, v: jex.Var | jex.Literal) -> _Kind | None:
+        """Where ``layer``'s operand ``v`` comes from; None when it reads another layer's parameter or an
+        older layer's value."""
+        if isinstance(v, jex.Literal):
+            return ("lit", None)
+        if v in self.invar_index and self.invar_index[v] in self.place:
+            pl, k = self.place[self.invar_index[v]]
+            return ("x", k) if pl == layer else None
+        if v in self.producer:
+            pl, off, oq = self.producer[v]
+            if pl == layer:
+                return ("local", (off, oq))
+            return ("carry", (off, oq)) if pl == layer - 1 else None
+        return ("outside", self.aliases.get(v, v))
+
+    def outside_reads_ok(self, carried: dict[tuple[int, int], int]) -> bool:
+        """The rest of the program reads only the last layer's carry, and no layer parameter."""
+        L, eqns = len(self.groups), self.jaxpr.eqns
+        outside = [*eqns[: self.start], *eqns[self.start + L * self.period:]]
+        for v in [*(v for e in outside for v in e.invars), *self.jaxpr.outvars]:
+            if isinstance(v, jex.Var) and v in self.producer:
+                layer, off, oq = self.producer[v]
+                if layer != L - 1 or (off, oq) not in carried:
+                    return False
+        return not any(isinstance(v, jex.Var) and self.invar_index.get(v) in self.place
+                       for e in outside for v in e.invars)
+
+
+@dataclass
+class _Inputs:
+    """The run's inputs from outside as they are found: constants and carry slots."""
+
+    consts: dict[jex.Var, int] = field(default_factory=dict)
+    carry_of_slot: dict[tuple[int, int], int] = field(default_factory=dict)
+    carry_init: list[jex.Var] = field(default_factory=list)
+
+    def source(self, kinds: Sequence[_Kind]) -> Source | None:
+        """The source of one operand from its kind in each layer; None when the layers disagree."""
+        first, rest = kinds[0], kinds[1:]
+        if first[0] in ("lit", "x", "local"):
+            return first if all(k == first for k in rest) else None
+        if first[0] != "outside":
+            return None
+        if all(k == first for k in rest):  # the same value for every layer: a constant
+            return ("const", self.consts.setdefault(first[1], len(self.consts)))
+        if not rest or any(k[0] != "carry" or k != rest[0] for k in rest):
+            return None
+        slot = rest[0][1]
+        if slot not in self.carry_of_slot:
+            self.carry_of_slot[slot] = len(self.carry_init)
+            self.carry_init.append(first[1])
+        elif self.carry_init[self.carry_of_slot[slot]] is not first[1]:
+            return None
+        return ("carry", self.carry_of_slot[slot])
+
+
+def _prove(jaxpr: jex.Jaxpr, groups: list[list[int]], start: int, period: int,
+           aliases: dict[jex.Var, jex.Var] | None = None) -> _Run | None:
     """Check that ``groups`` run as L repeats of ``period`` equations from ``start``; the run or None."""
     L, eqns = len(groups), jaxpr.eqns
-    aliases = aliases or {}
-    invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
-    place = {}
-    for layer, g in enumerate(groups):
-        for k, i in enumerate(g):
-            place[i] = (layer, k)
-    producer: dict[Any, tuple[int, int, int]] = {}  # var -> (layer, offset, out index) inside the run
-    end = start + L * period
-    for e in range(start, end):
-        for q, v in enumerate(eqns[e].outvars):
-            producer[v] = ((e - start) // period, (e - start) % period, q)
-    consts: dict[Any, int] = {}
-    carry_of_slot: dict[tuple[int, int], int] = {}
-    carry_init: list[Any] = []
-    sources: list[list[tuple[str, Any]]] = [[None] * len(eqns[start + j].invars) for j in range(period)]
+    cand = _Candidate(jaxpr, groups, start, period, aliases or {})
+    found = _Inputs()
+    sources: list[tuple[Source, ...]] = []
     for j in range(period):
+        row = []
         for q in range(len(eqns[start + j].invars)):
-            kinds = []
-            for layer in range(L):
-                v = eqns[start + layer * period + j].invars[q]
-                if isinstance(v, jex.Literal):
-                    kinds.append(("lit", None))
-                elif v in invar_index and invar_index[v] in place:
-                    pl, k = place[invar_index[v]]
-                    if pl != layer:
-                        return None
-                    kinds.append(("x", k))
-                elif v in producer:
-                    pl, off, oq = producer[v]
-                    if pl == layer:
-                        kinds.append(("local", (off, oq)))
-                    elif pl == layer - 1:
-                        kinds.append(("carry", (off, oq)))
-                    else:
-                        return None
-                else:
-                    kinds.append(("outside", aliases.get(v, v)))
-            first, rest = kinds[0], kinds[1:]
-            if first[0] in ("lit", "x", "local"):
-                if any(k != first for k in rest):
-                    return None
-                sources[j][q] = first
-            elif first[0] == "outside":
-                if all(k == first for k in rest):  # the same value for every layer: a constant
-                    sources[j][q] = ("const", consts.setdefault(first[1], len(consts)))
-                elif rest and all(k[0] == "carry" and k == rest[0] for k in rest):
-                    slot = rest[0][1]
-                    if slot not in carry_of_slot:
-                        carry_of_slot[slot] = len(carry_init)
-                        carry_init.append(first[1])
-                    elif carry_init[carry_of_slot[slot]] is not first[1]:
-                        return None
-                    sources[j][q] = ("carry", carry_of_slot[slot])
-                else:
-                    return None
-            else:
+            kinds = [cand.kind(layer, eqns[start + layer * period + j].invars[q]) for layer in range(L)]
+            src = None if any(k is None for k in kinds) else found.source(kinds)
+            if src is None:
                 return None
-    # The rest of the program may read only the last layer's carry (and nothing of earlier layers).
-    slots = producer
-    for e in [*range(start), *range(end, len(eqns))]:
-        for v in eqns[e].invars:
-            if isinstance(v, jex.Var) and v in slots:
-                layer, off, oq = slots[v]
-                if layer != L - 1 or (off, oq) not in carry_of_slot:
-                    return None
-    for v in jaxpr.outvars:
-        if isinstance(v, jex.Var) and v in slots:
-            layer, off, oq = slots[v]
-            if layer != L - 1 or (off, oq) not in carry_of_slot:
-                return None
-    # Layer parameters are read only inside the run.
-    for e in [*range(start), *range(end, len(eqns))]:
-        if any(isinstance(v, jex.Var) and invar_index.get(v) in place for v in eqns[e].invars):
-            return None
-    order = sorted(carry_of_slot, key=carry_of_slot.get)
-    return _Run(start=start, period=period, num_layers=L, sources=tuple(tuple(s) for s in sources),
-                consts=tuple(sorted(consts, key=consts.get)), carry_init=tuple(carry_init),
+            row.append(src)
+        sources.append(tuple(row))
+    if not cand.outside_reads_ok(found.carry_of_slot):
+        return None
+    order = sorted(found.carry_of_slot, key=found.carry_of_slot.get)
+    return _Run(start=start, period=period, num_layers=L, sources=tuple(sources),
+                consts=tuple(sorted(found.consts, key=found.consts.get)), carry_init=tuple(found.carry_init),
                 carry_slots=tuple(order))
 
 
@@ -369,11 +398,7 @@ def _find_run(closed: jex.ClosedJaxpr, groups: list[list[int]]) -> _Run | None:
 
 # ------------------------------------------------------------------------------------ rewrite
 
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    return v.val if isinstance(v, jex.Literal) else env[v]
-
-
-def _virtual_fun(closed: jex.ClosedJaxpr, run: _Run, pg: ParamGroups, bind: Any) -> Any:
+def _virtual_fun(closed: jex.ClosedJaxpr, run: _Run, pg: ParamGroups) -> Callable[..., list[Value]]:
     """``f(*virtual_leaves, *rest_leaves)`` evaluating ``closed`` with its run as one ``lax.scan``."""
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
@@ -381,43 +406,41 @@ def _virtual_fun(closed: jex.ClosedJaxpr, run: _Run, pg: ParamGroups, bind: Any)
     layer0 = eqns[run.start: run.start + run.period]
     last = run.start + (run.num_layers - 1) * run.period
 
-    def body(consts: list[Any], carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
-        local: dict[tuple[int, int], Any] = {}
+    def body(consts: list[Value], carry: list[Value], xs: list[Value]) -> tuple[list[Value], list[Value]]:
+        local: dict[tuple[int, int], Value] = {}
         for j, eqn in enumerate(layer0):
             args = []
             for v, (kind, what) in zip(eqn.invars, run.sources[j]):
                 args.append(v.val if kind == "lit" else consts[what] if kind == "const" else
                             carry[what] if kind == "carry" else xs[what] if kind == "x" else local[what])
-            for q, o in enumerate(bind(eqn, args)):
+            for q, o in enumerate(bind_equation(eqn, args)):
                 local[(j, q)] = o
         return [local[s] for s in run.carry_slots], []
 
-    def fun(*leaves: Any) -> list[Any]:
+    def fun(*leaves: Value) -> list[Value]:
         nv = len(pg.virtual)
         virtual, rest = leaves[:nv], leaves[nv:]
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+        env: dict[jex.Var, Value] = dict(zip(jaxpr.constvars, closed.consts))
         real = [None] * n_real
         for v, x in zip(pg.virtual, virtual):
             if isinstance(v, int):
                 real[v] = x
         env.update({var: x for var, x in zip(jaxpr.invars[:n_real], real) if x is not None})
         env.update(zip(jaxpr.invars[n_real:], rest))
-        for eqn in eqns[: run.start]:
-            env.update(zip(eqn.outvars, bind(eqn, [_read(env, v) for v in eqn.invars])))
-        consts = [_read(env, v) for v in run.consts]
-        carry = [_read(env, v) for v in run.carry_init]
+        run_equations(eqns[: run.start], env)
+        consts = [read(env, v) for v in run.consts]
+        carry = [read(env, v) for v in run.carry_init]
         xs = [x for v, x in zip(pg.virtual, virtual) if isinstance(v, tuple)]
         carry, _ = jax.lax.scan(lambda c, x: body(consts, c, x), carry, xs)
         for (off, q), c in zip(run.carry_slots, carry):
             env[eqns[last + off].outvars[q]] = c
-        for eqn in eqns[run.start + run.num_layers * run.period:]:
-            env.update(zip(eqn.outvars, bind(eqn, [_read(env, v) for v in eqn.invars])))
-        return [_read(env, v) for v in jaxpr.outvars]
+        run_equations(eqns[run.start + run.num_layers * run.period:], env)
+        return [read(env, v) for v in jaxpr.outvars]
 
     return fun
 
 
-def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequence[Any], bind: Any
+def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequence[KeyPath]
                   ) -> tuple[jex.ClosedJaxpr, ParamGroups] | None:
     """Recognise an unrolled layer stack in ``closed``; the loss re-traced over virtual leaves, or None.
 
@@ -425,7 +448,6 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
       closed: the loss jaxpr over (param leaves..., other leaves...), top-level calls inlined.
       num_param_leaves: how many leading invars are parameter leaves.
       paths: the key path of each parameter leaf.
-      bind: the project's equation interpreter (`mistjax.trace.split.bind_equation`).
     Returns:
       ``(jaxpr over (virtual leaves..., other leaves...), ParamGroups)``; None when no repeated block
       over parameter subtrees of equal structure is found.
@@ -448,7 +470,7 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
         it = iter(by_place)
         virtual = [next(it) if isinstance(v, tuple) else v for v in virtual]
         pg = ParamGroups(num_real=num_param_leaves, virtual=tuple(virtual))
-        fun = _virtual_fun(closed, run, pg, bind)
+        fun = _virtual_fun(closed, run, pg)
         rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars[num_param_leaves:]]
         real = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
         return jax.make_jaxpr(fun)(*pg.virtual_avals(real), *rest), pg
