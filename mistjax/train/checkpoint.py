@@ -22,8 +22,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import type_handlers as ocp_types
 
+from mistjax.core.types import PyTree, State
 from mistjax.runtime.mpmd_state import per_leaf_on_host
 
 META_FORMAT = 1  # version of the metadata layout below
@@ -40,6 +42,22 @@ _SEP = "/"
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory cannot be used (unwritable, incompatible, or nothing readable)."""
+
+
+class CheckpointMeta(TypedDict, total=False):
+    """A checkpoint's JSON metadata: the run's description (what `mistjax.train.loop` records), then the keys
+    `Checkpointer.save` adds. Read back, it is whatever the file holds past the ``format`` / ``step`` check."""
+
+    model: str  # the model preset
+    plan: dict[str, object]  # `Plan.to_dict()`
+    data_seed: int
+    config: dict[str, object]  # the run's `TrainConfig` fields
+    process_count: int
+    device_count: int
+    format: int  # `META_FORMAT`
+    step: int
+    checksums: dict[str, list[int]]  # leaf name -> `checksums`
+    saved_at: str  # local time, ISO 8601
 
 
 def check_writable(directory: str | Path) -> Path:
@@ -63,17 +81,17 @@ def check_writable(directory: str | Path) -> Path:
 
 
 # ------------------------------------------------------------------------------ state <-> tree
-def _leaf_names(state: Any) -> list[str]:
+def _leaf_names(state: PyTree) -> list[str]:
     return [jax.tree_util.keystr(p, simple=True, separator=_SEP) for p, _ in
             jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
-def state_to_tree(state: Any) -> dict[str, Any]:
+def state_to_tree(state: PyTree) -> dict[str, PyTree]:
     """The state's arrays as nested dicts keyed by field names (``params/layers/mlp/wi/value``).
 
     Plain nested dicts keep the on-disk layout readable and independent of Flax/optax classes.
     """
-    out: dict[str, Any] = {}
+    out: dict[str, PyTree] = {}
     for name, leaf in zip(_leaf_names(state), jax.tree.leaves(state)):
         node = out
         *parents, last = name.split(_SEP)
@@ -83,11 +101,11 @@ def state_to_tree(state: Any) -> dict[str, Any]:
     return out
 
 
-def tree_to_state(tree: dict[str, Any], template: Any) -> Any:
+def tree_to_state(tree: Mapping[str, PyTree], template: State) -> State:
     """Inverse of `state_to_tree`: put the arrays of `tree` back into `template`'s structure."""
     leaves = []
     for name in _leaf_names(template):
-        node: Any = tree
+        node: PyTree = tree
         for key in name.split(_SEP):
             node = node[key]
         leaves.append(node)
@@ -115,7 +133,7 @@ def _checksums(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack(sums)
 
 
-def checksums(state: Any) -> dict[str, list[int]]:
+def checksums(state: PyTree) -> dict[str, list[int]]:
     """`_checksums` of every leaf of `state`, keyed by leaf name (JSON-ready)."""
     # A pipelined plan's state lives on several sub-meshes: checksum each mesh's leaves on it.
     values = per_leaf_on_host(_checksums, jax.tree.leaves(state))
@@ -175,7 +193,7 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def read_meta(self, step: int) -> dict[str, Any]:
+    def read_meta(self, step: int) -> CheckpointMeta:
         """The JSON metadata of checkpoint `step` (raises if it is unreadable)."""
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("step") != step:
@@ -184,7 +202,7 @@ class Checkpointer:
 
     # -------------------------------------------------------------- save / restore
     @staticmethod
-    def check_savable(state: Any) -> None:
+    def check_savable(state: State) -> None:
         """Raise `CheckpointError` if orbax cannot save `state` in this run.
 
         In a multi-process run orbax saves only global arrays: an array held entirely by one process
@@ -201,7 +219,7 @@ class Checkpointer:
                 "which orbax refuses to save as global arrays. Run without --ckpt-dir, or use a plan whose "
                 "stages span processes")
 
-    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: State, meta: Mapping[str, object]) -> None:
         """Start saving `state` as checkpoint `step`; returns once the arrays are on the host.
 
         A save still in flight from an earlier call is finished first (orbax does this), so at
@@ -212,7 +230,7 @@ class Checkpointer:
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state_to_tree(state)),
                                                          meta=ocp.args.JsonSave(meta)), force=True)
 
-    def newest_meta(self) -> dict[str, Any] | None:
+    def newest_meta(self) -> CheckpointMeta | None:
         """Metadata of the newest checkpoint whose metadata is readable (None if there is none).
 
         Cheap (small JSON reads): lets a caller refuse an incompatible checkpoint before it
@@ -225,7 +243,7 @@ class Checkpointer:
                 continue
         return None
 
-    def restore_latest(self, template: Any) -> tuple[Any, dict[str, Any]] | None:
+    def restore_latest(self, template: State) -> tuple[State, CheckpointMeta] | None:
         """Restore the newest usable checkpoint onto the shardings of `template`.
 
         Args:
@@ -309,7 +327,7 @@ def _finalize_abandoned_reads(settle_s: float = 0.5) -> None:
     """
     previous = sys.unraisablehook
 
-    def hook(unraisable: Any) -> None:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
         leftover = "_read_array_index_and_device_put" in repr(unraisable.object) or (
             isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value))
         if not leftover:
@@ -331,4 +349,5 @@ def _short(error: BaseException | None) -> str:
     return text.split(" See full TensorStore details")[0][:160]
 
 
-__all__ = ["Checkpointer", "CheckpointError", "check_writable", "checksums", "state_to_tree", "tree_to_state"]
+__all__ = ["CheckpointError", "CheckpointMeta", "Checkpointer", "check_writable", "checksums", "state_to_tree",
+           "tree_to_state"]

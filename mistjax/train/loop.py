@@ -12,10 +12,11 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, NotRequired, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +28,19 @@ import models
 from mistjax.api import autoshard, value_and_grad
 from mistjax.api.precision import with_master_weights
 from mistjax.core.plan import Plan, PlanError, uniform_plan
+from mistjax.core.types import Batch, LossFn, PyTree
 from mistjax.distributed import DistributedError, is_primary, peer_failure
 from mistjax.runtime.mpmd_state import is_staged, per_leaf_on_host
 from mistjax.runtime.step import ShardedStep
-from mistjax.train.checkpoint import Checkpointer, CheckpointError
+from mistjax.train.checkpoint import Checkpointer, CheckpointError, CheckpointMeta
 from mistjax.train.data import MemmapTokens, SyntheticTokens
 from mistjax.train.metrics import MetricsLog, mfu, peak_flops
 from mistjax.train.state import TrainState, make_optimizer
 from models.loss import make_loss_fn
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+    from tqdm import tqdm
 
 # Config fields whose change on resume makes the continuation differ from an uninterrupted run.
 _RESUME_SENSITIVE = ("steps", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",
@@ -103,16 +109,29 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     plan: Plan | None = None
-    state: Any = None
+    state: TrainState | None = None  # the state after the last step
     start_step: int = 0  # first step run here (> 0 after a resume)
     mfu: list[float] = field(default_factory=list)  # per step, when the hardware is known
     checkpoints: list[int] = field(default_factory=list)  # steps saved by this run
 
 
-def make_train_step(loss_fn: Callable[..., Any]) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+StepMetrics = dict[str, jax.Array]  # what the train step returns besides the state: {"loss": scalar}
+
+
+class StepRecord(TypedDict):
+    """One line of the metrics log (`MetricsLog`): a step's loss and speed."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: NotRequired[float]  # when the hardware is known (``--hardware``)
+
+
+def make_train_step(loss_fn: LossFn) -> Callable[[TrainState, Batch], tuple[TrainState, StepMetrics]]:
     """The ordinary train step: mistjax.value_and_grad, then the optimizer."""
 
-    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
         loss, grads = value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
@@ -154,24 +173,24 @@ def _leaves_finite(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in on_device])
 
 
-def _all_finite(tree: Any) -> bool:
+def _all_finite(tree: PyTree) -> bool:
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     # Per leaf, on the leaf's own devices (a pipelined plan's state lives on several sub-meshes).
     return bool(np.all(per_leaf_on_host(_leaves_finite, leaves)))
 
 
-def _run_meta(cfg: TrainConfig, plan: Plan) -> dict[str, Any]:
+def _run_meta(cfg: TrainConfig, plan: Plan) -> CheckpointMeta:
     """What a checkpoint records about the run, besides the arrays."""
     return {"model": cfg.model, "plan": plan.to_dict(), "data_seed": cfg.seed, "config": dataclasses.asdict(cfg),
             "process_count": jax.process_count(), "device_count": jax.device_count()}
 
 
-def _plan_layout(plan: dict[str, Any]) -> dict[str, Any]:
+def _plan_layout(plan: Mapping[str, object]) -> dict[str, object]:
     """The plan fields that shape the run, flattened (``stages[0].shard_grads``) for readable diffs.
 
     The cost model's prediction and the fingerprints describe a plan but change nothing in the run.
     """
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in plan.items():
         if key in ("prediction", "fingerprints"):
             continue
@@ -184,7 +203,7 @@ def _plan_layout(plan: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_compatible(meta: dict[str, Any], cfg: TrainConfig, plan: Plan, directory: Path) -> None:
+def _check_compatible(meta: CheckpointMeta, cfg: TrainConfig, plan: Plan, directory: Path) -> None:
     """Refuse a checkpoint of another model or plan; warn about settings that change the run."""
     where = f"{str(directory)!r} (step {meta['step']})"
     if meta.get("model") != cfg.model:
@@ -216,13 +235,13 @@ class _Setup:
 
     plan: Plan
     step: ShardedStep
-    state: Any
+    state: TrainState
     data: SyntheticTokens | MemmapTokens
     num_devices: int
     start: int
 
 
-def _prepare(cfg: TrainConfig, mesh: Any, ckpt: Checkpointer | None) -> _Setup:
+def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> _Setup:
     """Model, plan, sharded step and placed (or restored) state; cheap checks first."""
     model_cfg = models.get_config(cfg.model).replace(dtype=cfg.compute_dtype)
     if cfg.seq_len > model_cfg.max_seq_len:
@@ -259,7 +278,7 @@ def _prepare(cfg: TrainConfig, mesh: Any, ckpt: Checkpointer | None) -> _Setup:
     return _Setup(plan, step, state, data, len(devices), start)
 
 
-def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -> TrainResult:
+def run_training(cfg: TrainConfig, *, mesh: Mesh | None = None, progress: bool = True) -> TrainResult:
     """Train `cfg.model` up to step `cfg.steps` and return what this run produced.
 
     Raises:
@@ -286,61 +305,94 @@ def run_training(cfg: TrainConfig, *, mesh: Any = None, progress: bool = True) -
         if ckpt is not None:
             ckpt.close()
         raise
-    step, state, start = setup.step, setup.state, setup.start
-    _log(step.summary())  # the plan (a tuned one too) and what each knob did, before the first step
-    result = TrainResult(plan=setup.plan, start_step=start)
-    meta = _run_meta(cfg, setup.plan)
-    tokens = cfg.global_batch * cfg.seq_len
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params, is_leaf=is_staged))
-    log = MetricsLog(cfg.metrics, start, enabled=is_primary())
-    bar = _progress(cfg.steps, start, progress and is_primary())
+    _log(setup.step.summary())  # the plan (a tuned one too) and what each knob did, before the first step
+    result = TrainResult(plan=setup.plan, start_step=setup.start)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.state.params, is_leaf=is_staged))
+    mfu_of = None if peak is None else partial(mfu, num_params=num_params, num_devices=setup.num_devices, peak=peak)
+    reporter = _Reporter(cfg, result, MetricsLog(cfg.metrics, setup.start, enabled=is_primary()),
+                         _progress(cfg.steps, setup.start, progress and is_primary()), mfu_of)
+    result.state = _train_steps(cfg, setup, ckpt, reporter)
+    return result
+
+
+def _train_steps(cfg: TrainConfig, setup: _Setup, ckpt: Checkpointer | None, reporter: _Reporter) -> TrainState:
+    """Steps ``setup.start`` .. ``cfg.steps - 1``: each reported, the state checkpointed every ``ckpt_every``;
+    the reporter and the checkpointer are closed on the way out. Returns the last state."""
+    state, meta = setup.state, _run_meta(cfg, setup.plan)
     failed_peer = False
     try:
-        for i in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            try:
-                state, metrics = step(state, make_global_batch(step, setup.data.batch(i)))
-                loss = float(metrics["loss"])  # waits for the step: the timing below is the real one
-            except jax.errors.JaxRuntimeError as e:
-                lost = peer_failure(e, i)
-                if lost is None:
-                    raise
-                failed_peer = True
-                raise lost from e
-            dt = time.perf_counter() - t0
+        for i in range(setup.start, cfg.steps):
+            state, loss, seconds = _one_step(setup, state, i)
             if not math.isfinite(loss):
                 raise TrainingDivergedError(_diverged(f"the loss is {loss} at step {i}", cfg, ckpt))
-            record: dict[str, Any] = {"step": i, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt}
-            if peak is not None:
-                record["mfu"] = mfu(tokens / dt, num_params, setup.num_devices, peak)
-                result.mfu.append(record["mfu"])
-            log.write(record)
-            result.losses.append(loss)
-            result.tokens_per_s.append(tokens / dt)
-            if bar is not None:
-                bar.set_postfix(_postfix(record), refresh=False)
-                bar.update(1)
-            elif is_primary() and ((i + 1) % cfg.log_every == 0 or i == cfg.steps - 1 or i == start):
-                _log(_log_line(i, cfg.steps, record))
+            reporter.step(i, loss, seconds)
             done = i + 1
             if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
                 if not bool(_all_finite(state)):  # never let a checkpoint hold NaN/inf
                     raise TrainingDivergedError(_diverged(f"the parameters became NaN/inf in step {i}", cfg, ckpt))
                 ckpt.save(done, state, meta)
-                result.checkpoints.append(done)
-    except DistributedError:
+                reporter.result.checkpoints.append(done)
+    except DistributedError:  # a lost peer (`_one_step`) or one found by the distributed runtime
         failed_peer = True
         raise
     finally:
-        if bar is not None:
-            bar.close()
-        log.close()
+        reporter.close()
         # After a lost peer, finishing a save would wait on the dead process: leave it unfinished
         # (orbax never publishes a half-written checkpoint).
         if ckpt is not None and not failed_peer:
             ckpt.close()
-    result.state = state
-    return result
+    return state
+
+
+def _one_step(setup: _Setup, state: TrainState, i: int) -> tuple[TrainState, float, float]:
+    """Step ``i``: the new state, its loss and its seconds.
+
+    Raises:
+      DistributedError: the step failed because a peer process was lost.
+    """
+    t0 = time.perf_counter()
+    try:
+        state, metrics = setup.step(state, make_global_batch(setup.step, setup.data.batch(i)))
+        loss = float(metrics["loss"])  # waits for the step: the timing below is the real one
+    except jax.errors.JaxRuntimeError as e:
+        lost = peer_failure(e, i)
+        if lost is None:
+            raise
+        raise lost from e
+    return state, loss, time.perf_counter() - t0
+
+
+@dataclass
+class _Reporter:
+    """Where each step's numbers go: the run's result, the metrics log, and a progress bar or log lines."""
+
+    cfg: TrainConfig
+    result: TrainResult
+    log: MetricsLog
+    bar: tqdm | None  # None: a log line every ``log_every`` steps instead
+    mfu_of: Callable[[float], float] | None  # tokens/s -> MFU, when the hardware is known
+
+    def step(self, i: int, loss: float, seconds: float) -> None:
+        """Record step ``i``."""
+        tokens_per_s = self.cfg.global_batch * self.cfg.seq_len / seconds
+        record = StepRecord(step=i, loss=loss, step_time_s=seconds, tokens_per_s=tokens_per_s)
+        if self.mfu_of is not None:
+            record["mfu"] = self.mfu_of(tokens_per_s)
+            self.result.mfu.append(record["mfu"])
+        self.log.write(record)
+        self.result.losses.append(loss)
+        self.result.tokens_per_s.append(tokens_per_s)
+        cfg, start = self.cfg, self.result.start_step
+        if self.bar is not None:
+            self.bar.set_postfix(_postfix(record), refresh=False)
+            self.bar.update(1)
+        elif is_primary() and ((i + 1) % cfg.log_every == 0 or i == cfg.steps - 1 or i == start):
+            _log(_log_line(i, cfg.steps, record))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.log.close()
 
 
 def _diverged(what: str, cfg: TrainConfig, ckpt: Checkpointer | None) -> str:
@@ -360,19 +412,19 @@ def _diverged(what: str, cfg: TrainConfig, ckpt: Checkpointer | None) -> str:
             + (" (with --resume to continue from the checkpoint)" if ckpt is not None else ""))
 
 
-def _postfix(record: dict[str, Any]) -> dict[str, str]:
+def _postfix(record: StepRecord) -> dict[str, str]:
     out = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
     if "mfu" in record:
         out["MFU"] = f"{100 * record['mfu']:.3g}%"
     return out
 
 
-def _log_line(i: int, total: int, record: dict[str, Any]) -> str:
+def _log_line(i: int, total: int, record: StepRecord) -> str:
     """One log line per `log_every` steps when there is no progress bar (no carriage returns in logs)."""
     return f"step {i + 1}/{total}: " + ", ".join(f"{k} {v}" for k, v in _postfix(record).items())
 
 
-def _progress(total: int, start: int, enabled: bool) -> Any:
+def _progress(total: int, start: int, enabled: bool) -> tqdm | None:
     """A tqdm bar on a terminal; None (plain log lines instead) when disabled or stderr is not a TTY."""
     import sys
 

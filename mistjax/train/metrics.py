@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 FLOPS_PER_PARAM_PER_TOKEN = 6  # forward 2 + backward 4
 
@@ -82,7 +83,7 @@ class MetricsLog:
         os.replace(tmp, self.path)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         """Append one record and flush it, so a killed run loses at most the line being written."""
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.typing import DTypeLike
 
 from mistjax.api.precision import with_master_weights
 
@@ -29,7 +28,8 @@ class TrainState:
     tx: optax.GradientTransformation = struct.field(pytree_node=False)  # the optimizer
 
     @classmethod
-    def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *, param_dtype: Any = None) -> TrainState:
+    def create(cls, model: nnx.Module, tx: optax.GradientTransformation, *,
+               param_dtype: DTypeLike | None = None) -> TrainState:
         """Split `model` into its graph and parameters and initialise the optimizer.
 
         Args:
@@ -44,7 +44,7 @@ class TrainState:
             params = jax.tree.map(lambda x: x.astype(jnp.dtype(param_dtype)), params)
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, graphdef=graphdef, tx=tx)
 
-    def apply_gradients(self, grads: Any) -> TrainState:
+    def apply_gradients(self, grads: nnx.State) -> TrainState:
         """One optimizer step with `grads` (same structure as `params`)."""
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         params = optax.apply_updates(self.params, updates)
