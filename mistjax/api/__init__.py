@@ -2,29 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+from jax.sharding import Mesh
 
 from mistjax.core.plan import Plan
+from mistjax.core.strategies import CostModel
+from mistjax.core.types import LossFn, PyTree, TrainStep
 from mistjax.runtime.context import active_handler
-from mistjax.runtime.step import ShardedStep, TrainStep
+from mistjax.runtime.step import AxisRules, PlannedStep, ShardedStep
 
-if TYPE_CHECKING:  # the tuner imports cvxpy; keep `import mistjax` light until a plan is tuned
+if TYPE_CHECKING:  # the tuner imports cvxpy, the cost model sympy; keep `import mistjax` light until a plan is tuned
+    from mistjax.cost.workload import Workload
+    from mistjax.hardware.presets import ClusterSpec
     from mistjax.tune.space import SearchSpace
     from mistjax.tune.tuner import TuneResult
 
 
-def tune(workload: Any, cluster: Any, **options: Any) -> TuneResult:
+def tune(workload: Workload, cluster: ClusterSpec, **options: Any) -> TuneResult:  # options: see tuner.tune
     """Tune a plan offline (no devices needed); see `mistjax.tune.tuner.tune` for the options."""
     from mistjax.tune.tuner import tune as run
 
     return run(workload, cluster, **options)
 
 
-def value_and_grad(fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(fun: LossFn, argnums: int = 0, has_aux: bool = False) -> Callable[..., PyTree]:
     """Drop-in for `jax.value_and_grad` that lets `autoshard` plan the gradient computation.
 
     Outside `autoshard` it is exactly `jax.value_and_grad`. Inside, the differentiated loss is
@@ -33,7 +38,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int = 0, has_aux: bool = Fa
     Only ``argnums=0`` (the parameters) is supported inside `autoshard`.
     """
 
-    def wrapped(*args: Any) -> Any:
+    def wrapped(*args: PyTree) -> PyTree:
         handler = active_handler()
         if handler is None:
             return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args)
@@ -45,22 +50,24 @@ def value_and_grad(fun: Callable[..., Any], argnums: int = 0, has_aux: bool = Fa
     return wrapped
 
 
-def grad(fun: Callable[..., Any], argnums: int = 0, has_aux: bool = False) -> Callable[..., Any]:
+def grad(fun: LossFn, argnums: int = 0, has_aux: bool = False) -> Callable[..., PyTree]:
     """Drop-in for `jax.grad`; see `value_and_grad`."""
     vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
-    def wrapped(*args: Any) -> Any:
+    def wrapped(*args: PyTree) -> PyTree:
         out, g = vg(*args)
         return (g, out[1]) if has_aux else g
 
     return wrapped
 
 
-def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Path | None = None,
-              hardware: Any = None, global_batch: int | None = None, memory_budget: float | None = None,
+def autoshard(train_step: TrainStep, mesh: Mesh | Sequence[jax.Device] | None = None, *,
+              plan: Plan | str | Path | None = None, hardware: ClusterSpec | str | None = None,
+              global_batch: int | None = None, memory_budget: float | None = None,
               cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
-              workload: Any = None, baselines: tuple[str, ...] | None = None, cost: Any = None,
-              axis_rules: Any = None, verbose: bool = True) -> Any:
+              workload: Workload | None = None, baselines: tuple[str, ...] | None = None,
+              cost: CostModel | None = None, axis_rules: AxisRules | None = None, verbose: bool = True
+              ) -> PlannedStep:
     """Run `train_step(state, batch) -> (state, metrics)` with a distributed-training plan.
 
     With ``plan`` the plan is applied as is. Without one, the first ``step.place(state, batch)`` or
@@ -91,8 +98,10 @@ def autoshard(train_step: TrainStep, mesh: Any = None, *, plan: Plan | str | Pat
         pairs are inferred from the layer's dataflow.
       verbose: without a plan, print what the first call does (analysis, tuning and how long) to stderr.
     Returns:
-      A `ShardedStep` (with ``plan``) or, without a plan, an `AutoShardedStep` with the same
-      methods: ``place(state, batch)``, ``__call__(state, batch)``, ``lower(...)`` and ``plan``.
+      A `PlannedStep`: a `ShardedStep` (with ``plan``) or, without a plan, an `AutoShardedStep` (tuned on
+      the first ``place`` / call) with the same methods, for one stage or a pipeline alike:
+      ``place(state, batch)``, ``__call__(state, batch)``, ``gather(state)``, ``compile_stages(state,
+      batch)``, ``lower(state, batch)`` (one-stage plans), ``report()``, ``summary()`` and ``plan``.
     """
     if plan is None:
         from mistjax.api.autoshard import AutoShardedStep  # deferred: pulls in the tuner and cost model

@@ -14,27 +14,37 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 import jax
 import numpy as np
 from jax.extend import core as jex
+from jax.sharding import Mesh
 
 from mistjax.api.precision import MasterWeightsState
 from mistjax.core.layout import OPT, PARAM
 from mistjax.core.plan import Plan, PlanDoesNotFit, PlanError, Prediction, format_bytes, lowered_budget
 from mistjax.core.strategies import CostModel
+from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
 from mistjax.cost.workload import OPTIMIZERS, Workload
 from mistjax.hardware.presets import ClusterSpec
 from mistjax.runtime import fit
 from mistjax.runtime.mpmd_state import is_staged
-from mistjax.runtime.step import LossCall, ShardedStep, StepAnalysis, TrainStep, analyze_step
+from mistjax.runtime.report import AppliedReport, PipelineReport
+from mistjax.runtime.step import AxisRules, CompiledPrograms, LossCall, ShardedStep, StepAnalysis, analyze_step
 from mistjax.tune.space import SearchSpace
 from mistjax.tune.tuner import TunedPlan, TuneResult, default_cost_model, fingerprints, tune
 
-__all__ = ["AutoShardedStep", "detect_cluster", "step_workload"]
+__all__ = ["AutoShardedStep", "Hardware", "MeshLike", "detect_cluster", "step_workload"]
+
+MeshLike: TypeAlias = Mesh | Sequence[jax.Device] | None
+"""The devices a step may use: a `jax.sharding.Mesh`, a list of devices, or None (all devices)."""
+
+Hardware: TypeAlias = ClusterSpec | str | None
+"""What to tune for: a `ClusterSpec`, a preset name, a ``NAME:NODESxPER_NODE`` spec, or None (detect)."""
 
 _CACHE_FORMAT = "mistjax.tuned-plan"
 _MAX_RETUNES = 3  # re-tunes after a tuned plan did not fit the devices' free memory
@@ -43,7 +53,7 @@ _GPU_PRESETS = (("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100-80gb"), ("H200",
                 ("L4", "l4"))
 
 
-def _devices(mesh: Any) -> list[Any]:
+def _devices(mesh: MeshLike) -> list[jax.Device]:
     if mesh is None:
         return list(jax.devices())
     if hasattr(mesh, "devices"):
@@ -51,7 +61,8 @@ def _devices(mesh: Any) -> list[Any]:
     return list(mesh)
 
 
-def detect_cluster(devices: list[Any], hardware: Any = None, memory_budget: float | None = None) -> ClusterSpec:
+def detect_cluster(devices: Sequence[jax.Device], hardware: Hardware = None,
+                   memory_budget: float | None = None) -> ClusterSpec:
     """The `ClusterSpec` to tune for on ``devices``.
 
     Args:
@@ -96,7 +107,7 @@ def detect_cluster(devices: list[Any], hardware: Any = None, memory_budget: floa
     return cluster
 
 
-def _seq_len(batch: Any, global_batch: int) -> int:
+def _seq_len(batch: Batch, global_batch: int) -> int:
     for x in jax.tree.leaves(batch):
         if np.ndim(x) >= 2 and np.shape(x)[0] == global_batch:
             return int(np.shape(x)[1])
@@ -104,10 +115,11 @@ def _seq_len(batch: Any, global_batch: int) -> int:
                     "pass workload=...")
 
 
-def _resized_batch(args: tuple[Any, ...], global_batch: int, seq_len: int) -> Any:
+def _resized_batch(args: tuple[PyTree, ...], global_batch: int, seq_len: int
+                   ) -> Callable[[int, int], tuple[PyTree, ...]]:
     """``(b, s) -> args`` with every batch array resized: leading dim ``b``, sequence dim ``s``."""
-    def resize(b: int, s: int) -> tuple[Any, ...]:
-        def one(x: Any) -> Any:
+    def resize(b: int, s: int) -> tuple[PyTree, ...]:
+        def one(x: jax.Array) -> jax.ShapeDtypeStruct:
             shape = list(np.shape(x))
             if shape and shape[0] == global_batch:
                 shape[0] = b
@@ -120,7 +132,7 @@ def _resized_batch(args: tuple[Any, ...], global_batch: int, seq_len: int) -> An
     return resize
 
 
-def _optimizer_state(state: Any, analysis: StepAnalysis) -> dict[str, Any]:
+def _optimizer_state(state: State, analysis: StepAnalysis) -> dict[str, str | bool | int]:
     """How the step's optimizer state is stored: the `OPTIMIZERS` entry whose moments per parameter match,
     a master copy (`with_master_weights`), and the bytes per state element."""
     leaves = jax.tree.leaves(state)
@@ -136,9 +148,9 @@ def _optimizer_state(state: Any, analysis: StepAnalysis) -> dict[str, Any]:
     return {"optimizer": by_moments.get(moments, "adamw"), "master_weights": master, "state_itemsize": int(itemsize)}
 
 
-def step_workload(loss: LossCall, state: Any, analysis: StepAnalysis, batch: Any, global_batch: int,
+def step_workload(loss: LossCall, state: State, analysis: StepAnalysis, batch: Batch, global_batch: int,
                   grad_dtype: str | None = None, profile_cache: bool | str | Path = True,
-                  axis_rules: Any = None) -> Workload:
+                  axis_rules: AxisRules | None = None) -> Workload:
     """The cost model's `Workload` of a traced step: its loss, parameters, batch sizes and optimizer state.
 
     ``profile_cache``: where analysed profiles are cached (`mistjax.analysis.cache`; True: the default).
@@ -156,7 +168,7 @@ def _matmul_dtype(loss: LossCall) -> str:
     """The dtype the loss's largest matmul runs in (what the cost model prices matmuls at)."""
     best: tuple[float, str] = (-1.0, "float32")
 
-    def walk(jaxpr: Any) -> None:
+    def walk(jaxpr: jex.Jaxpr) -> None:
         nonlocal best
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
@@ -217,13 +229,13 @@ def _lowered_budget(plan: Plan, err: PlanDoesNotFit, budget: float) -> float:
 class _Tuning:
     """What tuning needs again when autoshard re-tunes (`AutoShardedStep._retune`)."""
 
-    workload: Any
+    workload: Workload
     cluster: ClusterSpec  # lowered by each re-tune
     space: SearchSpace
     cost: CostModel
     fingerprints: dict[str, str]  # of the first cluster: a re-tuned plan is cached for the same inputs
     path: Path | None  # the plan cache file
-    devices: list[Any]
+    devices: list[jax.Device]
     global_batch: int
 
 
@@ -236,11 +248,11 @@ class AutoShardedStep:
     and in `summary`), and only a plan that fits is cached.
     """
 
-    def __init__(self, train_step: TrainStep, mesh: Any = None, *, hardware: Any = None,
+    def __init__(self, train_step: TrainStep, mesh: MeshLike = None, *, hardware: Hardware = None,
                  global_batch: int | None = None, memory_budget: float | None = None,
                  cache_dir: str | Path | None = None, space: SearchSpace | None = None, time_limit: float = 60.0,
-                 workload: Any = None, baselines: tuple[str, ...] | None = None, cost: CostModel | None = None,
-                 axis_rules: Any = None, verbose: bool = True) -> None:
+                 workload: Workload | None = None, baselines: tuple[str, ...] | None = None,
+                 cost: CostModel | None = None, axis_rules: AxisRules | None = None, verbose: bool = True) -> None:
         self.train_step, self.user_mesh = train_step, mesh
         self.hardware, self.global_batch, self.memory_budget = hardware, global_batch, memory_budget
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -254,7 +266,7 @@ class AutoShardedStep:
         self._unsaved: TunedPlan | None = None  # tuned, to be cached once it is known to fit
 
     # ---------------------------------------------------------------- tuning
-    def _workload(self, state: Any, batch: Any, analysis: StepAnalysis, global_batch: int) -> Any:
+    def _workload(self, state: State, batch: Batch, analysis: StepAnalysis, global_batch: int) -> Workload:
         if self.workload is not None:
             return self.workload
         if analysis.loss is None:
@@ -266,7 +278,7 @@ class AutoShardedStep:
         return step_workload(analysis.loss, state, analysis, batch, global_batch, profile_cache=profiles,
                              axis_rules=self.axis_rules)
 
-    def _space(self, analysis: Any, global_batch: int, num_devices: int) -> SearchSpace:
+    def _space(self, analysis: StepAnalysis, global_batch: int, num_devices: int) -> SearchSpace:
         space = self.space or SearchSpace()
         if analysis.num_layers is None:
             # No scan over stacked layers: no pipeline and no per-layer remat.
@@ -288,7 +300,7 @@ class AutoShardedStep:
         if self.verbose and jax.process_index() == 0:
             print(f"mistjax.autoshard: {message}", file=sys.stderr, flush=True)
 
-    def _tune(self, state: Any, batch: Any) -> None:
+    def _tune(self, state: State, batch: Batch) -> None:
         t0 = time.perf_counter()
         devices = _devices(self.user_mesh)
         B = self.global_batch or max(int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x))
@@ -337,7 +349,7 @@ class AutoShardedStep:
             _save_cached(self._tuning.path, self._unsaved, self._tuning.fingerprints)
         self._unsaved = None
 
-    def _fitted(self, state: Any, batch: Any) -> Any:
+    def _fitted(self, state: State, batch: Batch) -> State:
         """``state`` after the plan's memory check before the first step (placed where it ran); a tuned plan
         that does not fit is re-tuned (`_retune`) until one fits."""
         assert self._inner is not None
@@ -350,7 +362,7 @@ class AutoShardedStep:
             self._save()
         return state
 
-    def _retune(self, err: PlanDoesNotFit, state: Any) -> Any:
+    def _retune(self, err: PlanDoesNotFit, state: State) -> State:
         """Tune again for a budget lowered by the measured gap; returns ``state`` for the new plan."""
         t, old = self._tuning, self._inner
         assert t is not None and old is not None
@@ -377,7 +389,7 @@ class AutoShardedStep:
             state = old.gather(state)  # pieces placed for the old pipeline: whole arrays for the new plan
         return state
 
-    def _ready(self, state: Any, batch: Any | None, what: str) -> ShardedStep:
+    def _ready(self, state: State, batch: Batch | None, what: str) -> ShardedStep:
         if self._inner is None:
             if batch is None:
                 raise PlanError(f"autoshard without a plan tunes on the first batch: call {what} with an example "
@@ -386,16 +398,21 @@ class AutoShardedStep:
         assert self._inner is not None
         return self._inner
 
-    # ---------------------------------------------------------------- ShardedStep API
-    @property
-    def plan(self) -> Plan:
+    # ---------------------------------------------------------------- ShardedStep API (`PlannedStep`)
+    def _tuned(self) -> ShardedStep:
         if self._inner is None:
             raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
-        return self._inner.plan
+        return self._inner
 
     @property
-    def applied(self) -> Any:
-        """What each knob did (`mistjax.runtime.report.AppliedReport`), once placed."""
+    def plan(self) -> Plan:
+        """The tuned plan (after the first place / call)."""
+        return self._tuned().plan
+
+    @property
+    def applied(self) -> AppliedReport | PipelineReport | None:
+        """What each knob did (`mistjax.runtime.report.AppliedReport`, per stage a `PipelineReport`), once
+        placed."""
         return self._inner.applied if self._inner is not None else None
 
     @property
@@ -404,42 +421,57 @@ class AutoShardedStep:
         return self._inner.fit if self._inner is not None else None
 
     def report(self) -> str:
-        """What each knob of the tuned plan did to this step (after the first place / call)."""
-        if self._inner is None:
-            raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
-        return self._inner.report()
+        """What each knob of the tuned plan did to this step, per stage for a pipeline (after the first
+        place / call)."""
+        return self._tuned().report()
 
     def summary(self) -> str:
         """The tuned plan's summary, what was applied, the memory check and the re-tunes it caused."""
-        if self._inner is None:
-            raise PlanError("no plan yet: autoshard tunes on the first step.place(state, batch) or step(state, batch)")
-        lines = [self._inner.summary()]
+        lines = [self._tuned().summary()]
         if self.retunes:
             lines += [f"re-tuned {len(self.retunes)} time(s) after the memory check before the first step:"]
             lines += [f"  {note}" for note in self.retunes]
         return "\n".join(lines)
 
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> Mesh | None:
+        """The plan's device mesh (None before tuning)."""
         return self._inner.mesh if self._inner is not None else None
 
-    def place(self, state: Any, batch: Any | None = None) -> Any:
+    def place(self, state: State, batch: Batch | None = None) -> State:
+        """Tune on the first call (needs ``batch``), check the plan fits the devices, then place ``state``
+        as `ShardedStep.place` does."""
         self._ready(state, batch, "step.place(state, batch)")
         state = self._fitted(state, batch)
-        assert self._inner is not None
-        return self._inner.place(state, batch)
+        return self._tuned().place(state, batch)
 
-    def batch_shardings(self, batch: Any) -> Any:
+    def gather(self, state: State) -> State:
+        """A placed state as whole host arrays (`ShardedStep.gather`: a pipeline's `StagedArray` leaves
+        reassembled)."""
+        return self._tuned().gather(state)
+
+    def compile_stages(self, state: State, batch: Batch, phases: Sequence[str] | None = None, *,
+                       compile: bool = True) -> CompiledPrograms:
+        """Every program of the tuned plan, ``{(stage, phase): jax.stages.Compiled}`` (tunes first if needed;
+        see `ShardedStep.compile_stages`)."""
+        return self._ready(state, batch, "step.compile_stages(state, batch)").compile_stages(
+            state, batch, phases, compile=compile)
+
+    def batch_shardings(self, batch: Batch) -> PyTree:
+        """The shardings `__call__` expects for ``batch`` (after tuning)."""
         return self._ready(None, None, "step.place(state, batch)").batch_shardings(batch)
 
-    def place_batch(self, batch: Any) -> Any:
+    def place_batch(self, batch: Batch) -> Batch:
+        """Shard a global batch over the tuned plan's data-parallel axes (after tuning)."""
         return self._ready(None, None, "step.place(state, batch)").place_batch(batch)
 
-    def lower(self, state: Any, batch: Any) -> Any:
+    def lower(self, state: State, batch: Batch) -> jax.stages.Lowered:
+        """The tuned one-stage plan's program, lowered (tunes first if needed; a pipeline raises
+        `PlanError`: use `compile_stages`)."""
         return self._ready(state, batch, "step.lower(state, batch)").lower(state, batch)
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+    def __call__(self, state: State, batch: Batch) -> tuple[State, Metrics]:
+        """One train step; the first call tunes, checks the plan fits, and places the state."""
         self._ready(state, batch, "step(state, batch)")
         state = self._fitted(state, batch)
-        assert self._inner is not None
-        return self._inner(state, batch)
+        return self._tuned()(state, batch)

@@ -24,14 +24,15 @@ optimizer offload shard it like any optax state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from flax import nnx
 
 from mistjax.api import value_and_grad as _value_and_grad
+from mistjax.core.types import Batch, LossFn, Metrics, PyTree, State, TrainStep
 
 
-def value_and_grad(f: Callable[..., Any], *, has_aux: bool = False, wrt: Any = nnx.Param) -> Callable[..., Any]:
+def value_and_grad(f: LossFn, *, has_aux: bool = False, wrt: nnx.filterlib.Filter = nnx.Param
+                   ) -> Callable[..., PyTree]:
     """Drop-in for ``nnx.value_and_grad(f, has_aux=...)(model, *args)`` (gradients of the ``wrt`` variables).
 
     Outside `mistjax.autoshard` it computes what ``nnx.value_and_grad`` does; inside, autoshard runs the
@@ -40,10 +41,10 @@ def value_and_grad(f: Callable[..., Any], *, has_aux: bool = False, wrt: Any = n
     language model's loss has none.
     """
 
-    def wrapped(model: Any, *args: Any) -> Any:
+    def wrapped(model: nnx.Module, *args: PyTree) -> PyTree:
         graphdef, params, rest = nnx.split(model, wrt, ...)
 
-        def pure(p: Any, *a: Any) -> Any:
+        def pure(p: nnx.State, *a: PyTree) -> PyTree:  # the loss value, or (value, aux)
             return f(nnx.merge(graphdef, p, rest), *a)
 
         return _value_and_grad(pure, has_aux=has_aux)(params, *args)
@@ -51,7 +52,7 @@ def value_and_grad(f: Callable[..., Any], *, has_aux: bool = False, wrt: Any = n
     return wrapped
 
 
-def functional(train_step: Callable[..., Any], *objects: Any) -> tuple[Callable[[Any, Any], Any], Any]:
+def functional(train_step: Callable[..., Metrics], *objects: nnx.Object) -> tuple[TrainStep, State]:
     """A stateful NNX step as the pure step autoshard runs, and its state.
 
     Args:
@@ -66,7 +67,7 @@ def functional(train_step: Callable[..., Any], *objects: Any) -> tuple[Callable[
     inner = getattr(train_step, "__wrapped__", train_step)
     graphdef, state = nnx.split(objects)
 
-    def step(state: Any, batch: Any) -> tuple[Any, Any]:
+    def step(state: State, batch: Batch) -> tuple[State, Metrics]:
         objs = nnx.merge(graphdef, state)
         metrics = inner(*objs, batch)
         return nnx.state(objs), metrics

@@ -8,25 +8,28 @@ updates that turn the working weights into the rounded new master weights.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
+
+from mistjax.core.types import PyTree
 
 
 class MasterWeightsState(NamedTuple):
     """Optimizer state of `with_master_weights`."""
 
-    master: Any  # fp32 copy of the parameters (same tree and shapes)
+    master: PyTree  # fp32 copy of the parameters (same tree and shapes)
     inner: optax.OptState  # state of the wrapped transformation, over the master copy
 
 
-def _astype(tree: Any, dtype: Any) -> Any:
+def _astype(tree: PyTree, dtype: DTypeLike) -> PyTree:
     return jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), tree)
 
 
-def with_master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.float32
+def with_master_weights(inner: optax.GradientTransformation, master_dtype: DTypeLike = jnp.float32
                         ) -> optax.GradientTransformation:
     """``inner`` applied to an fp32 master copy of 16-bit parameters.
 
@@ -41,11 +44,12 @@ def with_master_weights(inner: optax.GradientTransformation, master_dtype: Any =
       master_dtype: dtype of the master copy and of the inner optimizer's arithmetic.
     """
 
-    def init(params: Any) -> MasterWeightsState:
+    def init(params: optax.Params) -> MasterWeightsState:
         master = _astype(params, master_dtype)
         return MasterWeightsState(master=master, inner=inner.init(master))
 
-    def update(grads: Any, state: MasterWeightsState, params: Any = None) -> tuple[Any, MasterWeightsState]:
+    def update(grads: optax.Updates, state: MasterWeightsState, params: optax.Params | None = None
+               ) -> tuple[optax.Updates, MasterWeightsState]:
         if params is None:
             raise ValueError("with_master_weights needs the parameters: call update(grads, state, params)")
         updates, inner_state = inner.update(_astype(grads, master_dtype), state.inner, state.master)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +50,9 @@ from mistjax.runtime.mpmd_update import (
     state_names,
     trace_step,
 )
+from mistjax.runtime.report import PipelineReport, StageReport, applied_report, pipeline_report
 from mistjax.runtime.tensor import tensor_parallel_block
-from mistjax.trace.split import NoLayerStackError, part_usage, pre_part, trace_loss
+from mistjax.trace.split import NoLayerStackError, checkpoint_names, part_usage, pre_part, trace_loss
 
 
 @dataclass
@@ -114,6 +114,7 @@ class MpmdStep:
         self.stats = DispatchStats()
         self._avals: dict[Any, jax.ShapeDtypeStruct] = {}
         self._replicated = [NamedSharding(m, P()) for m in self.meshes]
+        self.applied: PipelineReport | None = None  # what each stage's knobs did, once set up
         self._ready = False
 
     # ================================================================== setup
@@ -206,7 +207,24 @@ class MpmdStep:
         self.prologue = {k: self._build_prologue(k) for k in range(self.K) if self._uses_batch(k)}
         self._metric_plan()
         self._accs: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}
+        self.applied = self._applied_report(checkpoint_names(stack.body))
         self._ready = True
+
+    def _applied_report(self, tags: tuple[str, ...]) -> PipelineReport:
+        """What each stage's knobs did to the pieces it holds and to its programs (`runtime.report`),
+        warning for a knob that applies to nothing on a stage."""
+        param_of = {i: j for j, i in enumerate(self.param_index)}
+        stages = []
+        for k, pr in enumerate(self.programs):
+            held, one = self.held[k], self.one_stage_plans[k]
+            acc_host = dict(zip(pr.spec.params, pr.spec.acc_host))
+            applied = applied_report([self.layouts[k][i] for i in held],
+                                     [np.dtype(self.state_avals[i].dtype).itemsize for i in held], one,
+                                     num_layers=one.stages[0].num_layers, uses_mistjax_grad=True,
+                                     checkpoint_tags=tags, warn=False,
+                                     grads_on_host=[acc_host.get(param_of.get(i, -1), False) for i in held])
+            stages.append(StageReport(k, self.plan.stages[k].layers, k % self.S, self.meshes[k].size, one, applied))
+        return pipeline_report(stages)
 
     def _tensor_layouts(self, p_avals: Sequence[Any], stacked: set[int], axes: Sequence[Any]) -> list[LeafLayout]:
         """Global layouts of the parameters (their tensor-parallel dims, for the Megatron block)."""
@@ -247,12 +265,8 @@ class MpmdStep:
                      Whole(prop.ALL) else OTHER for i in held]
             one = Plan(stages=(dataclasses.replace(sp, layers=(0, n)),), micro_batch=plan.micro_batch,
                        grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, shard_group=plan.shard_group)
+            # An offload ratio that moves nothing on this stage warns with the stage's report (`_applied_report`).
             lays = plan_layouts(local, roles, [infos[i].rows for i in held], one, [self.axes[i] for i in held])
-            for what, ratio, role in (("offload_opt", sp.offload_opt, OPT), ("offload_weights", sp.offload_weights,
-                                                                              PARAM)):
-                if ratio > 0 and not any(lay.host for lay in lays if lay.role == role):
-                    warnings.warn(f"stage {k}: {what}={ratio} moves nothing to host memory (no leaf of that kind "
-                                  "is large enough on this stage)", stacklevel=3)
             self.held.append(held)
             self.layouts.append(dict(zip(held, lays)))
             self.one_stage_plans.append(one)

@@ -6,6 +6,10 @@ leaves mirror no parameter shards nothing, and says so. A knob the plan asks for
 nothing warns (`NoOpWarning`), and so does a plan whose per-layer knobs need `mistjax.value_and_grad`
 when the step differentiates with plain ``jax.value_and_grad`` (GSPMD then places the state as planned
 but decides the collectives itself).
+
+A pipelined plan gets one such report per stage (`pipeline_report`): each stage holds its own pieces under
+its own one-stage plan (layers, ZeRO level, MiCS group, remat, offload ratios), so a knob can apply on one
+stage and to nothing on another.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mistjax.core.layout import OPT, PARAM, LeafLayout
-from mistjax.core.plan import Plan, format_bytes
+from mistjax.core.layout import OPT, PARAM, LeafLayout, select_offload
+from mistjax.core.plan import Plan, StagePlan, format_bytes
 
 
 class NoOpWarning(UserWarning):
@@ -42,13 +46,16 @@ class AppliedReport:
     notes: tuple[str, ...] = ()  # warnings raised while placing (no-ops, GSPMD fallbacks)
 
     def summary(self) -> str:
-        lines = ["Applied (placed state and step):"]
+        return "\n".join(["Applied (placed state and step):", *self.lines("  ")])
+
+    def lines(self, indent: str) -> list[str]:
+        """The requested or applied knobs and the notes, one line each, indented by ``indent``."""
+        out = []
         for k in self.knobs:
             if k.requested or k.applied:
                 mark = "yes" if k.applied else "NO "
-                lines.append(f"  [{mark}] {k.knob}: {k.detail}")
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
+                out.append(f"{indent}[{mark}] {k.knob}: {k.detail}")
+        return out + [f"{indent}note: {n}" for n in self.notes]
 
     def __getitem__(self, knob: str) -> KnobReport:
         for k in self.knobs:
@@ -72,67 +79,99 @@ def _per_device(lay: LeafLayout, itemsize: int, plan: Plan) -> float:
     return n
 
 
-def applied_report(layouts: Sequence[LeafLayout], itemsizes: Sequence[int], plan: Plan, *,
-                   num_layers: int | None, uses_mistjax_grad: bool, checkpoint_tags: Sequence[str] = (),
-                   warn: bool = True) -> AppliedReport:
-    """The `AppliedReport` of a placed step (warning for each requested knob that applies to nothing)."""
+_Pool = list[tuple[LeafLayout, int]]  # (layout, item size) of the leaves of one role
+
+
+def _frac(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
+def _total(pool: _Pool) -> int:
+    return sum(_bytes(lay, s) for lay, s in pool)
+
+
+def _sharding_knobs(params: _Pool, opts: _Pool, plan: Plan) -> list[KnobReport]:
+    """ZeRO-1/2/3 (over the MiCS partition group) and tensor parallelism, as placed."""
     stage = plan.stages[0]
-    lays = list(zip(layouts, itemsizes))
-    params = [(lay, s) for lay, s in lays if lay.role == PARAM]
-    opts = [(lay, s) for lay, s in lays if lay.role == OPT]
-    p_total = sum(_bytes(lay, s) for lay, s in params)
-    o_total = sum(_bytes(lay, s) for lay, s in opts)
-    knobs: list[KnobReport] = []
-    notes: list[str] = []
-
-    def frac(part: float, whole: float) -> str:
-        return f"{100 * part / whole:.0f}%" if whole else "-"
-
+    p_total, o_total = _total(params), _total(opts)
     o_sh = [(lay, s) for lay, s in opts if lay.sharded]
     o_dev = sum(_per_device(lay, s, plan) for lay, s in opts)
-    knobs.append(KnobReport(
-        "shard_opt (ZeRO-1)", stage.shard_opt and plan.shard_group > 1, bool(o_sh),
-        f"{len(o_sh)} of {len(opts)} optimizer leaves sharded {plan.shard_group} ways "
-        f"({frac(sum(_bytes(lay, s) for lay, s in o_sh), o_total)} of {format_bytes(o_total)}); "
-        f"optimizer state per device {format_bytes(o_dev)}"))
     g_sh = [(lay, s) for lay, s in params if lay.shard_dim is not None]
-    knobs.append(KnobReport(
-        "shard_grads (ZeRO-2)", stage.shard_grads and plan.shard_group > 1, stage.shard_grads and bool(g_sh),
-        f"{len(g_sh)} of {len(params)} gradients reduce-scattered every micro-batch"))
     w_sh = [(lay, s) for lay, s in params if lay.sharded]
     p_dev = sum(_per_device(lay, s, plan) for lay, s in params)
-    knobs.append(KnobReport(
-        "shard_weights (ZeRO-3)", stage.shard_weights and plan.shard_group > 1, bool(w_sh),
-        f"{len(w_sh)} of {len(params)} parameters stored sharded "
-        f"({frac(sum(_bytes(lay, s) for lay, s in w_sh), p_total)} of {format_bytes(p_total)}); "
-        f"parameters per device {format_bytes(p_dev)}"))
     t_sp = [(lay, s) for lay, s in params if lay.tensor_dims]
-    knobs.append(KnobReport(
-        "tp (tensor parallel)", plan.tp > 1, plan.tp > 1 and bool(t_sp),
-        f"{len(t_sp)} of {len(params)} weights split {plan.tp} ways "
-        f"({frac(sum(_bytes(lay, s) for lay, s in t_sp), p_total)} of the parameter bytes)"))
+    return [
+        KnobReport("shard_opt (ZeRO-1)", stage.shard_opt and plan.shard_group > 1, bool(o_sh),
+                   f"{len(o_sh)} of {len(opts)} optimizer leaves sharded {plan.shard_group} ways "
+                   f"({_frac(_total(o_sh), o_total)} of {format_bytes(o_total)}); "
+                   f"optimizer state per device {format_bytes(o_dev)}"),
+        KnobReport("shard_grads (ZeRO-2)", stage.shard_grads and plan.shard_group > 1,
+                   stage.shard_grads and bool(g_sh),
+                   f"{len(g_sh)} of {len(params)} gradients reduce-scattered every micro-batch"),
+        KnobReport("shard_weights (ZeRO-3)", stage.shard_weights and plan.shard_group > 1, bool(w_sh),
+                   f"{len(w_sh)} of {len(params)} parameters stored sharded "
+                   f"({_frac(_total(w_sh), p_total)} of {format_bytes(p_total)}); "
+                   f"parameters per device {format_bytes(p_dev)}"),
+        KnobReport("tp (tensor parallel)", plan.tp > 1, plan.tp > 1 and bool(t_sp),
+                   f"{len(t_sp)} of {len(params)} weights split {plan.tp} ways "
+                   f"({_frac(_total(t_sp), p_total)} of the parameter bytes)"),
+    ]
+
+
+def _offload_knobs(params: _Pool, opts: _Pool, grads_host: _Pool, stage: StagePlan) -> list[KnobReport]:
+    """Weights, gradient accumulators and optimizer state kept in host memory, as placed."""
+    knobs = []
+    for name, pool, what in (("offload_weights", params, "leaves"), ("offload_grads", params, "accumulators"),
+                             ("offload_opt", opts, "leaves")):
+        host = grads_host if name == "offload_grads" else [(lay, s) for lay, s in pool if lay.host]
+        detail = (f"{len(host)} of {len(pool)} gradient {what}" if name == "offload_grads" else f"{len(host)} {what}")
+        knobs.append(KnobReport(name, getattr(stage, name) > 0, bool(host),
+                                f"{detail} in host memory ({format_bytes(_total(host))}, "
+                                f"{_frac(_total(host), _total(pool))})"))
+    return knobs
+
+
+def _layer_knobs(plan: Plan, num_layers: int | None, uses_mistjax_grad: bool,
+                 checkpoint_tags: Sequence[str]) -> tuple[KnobReport, KnobReport, KnobReport]:
+    """Remat, activation offload and micro-batching: what the layer loop and the accumulation run."""
+    stage = plan.stages[0]
     remat = sum(s.remat_layers for s in plan.stages) if num_layers is not None and uses_mistjax_grad else 0
-    knobs.append(KnobReport(
-        "remat_layers", any(s.remat_layers for s in plan.stages), remat > 0,
-        f"{remat} of {num_layers or 0} layers checkpointed ({stage.remat_policy})"))
-    for name, role, pool in (("offload_weights", PARAM, params), ("offload_opt", OPT, opts)):
-        host = [(lay, s) for lay, s in pool if lay.host]
-        total = p_total if role == PARAM else o_total
-        knobs.append(KnobReport(
-            name, getattr(stage, name) > 0, bool(host),
-            f"{len(host)} leaves in host memory ({format_bytes(sum(_bytes(lay, s) for lay, s in host))}, "
-            f"{frac(sum(_bytes(lay, s) for lay, s in host), total)})"))
     acts = sum(s.offloaded_layers for s in plan.stages) if checkpoint_tags and uses_mistjax_grad else 0
-    knobs.append(KnobReport(
-        "offload_acts", any(s.offload_acts for s in plan.stages), acts > 0,
-        f"{acts} layers offload their activations tagged {', '.join(checkpoint_tags)}" if checkpoint_tags else
-        "the layer tags no activation with jax.ad_checkpoint.checkpoint_name, so none is offloaded (tag the "
-        "activations to offload)"))
-    knobs.append(KnobReport("grad_accum", plan.grad_accum > 1, plan.grad_accum > 1 and uses_mistjax_grad,
-                            f"{plan.grad_accum} micro-batch(es) of {plan.micro_batch} per step"))
-    for k in knobs:
-        if k.requested and not k.applied:
-            notes.append(f"{k.knob} applies to nothing in this step: {k.detail}")
+    return (
+        KnobReport("remat_layers", any(s.remat_layers for s in plan.stages), remat > 0,
+                   f"{remat} of {num_layers or 0} layers checkpointed ({stage.remat_policy})"),
+        KnobReport("offload_acts", any(s.offload_acts for s in plan.stages), acts > 0,
+                   f"{acts} layers offload their activations tagged {', '.join(checkpoint_tags)}" if checkpoint_tags
+                   else "the layer tags no activation with jax.ad_checkpoint.checkpoint_name, so none is offloaded "
+                   "(tag the activations to offload)"),
+        KnobReport("grad_accum", plan.grad_accum > 1, plan.grad_accum > 1 and uses_mistjax_grad,
+                   f"{plan.grad_accum} micro-batch(es) of {plan.micro_batch} per step"))
+
+
+def applied_report(layouts: Sequence[LeafLayout], itemsizes: Sequence[int], plan: Plan, *,
+                   num_layers: int | None, uses_mistjax_grad: bool, checkpoint_tags: Sequence[str] = (),
+                   grads_on_host: Sequence[bool] | None = None, warn: bool = True) -> AppliedReport:
+    """The `AppliedReport` of a placed step (warning for each requested knob that applies to nothing).
+
+    Args:
+        layouts: the placed state's leaf layouts (a pipeline stage's: the pieces it holds).
+        itemsizes: bytes per element of each leaf.
+        plan: the one-stage plan the leaves were placed under.
+        num_layers: layers the step (or stage) runs in its layer loop; None without a layer stack.
+        uses_mistjax_grad: the step differentiates with `mistjax.value_and_grad` (else GSPMD decides).
+        checkpoint_tags: the ``checkpoint_name`` tags of one layer (what activation offload moves).
+        grads_on_host: per leaf, its gradient accumulator is kept in host memory (None: none is).
+        warn: emit a `NoOpWarning` per note.
+    """
+    lays = list(zip(layouts, itemsizes))
+    host_acc = grads_on_host if grads_on_host is not None else [False] * len(lays)
+    params = [(lay, s) for lay, s in lays if lay.role == PARAM]
+    opts = [(lay, s) for lay, s in lays if lay.role == OPT]
+    grads_host = [(lay, s) for (lay, s), h in zip(lays, host_acc) if h and lay.role == PARAM]
+    remat, acts, accum = _layer_knobs(plan, num_layers, uses_mistjax_grad, checkpoint_tags)
+    weights, grads, opt = _offload_knobs(params, opts, grads_host, plan.stages[0])
+    knobs = [*_sharding_knobs(params, opts, plan), remat, weights, grads, opt, acts, accum]
+    notes = [f"{k.knob} applies to nothing in this step: {k.detail}" for k in knobs if k.requested and not k.applied]
     if not uses_mistjax_grad:
         gspmd = [k.knob for k in knobs if k.requested and k.knob.split(" ")[0] in
                  ("shard_grads", "shard_weights", "tp", "offload_weights")]
@@ -146,8 +185,79 @@ def applied_report(layouts: Sequence[LeafLayout], itemsizes: Sequence[int], plan
     return AppliedReport(tuple(knobs), tuple(notes))
 
 
+def grad_accumulators_on_host(layouts: Sequence[LeafLayout], plan: Plan, uses_mistjax_grad: bool) -> list[bool]:
+    """Per leaf of a one-program step: its gradient accumulator lives in host memory between micro-batches.
+
+    The rule of `mistjax.runtime.grads.sharded_value_and_grad`: with several micro-batches, stacked (or
+    layer-sliced) parameters chosen by `select_offload` for the stage's ``offload_grads``; with one
+    micro-batch there is no accumulator to keep anywhere.
+    """
+    out = [False] * len(layouts)
+    if plan.grad_accum <= 1 or not uses_mistjax_grad:
+        return out
+    idx = [i for i, lay in enumerate(layouts) if lay.role == PARAM]
+    sizes = [layouts[i].nbytes_elems if layouts[i].stacked or layouts[i].layer_slice else 0 for i in idx]
+    for i, h, n in zip(idx, select_offload(sizes, plan.stages[0].offload_grads), sizes):
+        out[i] = h and n > 0
+    return out
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """What one pipeline stage's knobs did to the pieces it holds and to its programs."""
+
+    stage: int  # the (virtual) stage index
+    layers: tuple[int, int]  # [start, end) of the model's layer stack this stage runs
+    group: int  # the device group it runs on (stage % device stages)
+    devices: int  # devices in that group
+    plan: Plan  # its one-stage plan (layers counted from 0; dp, MiCS group, tp of the whole plan)
+    applied: AppliedReport  # its knobs, as `applied_report` gives them for the stage's pieces
+
+    def header(self) -> str:
+        """The stage's knobs as planned: layers, ZeRO level and partition group, remat, offload ratios."""
+        sp, plan = self.plan.stages[0], self.plan
+        group = f"MiCS group {plan.shard_group} of dp {plan.dp}" if plan.shard_group != plan.dp else f"dp {plan.dp}"
+        zero = f"ZeRO-{sp.zero_stage} over {group}" if sp.zero_stage else f"ZeRO-0 (replicated over dp {plan.dp})"
+        return (f"stage {self.stage}: layers {self.layers[0]}-{self.layers[1]} on device group {self.group} "
+                f"({self.devices} devices); {zero}; remat {sp.remat_layers} of "
+                f"{sp.num_layers} layers ({sp.remat_policy}); offload weights {sp.offload_weights:g}, grads "
+                f"{sp.offload_grads:g}, optimizer {sp.offload_opt:g}, activations {sp.offload_acts:g}")
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """What a pipelined plan does, stage by stage (`report[k]` is stage ``k``'s `StageReport`)."""
+
+    stages: tuple[StageReport, ...]
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Every stage's notes (no-op knobs), each naming its stage."""
+        return tuple(f"stage {r.stage}: {n}" for r in self.stages for n in r.applied.notes)
+
+    def summary(self) -> str:
+        lines = [f"Applied per stage ({len(self.stages)} stages; placed pieces and stage programs):"]
+        for r in self.stages:
+            lines += [f"  {r.header()}", *r.applied.lines("    ")]
+        return "\n".join(lines)
+
+    def __getitem__(self, stage: int) -> StageReport:
+        return self.stages[stage]
+
+
+def pipeline_report(stages: Sequence[StageReport], warn: bool = True) -> PipelineReport:
+    """The `PipelineReport` of a placed pipeline (a `NoOpWarning` for each knob that applies to nothing on a
+    stage; give the stages' `AppliedReport` built with ``warn=False``)."""
+    report = PipelineReport(tuple(stages))
+    if warn:
+        for n in report.notes:
+            warnings.warn(n, NoOpWarning, stacklevel=6)  # the user's place() or first call
+    return report
+
+
 def itemsizes(leaves: Sequence[object]) -> list[int]:
     return [int(np.dtype(getattr(x, "dtype", np.float32)).itemsize) for x in leaves]
 
 
-__all__ = ["AppliedReport", "KnobReport", "NoOpWarning", "applied_report", "itemsizes"]
+__all__ = ["AppliedReport", "KnobReport", "NoOpWarning", "PipelineReport", "StageReport", "applied_report",
+           "grad_accumulators_on_host", "itemsizes", "pipeline_report"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import jax
 import numpy as np
@@ -22,6 +22,7 @@ from mistjax.core.layout import (
     state_shardings,
 )
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
+from mistjax.core.types import Batch, LossFn, Metrics, PyTree, State, TrainStep
 from mistjax.runtime import fit
 from mistjax.runtime.checks import (
     StepError,
@@ -37,17 +38,24 @@ from mistjax.runtime.grads import regather_updated_params, sharded_value_and_gra
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles
 from mistjax.runtime.mesh import build_plan_mesh
 from mistjax.runtime.mpmd import MpmdStep
-from mistjax.runtime.report import AppliedReport, applied_report, itemsizes
+from mistjax.runtime.report import (
+    AppliedReport,
+    PipelineReport,
+    applied_report,
+    grad_accumulators_on_host,
+    itemsizes,
+)
 from mistjax.trace.split import checkpoint_names, trace_loss
 
-TrainStep = Callable[[Any, Any], tuple[Any, Any]]
+AxisRules: TypeAlias = Sequence[tuple[str, str | Sequence[str | None] | None]]
+"""MaxText-style logical-axis rules ``[("mlp", "tensor"), ("embed", None), ...]`` (`core.axes.apply_axis_rules`)."""
 
 
 @dataclass
 class _Call:
-    fun: Callable[..., Any]
+    fun: LossFn
     has_aux: bool
-    args: tuple[Any, ...]
+    args: tuple[PyTree, ...]
 
 
 class _Probe:
@@ -56,7 +64,7 @@ class _Probe:
     def __init__(self) -> None:
         self.calls: list[_Call] = []
 
-    def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
+    def value_and_grad(self, fun: LossFn, has_aux: bool, args: tuple[PyTree, ...]) -> PyTree:
         # A snapshot: NNX states hold Variables that the step may update in place afterwards
         # (optimizer.update), which would swap the recorded leaves for the updated ones.
         flat, tree = jax.tree.flatten(args)
@@ -68,9 +76,9 @@ class _Probe:
 class LossCall:
     """The loss a step differentiates with `mistjax.value_and_grad`, as seen while tracing it."""
 
-    fun: Callable[..., Any]  # the loss function
+    fun: LossFn  # the loss function
     has_aux: bool  # it returns (loss, aux)
-    args: tuple[Any, ...]  # its arguments as ShapeDtypeStructs (parameters first, metadata kept)
+    args: tuple[PyTree, ...]  # its arguments as ShapeDtypeStructs (parameters first, metadata kept)
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,8 @@ class StepAnalysis:
     token_ranges: tuple[TokenRange, ...] = ()  # batch leaves that index an embedding (checked per call)
 
 
-def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any = None) -> StepAnalysis:
+def analyze_step(train_step: TrainStep, state: State, batch: Batch, axis_rules: AxisRules | None = None
+                 ) -> StepAnalysis:
     """Trace `train_step` abstractly and classify every state leaf (`mistjax.runtime.leaves`).
 
     ``axis_rules``: MaxText-style logical-axis rules (`mistjax.core.axes.apply_axis_rules`); without any
@@ -100,11 +109,11 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any 
     b_leaves, b_tree = jax.tree.flatten(batch)
     n = len(s_leaves)
     probe = _Probe()
-    inputs: list[Any] = []
+    inputs: list[jax.Array] = []
 
-    batch_in: list[Any] = []
+    batch_in: list[jax.Array] = []
 
-    def flat(*leaves: Any) -> Any:
+    def flat(*leaves: jax.Array) -> list[jax.Array]:
         inputs.extend(leaves[:n])
         batch_in.extend(leaves[n:])
         with use_handler(probe):
@@ -155,18 +164,56 @@ def analyze_step(train_step: TrainStep, state: Any, batch: Any, axis_rules: Any 
                         tuple(token_ranges(traced, rest_to_batch, batch)))
 
 
+CompiledPrograms: TypeAlias = dict[tuple[int, str], jax.stages.Compiled | jax.stages.Lowered]
+"""``{(stage, phase): program}``: what `ShardedStep.compile_stages` gives (``(0, "step")`` for one stage)."""
+
+
+@runtime_checkable
+class PlannedStep(Protocol):
+    """The step object `mistjax.autoshard` returns, whatever the plan (one stage or a pipeline).
+
+    `ShardedStep` (a given plan) and `mistjax.api.autoshard.AutoShardedStep` (tuned on first use) both
+    have this surface; docs/guide.md shows it.
+    """
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @property
+    def applied(self) -> AppliedReport | PipelineReport | None: ...
+
+    def place(self, state: State, batch: Batch | None = None) -> State: ...
+
+    def gather(self, state: State) -> State: ...
+
+    def compile_stages(self, state: State, batch: Batch, phases: Sequence[str] | None = None, *,
+                       compile: bool = True) -> CompiledPrograms: ...
+
+    def lower(self, state: State, batch: Batch) -> jax.stages.Lowered: ...
+
+    def report(self) -> str: ...
+
+    def summary(self) -> str: ...
+
+    def batch_shardings(self, batch: Batch) -> PyTree: ...
+
+    def place_batch(self, batch: Batch) -> Batch: ...
+
+    def __call__(self, state: State, batch: Batch) -> tuple[State, Metrics]: ...
+
+
 class _Runtime:
     """The grad handler active while the compiled step is traced."""
 
     def __init__(self, step: ShardedStep, layouts: list[LeafLayout]) -> None:
         self.step, self.layouts = step, layouts
-        self.by_id: dict[int, tuple[LeafLayout, Any]] = {}
+        self.by_id: dict[int, tuple[LeafLayout, jax.Array | None]] = {}
 
-    def bind(self, leaves: list[Any], host_originals: list[Any]) -> None:
+    def bind(self, leaves: list[jax.Array], host_originals: list[jax.Array | None]) -> None:
         """Map the leaves the step sees to their layouts (and host-resident originals, if offloaded)."""
         self.by_id = {id(x): (lay, orig) for x, lay, orig in zip(leaves, self.layouts, host_originals)}
 
-    def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
+    def value_and_grad(self, fun: LossFn, has_aux: bool, args: tuple[PyTree, ...]) -> PyTree:
         params, rest = args[0], args[1:]
         layouts, leaves = [], []
         for leaf in jax.tree.leaves(params):
@@ -186,10 +233,13 @@ class ShardedStep:
 
     Plans with several stages run on the MPMD pipeline executor (`mistjax.runtime.mpmd`): the placed
     state is then the user's structure with `StagedArray` leaves (per-stage pieces), `gather` turns it
-    back into whole arrays, and `compile_stages` gives each stage's programs for inspection.
+    back into whole arrays, and `compile_stages` gives each stage's programs for inspection. The same
+    methods work on a one-stage plan (`gather` fetches the arrays, `compile_stages` gives its one program),
+    and `report` / `summary` list what each knob did, per stage for a pipeline.
     """
 
-    def __init__(self, train_step: TrainStep, mesh: Mesh | Any, plan: Plan, axis_rules: Any = None) -> None:
+    def __init__(self, train_step: TrainStep, mesh: Mesh | Sequence[jax.Device] | None, plan: Plan,
+                 axis_rules: AxisRules | None = None) -> None:
         self.train_step = train_step
         self.plan = plan
         self.axis_rules = axis_rules
@@ -197,13 +247,13 @@ class ShardedStep:
         self._mpmd: MpmdStep | None = MpmdStep(train_step, mesh, plan) if plan.num_stages > 1 else None
         self.layouts: list[LeafLayout] | None = None
         self.analysis: StepAnalysis | None = None
-        self.applied: AppliedReport | None = None  # what each knob did, once the step is set up
+        self._applied: AppliedReport | None = None  # what each knob did, once a one-stage step is set up
         self.fit: fit.FitReport | None = None  # the memory check before the first step (`verify_memory`)
-        self._jitted: Any = None
-        self._state_tree: Any = None
+        self._jitted: jax.stages.Wrapped | None = None
+        self._state_tree: jax.tree_util.PyTreeDef | None = None
 
     # ---------------------------------------------------------------- setup
-    def _setup(self, state: Any, batch: Any) -> None:
+    def _setup(self, state: State, batch: Batch) -> None:
         self.analysis = analyze_step(self.train_step, state, batch, self.axis_rules)
         if self.analysis.params_fingerprint:
             self.plan.check_model(self.analysis.params_fingerprint)
@@ -229,16 +279,17 @@ class ShardedStep:
                 "names a tensor-split logical axis (heads, kv_heads, mlp, vocab) and no Megatron column/row pair "
                 "was found in its layer; use a plan with tp=1, or name the axes (nnx.with_partitioning / "
                 "nn.with_logical_partitioning, or autoshard(..., axis_rules=[('mlp', 'tensor'), ...]))")
-        self.applied = applied_report(self.layouts, itemsizes(leaves), self.plan,
-                                      num_layers=self.analysis.num_layers,
-                                      uses_mistjax_grad=self.analysis.uses_mistjax_grad,
-                                      checkpoint_tags=self.analysis.checkpoint_tags)
+        uses_grad = self.analysis.uses_mistjax_grad
+        self._applied = applied_report(self.layouts, itemsizes(leaves), self.plan,
+                                       num_layers=self.analysis.num_layers, uses_mistjax_grad=uses_grad,
+                                       checkpoint_tags=self.analysis.checkpoint_tags,
+                                       grads_on_host=grad_accumulators_on_host(self.layouts, self.plan, uses_grad))
         self._build()
 
-    def _batch_shardings(self, batch: Any) -> Any:
+    def _batch_shardings(self, batch: Batch) -> PyTree:
         b = self.plan.global_batch
 
-        def one(x: Any) -> NamedSharding:
+        def one(x: jax.Array) -> NamedSharding:
             if np.ndim(x) and np.shape(x)[0] == b:
                 return NamedSharding(self.mesh, P(DP_AXES))
             return NamedSharding(self.mesh, P())
@@ -251,7 +302,7 @@ class ShardedStep:
         st_sh = state_shardings(self.layouts, self._state_tree, self.mesh)
         self._state_shardings = st_sh
 
-        def step_fn(state: Any, batch: Any) -> Any:
+        def step_fn(state: State, batch: Batch) -> tuple[State, Metrics]:
             # Host-resident (offloaded) leaves get a device copy for the optimizer update; XLA moves it
             # in where the update needs it. The layer loop streams offloaded weights from the host copy.
             leaves, tree = jax.tree.flatten(state)
@@ -269,7 +320,7 @@ class ShardedStep:
         self._step_fn = step_fn
         self._jitted = jax.jit(step_fn, out_shardings=(st_sh, NamedSharding(self.mesh, P())), donate_argnums=(0,))
 
-    def _ensure(self, state: Any, batch: Any) -> None:
+    def _ensure(self, state: State, batch: Batch) -> None:
         first = self._jitted is None
         if first or _leading_dim(batch) != self.plan.global_batch:
             self.plan.check_batch(_leading_dim(batch))
@@ -280,7 +331,7 @@ class ShardedStep:
             check_tokens(self.analysis.token_ranges, batch, device_arrays=first)
 
     # ---------------------------------------------------------------- public API
-    def place(self, state: Any, batch: Any | None = None) -> Any:
+    def place(self, state: State, batch: Batch | None = None) -> State:
         """Put `state` on the plan mesh with the plan's storage shardings (ZeRO, TP, offload).
 
         The layout comes from tracing the step, which needs a batch (or its shapes); without one,
@@ -304,8 +355,15 @@ class ShardedStep:
             self._ensure(state, batch)
         return jax.device_put(state, self._state_shardings)
 
+    @property
+    def applied(self) -> AppliedReport | PipelineReport | None:
+        """What each knob did, once placed (or first called): an `AppliedReport`, or for a pipelined plan a
+        `PipelineReport` with one per stage (`mistjax.runtime.report`)."""
+        return self._mpmd.applied if self._mpmd is not None else self._applied
+
     def report(self) -> str:
-        """What each knob of the plan did to this step (after `place(state, batch)` or the first call)."""
+        """What each knob of the plan did to this step (after `place(state, batch)` or the first call); per
+        stage for a pipelined plan."""
         if self.applied is None:
             raise PlanError("nothing placed yet: call step.place(state, batch) or step(state, batch) first")
         return self.applied.summary()
@@ -315,7 +373,7 @@ class ShardedStep:
         return (self.plan.summary() + ("\n" + self.applied.summary() if self.applied is not None else "")
                 + ("\n" + self.fit.summary() if self.fit is not None and self.fit.checked else ""))
 
-    def verify_memory(self, state: Any, batch: Any) -> Any:
+    def verify_memory(self, state: State, batch: Batch) -> State:
         """Check that the compiled plan fits every local device's free memory (`mistjax.runtime.fit`).
 
         The first ``step(state, batch)`` calls it before running. Where no device reports a memory limit
@@ -344,36 +402,50 @@ class ShardedStep:
         self.fit = report
         return state
 
-    def batch_shardings(self, batch: Any) -> Any:
+    def batch_shardings(self, batch: Batch) -> PyTree:
         """The shardings `__call__` expects for `batch` (for building global arrays per process)."""
         if self._mpmd is not None:
             return self._mpmd.batch_shardings(batch)
         return self._batch_shardings(batch)
 
-    def place_batch(self, batch: Any) -> Any:
+    def place_batch(self, batch: Batch) -> Batch:
         """Shard a global batch over the plan's data-parallel axes."""
         return jax.device_put(batch, self.batch_shardings(batch))
 
-    def gather(self, state: Any) -> Any:
+    def gather(self, state: State) -> State:
         """A placed state as the user's structure with whole host arrays (pipelined plans' `StagedArray`
         leaves reassembled); other leaves are fetched with ``jax.device_get``."""
         if self._mpmd is not None:
             return self._mpmd.gather(state)
         return jax.device_get(state)
 
-    def compile_stages(self, state: Any, batch: Any, phases: Any = None, *, compile: bool = True
-                       ) -> dict[tuple[int, str], Any]:
-        """Pipelined plans: every (stage, phase) program, compiled (see `MpmdStep.compile_stages`)."""
-        if self._mpmd is None:
-            raise PlanError("compile_stages is for pipelined plans; use lower(state, batch).compile()")
-        self.plan.check_batch(_leading_dim(batch))
-        return self._mpmd.compile_stages(state, batch, phases, compile=compile)
+    def compile_stages(self, state: State, batch: Batch, phases: Sequence[str] | None = None, *,
+                       compile: bool = True) -> CompiledPrograms:
+        """Every program of the plan, compiled: ``{(stage, phase): jax.stages.Compiled}``.
 
-    def lower(self, state: Any, batch: Any) -> Any:
+        A pipelined plan runs one program per (stage, phase) (see `MpmdStep.compile_stages` for the
+        phases); a one-stage plan runs one program, ``{(0, "step"): compiled}`` (``lower(state,
+        batch).compile()``). Each has its own ``memory_analysis()`` and ``as_text()``.
+
+        Args:
+            state: the state (or its ``jax.ShapeDtypeStruct``s; a placed state for a pipeline is fine).
+            batch: a batch (or its shapes).
+            phases: only these phases (e.g. ``["forward", "backward"]``, or ``["step"]``); None: all.
+            compile: False gives the ``jax.stages.Lowered`` programs instead.
+        """
+        self.plan.check_batch(_leading_dim(batch))
+        if self._mpmd is not None:
+            return self._mpmd.compile_stages(state, batch, phases, compile=compile)
+        if phases is not None and "step" not in phases:
+            return {}
+        lowered = self.lower(state, batch)
+        return {(0, "step"): lowered.compile() if compile else lowered}
+
+    def lower(self, state: State, batch: Batch) -> jax.stages.Lowered:
         """Lower the compiled step for inspection (``.compile().as_text()``, ``memory_analysis()``)."""
         if self._mpmd is not None:
             raise PlanError("a pipelined plan runs one program per (stage, phase), not one program; inspect "
-                            "them with step.compile_stages(state, batch)")
+                            "them with step.compile_stages(state, batch) (compile=False for the lowered ones)")
         self._ensure(state, batch)
         state_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state,
                                 self._state_shardings)
@@ -381,7 +453,7 @@ class ShardedStep:
                                 self._batch_shardings(batch))
         return self._jitted.lower(state_in, batch_in)
 
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+    def __call__(self, state: State, batch: Batch) -> tuple[State, Metrics]:
         if self.fit is None:
             state = self.verify_memory(state, batch)
         if self._mpmd is not None:
@@ -391,14 +463,14 @@ class ShardedStep:
         return self._jitted(state, self.place_batch(batch))
 
 
-def _leading_dim(batch: Any) -> int:
+def _leading_dim(batch: Batch) -> int:
     dims = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
     if not dims:
         raise PlanError("the batch has no array with a leading batch dimension")
     return max(dims)
 
 
-def _path_roles(state: Any) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+def _path_roles(state: State) -> tuple[tuple[str, ...], tuple[bool, ...]]:
     axes = leaf_axes(state)
     roles, stacked = [], []
     for (path, _), ax in zip(jax.tree_util.tree_flatten_with_path(state)[0], axes):
