@@ -42,8 +42,16 @@ def _count(k: PassKernels) -> float:
     return float(k.fusion_count(1, 1))
 
 
-def test_the_marker_name_is_the_analysis_protocol():
-    assert layers.EAGER_JIT == EAGER_JIT
+def test_the_models_marker_is_read_by_the_analysis_as_an_eager_write():
+    # The protocol is the name of the jit the model wraps a written value in: the traced equation must carry
+    # EAGER_JIT (a renamed or re-wrapped marker would not), and the graph must record the marked value.
+    x = jnp.ones((N, H))
+    jaxpr = jax.make_jaxpr(lambda x: layers.eager_written(jnp.sin(x)))(x)
+    names = [e.params.get("name") for e in jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+    assert names == [EAGER_JIT]
+    g = build_graph(jaxpr)
+    (sin,) = [n for n in g.nodes if n.prim == "sin"]
+    assert g.eager == set(sin.outs)
 
 
 def test_eager_rms_norm_is_one_kernel_per_op_of_megatrons_module():
