@@ -93,8 +93,8 @@ def test_spmd_step_matches_one_device_and_holds_one_gradient_buffer(monkeypatch)
     for g, r in zip(jax.tree.leaves(metrics["grads"]), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-5 * float(jnp.max(jnp.abs(r))))
     one_buffer = _temp(step, state, batch)
-    monkeypatch.setattr(runtime_grads, "in_loop_leaves", lambda *a: frozenset())
-    monkeypatch.setattr(runtime_grads, "synced_leaves", lambda *a: frozenset())  # sync-in-loop needs the loop
+    # No leaf qualifies for the loop (nor, then, for the in-loop sync).
+    monkeypatch.setattr(runtime_grads, "loop_eligible_leaves", lambda *a: frozenset())
     two_buffers = _temp(mistjax.autoshard(train_step, jax.devices(), plan=plan), state, batch)
     assert two_buffers - one_buffer > 0.3 * LAYER_GRAD_BYTES, (one_buffer, two_buffers)
 
@@ -135,9 +135,21 @@ def test_zoo_models_accumulate_their_stacked_layers_in_the_loop():
     loss = models.make_loss_fn(graphdef)
     tok = jnp.zeros((2, 9), jnp.int32)
     traced = trace_loss(loss, params, {"inputs": tok[:, :-1], "targets": tok[:, 1:]})
-    in_loop = runtime_grads.in_loop_leaves(traced, 2, [False] * traced.num_param_leaves)
-    assert set(in_loop) == set(traced.stack.stacked_leaves)
-    assert not runtime_grads.in_loop_leaves(traced, 1, [False] * traced.num_param_leaves)
+    assert set(runtime_grads.loop_eligible_leaves(traced)) == set(traced.stack.stacked_leaves)
+    from mistjax.core.execution import Capabilities, LeafFacts, lower_stage
+    from mistjax.core.layout import LeafLayout
+
+    eligible = runtime_grads.loop_eligible_leaves(traced)
+    facts = [LeafFacts(LeafLayout("param", (1,), None, (), None, True, False), 0, i in eligible, i in eligible)
+             for i in range(traced.num_param_leaves)]
+
+    def in_loop(G: int, dp: int) -> frozenset[int]:
+        return lower_stage(facts, num_layers=2, remat_layers=0, offload_layers=0, grad_accum=G, dp=dp, group=1,
+                           pipelined=False, caps=Capabilities(False)).in_loop
+
+    assert in_loop(2, 1) == eligible
+    assert not in_loop(1, 1)  # one micro-batch and nothing to sync: gradients stay plain autodiff's
+    assert in_loop(1, 8) == eligible  # one micro-batch on 8 replicas: the rows are all-reduced in the loop
 
 
 STACK_BYTES = LAYER_GRAD_BYTES  # the stored w1 and w2 stacks in fp32 (no ZeRO-3: whole on every device)

@@ -1,10 +1,10 @@
 """ZeRO-0 / ZeRO-1 (and MiCS hop 1) gradient sync inside the backward for G == 1
-(`runtime.grads.synced_leaves`, Megatron-LM's ``--overlap-grad-reduce``): the numerics equal one
+(`core.execution.StageExecution.synced`, Megatron-LM's ``--overlap-grad-reduce``): the numerics equal one
 device's, and the compiled program issues the stacked layers' all-reduce / reduce-scatter inside the
 backward layer loop's while body (once per layer), not after it. With G > 1 the sync stays at the end
 of the step (peeling the last micro-batch cost memory: docs/cost_model.md). On XLA:CPU (synchronous
 collectives) each layer's collective is issued in its own iteration; the deferred form XLA:GPU gets
-(`runtime.grads.defers_row_sync`) is checked here too, forced, for its numerics and placement."""
+(`core.execution.Capabilities.defers_row_sync`) is checked here too, forced, for its numerics and placement."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from test_accumulate import LAYER_GRAD_BYTES, L, init_params, loss_fn, make_batc
 
 import mistjax
 from mistjax.core import hlo
+from mistjax.core.execution import Capabilities
 from mistjax.plan import Plan, StagePlan
 from mistjax.runtime import grads
 
@@ -66,7 +67,7 @@ def _check(case: str, deferred: bool) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_grads_sync_inside_the_backward_loop(case):
     """XLA:CPU: not deferred (its collectives are synchronous), each layer synced in its own trip."""
-    assert not grads.defers_row_sync(jax.sharding.Mesh(np.array(jax.devices()), ("x",)))
+    assert not grads.mesh_capabilities(jax.sharding.Mesh(np.array(jax.devices()), ("x",))).defers_row_sync
     _check(case, deferred=False)
 
 
@@ -74,5 +75,5 @@ def test_layer_grads_sync_inside_the_backward_loop(case):
 def test_deferred_layer_sync_numerics_and_placement(case, monkeypatch):
     """The deferred sync (`accumulate.sync_deferred`, what a GPU mesh gets) forced on XLA:CPU: the same
     numerics, the first layer's rows synced after the loop."""
-    monkeypatch.setattr(grads, "defers_row_sync", lambda mesh: True)
+    monkeypatch.setattr(grads, "mesh_capabilities", lambda mesh: Capabilities(True))
     _check(case, deferred=True)

@@ -214,7 +214,7 @@ def test_zero3_plain_layers_regather_in_backward():
     _, c2 = compiled("llama-tiny", **ZERO2)
     t2, t3 = hlo.memory_stats(c2)["temp"], hlo.memory_stats(c3)["temp"]
     full_grads = sum(x.size * 4 for x in jax.tree.leaves(params))
-    # ZeRO-3 over ZeRO-2: + one fetched layer (XLA:CPU runs no double buffer: `double_buffers_fetches`) +
+    # ZeRO-3 over ZeRO-2: + one fetched layer (XLA:CPU runs no double buffer: `Capabilities.double_buffers_fetches`) +
     # the gathered embedding / head, - the full-size gradients it never holds (reduce-scattered per layer).
     expected = t2 + layer + other - (full_grads - full_grads // DEVICES)
     # Plain layers keeping their gathered weights as residuals (the old runtime) added ~num_layers * layer.
@@ -227,13 +227,14 @@ def test_layer_loop_double_buffers_fetches_only_where_they_overlap(monkeypatch):
     loops compute the reference gradients."""
     from types import SimpleNamespace
 
+    from mistjax.core.execution import Capabilities
     from mistjax.runtime import grads as runtime_grads
 
     def gpu_like(platform):
         return SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)]))
 
-    assert runtime_grads.double_buffers_fetches(gpu_like("gpu"))
-    assert not runtime_grads.double_buffers_fetches(gpu_like("cpu"))
+    assert runtime_grads.mesh_capabilities(gpu_like("gpu")).double_buffers_fetches
+    assert not runtime_grads.mesh_capabilities(gpu_like("cpu")).double_buffers_fetches
     n_stacked = len(jax.tree.leaves(setup("llama-tiny")[1].params["layers"]))
 
     def per_body_gathers(c):
@@ -242,7 +243,7 @@ def test_layer_loop_double_buffers_fetches_only_where_they_overlap(monkeypatch):
         return set(bodies.values())
 
     _, single = compiled("llama-tiny", **ZERO3)  # its numerics: test_single_knob_matches_single_device
-    monkeypatch.setattr(runtime_grads, "double_buffers_fetches", lambda mesh: True)
+    monkeypatch.setattr(runtime_grads, "mesh_capabilities", lambda mesh: Capabilities(True))
     _, double = compiled("llama-tiny", **ZERO3)
     _, metrics, ref_loss, ref_grads = run("llama-tiny", **ZERO3)
     assert_matches_reference(metrics, ref_loss, ref_grads)
@@ -255,7 +256,8 @@ def test_double_buffered_odd_segment_keeps_one_copy_of_its_residuals():
     """An odd segment under the double buffer runs its last layer as its own scan: ``lax.scan`` with an
     unroll that does not divide the length would concatenate the remainder's residuals onto the loop's
     (a second copy of every stacked residual at the end of the forward). The gradients stay autodiff's."""
-    from mistjax.runtime.remat import make_layer_loop
+    from mistjax.core.execution import layer_scans
+    from mistjax.runtime.remat import LayerLoop
 
     L, B, D = 5, 4, 32
     k = jax.random.split(jax.random.key(1), 3)
@@ -265,8 +267,7 @@ def test_double_buffered_odd_segment_keeps_one_copy_of_its_residuals():
         return [jnp.tanh(c[0] @ x[0])], []
 
     def loss(h0, ws, double_buffer):
-        loop = make_layer_loop(num_layers=L, remat_layers=0, policy="full", gather=[lambda w: w * 1.0],
-                               double_buffer=double_buffer)
+        loop = LayerLoop(scans=layer_scans(L, 0, 0, double_buffer), policy="full", gather=(lambda w: w * 1.0,))
         c, _ = loop(body, [], [h0], [ws])
         return jnp.sum(c[0] ** 2)
 
@@ -280,13 +281,14 @@ def test_double_buffered_odd_segment_keeps_one_copy_of_its_residuals():
 
 
 def test_refetching_layer_loop_matches_autodiff():
-    """make_layer_loop with a gather: consts / carry / stored-shard gradients equal plain autodiff's
+    """A `LayerLoop` with a gather: consts / carry / stored-shard gradients equal plain autodiff's
     (the gather's transpose reduce-scatters), no residual is a gathered weight, and without a
     gather the loop stays a plain function (no custom VJP)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from mistjax.runtime.remat import make_layer_loop
+    from mistjax.core.execution import layer_scans
+    from mistjax.runtime.remat import LayerLoop
 
     L, B, D = 4, 3, 16
     k = jax.random.split(jax.random.key(0), 4)
@@ -298,7 +300,8 @@ def test_refetching_layer_loop_matches_autodiff():
         return [h], [jnp.sum(h * h)]
 
     def loss(scale, h0, ws, bs, gather, remat):
-        loop = make_layer_loop(num_layers=L, remat_layers=remat, policy="full", gather=gather)
+        fetches = any(g is not None for g in gather)  # double-buffered where it fetches, as on a GPU
+        loop = LayerLoop(scans=layer_scans(L, remat, 0, fetches), policy="full", gather=tuple(gather))
         c, ys = loop(body, [scale], [h0], [ws, bs])
         return jnp.sum(c[0] ** 3) + jnp.sum(ys[0])
 

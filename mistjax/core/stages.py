@@ -8,16 +8,23 @@ activations (they wait longest for their backward), the last ``remat_layers`` ar
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-SegmentKind = Literal["offload", "plain", "remat"]
-OFFLOAD: SegmentKind = "offload"
-PLAIN: SegmentKind = "plain"
-REMAT: SegmentKind = "remat"
+
+class SegmentKind(enum.StrEnum):
+    """How a run of a stage's layers keeps its activations for the backward."""
+
+    OFFLOAD = "offload"  # tagged activations to host in the forward, back in the backward; the rest recomputed
+    PLAIN = "plain"  # every residual kept on the device
+    REMAT = "remat"  # checkpointed with the stage's remat policy: recomputed in the backward
+
+
+OFFLOAD, PLAIN, REMAT = SegmentKind.OFFLOAD, SegmentKind.PLAIN, SegmentKind.REMAT
 
 
 def offloaded_layers(num_layers: ArrayLike, remat_layers: ArrayLike, ratio: ArrayLike) -> Any:

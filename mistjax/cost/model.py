@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mistjax.analysis.compiled import ProfileValues
+from mistjax.core.execution import scan_bodies, scan_unroll
 from mistjax.core.plan import guarded_peak
 from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
-from mistjax.cost.stage_time import defers_row_sync, double_buffers_fetches, layer_times, step_extras, synced_in_loop
+from mistjax.cost.stage_time import capabilities, layer_times, step_extras, synced_in_loop
 from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 
@@ -82,7 +83,7 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
 
     A stage holds its own layers' rows of the stacked leaves and the other leaves its parts read
     (`cost.layout.held`: the embedding on the first stage, the head on the last; a single stage all).
-    `deferred`: the in-loop sync is issued one layer late (`cost.stage_time.defers_row_sync`).
+    `deferred`: the in-loop sync is issued one layer late (`core.execution.Capabilities.defers_row_sync`).
     """
     nl, zero, G = k.layers, k.zero, k.G
     params = nl * lt["w_layer_dev"] + lt["w_other_dev"]
@@ -127,7 +128,7 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
 def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
              double_buffer: bool) -> np.ndarray:
     """Transient device bytes: the largest liveness peak, recompute space, fetched weights, the batch.
-    `double_buffer`: `cost.stage_time.double_buffers_fetches`."""
+    `double_buffer`: `core.execution.Capabilities.double_buffers_fetches`."""
     pols, c = workload.policies, kinds.n_remat
     blk_peak = np.maximum(v.block.bwd_peak_bytes("none"), v.block.fwd_peak_bytes("none"))
     blk_peak = np.maximum(blk_peak, np.where(c > 0, v.block.pick(v.block.bwd_peak_bytes, pols, k.policy), 0.0))
@@ -139,10 +140,10 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     remat_bwd = np.where(c > 0, kinds.saved_plain - kinds.saved_remat + v.block.bwd_peak_bytes("none") - blk_peak, 0.0)
     recompute = np.maximum(np.maximum(remat_bwd, 0.0), np.where(kinds.n_off > 0, kinds.saved_plain, 0.0))
     # Fetched layer weights live only inside the layer loops: two layers at once in a scan unrolled by 2
-    # (`runtime.remat.make_layer_loop` unrolls every plain or checkpointed segment of more than three layers
-    # with fetches; forward, and backward where they are fetched again; only where fetches overlap
-    # compute), one otherwise. They are never live next to pre / post's transients.
-    unrolled = double_buffer & ((kinds.n_plain > 3) | (kinds.n_remat > 3))  # 3 layers or offloading: never
+    # (`core.execution.scan_unroll`; forward, and backward where they are fetched again), one otherwise.
+    # They are never live next to pre / post's transients.
+    unrolled = (scan_unroll(kinds.n_plain, False, double_buffer) == 2) | (scan_unroll(kinds.n_remat, False,
+                                                                                       double_buffer) == 2)
     layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
     tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0  # int32 inputs + targets of the local batch
     # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
@@ -201,14 +202,11 @@ def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndar
              + np.where(k.last, v.post.fwd_flops + v.post.bwd_flops, 0.0))
     flops = k.G * (k.layers * blk + c * rec_c + kinds.n_off * rec_off + parts) + step["flops"]
 
-    # XLA counts a loop body once: the micro-batch loop (G > 1) and each layer segment's scan.
-    # Segments of more than two layers with fetches are unrolled by 2 (`double_buffer`); the pipeline
-    # executor's are not counted that way.
-    def counted(n: np.ndarray) -> np.ndarray:
-        u = np.where(double_buffer & (lt["w_layer_fetch"] > 0) & ~k.pipelined & (n > 2), 2.0, 1.0)
-        return np.where(n <= 0, 0.0, np.where(n > 1, u + np.mod(n, u), 1.0))
-
-    cnt_plain, cnt_c, cnt_off = counted(kinds.n_plain), counted(c), counted(kinds.n_off)
+    # XLA counts a loop body once: the micro-batch loop (G > 1) and each layer scan's body
+    # (`core.execution.scan_bodies`); the pipeline executor's programs are not counted that way.
+    fetching = double_buffer & (lt["w_layer_fetch"] > 0) & ~k.pipelined
+    cnt_plain, cnt_c = scan_bodies(kinds.n_plain, False, fetching), scan_bodies(c, False, fetching)
+    cnt_off = scan_bodies(kinds.n_off, True, fetching)
     mb_xla = (cnt_plain + cnt_c + cnt_off) * blk + cnt_c * rec_c + cnt_off * rec_off + parts
     # The layers' accumulation adds run inside the layer loops (`runtime.accumulate`): XLA counts the
     # counted layers' rows, not the whole stack (`step` charges the whole accumulator once).
@@ -235,8 +233,8 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
                                 k.last | one, np.where(one, workload.num_layers, k.layers)))
     kinds = layer_kinds(workload, k, v)
     activations, act_host = _activations(k, v, kinds)
-    states = state_bytes(workload, k, v, lt, deferred=defers_row_sync(cluster))
-    double_buffer = double_buffers_fetches(cluster)
+    states = state_bytes(workload, k, v, lt, deferred=capabilities(cluster).defers_row_sync)
+    double_buffer = capabilities(cluster).double_buffers_fetches
     buffers = np.maximum(_buffers(workload, k, v, lt, kinds, double_buffer), _update_extra(k, states) - activations)
     memory = {"params": states.params, "optimizer": states.optimizer, "grads": states.grads,
               "activations": activations, "buffers": buffers}

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mistjax.analysis.compiled import PartValues, ProfileValues
+from mistjax.core.execution import Capabilities, rows_synced_in_loop
 from mistjax.cost.collectives import (
     collective_time,
     hierarchical_all_gather_time,
@@ -31,6 +32,7 @@ from mistjax.cost.kernels import kernel_rows
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import unique_rows
 from mistjax.cost.workload import OPTIMIZERS, Workload
+from mistjax.hardware.presets import ClusterSpec
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -116,12 +118,11 @@ def _dp_link(cluster: Any, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
 
 
 def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> np.ndarray:
-    """Fraction of the stage's layer gradients synchronised per layer inside the backward
-    (`runtime.grads.synced_leaves`): the stacked layers (not host-accumulated) of a single-stage ZeRO-0
-    (dp > 1) or ZeRO-1 (p > 1) plan with G == 1. The rest (embedding, head, host accumulators, G > 1,
-    every pipeline stage: the MPMD executor syncs in its `finish` program) syncs at the end of the step."""
-    live = np.where(k.zero == 0, k.dp > 1, (k.zero == 1) & (k.p > 1))
-    on = live & (k.G == 1) & ~np.asarray(k.pipelined, bool) & workload.layer_grads_in_loop
+    """Fraction of the stage's layer gradients synchronised per layer inside the backward: the stacked layers
+    (not host-accumulated) where `core.execution.rows_synced_in_loop` holds. The rest (embedding, head, host
+    accumulators, G > 1, every pipeline stage: the MPMD executor syncs in its `finish` program) syncs at the end
+    of the step."""
+    on = rows_synced_in_loop(k.zero, k.dp, k.p, k.G, k.pipelined) & workload.layer_grads_in_loop
     return np.where(on, 1.0 - lt["acc_layer_host_frac"], 0.0)
 
 
@@ -130,18 +131,10 @@ def synced_row_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[st
     return synced_in_loop(workload, k, lt) * v.block.weight_bytes * workload.grad_scale
 
 
-def defers_row_sync(cluster: Any) -> bool:
-    """Whether the runtime issues each layer's in-loop sync (`synced_in_loop`) one backward iteration late,
-    under the next layer's backward, on this cluster (`DeviceSpec.async_collectives`: GPUs and TPUs, the
-    runtime's `runtime.grads.defers_row_sync`); otherwise each layer's collective is serial in its own iteration."""
-    return bool(cluster.device.async_collectives)
-
-
-def double_buffers_fetches(cluster: Any) -> bool:
-    """Whether the runtime runs layer segments of more than two layers with fetches two layers per
-    iteration on this cluster (`DeviceSpec.async_collectives`, the runtime's
-    `runtime.grads.double_buffers_fetches`): then two layers of fetched weights are live at once."""
-    return bool(cluster.device.async_collectives)
+def capabilities(cluster: ClusterSpec) -> Capabilities:
+    """The platform `Capabilities` of the cluster's devices (`DeviceSpec.async_collectives`), as the runtime
+    reads them from its mesh."""
+    return Capabilities(bool(cluster.device.async_collectives))
 
 
 def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray, rs_ops: Any = 1.0) -> np.ndarray:
@@ -243,7 +236,7 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     # which XLA:GPU overlaps with this layer's backward: one more D2D channel of every layer's backward
     # (the first iteration's collective syncs the zero seed); the row still pending after each loop is
     # charged serially (`step_extras`). Not deferred, the whole per-layer sync is serial (`step_extras`).
-    if defers_row_sync(cluster):
+    if capabilities(cluster).defers_row_sync:
         grad_rs = grad_rs + _grad_sync_time(cluster, k, synced_row_bytes(workload, k, v, lt), ops.stacked)
     acc_frac = np.where(G > 1, lt["acc_layer_host_frac"], 0.0)
     acc_bytes = np.where(zero >= 2, lt["g_layer_shard"], full_layer) * acc_frac
@@ -296,7 +289,7 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     # (`defers_row_sync`), each layer's collective runs under the next layer's backward (a D2D channel of
     # `layer_times`) and only the first row of each layer loop (one per layer kind), synchronised after
     # its loop, stays exposed; otherwise (XLA:CPU's synchronous collectives) every layer's is serial.
-    deferred = defers_row_sync(cluster)
+    deferred = capabilities(cluster).defers_row_sync
     row = synced_row_bytes(workload, k, v, lt)
     ops = leaf_ops(workload, cluster)
     sync_bwd = (loops if deferred else nl) * _grad_sync_time(cluster, k, row, ops.stacked)
@@ -338,4 +331,4 @@ def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
             "update": update, "swap": swap}
 
 
-__all__ = ["compute_time", "defers_row_sync", "layer_times", "step_extras", "synced_in_loop", "synced_row_bytes"]
+__all__ = ["capabilities", "compute_time", "layer_times", "step_extras", "synced_in_loop", "synced_row_bytes"]

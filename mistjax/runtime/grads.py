@@ -13,15 +13,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.hlo import ASYNC_COLLECTIVE_PLATFORMS
+from mistjax.core.execution import Capabilities, LeafFacts, StageExecution, is_batch_leaf, lower_stage
 from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
 from mistjax.core.plan import Plan, PlanError, StagePlan
+from mistjax.core.types import LossFn
 from mistjax.runtime.accumulate import SliceGrad
-from mistjax.runtime.remat import LayerLoopFn, make_layer_loop
+from mistjax.runtime.remat import Body, LayerLoop, LoopSinks
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
 from mistjax.trace.split import TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
 
@@ -247,72 +249,70 @@ def _sequence_split(tp: int) -> Callable[[Any], Any]:
     return constrain
 
 
-def _entering_split(layer_loop: LayerLoopFn | None, tp: int) -> LayerLoopFn | None:
-    """`layer_loop` with its initial carry through `_sequence_split` (under tensor parallelism)."""
-    if layer_loop is None or tp <= 1:
-        return layer_loop
-    enter = _sequence_split(tp)
-
-    def loop(body: Any, consts: list[Any], carry: list[Any], xs: list[Any], *args: Any, **kw: Any) -> Any:
-        return layer_loop(body, consts, [enter(c) for c in carry], xs, *args, **kw)
-
-    return loop
-
-
 def _slice_grad(spec: GradSpec, plan: Plan) -> SliceGrad:
     """How one layer's cotangent of a stored weight slice enters the accumulator (see `_microbatch_grad`):
     `_finish_one` on a slice (the layer dim dropped)."""
     return lambda ct: _finish_one(ct, spec, plan, layer_slice=True)
 
 
-def _layer_loop(traced: TracedLoss, stage: StagePlan, specs: Sequence[GradSpec], plan: Plan,
-                double_buffer: bool) -> LayerLoopFn | None:
-    """The plan's layer loop for the traced loss (remat, per-layer fetches, activation offload), or None;
-    `double_buffer`: `double_buffers_fetches`."""
-    if traced.stack is None:
-        needs_stack = stage.remat_layers > 0 or stage.offload_acts > 0 or any(
-            (s.weights_sharded or s.layout.host) and s.layout.stacked for s in specs)
-        if needs_stack:
-            traced.require_stack()
-        return None
-    st = traced.stack
-    plan.check_layers(st.num_layers)
-    return make_layer_loop(
-        num_layers=st.num_layers, remat_layers=stage.remat_layers, policy=stage.remat_policy,
-        # An unrolled stack's operands are its real per-layer leaves (no layer dim to slice off).
-        gather=[None if i is None else make_fetch(specs[traced.real_index(i)], traced.groups is None)
-                for i in st.xs_leaf],
-        carry_constraint=_sp_constraint(plan.tp), offload_layers=stage.offloaded_layers,
-        offload_names=checkpoint_names(st.body), refetch_plain=True, double_buffer=double_buffer,
-        prepare=[None if i is None or traced.groups is not None else _slice_grad(specs[i], plan) for i in st.xs_leaf])
+def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: StagePlan, specs: Sequence[GradSpec],
+                     index: Callable[[int], int], plan: Plan, *, refetch_plain: bool = True) -> LayerLoop:
+    """The layer loop of one stage, as its `StageExecution` says: per-layer fetches, remat and activation
+    offload per scan, and how each layer's weight cotangent enters its accumulator; the single-stage step and
+    the pipeline's stage programs (`runtime.mpmd_stage`) both run it.
 
-
-def in_loop_leaves(traced: TracedLoss, G: int, acc_host: Sequence[bool], *, pipelined: bool = False
-                   ) -> frozenset[int]:
-    """The parameter leaves whose gradients accumulate inside the backward layer loop (one buffer).
-
-    Those are the stacked weights of a scanned stack read by the layer loop only, with a device
-    accumulator (`acc_host` per flat leaf), when there is anything to accumulate: G > 1, or any pipeline
-    stage (its backward programs add into a donated accumulator). The others (embedding, head, an
-    unrolled stack's per-layer leaves, host accumulators) add each micro-batch's gradient afterwards.
+    Args:
+      traced: the loss, traced (its layer stack gives the scanned operands).
+      specs: the stage's gradient specs; `index` maps a traced parameter index to its position in `specs`.
     """
-    if G == 1 and not pipelined:
-        return frozenset()
-    return loop_eligible_leaves(traced, acc_host)
+    st = traced.require_stack()
+    stacked = traced.groups is None  # an unrolled stack's operands are its real per-layer leaves (no layer dim)
+    return LayerLoop(
+        scans=execution.scans, policy=stage.remat_policy,
+        gather=tuple(None if i is None else make_fetch(specs[index(i)], stacked) for i in st.xs_leaf),
+        carry_constraint=_sp_constraint(plan.tp), offload_names=tuple(checkpoint_names(st.body)),
+        refetch_plain=refetch_plain,
+        prepare=tuple(None if i is None or not stacked else _slice_grad(specs[index(i)], plan) for i in st.xs_leaf))
 
 
-def loop_eligible_leaves(traced: TracedLoss, acc_host: Sequence[bool]) -> frozenset[int]:
-    """The stacked weights of a scanned stack read by the layer loop only, with a device accumulator
-    (`acc_host` per flat leaf), and of a float dtype: those whose gradient can be handled per layer
-    inside the backward layer loop (accumulated there, see `in_loop_leaves`; synchronised there, see
-    `synced_leaves`)."""
+def mesh_capabilities(mesh: Mesh | None) -> Capabilities:
+    """The `Capabilities` of the platform a step for `mesh` compiles for, read from the mesh's devices, not
+    ``jax.devices()``: a deviceless XLA:GPU compile (`validate.gpu_aot`) runs in a CPU process and must build
+    the program the GPUs would run. No mesh (an abstract trace): as on a GPU."""
+    return Capabilities(True) if mesh is None else Capabilities.of_platform(mesh.devices.flat[0].platform)
+
+
+def stage_execution(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Sequence[bool],
+                    index: Callable[[int], int | None], *, stage: StagePlan, grad_accum: int, mesh: Mesh,
+                    pipelined: bool) -> StageExecution:
+    """Lower one stage to its `StageExecution` (`core.execution.lower_stage`) from the traced loss.
+
+    Args:
+      specs: the stage's gradient specs; `acc_host`: per spec, its accumulator is on host.
+      index: maps a traced parameter index to its position in `specs` (None: not held by this stage).
+    """
+    eligible = loop_eligible_leaves(traced)
+    st = traced.stack
+    scanned = set() if st is None else {index(traced.real_index(i)) for i in st.xs_leaf if i is not None}
+    held = {index(i): i for i in range(traced.num_param_leaves) if index(i) is not None}
+    facts = [LeafFacts(s.layout, s.zero, held.get(j) in eligible, j in scanned, bool(acc_host[j]))
+             for j, s in enumerate(specs)]
+    dp = math.prod(mesh.shape[a] for a in DP_AXES)
+    return lower_stage(facts, num_layers=stage.num_layers, remat_layers=stage.remat_layers,
+                       offload_layers=stage.offloaded_layers, grad_accum=grad_accum, dp=dp,
+                       group=_shard_group_size(mesh), pipelined=pipelined, caps=mesh_capabilities(mesh))
+
+
+def loop_eligible_leaves(traced: TracedLoss) -> frozenset[int]:
+    """The stacked weights of a scanned stack read by the layer loop only, of a float dtype: those whose
+    gradient can be handled per layer inside the backward layer loop (`core.execution.LeafFacts`)."""
     st = traced.stack
     if st is None or traced.groups is not None:
         return frozenset()
     usage = part_usage(traced)
     leaves = [i for i in st.xs_leaf if i is not None]
     avals = traced.closed.jaxpr.invars
-    return frozenset(i for i in leaves if leaves.count(i) == 1 and not acc_host[i] and i not in usage.pre
+    return frozenset(i for i in leaves if leaves.count(i) == 1 and i not in usage.pre
                      and i not in usage.post and jnp.issubdtype(avals[i].aval.dtype, jnp.inexact))
 
 
@@ -321,62 +321,18 @@ def _shard_group_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in SHARD_AXES)
 
 
-def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad | None:
-    """The collective that synchronises one layer's summed gradient row (the layer dim dropped) inside the
-    last backward: what `_finish_grads` does to the whole leaf at the end of the step (ZeRO-0 all-reduce
-    over the DP axes; ZeRO-1 reduce-scatter over the partition group, MiCS hop 1), or None when that is
-    nothing (no such group) or happens elsewhere (ZeRO-2/3 rows are reduce-scattered per micro-batch)."""
-    if spec.layout.shard_dim is not None and spec.zero >= 2:
-        return None
+def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad:
+    """The collective that synchronises one layer's summed gradient row (the layer dim dropped) of a leaf the
+    `StageExecution` syncs in the loop: what `_finish_grads` does to the whole leaf at the end of the step
+    (ZeRO-1 reduce-scatter over the partition group, MiCS hop 1; else the all-reduce over the DP axes)."""
     if spec.layout.shard_dim is not None and spec.zero == 1:
-        if _shard_group_size(mesh) == 1:
-            return None  # a trivial scatter: the leaf keeps the end-of-step path (hop 2 only)
         return lambda row: _scatter(row, spec, layer_slice=True)
-    if not any(mesh.shape[a] > 1 for a in DP_AXES):
-        return None
     return lambda row: psum_live(row, DP_AXES, mesh)
 
 
-def defers_row_sync(mesh: Mesh) -> bool:
-    """Whether the in-loop sync of a step compiled for `mesh` issues each layer's collective one backward
-    iteration late (`runtime.accumulate.sync_deferred`) rather than in the layer's own iteration.
-
-    Only where XLA runs collectives asynchronously (GPUs; TPUs, not measured): there the deferred
-    collective overlaps the next layer's backward. XLA:CPU runs them synchronously, so deferring only
-    costs (a llama-small DP step 545 -> 696 ms, about 1.5 more gradient rows held: docs/cost_model.md,
-    "Gradient sync in the backward"). Read from the mesh's devices, not ``jax.devices()``: a deviceless
-    XLA:GPU compile (`validate.gpu_aot`) runs in a CPU process and must build the program the GPUs would
-    run. The cost model mirrors this with `DeviceSpec.async_collectives`.
-    """
-    return mesh.devices.flat[0].platform in ASYNC_COLLECTIVE_PLATFORMS
-
-
-def double_buffers_fetches(mesh: Mesh | None) -> bool:
-    """Whether a step compiled for `mesh` runs its fetching layer loops two layers per iteration
-    (`runtime.remat.make_layer_loop`'s `double_buffer`: layer i+1's ZeRO-3 gather or host copy under layer
-    i's compute).
-
-    Only where XLA runs collectives and copies asynchronously (`defers_row_sync`): on XLA:CPU the fetch is
-    serial whatever the loop, and the second layer's weights and transients only cost memory (ZeRO-3
-    llama-tiny / llama-small steps: 18-20% of the compiled peak, docs/cost_model.md). The cost model
-    mirrors this with `DeviceSpec.async_collectives`. No mesh (an abstract trace): as on a GPU.
-    """
-    return mesh is None or defers_row_sync(mesh)
-
-
-def synced_leaves(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Sequence[bool], mesh: Mesh
-                  ) -> frozenset[int]:
-    """The leaves whose step gradient can be synchronised per layer inside the backward (Megatron-LM's
-    ``--overlap-grad-reduce``; the runtime does it for G == 1 only, see `sharded_value_and_grad`), where
-    the collectives can overlap the rest of the backward (on GPU meshes each layer's runs under the next
-    layer's backward, `defers_row_sync`; docs/cost_model.md): the `loop_eligible_leaves` with a
-    `row_sync`. The others (embedding, head, unrolled stacks, host accumulators) keep the end-of-step sync."""
-    return frozenset(i for i in loop_eligible_leaves(traced, acc_host) if row_sync(specs[i], mesh) is not None)
-
-
 # ``(params, micro_batch, accumulators or None, sync) -> (loss, aux, grads)``: with accumulators, the
-# entries of the `in_loop_leaves` are the updated accumulators, the others this micro-batch's gradients;
-# with ``sync`` (G == 1, no accumulators) the entries of the `synced_leaves` are synchronised per layer.
+# entries of the execution's `in_loop` leaves are the updated accumulators, the others this micro-batch's
+# gradients; with ``sync`` (G == 1, no accumulators) the entries of its `synced` leaves are synchronised per layer.
 MicrobatchGrad = Callable[..., tuple[jax.Array, Any, list[jax.Array]]]
 
 
@@ -385,7 +341,7 @@ class _Sinks:
     """What the layer loop of one micro-batch feeds, by flat leaf index: accumulators (`acc`), result
     buffers of the synchronised rows of leaves without an accumulator (`out`, G == 1), the per-row
     collectives (`finish`, only on the synchronising pass), and whether they are issued one backward
-    iteration late (`defer`: `defers_row_sync`)."""
+    iteration late (`defer`: `StageExecution.defer_sync`)."""
 
     acc: dict[int, jax.Array]
     out: dict[int, jax.Array]
@@ -401,35 +357,46 @@ def _synced_shape(shape: Sequence[int], spec: GradSpec, mesh: Mesh) -> tuple[int
     return tuple(out)
 
 
-def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, in_loop: frozenset[int],
-           synced: frozenset[int], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh, sync: bool) -> _Sinks:
+def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, execution: StageExecution,
+           specs: Sequence[GradSpec], plan: Plan, mesh: Mesh, sync: bool) -> _Sinks:
     """The buffers one micro-batch's layer loop feeds (see `_Sinks`): the accumulators, or on the
     synchronising pass (G == 1, no accumulator) zeros of the synchronised shape, so that ZeRO-1 never
     holds the layers' whole gradient."""
     if not sync:
-        return _Sinks({i: acc[i] for i in in_loop} if acc is not None else {}, {}, None)
+        return _Sinks({i: acc[i] for i in execution.in_loop} if acc is not None else {}, {}, None)
     outs = {i: jnp.zeros(_synced_shape(p_local[i].shape, specs[i], mesh), grad_dtype_of(plan, p_local[i]).dtype)
-            for i in synced}
-    return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in synced},  # type: ignore[misc]
-                  defer=defers_row_sync(mesh))
+            for i in execution.synced}
+    return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in execution.synced}, defer=execution.defer_sync)
 
 
-def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
+def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Sequence[GradSpec], plan: Plan
+                       ) -> LayerLoop | None:
+    """The step's layer loop, entered through the sequence split under tensor parallelism; None for a loss
+    without a layer stack (an error if the plan needs one)."""
+    stage = plan.stages[0]
+    if traced.stack is None:
+        if stage.remat_layers > 0 or stage.offload_acts > 0 or any(i in execution.fetched and s.layout.stacked
+                                                                     for i, s in enumerate(specs)):
+            traced.require_stack()
+        return None
+    plan.check_layers(traced.stack.num_layers)
+    loop = stage_layer_loop(traced, execution, stage, specs, traced.real_index, plan)
+    return dataclasses.replace(loop, enter=_sequence_split(plan.tp)) if plan.tp > 1 else loop
+
+
+def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
                      layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool],
-                     in_loop: frozenset[int], synced: frozenset[int] = frozenset(),
-                     mesh: Mesh | None = None) -> MicrobatchGrad:
+                     execution: StageExecution, mesh: Mesh) -> MicrobatchGrad:
     """One micro-batch's loss, aux and gradients, run as the plan says.
 
-    Gradients of the `in_loop` leaves are added into their accumulators inside the backward layer loop
-    (`runtime.accumulate`): those leaves are not differentiated; the accumulators are, with their own
+    Gradients of the execution's `in_loop` leaves are added into their accumulators inside the backward layer
+    loop (`runtime.accumulate`): those leaves are not differentiated; the accumulators are, with their own
     value as the cotangent seed of the loop's accumulator output, so their cotangent is the sum. On the
     synchronising pass (``sync``) the `synced` leaves' summed rows are all-reduced / reduce-scattered
-    there too, each in the iteration that produced it, or one iteration later on a GPU mesh
-    (`defers_row_sync`).
+    there too, each in the iteration that produced it, or one iteration later (`StageExecution.defer_sync`).
     """
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
-    layer_loop = _entering_split(_layer_loop(traced, plan.stages[0], specs, plan, double_buffers_fetches(mesh)),
-                                 plan.tp)
+    layer_loop = _single_stage_loop(traced, execution, specs, plan)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 
     def read_param(i: int, v: jax.Array) -> jax.Array:
@@ -440,13 +407,14 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
     def loss(pl: list[jax.Array], rl: list[jax.Array], sinks: _Sinks | None = None) -> Any:
         loop, box = layer_loop, ({}, {})
         if sinks is not None:
-            def loop(body: Any, consts: list[Any], carry: list[Any], xs: list[Any]) -> Any:
+            def loop(body: Body, consts: list[jax.Array], carry: list[jax.Array], xs: list[jax.Array]
+                     ) -> tuple[list[jax.Array], list[jax.Array]]:
                 fin = None if sinks.finish is None else [sinks.finish.get(i) for i in xs_leaf]
-                out = layer_loop(body, consts, carry, xs, accs=[sinks.acc.get(i) for i in xs_leaf],
-                                 outs=[sinks.out.get(i) for i in xs_leaf], finish=fin, defer=sinks.defer)
-                for b, bufs in zip(box, out[2:]):
+                out = layer_loop.run(body, consts, carry, xs, LoopSinks(
+                    [sinks.acc.get(i) for i in xs_leaf], [sinks.out.get(i) for i in xs_leaf], fin, sinks.defer))
+                for b, bufs in zip(box, (out.accs, out.outs or ())):
                     b.update((i, a) for i, a in zip(xs_leaf, bufs) if a is not None)
-                return out[:2]
+                return out.carry, out.ys
         outs = evaluate(traced, pl, rl, layer_loop=loop, read_param=read_param, block=tp_block)
         out = jax.tree.unflatten(traced.out_tree, outs)
         value, aux = (out[0], out[1]) if has_aux else (out, None)
@@ -454,7 +422,7 @@ def _microbatch_grad(fun: Callable[..., Any], has_aux: bool, traced: TracedLoss,
 
     def grad(p_local: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array] | None = None,
              sync: bool = False) -> tuple[jax.Array, Any, list[jax.Array]]:
-        sinks = _sinks(p_local, acc, in_loop, synced, specs, plan, mesh, sync) if in_loop else None
+        sinks = _sinks(p_local, acc, execution, specs, plan, mesh, sync) if execution.in_loop else None
         if sinks is None or not (sinks.acc or sinks.out):
             (value, aux), g = jax.value_and_grad(lambda p, r: loss(p, r)[:2], has_aux=True)(p_local, mb)
             return value, aux, [_finish_one(gi, s, plan) for gi, s in zip(g, specs)]
@@ -499,7 +467,7 @@ def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Ar
                 ) -> tuple[list[jax.Array], jax.Array, Any]:
     """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host;
     the `in_loop` leaves' accumulators updated inside the backward). With `sync` (G == 1 only, see
-    `synced_leaves`) the only backward also synchronises the synced leaves."""
+    `StageExecution.synced`) the only backward also synchronises the synced leaves."""
     mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
     if G == 1:
         loss, aux, acc = grad(p_local, mb0, None, sync)
@@ -535,7 +503,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     p_leaves, p_tree = jax.tree.flatten(params)
     r_leaves, r_tree = jax.tree.flatten(rest)
     specs = [GradSpec(lay, stage.zero_stage if lay.role == PARAM else 0) for lay in layouts]
-    is_batch = [jnp.ndim(x) > 0 and x.shape[0] == global_batch for x in r_leaves]
+    is_batch = [is_batch_leaf(np.shape(x), global_batch) for x in r_leaves]
     G, scale = plan.grad_accum, 1.0 / (plan.dp * plan.grad_accum)
     full_params = jax.tree.unflatten(p_tree, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves])
     # Gradient accumulators kept in host memory between micro-batches (only worth it when G > 1).
@@ -546,13 +514,12 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         mbs = [_split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
         mb0 = jax.tree.unflatten(r_tree, [x[0] if b else x for x, b in zip(mbs, is_batch)])
         traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)
-        # Only with G == 1: with G > 1 the last micro-batch would have to be peeled out of the scan, and the
-        # peeled program held 12-25% more on XLA:CPU and +37% temp on XLA:GPU (docs/cost_model.md).
-        synced = synced_leaves(traced, specs, acc_host, mesh) if G == 1 else frozenset()
-        in_loop = in_loop_leaves(traced, G, acc_host) | synced
-        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, in_loop, synced, mesh)
-        acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, in_loop, bool(synced))
-        grads = [g * jnp.asarray(scale, g.dtype) for g in _finish_grads(acc, specs, plan, mesh, synced)]
+        execution = stage_execution(traced, specs, acc_host, lambda i: i, stage=stage, grad_accum=G, mesh=mesh,
+                                    pipelined=False)
+        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, execution, mesh)
+        acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, execution.in_loop,
+                                             bool(execution.synced))
+        grads = [g * jnp.asarray(scale, g.dtype) for g in _finish_grads(acc, specs, plan, mesh, execution.synced)]
         loss = psum_live(loss_sum, DP_AXES, mesh) * scale
         aux = jax.tree.map(lambda a: psum_live(a, DP_AXES, mesh) * (scale if jnp.issubdtype(a.dtype, jnp.inexact)
                                                                    else 1), aux_sum)

@@ -41,34 +41,31 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.execution import StageExecution
 from mistjax.core.layout import DP_AXES, PARAM, LeafLayout
 from mistjax.core.plan import Plan
-from mistjax.core.stages import offloaded_layers
 from mistjax.runtime.grads import (
     MANUAL_AXES,
     GradSpec,
     _finish_grads,
     _scatter,
-    _slice_grad,
     _split_microbatches,
     _to_device,
     _to_host,
-    double_buffers_fetches,
-    in_loop_leaves,
     make_fetch,
     psum_live,
+    stage_execution,
+    stage_layer_loop,
 )
-from mistjax.runtime.remat import make_layer_loop
+from mistjax.runtime.remat import LayerLoop, LoopSinks
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import (
     BlockFn,
     PartUsage,
     TracedLoss,
-    checkpoint_names,
     post_part,
     pre_part,
     run_block,
@@ -244,36 +241,24 @@ class StagePrograms:
         return self._cache["grad_shardings"]
 
     # ------------------------------------------------------------------ the stage function
-    def _layer_loop(self) -> Callable[..., Any]:
-        sp, st = self.spec, self.info.traced.require_stack()
-        plan = sp.plan.stages[0]
-        gathers = [make_fetch(self.grad_specs[self.pos[i]], True) for i in st.xs_leaf]
-        tp = self.info.tp
+    @property
+    def execution(self) -> StageExecution:
+        """How this stage runs (`core.execution`): its layer scans, fetches and in-loop accumulation."""
+        if "execution" not in self._cache:
+            self._cache["execution"] = stage_execution(
+                self.info.traced, self.grad_specs, self.spec.acc_host, self.pos.get, stage=self.spec.plan.stages[0],
+                grad_accum=self.info.grad_accum, mesh=self.spec.mesh, pipelined=True)
+        return self._cache["execution"]
 
-        def sp_constraint(c: jax.Array) -> jax.Array:
-            if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
-                return lax.with_sharding_constraint(c, P(None, "tensor", None))
-            return c
-
-        n = sp.num_layers
-        return make_layer_loop(num_layers=n, remat_layers=plan.remat_layers, policy=plan.remat_policy,
-                               gather=gathers, carry_constraint=sp_constraint,
-                               offload_layers=offloaded_layers(n, plan.remat_layers, plan.offload_acts),
-                               offload_names=checkpoint_names(st.body), refetch_plain=True,
-                               double_buffer=double_buffers_fetches(self.spec.mesh),
-                               prepare=[_slice_grad(self.grad_specs[self.pos[i]], sp.plan) for i in st.xs_leaf])
+    def _layer_loop(self) -> LayerLoop:
+        return stage_layer_loop(self.info.traced, self.execution, self.spec.plan.stages[0], self.grad_specs,
+                                self.pos.__getitem__, self.spec.plan)
 
     @property
     def in_loop(self) -> tuple[int, ...]:
         """Held parameters whose gradients the backward adds into the accumulator inside the layer loop
         (`runtime.accumulate`): stacked weights read by the layer loop only, with device accumulators."""
-        if "in_loop" not in self._cache:
-            acc_host = [False] * self.info.num_params
-            for i, h in zip(self.spec.params, self.spec.acc_host):
-                acc_host[i] = h
-            flat = in_loop_leaves(self.info.traced, self.info.grad_accum, acc_host, pipelined=True)
-            self._cache["in_loop"] = tuple(sorted(self.pos[i] for i in flat if i in self.pos))
-        return self._cache["in_loop"]
+        return tuple(sorted(self.execution.in_loop))
 
     def sink_fn(self, p: list[Any]) -> Callable[[tuple[list[Any], list[Any]], Any], Any]:
         """The stage function differentiated with in-loop accumulation.
@@ -330,9 +315,10 @@ class StagePrograms:
             if sink is None:
                 carry, _ = loop(body, list(consts), list(carry), xs)
             else:
-                carry, _, accs = loop(body, list(consts), list(carry), xs,
-                                      accs=[sink.get(self.pos[i]) for i in st.xs_leaf])
-                by_pos = {self.pos[i]: a for i, a in zip(st.xs_leaf, accs) if a is not None}
+                out = loop.run(body, list(consts), list(carry), xs, LoopSinks([sink.get(self.pos[i])
+                                                                              for i in st.xs_leaf]))
+                carry = out.carry
+                by_pos = {self.pos[i]: a for i, a in zip(st.xs_leaf, out.accs) if a is not None}
             outs = post_part(traced, leaves, mb, carry) if sp.last else [*(consts[j] for j in pconst), *carry]
             return outs if sink is None else (outs, [by_pos[j] for j in sorted(sink)])
 

@@ -7,22 +7,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mistjax.core.execution import LayerScan
 from mistjax.core.policies import GATHERED, offload_policy, remat_policy
-from mistjax.core.stages import layer_segments
+from mistjax.core.stages import OFFLOAD, PLAIN, REMAT
 from mistjax.runtime.accumulate import SliceGrad, reading_rows, scan_accumulating, scan_rows
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import unrolled_loop
 from mistjax.trace.unrolled import LayerSlices
 
 Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
-# ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None, defer=False)`` (see `make_layer_loop`).
-LayerLoopFn = Callable[..., Any]
 
 
 def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
@@ -77,134 +77,143 @@ def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
     return run
 
 
-def _unrolled_segments(segments: Sequence[tuple[int, int, str]], double_buffer: bool
-                       ) -> list[tuple[int, int, str, int]]:
-    """``(start, end, kind, unroll)`` per scan of the layer loop.
+class LoopSinks(NamedTuple):
+    """What one micro-batch's backward layer loop feeds, per scanned operand (None: nothing for it).
 
-    With per-layer fetches (ZeRO-3 gathers, host->device weight copies) and `double_buffer`, two layers
-    per loop iteration let the scheduler fetch layer i+1 while layer i computes (a double buffer; the
-    cost model charges two layers of fetched weights). The backward scan is the transpose of this one and
-    keeps its unroll, so its re-fetches are double-buffered too. A segment of two layers stays a loop of
-    two trips: unrolled, it would be one trip, which XLA inlines and then merges the backward's re-fetch
-    with the forward's (the gathered weights would stay live). An odd segment runs its last layer as a
-    scan of its own: ``lax.scan`` with an unroll that does not divide the length concatenates the
-    remainder's outputs, residual stacks included, onto the loop's (a copy of every stacked residual:
-    15 GiB per device for a 31-layer Llama-3-8B segment at 16k tokens per micro-batch on XLA:GPU); a
-    segment of three layers runs one layer per iteration (its split would leave a one-trip loop). A
-    segment that offloads its activations keeps one layer per iteration: XLA:GPU (jaxlib 0.10.2) fails
-    to compile host-placed residual stacks of an unrolled scan (an INTERNAL layout-assignment error).
+    Attributes:
+      accs: whole-stack gradient accumulators; each layer's cotangent row is added in its iteration
+        (`runtime.accumulate`; `prepare` turns a cotangent into its row).
+      outs: result buffers of another shape than the accumulator (the G == 1 in-loop sync's ZeRO-1 shards).
+      finish: the collective that synchronises each layer's summed row (`runtime.accumulate.accumulate_into`).
+      defer: issue each row's collective one backward iteration later (`runtime.accumulate.sync_deferred`;
+        with `finish` only).
     """
-    out = []
-    for start, end, kind in segments:
-        if not (double_buffer and end - start > 2) or kind == "offload" or end - start == 3:
-            out.append((start, end, kind, 1))  # (3 = a two-trip loop of two layers + one: inlined as above)
-        elif (end - start) % 2:
-            out += [(start, end - 1, kind, 2), (end - 1, end, kind, 1)]
-        else:
-            out.append((start, end, kind, 2))
-    return out
+
+    accs: Sequence[jax.Array | None]
+    outs: Sequence[jax.Array | None] | None = None
+    finish: Sequence[SliceGrad | None] | None = None
+    defer: bool = False
 
 
-def make_layer_loop(*, num_layers: int, remat_layers: int, policy: str,
-                    gather: Sequence[Callable[[Any], Any] | None],
-                    carry_constraint: Callable[[Any], Any] | None = None,
-                    offload_layers: int = 0, offload_names: Sequence[str] = (),
-                    refetch_plain: bool = False, prepare: Sequence[SliceGrad | None] = (),
-                    double_buffer: bool = True) -> LayerLoopFn:
-    """A layer loop for `mistjax.trace.split.evaluate`.
+class LoopResult(NamedTuple):
+    """A layer loop's results: the carry, the per-layer outputs, and the fed `LoopSinks` buffers."""
 
-    Args:
-      num_layers: layers in the stack this loop runs.
-      remat_layers: the last `remat_layers` layers are checkpointed with `policy`.
-      policy: remat policy name (full | dots | names:a,b).
-      gather: per scanned operand, a function that turns one layer's stored slice into the
-        slice used for compute (e.g. an all-gather over the ZeRO axis), or None.
+    carry: list[jax.Array]
+    ys: list[jax.Array]
+    accs: list[jax.Array | None] | None = None
+    outs: list[jax.Array | None] | None = None
+
+
+Body = Callable[[list[jax.Array], list[jax.Array], list[jax.Array]], tuple[list[jax.Array], list[jax.Array]]]
+
+
+@dataclass(frozen=True)
+class LayerLoop:
+    """A stage's layer loop, run in place of the model's layer scan (`mistjax.trace.split.evaluate`).
+
+    Attributes:
+      scans: the loop's scans, their kinds and unroll (`core.execution.layer_scans`).
+      policy: remat policy name of the checkpointed layers (full | dots | names:a,b).
+      gather: per scanned operand, a function that turns one layer's stored slice into the slice used for
+        compute (e.g. an all-gather over the ZeRO axis), or None.
       carry_constraint: applied to the hidden state between layers (sequence parallelism).
-      offload_layers: the first `offload_layers` layers offload their tagged activations to host.
-      offload_names: the checkpoint_name tags of a layer (what offloading moves).
+      offload_names: the checkpoint_name tags of a layer (what activation offload moves).
       refetch_plain: run plain layers under the re-fetching custom VJP even without fetches, so their
         residuals hold only activation-dependent values (the MPMD pipeline keeps a stage's residuals
         between its forward and backward programs, where a weight-only one would be one more copy of
         the stage's weights per micro-batch in flight).
       prepare: per scanned operand, how one layer's weight cotangent enters its accumulator (see
-        `runtime.accumulate`); used when the loop is called with ``accs``. Then a stack of several
-        segments reads each layer's rows of the accumulated stacks (`accumulate.scan_rows`) instead of
-        scanning per-segment slices of them (each a copy of those weights for the whole step).
-      double_buffer: run segments of more than two layers with fetches two layers per iteration, so
-        that layer i+1's fetch overlaps layer i's compute. Only worth it where the platform runs
-        collectives and copies asynchronously (`runtime.grads.double_buffers_fetches`).
-
-    Returns:
-      ``loop(body, consts, carry, xs, accs=None, outs=None, finish=None, defer=False)``: ``(carry, ys)``,
-      or ``(carry, ys, accs)`` when `accs` (per scanned operand, its whole-stack gradient accumulator or
-      None) is given, or ``(carry, ys, accs, outs)`` when `finish` (per operand, the collective that
-      synchronises each layer's summed row, or None) is given too (`outs`: per operand, the result
-      buffer of another shape than the accumulator, or None; see `runtime.accumulate.accumulate_into`).
-      With `defer` each row's collective is issued one backward iteration later
-      (`runtime.accumulate.sync_deferred`; `outs` only).
+        `runtime.accumulate`); used with `LoopSinks.accs`. A stack of several scans then reads each layer's
+        rows of the accumulated stacks (`accumulate.scan_rows`) instead of scanning per-scan slices of them
+        (each a copy of those weights for the whole step).
+      enter: applied to the carry entering the loop (`runtime.grads`: the sequence-parallel split).
     """
-    any_gather = any(g is not None for g in gather)
 
-    def loop(body: Callable[..., Any], consts: list[Any], carry: list[Any], xs: list[Any],
-             accs: Sequence[Any] | None = None, outs: Sequence[Any] | None = None,
-             finish: Sequence[SliceGrad | None] | None = None, defer: bool = False) -> Any:
-        if defer and finish is None:
-            raise ValueError("defer: only an in-loop sync (`finish`) can be deferred")
+    scans: tuple[LayerScan, ...]
+    policy: str
+    gather: tuple[Callable[[jax.Array], jax.Array] | None, ...]
+    carry_constraint: Callable[[jax.Array], jax.Array] | None = None
+    offload_names: tuple[str, ...] = ()
+    refetch_plain: bool = False
+    prepare: tuple[SliceGrad | None, ...] = ()
+    enter: Callable[[jax.Array], jax.Array] | None = None  # applied to the initial carry (sequence split)
 
-        def apply(consts: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-            x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(gather, x)]
+    @property
+    def num_layers(self) -> int:
+        return self.scans[-1].end if self.scans else 0
+
+    def __call__(self, body: Body, consts: list[jax.Array], carry: list[jax.Array], xs: list[jax.Array]
+                 ) -> tuple[list[jax.Array], list[jax.Array]]:
+        """``(carry, ys)``: the interface of `mistjax.trace.split.evaluate`'s ``layer_loop``."""
+        out = self.run(body, consts, carry, xs)
+        return out.carry, out.ys
+
+    def _apply(self, body: Body) -> Layer:
+        def apply(consts: list[jax.Array], c: list[jax.Array], x: list[jax.Array]
+                  ) -> tuple[list[jax.Array], list[jax.Array]]:
+            x = [xi if g is None else checkpoint_name(g(xi), GATHERED) for g, xi in zip(self.gather, x)]
             c, y = body(consts, c, x)
-            if carry_constraint is not None:
-                c = [carry_constraint(ci) for ci in c]
+            if self.carry_constraint is not None:
+                c = [self.carry_constraint(ci) for ci in c]
             return c, y
 
-        def kinds(apply: Layer, riding: bool) -> dict[str, Callable[..., Any]]:
-            checkpointed = {"remat": remat_policy(policy), "offload": offload_policy(offload_names)}
-            if riding:
-                # Every kind under the re-fetching VJP: a jax.checkpoint alone keeps the whole stacks it
-                # reads its rows from as a per-layer residual, which the scan stacks (a copy per layer).
-                fns = {"plain": apply, **{k: jax.checkpoint(apply, policy=p) for k, p in checkpointed.items()}}
-                return {k: functools.partial(_refetching_layer(f, riding=True), consts) for k, f in fns.items()}
+        return apply
 
-            def layer(c: list[Any], x: Any) -> tuple[list[Any], Any]:
-                return apply(consts, c, x)
+    def _kinds(self, apply: Layer, consts: list[jax.Array], riding: bool) -> dict[str, Callable[..., Any]]:
+        """The per-layer function of each segment kind (see `_refetching_layer` for `riding`)."""
+        checkpointed = {REMAT: remat_policy(self.policy), OFFLOAD: offload_policy(self.offload_names)}
+        if riding:
+            # Every kind under the re-fetching VJP: a jax.checkpoint alone keeps the whole stacks it
+            # reads its rows from as a per-layer residual, which the scan stacks (a copy per layer).
+            fns = {PLAIN: apply, **{k: jax.checkpoint(apply, policy=p) for k, p in checkpointed.items()}}
+            return {k: functools.partial(_refetching_layer(f, riding=True), consts) for k, f in fns.items()}
 
-            # Plain layers: with fetches, the re-fetching custom VJP (consts go in as an argument: a
-            # custom_vjp must not close over values being differentiated); without, a plain function.
-            plain = functools.partial(_refetching_layer(apply), consts) if any_gather or refetch_plain else layer
-            return {"plain": plain, **{k: jax.checkpoint(layer, policy=p) for k, p in checkpointed.items()}}
+        def layer(c: list[jax.Array], x: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+            return apply(consts, c, x)
 
-        segments = layer_segments(num_layers, remat_layers, offload_layers)
-        # Several segments with in-loop accumulation: each layer reads its rows of the whole stacks
-        # (`accumulate.scan_rows`), so no segment scans a copied slice of them.
+        # Plain layers: with fetches, the re-fetching custom VJP (consts go in as an argument: a
+        # custom_vjp must not close over values being differentiated); without, a plain function.
+        any_gather = any(g is not None for g in self.gather)
+        plain = functools.partial(_refetching_layer(apply), consts) if any_gather or self.refetch_plain else layer
+        return {PLAIN: plain, **{k: jax.checkpoint(layer, policy=p) for k, p in checkpointed.items()}}
+
+    def run(self, body: Body, consts: list[jax.Array], carry: list[jax.Array], xs: list[jax.Array],
+            sinks: LoopSinks | None = None) -> LoopResult:
+        """Run the layers over the scanned operands `xs`, feeding `sinks` in the backward if given."""
+        if sinks is not None and sinks.defer and sinks.finish is None:
+            raise ValueError("defer: only an in-loop sync (`finish`) can be deferred")
+        apply = self._apply(body)
+        if self.enter is not None:
+            carry = [self.enter(c) for c in carry]
+        accs = None if sinks is None else list(sinks.accs)
+        outs = None if sinks is None or sinks.outs is None else list(sinks.outs)
+        finish = None if sinks is None else sinks.finish
+        # Several scans with in-loop accumulation: each layer reads its rows of the whole stacks
+        # (`accumulate.scan_rows`), so no scan reads a copied slice of them.
         # (Not with `finish`: the G == 1 in-loop sync scans slices; the cost model charges them there.)
-        by_rows = (accs is not None and finish is None and len(segments) > 1
-                   and any(a is not None for a in accs))
-        fns = kinds(apply, riding=False)
+        by_rows = (accs is not None and finish is None and len(self.scans) > 1 and any(a is not None for a in accs))
+        fns = self._kinds(apply, consts, riding=False)
         if by_rows:
-            fns_rows = kinds(reading_rows(apply, [j for j, a in enumerate(accs) if a is not None],
-                                          [p for p, a in zip(prepare, accs) if a is not None]), riding=True)
+            fns_rows = self._kinds(reading_rows(apply, [j for j, a in enumerate(accs) if a is not None],
+                                                [p for p, a in zip(self.prepare, accs) if a is not None]),
+                                   consts, riding=True)
         ys_parts = []
-        for start, end, kind, unroll in _unrolled_segments(segments, double_buffer and any_gather):
-            fn = fns[kind]
+        for scan in self.scans:
+            start, end, fn = scan.start, scan.end, fns[scan.kind]
             # (Not used on the row-reading path: there only `scan_rows` slices, the other operands.)
-            seg = xs if by_rows or (start, end) == (0, num_layers) else [x[start:end] for x in xs]
+            seg = xs if by_rows or (start, end) == (0, self.num_layers) else [x[start:end] for x in xs]
             if any(isinstance(x, LayerSlices) for x in xs):  # an unrolled stack: its own leaves per layer
                 if accs is not None:
                     raise ValueError("in-loop gradient accumulation needs a stacked layer scan")
                 carry, ys = unrolled_loop(fn, carry, seg)
             elif by_rows:
-                carry, accs, ys = scan_rows(fns_rows[kind], carry, xs, accs, start, end, unroll)
+                carry, accs, ys = scan_rows(fns_rows[scan.kind], carry, xs, accs, start, end, scan.unroll)
             elif accs is not None:
-                # The whole-stack accumulators ride through every segment (rows start..end-1 here).
-                carry, accs, outs, ys = scan_accumulating(fn, carry, seg, accs, prepare, start, unroll, outs,
-                                                          finish, defer=defer)
+                # The whole-stack accumulators ride through every scan (rows start..end-1 here).
+                carry, accs, outs, ys = scan_accumulating(fn, carry, seg, accs, list(self.prepare), start,
+                                                          scan.unroll, outs, finish, defer=sinks.defer)
             else:
-                carry, ys = jax.lax.scan(fn, carry, seg, unroll=unroll)
+                carry, ys = jax.lax.scan(fn, carry, seg, unroll=scan.unroll)
             ys_parts.append(ys)
         ys = ys_parts[0] if len(ys_parts) == 1 else [jax.numpy.concatenate(parts) for parts in zip(*ys_parts)]
-        if accs is None:
-            return carry, ys
-        return (carry, ys, list(accs)) if finish is None else (carry, ys, list(accs), list(outs))
-
-    return loop
+        return LoopResult(carry, ys, None if accs is None else list(accs), None if outs is None else list(outs))
