@@ -9,44 +9,135 @@ Examples:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+
+import tyro
 
 from mistjax.core.plan import Plan, PlanError
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from mistjax.cost.predict import Analysis
+    from mistjax.cost.workload import Workload
+    from mistjax.hardware.presets import ClusterSpec
+    from mistjax.tune.tuner import Progress, TuneResult
+    from mistjax.validate.verified import TuneFn, VerifiedPlan, VerifyRound
+    from models.config import ModelConfig
 
 
 class CliError(Exception):
     """A user-facing error: printed without a traceback."""
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer (at least 1)")
-    return value
+class FlagError(CliError):
+    """A flag's value is out of range: reported like a parse error (exit status 2). Raised by the flags'
+    ``__post_init__``; not a ValueError, so that tyro leaves it to `main`, which prints it on one line."""
+
+    def __init__(self, command: str, message: str) -> None:
+        super().__init__(message)
+        self.command = command
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value:g} must be positive (GiB of device memory, e.g. 40)")
-    return value
+def _positive_int(command: str, flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise FlagError(command, f"argument {flag}: {value} must be a positive integer (at least 1)")
 
 
-def load_model_config(spec: str) -> Any:
+def _positive(command: str, flag: str, value: float | None, example: str) -> None:
+    if value is not None and not value > 0:
+        raise FlagError(command, f"argument {flag}: {value:g} must be positive ({example})")
+
+
+def _hint(text: str) -> object:
+    """What ``--help`` says in place of ``(default: None)``."""
+    return tyro.conf.arg(help_behavior_hint=text)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadArgs:
+    """The flags `plan` and `explain` share: the model, the cluster, the batch and what to check."""
+
+    command: ClassVar[str] = ""
+
+    model: str | None = None  # model preset (python -m models --list) or a JSON file of models.ModelConfig fields
+    cluster: str = "a100-40gb:1x8"  # hardware preset NAME:NODESxPER_NODE, or a `mistjax calibrate` profile JSON
+    global_batch: int | None = None  # sequences per step
+    seq_len: int = 2048  # tokens per sequence
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype
+    # storage dtype of the weights: float32 (MaxText's default) or bfloat16 with an fp32 master copy in the
+    # optimizer state (Megatron-LM's; `pretrain --param-dtype`)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # override device memory in GiB (emulate smaller cards)
+    memory_gib: Annotated[float | None, _hint("(default: the cluster's)")] = None
+    plot: Annotated[str | None, _hint("(default: no plots)")] = None  # write PNG plots into this folder
+    # compile the plan for the cluster's GPUs with XLA:GPU (deviceless AOT, no GPU needed) and print its
+    # per-device memory next to the prediction; `plan` re-tunes with the measured gap (up to 3 rounds) while
+    # XLA's peak is above the planning budget; exit status 1 if the plan does not fit the card (needs pip
+    # install 'mistjax[gpu-aot]'). Default: `plan` verifies where that compiler and the GPU's target spec are
+    # installed (--no-verify skips it), `explain` does not
+    verify: Annotated[bool | None, _hint("(default: `plan` where it can, `explain` no)")] = None
+
+    def __post_init__(self) -> None:
+        _positive_int(self.command, "--global-batch", self.global_batch)
+        _positive_int(self.command, "--seq-len", self.seq_len)
+        _positive(self.command, "--memory-gib", self.memory_gib, "GiB of device memory, e.g. 40")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanArgs(WorkloadArgs):
+    """Tune a plan for a model on a cluster and compare it with the baselines.
+    Example: mistjax plan --model gpt3-22b --cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096"""
+
+    command: ClassVar[str] = "plan"
+
+    model: str = field()  # model preset (python -m models --list) or a JSON file of models.ModelConfig fields
+    global_batch: int = 64  # sequences per step
+    time_limit: float = 60.0  # seconds for the search
+    no_baselines: tyro.conf.FlagCreatePairsOff[bool] = False  # skip the baselines
+    # progress bar over the search's outer keys on stderr (auto: on a terminal, searches over 1 s)
+    progress: Literal["auto", "on", "off"] = "auto"
+    json: Annotated[str | None, _hint("(default: not saved)")] = None  # save the plan as JSON
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self.command, "--time-limit", self.time_limit, "seconds for the search, e.g. 60")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExplainArgs(WorkloadArgs):
+    """Show a saved plan and its predicted time and memory.
+    Example: mistjax explain plan.json --model llama-7b --cluster l4:1x8 --seq-len 2048"""
+
+    command: ClassVar[str] = "explain"
+
+    plan: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="PLAN")]  # plan JSON file
+    global_batch: Annotated[int | None, _hint("(default: the plan's)")] = None  # sequences per step
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrateArgs:
+    """Measure this machine's devices into a cluster profile: matmul throughput, memory and collective
+    bandwidth, host links and interference. Example: mistjax calibrate --out prof.json"""
+
+    command: ClassVar[str] = "calibrate"
+
+    out: str = "cluster_profile.json"  # where to write the profile JSON
+    name: str = "calibrated"  # label stored in the profile
+    quick: tyro.conf.FlagCreatePairsOff[bool] = False  # smaller, faster measurements
+
+
+Args = PlanArgs | ExplainArgs | CalibrateArgs
+
+
+def load_model_config(spec: str) -> ModelConfig:
     """A preset name (`python -m models --list`) or a JSON file of `models.ModelConfig` fields."""
     import models
     from models.config import ModelConfig
@@ -66,7 +157,7 @@ def load_model_config(spec: str) -> Any:
         raise CliError(str(e)) from e
 
 
-def load_cluster(spec: str, memory_gib: float | None = None) -> Any:
+def load_cluster(spec: str, memory_gib: float | None = None) -> ClusterSpec:
     """A preset like ``a100-40gb:4x8`` or a calibration profile JSON file."""
     from mistjax.hardware.presets import ClusterSpec
 
@@ -83,35 +174,35 @@ def load_cluster(spec: str, memory_gib: float | None = None) -> Any:
     return cluster.with_memory(memory_gib * 2**30) if memory_gib is not None else cluster
 
 
-def _model_config(args: argparse.Namespace) -> Any:
+def _model_config(args: WorkloadArgs) -> ModelConfig:
     cfg = load_model_config(args.model).replace(dtype=args.dtype, param_dtype=args.param_dtype)
     if args.seq_len > cfg.max_seq_len:
         raise CliError(f"--seq-len {args.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
     return cfg
 
 
-def _workload(args: argparse.Namespace) -> Any:
+def _workload(args: WorkloadArgs) -> Workload:
     import models
 
     return models.workload(_model_config(args), args.seq_len, args.global_batch)
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def cmd_plan(args: PlanArgs) -> int:
     import mistjax
 
     cluster = load_cluster(args.cluster, args.memory_gib)
     required = bool(args.verify)  # asked for: a failed compile is an error; by default only a warning
     if args.verify:
         _verify_ready(cluster)
-    elif args.verify is None:  # default: verify where the GPU's compiler and a target spec are here
-        args.verify = _can_verify(cluster)
+    # default: verify where the GPU's compiler and a target spec are here
+    verify = _can_verify(cluster) if args.verify is None else args.verify
     workload = _workload(args)
     print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
           f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
     print(margin_line(cluster))
-    results: list[Any] = []
+    results: list[TuneResult] = []
 
-    def tune_fn(c: Any) -> Plan:
+    def tune_fn(c: ClusterSpec) -> Plan:
         try:
             with _search_progress(args.progress) as progress:
                 results.append(mistjax.tune(workload, c, time_limit=args.time_limit,
@@ -121,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = results[-1].plan
         return plan.as_plan() if hasattr(plan, "as_plan") else plan
 
-    verified = _tune_verified(_model_config(args), workload, cluster, tune_fn, required) if args.verify else None
+    verified = _tune_verified(_model_config(args), workload, cluster, tune_fn, required) if verify else None
     if verified is not None:
         plan = verified.plan
     elif results:  # the verification failed after the search
@@ -144,7 +235,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if verified.rounds[-1].report.fits else 1
 
 
-def margin_line(cluster: Any) -> str:
+def margin_line(cluster: ClusterSpec) -> str:
     """What the planning budget holds back for the memory model's misses, and where that figure comes from."""
     dev = cluster.device
     if not dev.memory_margin_source:
@@ -153,13 +244,14 @@ def margin_line(cluster: Any) -> str:
             f"buffers) held back beyond the budget; {dev.memory_margin_source}")
 
 
-def _tune_verified(config: Any, workload: Any, cluster: Any, tune_fn: Any, required: bool) -> Any:
+def _tune_verified(config: ModelConfig, workload: Workload, cluster: ClusterSpec, tune_fn: TuneFn,
+                   required: bool) -> VerifiedPlan | None:
     """`mistjax.validate.verified.tune_verified`, printing each round as it ends. A compile that fails is an
     error when ``--verify`` was asked for, else a warning (and None: the plan stays unverified)."""
     from mistjax.validate.gpu_aot import GpuAotUnavailable
     from mistjax.validate.verified import tune_verified
 
-    def say(r: Any) -> None:
+    def say(r: VerifyRound) -> None:
         print(f"  compiled for XLA:GPU: predicted {max(r.predicted) / 2**30:.2f} GiB, XLA:GPU {max(r.xla) / 2**30:.2f} "
               f"GiB per device" + (f"; {r.overflow / 2**30:.2f} GiB over the budget: re-tuning with the measured gap"
                                    if r.overflow > 0 else ""), flush=True)
@@ -177,7 +269,7 @@ def _tune_verified(config: Any, workload: Any, cluster: Any, tune_fn: Any, requi
 
 
 @contextlib.contextmanager
-def _search_progress(mode: str) -> Iterator[Any]:
+def _search_progress(mode: str) -> Iterator[Progress | None]:
     """A tqdm bar on stderr over each searched space's outer keys: with ``auto`` only when stderr is a terminal
     and a search runs longer than a second; ``on`` always, ``off`` never. Yields the tuner's ``progress`` callback."""
     if mode == "off":
@@ -185,7 +277,7 @@ def _search_progress(mode: str) -> Iterator[Any]:
         return
     from tqdm import tqdm
 
-    bars: list[Any] = []
+    bars: list[tqdm] = []
 
     def progress(space: str, visited: int, total: int) -> None:
         if visited == 0:  # a search starts: one bar per space, cleared when it ends
@@ -202,7 +294,7 @@ def _search_progress(mode: str) -> Iterator[Any]:
             bar.close()
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
+def cmd_explain(args: ExplainArgs) -> int:
     from mistjax.cost.predict import analyze
 
     try:
@@ -219,7 +311,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.verify:
         _verify_ready(cluster)
     if args.global_batch is None:
-        args.global_batch = plan.global_batch
+        args = dataclasses.replace(args, global_batch=plan.global_batch)
     workload = _workload(args)
     try:
         plan.check_devices(cluster.num_devices)
@@ -234,7 +326,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return _verify(_model_config(args), workload, plan, cluster, report) if args.verify else 0
 
 
-def _can_verify(cluster: Any) -> bool:
+def _can_verify(cluster: ClusterSpec) -> bool:
     """Whether ``--verify`` can run here: the deviceless XLA:GPU compiler is installed and the cluster's
     GPU has a target spec (`mistjax.validate.gpu_aot`)."""
     try:
@@ -244,7 +336,7 @@ def _can_verify(cluster: Any) -> bool:
     return True
 
 
-def _verify_ready(cluster: Any) -> None:
+def _verify_ready(cluster: ClusterSpec) -> None:
     """Fail before any tuning or analysis if ``--verify`` cannot run (plugin missing, no GPU spec)."""
     from mistjax.validate.gpu_aot import plugin_problem, target_for
 
@@ -257,7 +349,8 @@ def _verify_ready(cluster: Any) -> None:
         raise CliError(f"--verify: {e}") from e
 
 
-def _verify(config: Any, workload: Any, plan: Plan, cluster: Any, analysis: Any = None) -> int:
+def _verify(config: ModelConfig, workload: Workload, plan: Plan, cluster: ClusterSpec,
+            analysis: Analysis | None = None) -> int:
     """Compile ``plan`` for ``cluster``'s GPUs (XLA:GPU, deviceless, in a JAX_PLATFORMS=cpu subprocess) and
     print XLA's per-device memory next to the prediction; exit status 1 if XLA says it does not fit."""
     from mistjax.cost.predict import analyze
@@ -273,7 +366,7 @@ def _verify(config: Any, workload: Any, plan: Plan, cluster: Any, analysis: Any 
     return 0 if report.fits else 1
 
 
-def _plots(workload: Any, plan: Plan, cluster: Any, out: Path, result: Any = None) -> None:
+def _plots(workload: Workload, plan: Plan, cluster: ClusterSpec, out: Path, result: TuneResult | None = None) -> None:
     from mistjax.cost.predict import analyze
     from mistjax.viz import plot_memory, plot_pareto, plot_timeline
 
@@ -290,7 +383,7 @@ def _plots(workload: Any, plan: Plan, cluster: Any, out: Path, result: Any = Non
     print("wrote " + ", ".join(str(f) for f in files))
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
+def cmd_calibrate(args: CalibrateArgs) -> int:
     import jax
 
     from mistjax.hardware.calibrate import calibrate
@@ -307,64 +400,34 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mistjax", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+COMMANDS: dict[str, type[Args]] = {c.command: c for c in (PlanArgs, ExplainArgs, CalibrateArgs)}
 
-    def workload_args(q: argparse.ArgumentParser, required: bool) -> None:
-        q.add_argument("--model", required=required, help="model preset (python -m models --list) or config JSON")
-        q.add_argument("--cluster", default="a100-40gb:1x8", help="preset NAME:NODESxPER_NODE or profile JSON")
-        q.add_argument("--global-batch", type=positive_int, default=None if not required else 64,
-                       help="sequences per step")
-        q.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence")
-        q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
-        q.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="storage dtype of the weights: float32 (MaxText's default) or bfloat16 with an fp32 "
-                            "master copy in the optimizer state (Megatron-LM's; `pretrain --param-dtype`)")
-        q.add_argument("--memory-gib", type=positive_float, default=None,
-                       help="override device memory in GiB (emulate smaller cards)")
-        q.add_argument("--plot", default=None, help="write PNG plots into this folder")
-        q.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                       help="compile the plan for the cluster's GPUs with XLA:GPU (deviceless AOT, no GPU needed) "
-                            "and print its per-device memory next to the prediction; `plan` re-tunes with the "
-                            "measured gap (up to 3 rounds) while XLA's peak is above the planning budget; exit "
-                            "status 1 if the plan does not fit the card (needs pip install 'mistjax[gpu-aot]'). "
-                            "Default: `plan` verifies where that compiler and the GPU's target spec are installed "
-                            "(--no-verify skips it), `explain` does not")
 
-    q = sub.add_parser("plan", help="tune a plan and compare it with the baselines",
-                       description="Tune a plan for a model on a cluster. Example: mistjax plan --model gpt3-22b "
-                                   "--cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096")
-    workload_args(q, True)
-    q.add_argument("--time-limit", type=positive_float, default=60.0, help="seconds for the search")
-    q.add_argument("--no-baselines", action="store_true", help="skip the baselines")
-    q.add_argument("--progress", default="auto", choices=["auto", "on", "off"],
-                   help="progress bar over the search's outer keys on stderr (auto: on a terminal, searches over 1 s)")
-    q.add_argument("--json", default=None, help="save the plan as JSON")
-    q.set_defaults(fn=cmd_plan)
+def parse_args(argv: list[str] | None = None) -> Args:
+    """The subcommand and its flags (tyro, from the dataclasses above); a bad flag exits with status 2."""
+    return tyro.extras.subcommand_cli_from_dict(COMMANDS, prog="mistjax", description=__doc__, args=argv,
+                                                # an optional flag takes a value, not the word None
+                                                config=(tyro.conf.DisallowNone,))
 
-    q = sub.add_parser("explain", help="show a saved plan and its predicted time and memory",
-                       description="Explain a plan JSON. Example: mistjax explain plan.json --model llama-7b "
-                                   "--cluster l4:1x8 --seq-len 2048")
-    q.add_argument("plan", help="plan JSON file")
-    workload_args(q, False)
-    q.set_defaults(fn=cmd_explain)
 
-    q = sub.add_parser("calibrate", help="measure this machine's devices into a cluster profile",
-                       description="Measure matmul throughput, memory and collective bandwidth, host links and "
-                                   "interference of the visible devices. Example: mistjax calibrate --out prof.json")
-    q.add_argument("--out", default="cluster_profile.json", help="where to write the profile JSON")
-    q.add_argument("--name", default="calibrated", help="label stored in the profile")
-    q.add_argument("--quick", action="store_true", help="smaller, faster measurements")
-    q.set_defaults(fn=cmd_calibrate)
-    return p
+def _run(args: Args) -> int:
+    match args:
+        case PlanArgs():
+            return cmd_plan(args)
+        case ExplainArgs():
+            return cmd_explain(args)
+        case CalibrateArgs():
+            return cmd_calibrate(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        args = parse_args(argv)
+    except FlagError as e:
+        print(f"mistjax {e.command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        return _run(args)
     except (CliError, PlanError) as e:
         print(f"mistjax {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -31,15 +31,50 @@ def plan8(**kw) -> Plan:
 
 # ---------------------------------------------------------------------------------------------- plans
 @pytest.mark.parametrize("field,value,match", [
-    ("shard_opt", "false", "shard_opt='false' must be true or false"),
-    ("remat_layers", "2", "remat_layers='2' must be an integer"),
-    ("offload_opt", "0.5", "offload_opt='0.5' must be a number"),
+    ("shard_opt", "false", "stages.0.shard_opt: 'false' must be true or false"),
+    ("shard_opt", 1, "stages.0.shard_opt: 1 must be true or false"),  # no coercion: 1 is not true
+    ("remat_layers", "2", "stages.0.remat_layers: '2' must be an integer"),
+    ("remat_layers", 2.0, "stages.0.remat_layers: 2.0 must be an integer"),
+    ("offload_opt", "0.5", "stages.0.offload_opt: '0.5' must be a number"),
+    ("layers", [0, 1, 2], r"stages.0.layers: \[0, 1, 2\] must be two integers \[start, end\)"),
 ])
 def test_plan_json_fields_of_the_wrong_type(field, value, match):
     doc = plan8().to_dict()
     doc["stages"][0][field] = value
     with pytest.raises(PlanError, match=match):
         Plan.from_json(json.dumps(doc))
+
+
+def test_plan_json_lists_every_problem_on_its_own_line():
+    """Unknown fields (with the likely spelling), missing ones and wrong types, each with the field's path."""
+    doc = plan8(stages=2).to_dict()
+    doc["dpp"] = 2
+    doc["stages"][1]["shard_weight"] = True
+    del doc["stages"][0]["layers"]
+    doc["fingerprints"] = {"model": 7}
+    with pytest.raises(PlanError) as e:
+        Plan.from_json(json.dumps(doc))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "malformed plan (4 problems):"
+    assert sorted(ln.strip().split(":")[0] for ln in lines[1:]) == [
+        "dpp", "fingerprints.model", "stages.0.layers", "stages.1.shard_weight"]
+    assert "dpp: unknown field (did you mean 'dp'?)" in str(e.value)
+    assert "stages.1.shard_weight: unknown field (did you mean 'shard_weights'?); a stage's fields are" in str(e.value)
+    assert "stages.0.layers: missing" in str(e.value)
+
+
+def test_plan_json_keeps_the_plans_own_checks():
+    """A well-typed plan that does not hold together gets `Plan.validate`'s message, not a pydantic one."""
+    doc = plan8().to_dict()
+    doc["shard_group"] = 3
+    with pytest.raises(PlanError, match=r"^shard_group=3 must divide dp=8"):
+        Plan.from_json(json.dumps(doc))
+    doc = plan8().to_dict()
+    doc["stages"][0]["offload_acts"] = 1.5
+    with pytest.raises(PlanError, match=r"^stage 0: offload_acts=1.5 is outside \[0, 1\]"):
+        Plan.from_json(json.dumps(doc))
+    with pytest.raises(PlanError, match="a plan must be a JSON object, got list"):
+        Plan.from_json("[]")
 
 
 def test_misspelt_uniform_plan_keyword():

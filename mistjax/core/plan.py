@@ -15,15 +15,20 @@ and its JSON keep the single axis.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mistjax.core.schedules import SCHEDULE_NAMES as SCHEDULES
 from mistjax.core.stages import StageKind, offloaded_layers, stage_kind
+
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter, ValidationError
+    from pydantic_core import ErrorDetails
 
 SCHEMA_VERSION = 1
 PLAN_MESH_AXES = ("stage", "replica", "shard", "tensor")
@@ -62,7 +67,8 @@ class PlanDoesNotFit(PlanError):
 def _check_remat_policy(policy: str) -> None:
     if policy in REMAT_POLICIES:
         return
-    if policy.startswith("names:") and all(n.strip() for n in policy[len("names:"):].split(",")):
+    names = policy[len("names:"):] if isinstance(policy, str) and policy.startswith("names:") else ""
+    if names and all(n.strip() for n in names.split(",")):
         return
     raise PlanError(
         f"unknown remat policy {policy!r}: use one of {', '.join(REMAT_POLICIES)} or "
@@ -70,43 +76,25 @@ def _check_remat_policy(policy: str) -> None:
     )
 
 
-_STAGE_BOOLS = ("shard_weights", "shard_grads", "shard_opt")
-
-
-def _is_bool(x: Any) -> bool:
+def _is_bool(x: object) -> bool:
     return isinstance(x, bool) or type(x).__name__ == "bool_"  # NumPy's bool too
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not _is_bool(x)
 
 
-def _check_stage_types(stage: StagePlan, index: int) -> None:
-    """JSON plans written by hand give booleans and counts as strings ("false" is truthy): refuse them."""
-    for name in _STAGE_BOOLS:
-        value = getattr(stage, name)
-        if not _is_bool(value):
-            raise PlanError(f"stage {index}: {name}={value!r} must be true or false (a JSON boolean, not a string "
-                            "or number)")
-    value = stage.remat_layers
-    if not _is_int(value):
-        raise PlanError(f"stage {index}: remat_layers={value!r} must be an integer (a JSON number such as 2, "
-                        "not a string)")
-    if not isinstance(stage.remat_policy, str):
-        raise PlanError(f"stage {index}: remat_policy={stage.remat_policy!r} must be a string such as \"full\"")
-    layers = stage.layers
-    if not (isinstance(layers, tuple) and len(layers) == 2 and all(_is_int(x) for x in layers)):
-        raise PlanError(f"stage {index}: layers={layers!r} must be two integers [start, end)")
-    for name in OFFLOAD_FIELDS:
-        value = getattr(stage, name)
-        if _is_bool(value) or not isinstance(value, numbers.Real):
-            raise PlanError(f"stage {index}: {name}={value!r} must be a number in [0, 1] (a JSON number, not a "
-                            "string)")
+# What from_dict's pydantic validation adds to the dataclasses below (read as ``__pydantic_config__``; a
+# plain dict, so that importing this module does not import pydantic): fields it does not know are errors,
+# and no value is coerced (a JSON "false" or 1 is not a boolean, "2" or 2.0 not a count).
+_JSON_CONFIG = {"extra": "forbid", "strict": True}
 
 
 @dataclass(frozen=True)
 class StagePlan:
     """What one pipeline stage runs and how it saves memory."""
+
+    __pydantic_config__ = _JSON_CONFIG
 
     layers: tuple[int, int]  # [start, end) of the layer stack this stage runs
     shard_weights: bool = False  # ZeRO-3: parameters stored sharded, gathered per layer
@@ -124,19 +112,18 @@ class StagePlan:
         return self.layers[1] - self.layers[0]
 
     def validate(self, index: int = 0) -> None:
-        """Raise `PlanError` if a field has the wrong type or is out of range."""
-        _check_stage_types(self, index)
+        """Raise `PlanError` if a field is out of range (a JSON plan's types are checked by `Plan.from_dict`)."""
         start, end = self.layers
-        if start < 0 or end <= start:
+        if not (_is_int(start) and _is_int(end)) or start < 0 or end <= start:
             raise PlanError(f"stage {index}: layer range {self.layers} is empty or negative; "
-                            "give [start, end) with 0 <= start < end")
-        if not 0 <= self.remat_layers <= self.num_layers:
-            raise PlanError(f"stage {index}: remat_layers={self.remat_layers} must be in "
+                            "give [start, end) with integers 0 <= start < end")
+        if not (_is_int(self.remat_layers) and 0 <= self.remat_layers <= self.num_layers):
+            raise PlanError(f"stage {index}: remat_layers={self.remat_layers!r} must be an integer in "
                             f"[0, {self.num_layers}] (the stage's layer count)")
         _check_remat_policy(self.remat_policy)
         for name in OFFLOAD_FIELDS:
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
+            if _is_bool(value) or not (isinstance(value, numbers.Real) and 0.0 <= value <= 1.0):
                 raise PlanError(f"stage {index}: {name}={value!r} is outside [0, 1]; "
                                 "offload ratios are fractions")
         if self.shard_grads and not self.shard_opt:
@@ -185,6 +172,8 @@ def lowered_budget(budget: float, predicted: float, need: float, available: floa
 class Prediction:
     """What the cost model predicted for a plan (seconds and bytes per device)."""
 
+    __pydantic_config__ = _JSON_CONFIG
+
     step_time: float  # predicted seconds per optimizer step
     stage_stable: tuple[float, ...] = ()  # per stage: steady-state seconds per micro-batch
     stage_delta: tuple[float, ...] = ()  # per stage: extra seconds of first + last micro-batch
@@ -207,6 +196,8 @@ class Plan:
     DP, TP, the micro-batch size and the MiCS group are uniform across stages, as in Mist's
     MILP mode; everything that saves memory is chosen per stage.
     """
+
+    __pydantic_config__ = _JSON_CONFIG
 
     stages: tuple[StagePlan, ...]  # pipeline stages in order; one stage = no pipelining
     micro_batch: int = 1  # b: sequences per data-parallel rank per micro-batch
@@ -350,40 +341,27 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: Any) -> Plan:
+    def from_dict(cls, data: object) -> Plan:
+        """The plan a JSON object describes (`to_dict`'s form), checked by pydantic against these dataclasses'
+        fields: unknown fields, missing ones and values of the wrong JSON type are a `PlanError` with one line
+        per problem, each naming the field's path (``stages.1.shard_opt: ...``); then `validate`."""
         if not isinstance(data, dict):
             raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version != SCHEMA_VERSION:  # before the fields: another version's fields would be reported one by one
             raise PlanError(f"plan schema version {version!r} is not supported (this mistjax reads "
                             f"version {SCHEMA_VERSION}); re-run the tuner to make a new plan")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise PlanError(f"unknown plan fields {sorted(unknown)}; known fields: {sorted(known)}")
+        from pydantic import ValidationError
+
         try:
-            stage_fields = {f.name for f in dataclasses.fields(StagePlan)}
-            stages = []
-            for i, s in enumerate(data.get("stages") or ()):
-                bad = set(s) - stage_fields
-                if bad:
-                    raise PlanError(f"stage {i}: unknown fields {sorted(bad)}")
-                stages.append(StagePlan(**dict(s, layers=tuple(s["layers"]))))
-            pred = data.get("prediction")
-            prediction = None
-            if pred is not None:
-                prediction = Prediction(
-                    step_time=float(pred["step_time"]),
-                    stage_stable=tuple(pred.get("stage_stable", ())),
-                    stage_delta=tuple(pred.get("stage_delta", ())),
-                    stage_memory=tuple(dict(m) for m in pred.get("stage_memory", ())),
-                    tokens_per_s=float(pred.get("tokens_per_s", 0.0)))
-            rest = {k: v for k, v in data.items() if k not in ("stages", "prediction")}
-            return cls(stages=tuple(stages), prediction=prediction, **rest)
-        except PlanError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
+            text = json.dumps(data, default=_json_scalar)
+        except (TypeError, ValueError) as e:
             raise PlanError(f"malformed plan: {e}") from e
+        try:
+            # JSON mode: strict types as JSON has them (an array is a tuple, a whole number a float).
+            return _json_adapter(cls).validate_json(text)
+        except ValidationError as e:
+            raise _plan_error(e, cls) from None
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -408,7 +386,7 @@ class Plan:
             raise PlanError(f"plan file {str(path)!r} does not exist")
         return cls.from_json(path.read_text())
 
-    def replace(self, **changes: Any) -> Plan:
+    def replace(self, **changes: object) -> Plan:
         return dataclasses.replace(self, **changes)
 
     # ---------------------------------------------------------------- display
@@ -450,6 +428,84 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def _json_scalar(value: object) -> object:
+    """``json.dumps``'s fallback: a NumPy scalar (a count or flag computed with NumPy) as its Python value."""
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():
+        return item()
+    raise TypeError(f"{value!r} ({type(value).__name__}) is not a JSON value")
+
+
+@functools.cache
+def _json_adapter(cls: type[Plan]) -> TypeAdapter[Plan]:
+    """pydantic's validator of ``cls``'s JSON form (built once per class; pydantic is imported on first use)."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls)
+
+
+# Per pydantic error type: what the value must be instead, in JSON's words.
+_JSON_TYPE_FIXES = {
+    "bool_type": "must be true or false (a JSON boolean, not a string or number)",
+    "int_type": "must be an integer (a JSON number such as 2, not a string)",
+    "float_type": "must be a number (a JSON number such as 0.5, not a string)",
+    "string_type": "must be a string (in double quotes)",
+    "tuple_type": "must be a JSON array",
+    "list_type": "must be a JSON array",
+    "dict_type": "must be a JSON object",
+    "dataclass_type": "must be a JSON object",
+}
+
+
+def _field_owner(cls: type[Plan], loc: tuple[int | str, ...]) -> type:
+    """The dataclass whose field ``loc`` (a pydantic error location) names."""
+    owner: type = cls
+    for part in loc[:-1]:
+        if part == "stages":
+            owner = StagePlan
+        elif part == "prediction":
+            owner = Prediction
+    return owner
+
+
+def _problem(cls: type[Plan], err: ErrorDetails) -> str:
+    """One line for one pydantic error: the field's path, the value, what it must be."""
+    import difflib
+
+    loc = tuple(err["loc"])
+    path = ".".join(str(p) for p in loc) or "the plan"
+    kind = err["type"]
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        owner = _field_owner(cls, loc)
+        known = [f.name for f in dataclasses.fields(owner)]
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        what = {StagePlan: "a stage", Prediction: "a prediction"}.get(owner, "a plan")
+        return f"{path}: unknown field{hint}; {what}'s fields are {', '.join(known)}"
+    if kind in ("missing", "missing_keyword_argument"):
+        return f"{path}: missing (a required field)"
+    if loc and loc[-1] == "layers" and kind in ("too_long", "too_short", "tuple_type"):
+        return f"{path}: {err['input']!r} must be two integers [start, end)"
+    fix = _JSON_TYPE_FIXES.get(kind)
+    if fix is not None:
+        return f"{path}: {err['input']!r} {fix}"
+    return f"{path}: {err['msg']}"
+
+
+def _plan_error(error: ValidationError, cls: type[Plan]) -> PlanError:
+    """pydantic's ``error`` as a `PlanError`: the plan's own check (`Plan.validate`, run as the dataclass is
+    built) as it is, else one line per problem."""
+    errors = error.errors()
+    for err in errors:
+        original = (err.get("ctx") or {}).get("error")
+        if isinstance(original, PlanError):
+            return original
+    lines = [_problem(cls, err) for err in errors]
+    if len(lines) == 1:
+        return PlanError(f"malformed plan: {lines[0]}")
+    return PlanError(f"malformed plan ({len(lines)} problems):\n  " + "\n  ".join(lines))
 
 
 def params_fingerprint(params: Any) -> str:
