@@ -7,17 +7,43 @@ liveness peaks, and Megatron tensor/sequence-parallel collectives. ``compile_pro
 them into one vectorised NumPy function for the tuner. ``flop_count`` counts a jaxpr's FLOPs.
 """
 
-from mistjax.analysis.analyze import DEFAULT_POINTS, analyze_model, block_tags, token_batch
-from mistjax.analysis.compiled import CompiledProfile, compile_profile, part_values
-from mistjax.analysis.flops import FlopCount, flop_count
-from mistjax.analysis.graph import Graph, StructureError, build_graph
-from mistjax.analysis.layout import Partial, Shard, constrain_graph, partition_spec
-from mistjax.analysis.parts import PartFn, VjpTrace, split_parts, vjp_jaxprs
-from mistjax.analysis.poly import SYMBOLS, FitError
-from mistjax.analysis.profile import Collective, ModelProfile, PartProfile, tp_gate
-from mistjax.analysis.tp import propagate
+from __future__ import annotations
 
-B, S, T = SYMBOLS
+import importlib
+from typing import TYPE_CHECKING
+
+# Public name -> the module defining it. Imported on first use: the runtime imports the sympy-free modules
+# (graph, layout, tp, block) and must not pay for sympy, which `analyze`, `compiled` and `profile` need.
+_EXPORTS = {
+    "DEFAULT_POINTS": "analyze", "analyze_model": "analyze", "block_tags": "analyze", "token_batch": "analyze",
+    "CompiledProfile": "compiled", "compile_profile": "compiled", "part_values": "compiled",
+    "FlopCount": "flops", "flop_count": "flops",
+    "Graph": "graph", "StructureError": "graph", "build_graph": "graph",
+    "Partial": "layout", "Shard": "layout", "constrain_graph": "layout", "partition_spec": "layout",
+    "PartFn": "parts", "VjpTrace": "parts", "split_parts": "parts", "vjp_jaxprs": "parts",
+    "SYMBOLS": "poly", "B": "poly", "S": "poly", "T": "poly", "FitError": "poly",
+    "Collective": "profile", "ModelProfile": "profile", "PartProfile": "profile", "tp_gate": "profile",
+    "propagate": "tp",
+}
+
+if TYPE_CHECKING:
+    from mistjax.analysis.analyze import DEFAULT_POINTS, analyze_model, block_tags, token_batch
+    from mistjax.analysis.compiled import CompiledProfile, compile_profile, part_values
+    from mistjax.analysis.flops import FlopCount, flop_count
+    from mistjax.analysis.graph import Graph, StructureError, build_graph
+    from mistjax.analysis.layout import Partial, Shard, constrain_graph, partition_spec
+    from mistjax.analysis.parts import PartFn, VjpTrace, split_parts, vjp_jaxprs
+    from mistjax.analysis.poly import SYMBOLS, B, FitError, S, T
+    from mistjax.analysis.profile import Collective, ModelProfile, PartProfile, tp_gate
+    from mistjax.analysis.tp import propagate
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "B",

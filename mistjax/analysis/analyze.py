@@ -4,11 +4,11 @@ residuals, liveness peaks, tensor-parallel collectives in b, s, t). How and what
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +19,18 @@ from mistjax.analysis.block import activation_state, weight_state
 from mistjax.analysis.cache import cache_dir, load_profile, profile_key, save_profile
 from mistjax.analysis.flops import FlopCount, count_graph
 from mistjax.analysis.fused import check_blocks, unit_bytes
-from mistjax.analysis.graph import Graph, build_graph
+from mistjax.analysis.graph import Graph, Node, build_graph
 from mistjax.analysis.kernels import PassKernels, graph_kernels
 from mistjax.analysis.memory import alias_roots, nbytes_fn, peak_candidates
-from mistjax.analysis.parts import WEIGHT, PartFn, split_parts, vjp_jaxprs
+from mistjax.analysis.parts import WEIGHT, PartFn, VjpTrace, split_parts, vjp_jaxprs
 from mistjax.analysis.poly import ZERO, Poly, S, T, max_expr, prune_dominated, total
 from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
 from mistjax.analysis.tp import REP, Shard, State, TPResult, propagate
 from mistjax.core.axes import leaf_axes
+from mistjax.core.jaxpr import Atom, iter_eqns
 from mistjax.core.layout import TENSOR_AXES
-from mistjax.trace.split import trace_loss
+from mistjax.core.types import LossFn, PyTree
+from mistjax.trace.split import TracedLoss, trace_loss
 
 DEFAULT_POINTS: tuple[tuple[int, int], ...] = ((2, 8), (3, 8), (2, 16), (3, 16), (2, 24), (3, 24), (4, 32))
 BASE_POLICIES = ("none", "full", "dots")
@@ -41,7 +43,7 @@ def token_batch(b: int, s: int) -> tuple[dict[str, jax.ShapeDtypeStruct]]:
     return ({"inputs": tok, "targets": tok},)
 
 
-def _flat_axes(params: Any, param_axes: Any) -> list[Axes]:
+def _flat_axes(params: PyTree, param_axes: PyTree | None) -> list[Axes]:
     n = len(jax.tree.leaves(params))
     if param_axes is None:
         axes = leaf_axes(params)
@@ -58,7 +60,11 @@ def _flat_axes(params: Any, param_axes: Any) -> list[Axes]:
     return list(axes)
 
 
-_FINAL = object()  # "the layout a value ends in" (a partial output resolved), for local_bytes
+class _Final(enum.Enum):
+    FINAL = "final"  # "the layout a value ends in" (a partial output resolved), for local_bytes
+
+
+_FINAL = _Final.FINAL
 
 
 @dataclass(frozen=True)
@@ -74,18 +80,18 @@ class PassAnalysis:
     res: TPResult
 
     @cached_property
-    def final(self) -> dict[Any, State]:
+    def final(self) -> dict[jex.Var, State]:
         """Layout of every value, outputs after their resolution (a partial output reduced)."""
         final = dict(self.res.states)
         final.update({v: s for v, s in zip(self.g.outvars, self.res.out_states) if isinstance(v, jex.Var)})
         return final
 
-    def local_bytes(self, v: Any, state: Any = _FINAL) -> Poly:
+    def local_bytes(self, v: Atom, state: State | _Final = _FINAL) -> Poly:
         """Bytes of ``v`` on one device in layout ``state`` (default: its final layout)."""
         st = self.final.get(v, REP) if state is _FINAL else state
         return nbytes_fn(self.g, lambda u: self.res.local_dims(self.g, u, st))(v)
 
-    def _shapes(self, n: Any) -> tuple[list, list]:
+    def _shapes(self, n: Node) -> tuple[list[tuple[Poly, ...]], list[tuple[Poly, ...]]]:
         ins, outs = self.res.node_states[n]
         return (
             [self.res.local_dims(self.g, v, s) for v, s in zip(n.ins, ins)],
@@ -95,7 +101,7 @@ class PassAnalysis:
     def flops(self) -> FlopCount:
         return count_graph(self.g, self._shapes)
 
-    def peak(self, exclude: Sequence[Any] = ()) -> sp.Expr:
+    def peak(self, exclude: Sequence[Atom] = ()) -> sp.Expr:
         """Transient peak bytes; with blockwise fused attention, ``Piecewise`` on ``s <= block``."""
         small = self._peak(exclude, large_blocks=False)
         blocks = [n.unit_block for n in self.g.walk() if n.unit_block and n.subs]
@@ -104,7 +110,7 @@ class PassAnalysis:
         large = self._peak(exclude, large_blocks=True)
         return small if large == small else sp.Piecewise((small, sp.Le(S, min(blocks))), (large, True))
 
-    def _peak(self, exclude: Sequence[Any], *, large_blocks: bool) -> sp.Expr:
+    def _peak(self, exclude: Sequence[Atom], *, large_blocks: bool) -> sp.Expr:
         tp = peak_candidates(
             self.g,
             lambda v: self.local_bytes(v, self.res.states.get(v, REP)),
@@ -147,7 +153,7 @@ class PassAnalysis:
 
 
 def _part_passes(
-    traces: Sequence[Any],
+    traces: Sequence[VjpTrace],
     points: Sequence[tuple[int, int]],
     part: PartFn,
     axes: list[Axes],
@@ -163,14 +169,14 @@ def _part_passes(
     bwd_g = build_graph(traces[0].bwd, [t.bwd for t in traces[1:]], points)
     nd, no = len(part.diff), part.num_outputs
 
-    def act_state(g: Graph, v: Any) -> State:
+    def act_state(g: Graph, v: Atom) -> State:
         return activation_state(g, v, sp_on)
 
     w_states = [
         weight_state(axes[i], len(a.shape), tensor_axes) if k == WEIGHT else None
         for a, k, i in zip(part.diff, part.diff_kind, part.diff_leaf)
     ]
-    in_states: dict[Any, State] = {}
+    in_states: dict[jex.Var, State] = {}
     for v, k, ws in zip(fwd_g.invars[:nd], part.diff_kind, w_states):
         in_states[v] = ws if k == WEIGHT else act_state(fwd_g, v)
     model_sizes = [fwd_g.shape(v)[s.dim] for v, s in in_states.items() if isinstance(s, Shard) and not s.seq]
@@ -183,7 +189,7 @@ def _part_passes(
     fwd = PassAnalysis(fwd_g, fres)
 
     res_vars = fwd_g.outvars[no:]
-    b_in: dict[Any, State] = {}
+    b_in: dict[jex.Var, State] = {}
     b_params = []
     for bv, fv in zip(bwd_g.invars, res_vars):
         b_in[bv] = REP if isinstance(fv, jex.Literal) else fwd.final.get(fv, REP)
@@ -204,7 +210,7 @@ def _part_passes(
     return fwd, PassAnalysis(bwd_g, bres)
 
 
-def _depends_on(graph: Graph, seeds: set[Any]) -> set[Any]:
+def _depends_on(graph: Graph, seeds: set[jex.Var]) -> set[jex.Var]:
     """Every value of ``graph`` computed from one of ``seeds`` (loops and conds: all outputs, conservatively)."""
     dep = set(seeds)
     for n in graph.nodes:
@@ -222,7 +228,7 @@ def _saved(fwd: PassAnalysis, part: PartFn) -> Poly:
     skip = weights | set(fwd.g.invars[nd:]) | set(fwd.g.constvars)
     live = _depends_on(fwd.g, {v for v in fwd.g.invars if v not in weights})
     root = alias_roots(fwd.g)
-    by_root: dict[Any, Any] = {}  # distinct buffers: aliases of one value are kept once
+    by_root: dict[jex.Var, jex.Var] = {}  # distinct buffers: aliases of one value are kept once
     for v in fwd.g.outvars[no:]:
         if isinstance(v, jex.Var) and root.get(v, v) is not None and v in live:  # None: a folded constant
             by_root.setdefault(root.get(v, v), v)
@@ -299,7 +305,7 @@ def _analyze_part(
     ), passes
 
 
-def _elems(p: PassAnalysis, v: Any) -> Poly:
+def _elems(p: PassAnalysis, v: jex.Var) -> Poly:
     n = Poly.const(1)
     for d in p.res.local_dims(p.g, v, p.final.get(v, REP)):
         n = n * d
@@ -324,30 +330,23 @@ class UnsupportedPrimitiveError(ValueError):
     """The layer block uses a primitive the cost model cannot price."""
 
 
-def check_block_primitives(closed: Any) -> None:
+def check_block_primitives(closed: jex.ClosedJaxpr) -> None:
     """Raise `UnsupportedPrimitiveError` if the block jaxpr (or a sub-jaxpr) uses an unpriceable primitive."""
-    from jax.extend import core as jex
-
-    def walk(jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            why = UNSUPPORTED_PRIMITIVES.get(eqn.primitive.name)
-            if why is not None:
-                raise UnsupportedPrimitiveError(
-                    f"the layer block uses `{eqn.primitive.name}` ({why}), which mistjax's cost model cannot price; "
-                    "remove it from the block (e.g. move debug prints out of the model) or pass plan=... to "
-                    "autoshard to skip tuning")
-            for sub in jex.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(closed.jaxpr)
+    for eqn in iter_eqns(closed, bodies=True):
+        why = UNSUPPORTED_PRIMITIVES.get(eqn.primitive.name)
+        if why is not None:
+            raise UnsupportedPrimitiveError(
+                f"the layer block uses `{eqn.primitive.name}` ({why}), which mistjax's cost model cannot price; "
+                "remove it from the block (e.g. move debug prints out of the model) or pass plan=... to "
+                "autoshard to skip tuning")
 
 
 def analyze_model(
-    fun: Callable[..., Any],
-    params: Any,
-    batch_fn: Callable[[int, int], tuple[Any, ...]] = token_batch,
+    fun: LossFn,
+    params: PyTree,
+    batch_fn: Callable[[int, int], tuple[PyTree, ...]] = token_batch,
     *,
-    param_axes: Any = None,
+    param_axes: PyTree | None = None,
     policies: Sequence[str] | None = None,
     points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
     sequence_parallel: bool = True,
@@ -393,6 +392,25 @@ def analyze_model(
         if hit is not None:
             return hit
     traced = [first] + [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points[1:]]
+    profile = _profile(traced, points, axes, policies, sequence_parallel=sequence_parallel, tensor_axes=tensor_axes)
+    if directory is not None:
+        save_profile(directory, key, profile)
+    return profile
+
+
+def _block_policies(tags: Sequence[str], policies: Sequence[str] | None) -> list[str]:
+    """The remat policies analysed for the block: ``none`` first; by default the base policies, one per
+    checkpoint name in the block and one for all of them."""
+    if policies is None:
+        policies = list(BASE_POLICIES) + [f"names:{t}" for t in tags]
+        if len(tags) > 1:
+            policies.append("names:" + ",".join(tags))
+    return ["none"] + [p for p in dict.fromkeys(policies) if p != "none"]
+
+
+def _profile(traced: Sequence[TracedLoss], points: Sequence[tuple[int, int]], axes: list[Axes],
+             policies: Sequence[str] | None, *, sequence_parallel: bool, tensor_axes: Sequence[str]) -> ModelProfile:
+    """`analyze_model` from the loss traced at each of ``points``."""
     if traced[0].groups is not None:  # an unrolled stack: the jaxprs read virtual (stacked) leaves
         axes = traced[0].groups.virtual_axes(axes)
     if traced[0].stack is not None:
@@ -400,33 +418,11 @@ def analyze_model(
         check_blocks(traced[0].stack.body, [s for _, s in points])
     parts = [split_parts(t) for t in traced]
     tags = block_tags(parts[0]["block"])
-    if policies is None:
-        policies = list(BASE_POLICIES) + [f"names:{t}" for t in tags]
-        if len(tags) > 1:
-            policies.append("names:" + ",".join(tags))
-    policies = ["none"] + [p for p in dict.fromkeys(policies) if p != "none"]
+    policies = _block_policies(tags, policies)
     out, passes = {}, {}
     for name in ("pre", "block", "post"):
-        pols = policies if name == "block" else ["none"]
         out[name], passes[name] = _analyze_part(
-            name,
-            [p[name] for p in parts],
-            points,
-            axes,
-            pols,
-            sp_on=sequence_parallel,
-            tensor_axes=tensor_axes,
-        )
-    profile = ModelProfile(
-        pre=out["pre"],
-        block=out["block"],
-        post=out["post"],
-        num_layers=traced[0].stack.num_layers,
-        points=tuple(points),
-        sequence_parallel=sequence_parallel,
-        tags=tags,
-        passes=passes,
-    )
-    if directory is not None:
-        save_profile(directory, key, profile)
-    return profile
+            name, [p[name] for p in parts], points, axes, policies if name == "block" else ["none"],
+            sp_on=sequence_parallel, tensor_axes=tensor_axes)
+    return ModelProfile(pre=out["pre"], block=out["block"], post=out["post"], num_layers=traced[0].stack.num_layers,
+                        points=tuple(points), sequence_parallel=sequence_parallel, tags=tags, passes=passes)

@@ -9,8 +9,7 @@ micro-batch, as `analyze_model` does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -20,12 +19,14 @@ from mistjax.analysis.graph import Graph, build_graph
 from mistjax.analysis.layout import REP, Shard, State, TPResult
 from mistjax.analysis.poly import PS
 from mistjax.analysis.tp import propagate
+from mistjax.core.jaxpr import Atom, Shaped
+from mistjax.core.types import LossFn
 from mistjax.trace.split import LayerStack, TracedLoss, trace_loss
 
 Axes = tuple[str | None, ...] | None
 
 
-def activation_state(graph: Graph, v: Any, sequence_parallel: bool = True) -> State:
+def activation_state(graph: Graph, v: Atom, sequence_parallel: bool = True) -> State:
     """Sequence parallelism's layout of an activation: split along its sequence dim (if it has one)."""
     if not sequence_parallel or isinstance(v, jex.Literal) or not jax.dtypes.issubdtype(v.aval.dtype, np.inexact):
         return REP
@@ -73,7 +74,8 @@ def fit_points(b: int, s: int) -> list[tuple[int, int]]:
     return [(b, s), (b + 1, s), (b, ss[0]), (b + 1, ss[0]), (b, ss[1]), (b + 1, ss[1]), (b + 2, ss[2])]
 
 
-def resized(leaves: Sequence[Any], batch: Sequence[bool], b: int, s: int, b2: int, s2: int) -> list[Any]:
+def resized(leaves: Sequence[Shaped], batch: Sequence[bool], b: int, s: int, b2: int, s2: int
+            ) -> list[jax.ShapeDtypeStruct]:
     """``leaves`` as ShapeDtypeStructs with every batch leaf's ``[b, s, ...]`` resized to ``[b2, s2, ...]``."""
     out = []
     for x, is_batch in zip(leaves, batch):
@@ -86,7 +88,7 @@ def resized(leaves: Sequence[Any], batch: Sequence[bool], b: int, s: int, b2: in
     return out
 
 
-def block_graph(fun: Callable[..., Any], traced: TracedLoss, batch: Sequence[bool] | None = None) -> Graph:
+def block_graph(fun: LossFn, traced: TracedLoss, batch: Sequence[bool] | None = None) -> Graph:
     """The layer body of ``traced`` as a `Graph` with dims fitted over `fit_points`.
 
     Args:
@@ -124,7 +126,7 @@ def block_layouts(graph: Graph, stack: LayerStack, tensor_dims: Sequence[tuple[i
         (None or empty: replicated).
     """
     nc, ncar = stack.num_consts, stack.num_carry
-    in_states: dict[Any, State] = {v: activation_state(graph, v) for v in graph.invars[nc:nc + ncar]}
+    in_states: dict[jex.Var, State] = {v: activation_state(graph, v) for v in graph.invars[nc:nc + ncar]}
     weights = []
     for v, dims in zip(graph.invars[nc + ncar:], tensor_dims):
         if dims:

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import sympy as sp
 
@@ -49,12 +49,17 @@ _CLASS_NAMES = {"Equality": "Eq", "Unequality": "Ne", "StrictLessThan": "Lt", "L
                 "StrictGreaterThan": "Gt", "GreaterThan": "Ge"}
 
 
+JSON: TypeAlias = "dict[str, JSON] | list[JSON] | str | int | float | bool | None"
+"""A document ``json.loads`` returns (and ``json.dumps`` takes)."""
+Doc: TypeAlias = dict[str, JSON]  # one JSON object
+
+
 class CacheFormatError(ValueError):
     """A cache file (or an expression in it) is not what this mistjax writes."""
 
 
 # ------------------------------------------------------------------------------------ expressions
-def expr_to_json(e: Any) -> Any:
+def expr_to_json(e: sp.Basic | int) -> Doc:
     """A sympy expression as a JSON tree (raises `CacheFormatError` for a node outside the whitelist)."""
     e = sp.sympify(e) if isinstance(e, int) else e
     if e is sp.true or e is sp.false:
@@ -75,7 +80,7 @@ def expr_to_json(e: Any) -> Any:
     return {"fn": name, "args": [expr_to_json(a) for a in e.args]}
 
 
-def expr_from_json(doc: Any) -> Any:
+def expr_from_json(doc: JSON) -> sp.Basic:
     """Rebuild an expression written by `expr_to_json` (explicit constructors only)."""
     if not isinstance(doc, dict) or len(doc) not in (1, 2):
         raise CacheFormatError(f"not an expression node: {str(doc)[:80]}")
@@ -104,22 +109,24 @@ def expr_from_json(doc: Any) -> Any:
 _SCALARS = ("fwd_flops", "bwd_flops", "fwd_matmul_flops", "bwd_matmul_flops", "weight_bytes", "weight_params",
             "output_bytes")
 _MAPS = ("recompute_flops", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
+V = TypeVar("V")
+R = TypeVar("R")
 
 
-def _map(m: Mapping[str, Any], f: Callable[[Any], Any]) -> dict[str, Any]:
+def _map(m: Mapping[str, V], f: Callable[[V], R]) -> dict[str, R]:
     return {str(k): f(v) for k, v in m.items()}
 
 
-def poly_to_json(p: Poly) -> list[list[Any]]:
+def poly_to_json(p: Poly) -> list[list[int | str]]:
     """``[[i, j, k, "coefficient"], ...]``: exact (a Fraction written as text)."""
     return [[*m, str(c)] for m, c in sorted(p.terms.items())]
 
 
-def poly_from_json(doc: Any) -> Poly:
+def poly_from_json(doc: JSON) -> Poly:
     return Poly({(int(i), int(j), int(k)): Fraction(c) for i, j, k, c in doc})
 
 
-def kernels_to_json(k: PassKernels) -> dict[str, Any]:
+def kernels_to_json(k: PassKernels) -> Doc:
     u = k.unit
     return {"gemms": [[poly_to_json(getattr(g, f)) for f in _GEMM] for g in k.gemms],
             "fusion_bytes": poly_to_json(k.fusion_bytes), "fusion_count": poly_to_json(k.fusion_count),
@@ -128,7 +135,7 @@ def kernels_to_json(k: PassKernels) -> dict[str, Any]:
             "plain": None if k.plain is None else kernels_to_json(k.plain)}
 
 
-def kernels_from_json(doc: dict[str, Any]) -> PassKernels:
+def kernels_from_json(doc: Doc) -> PassKernels:
     u = doc["unit"]
     unit = UnitKernel(**{f: poly_from_json(u[f]) for f in _UNIT}, head_dim=int(u["head_dim"]),
                       causal=bool(u["causal"]))
@@ -142,8 +149,8 @@ _GEMM = ("batch", "m", "n", "k", "nbytes", "count")
 _UNIT = ("count", "matmul_flops", "other_flops", "nbytes")
 
 
-def part_to_json(p: PartProfile) -> dict[str, Any]:
-    doc: dict[str, Any] = {"name": p.name, "notes": list(p.notes)}
+def part_to_json(p: PartProfile) -> Doc:
+    doc: Doc = {"name": p.name, "notes": list(p.notes)}
     doc.update({k: expr_to_json(getattr(p, k)) for k in _SCALARS})
     doc.update({k: _map(getattr(p, k), expr_to_json) for k in _MAPS})
     doc["tp_collectives"] = [{"kind": c.kind, "phase": c.phase, "nbytes": expr_to_json(c.nbytes),
@@ -156,7 +163,7 @@ def part_to_json(p: PartProfile) -> dict[str, Any]:
     return doc
 
 
-def part_from_json(doc: dict[str, Any]) -> PartProfile:
+def part_from_json(doc: Doc) -> PartProfile:
     colls = tuple(Collective(kind=str(c["kind"]), phase=str(c["phase"]), nbytes=expr_from_json(c["nbytes"]),
                              count=expr_from_json(c["count"]), dtype=str(c["dtype"]),
                              shape=tuple(expr_from_json(d) for d in c["shape"]), where=str(c["where"]),
@@ -169,13 +176,13 @@ def part_from_json(doc: dict[str, Any]) -> PartProfile:
         kernels={str(k): kernels_from_json(v) for k, v in doc.get("kernels", {}).items()})
 
 
-def profile_to_json(p: ModelProfile) -> dict[str, Any]:
+def profile_to_json(p: ModelProfile) -> Doc:
     return {"pre": part_to_json(p.pre), "block": part_to_json(p.block), "post": part_to_json(p.post),
             "num_layers": int(p.num_layers), "points": [list(x) for x in p.points],
             "sequence_parallel": bool(p.sequence_parallel), "tags": list(p.tags)}
 
 
-def profile_from_json(doc: dict[str, Any]) -> ModelProfile:
+def profile_from_json(doc: Doc) -> ModelProfile:
     return ModelProfile(pre=part_from_json(doc["pre"]), block=part_from_json(doc["block"]),
                         post=part_from_json(doc["post"]), num_layers=int(doc["num_layers"]),
                         points=tuple((int(b), int(s)) for b, s in doc["points"]),
@@ -210,7 +217,7 @@ def _source_hash() -> str:
 _SOURCE: list[str] = []
 
 
-def profile_key(jaxpr_text: str, options: Any) -> str:
+def profile_key(jaxpr_text: str, options: JSON) -> str:
     """The cache key of a loss traced to ``jaxpr_text`` and analysed with ``options`` (any JSON-able doc)."""
     if not _SOURCE:
         _SOURCE.append(_source_hash())

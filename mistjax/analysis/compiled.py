@@ -9,9 +9,9 @@ the ~100 expressions of a profile over 1e5 strategies takes a few milliseconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 import sympy as sp
@@ -20,6 +20,9 @@ from numpy.typing import ArrayLike
 from mistjax.analysis.kernels import CompiledKernels, compile_kernels
 from mistjax.analysis.poly import B, S, T
 from mistjax.analysis.profile import ModelProfile, PartProfile
+
+Lambdified: TypeAlias = Callable[[np.ndarray, np.ndarray, np.ndarray], list[np.ndarray | float]]
+"""``sympy.lambdify`` of expressions in ``(b, s, t)``: one array (or a constant) per expression."""
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,9 @@ class CompiledProfile:
 
     profile: ModelProfile
     names: tuple[str, ...]
-    fn: Callable[..., list[Any]]
+    fn: Lambdified
     divisors: tuple[sp.Expr, ...]
-    divisor_fn: Callable[..., list[Any]]
+    divisor_fn: Lambdified
     kernels: CompiledKernels | None = field(default=None, compare=False, repr=False)  # the parts' kernel tables
     # Scalar points already evaluated: the tuner asks for the same (b, s, t) of a key hundreds of times,
     # and one evaluation of every expression costs ~30 ms however small the arrays are.
@@ -95,7 +98,7 @@ class CompiledProfile:
 class _Gathered(Mapping[str, np.ndarray]):
     """Quantities evaluated at distinct sizes, expanded to the strategies only when read (callers read a few)."""
 
-    def __init__(self, rows: dict[str, Any], inverse: np.ndarray, shape: tuple[int, ...]) -> None:
+    def __init__(self, rows: dict[str, np.ndarray | float], inverse: np.ndarray, shape: tuple[int, ...]) -> None:
         self._rows, self._inverse, self._shape = rows, inverse, shape
         self._done: dict[str, np.ndarray] = {}
 
@@ -106,7 +109,7 @@ class _Gathered(Mapping[str, np.ndarray]):
                 self._shape)
         return self._done[name]
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[str]:
         return iter(self._rows)
 
     def __len__(self) -> int:

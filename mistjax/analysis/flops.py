@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 from jax.extend import core as jex
 
@@ -36,6 +36,9 @@ SCATTERS = names(
 )
 
 
+Count: TypeAlias = Poly | int  # symbolic FLOPs, or a concrete jaxpr's as an int (`flop_count`)
+
+
 @dataclass(frozen=True)
 class FlopCount:
     """FLOPs of a computation, split the way XLA's cost analysis reports them.
@@ -46,17 +49,17 @@ class FlopCount:
       transcendental: transcendental evaluations (XLA's ``transcendentals``).
     """
 
-    matmul: Any
-    elementwise: Any
-    transcendental: Any
+    matmul: Count
+    elementwise: Count
+    transcendental: Count
 
     @property
-    def flops(self) -> Any:
+    def flops(self) -> Count:
         """What XLA calls ``flops``: matmul + elementwise."""
         return self.matmul + self.elementwise
 
     @property
-    def total(self) -> Any:
+    def total(self) -> Count:
         """All work counted as FLOPs, transcendentals at 1 each (what the analysis reports)."""
         return self.matmul + self.elementwise + self.transcendental
 
@@ -74,10 +77,10 @@ class FlopCount:
             self.transcendental - other.transcendental,
         )
 
-    def scale(self, k: Any) -> FlopCount:
+    def scale(self, k: Count) -> FlopCount:
         return FlopCount(self.matmul * k, self.elementwise * k, self.transcendental * k)
 
-    def map(self, f: Callable[[Any], Any]) -> FlopCount:
+    def map(self, f: Callable[[Count], Count]) -> FlopCount:
         return FlopCount(f(self.matmul), f(self.elementwise), f(self.transcendental))
 
 

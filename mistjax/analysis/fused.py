@@ -23,13 +23,13 @@ Memory: the analysis traces at small sequence lengths, where a blockwise kernel 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from jax.extend import core as jex
 
-from mistjax.analysis.poly import ZERO, Poly
+from mistjax.analysis.poly import ZERO, Mono, Number, Poly
+from mistjax.core.jaxpr import Atom, Params, is_var, iter_eqns
 
 UNIT_JIT = re.compile(r"^fused_attention_(fwd|bwd)(?:_b(\d+))?$")
 CUDNN_FWD = frozenset({"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd"})
@@ -59,8 +59,8 @@ class UnitCall:
     name: str
     phase: str
     block: int | None
-    ins: tuple[Any, ...]
-    outs: tuple[Any, ...]
+    ins: tuple[Atom, ...]
+    outs: tuple[Atom, ...]
 
 
 def unit_of(name: str) -> tuple[str, int | None] | None:
@@ -73,7 +73,7 @@ def unit_of(name: str) -> tuple[str, int | None] | None:
     return m.group(1), (int(m.group(2)) if m.group(2) else None)
 
 
-def check_blocks(closed: Any, seq_lens: Sequence[int]) -> None:
+def check_blocks(closed: jex.ClosedJaxpr, seq_lens: Sequence[int]) -> None:
     """Refuse a blockwise kernel whose block count is not a polynomial of the traced sequence lengths.
 
     The kernel uses ``ceil(s / B)`` key blocks: a fit over ``seq_lens`` is exact when ``B`` divides every
@@ -82,24 +82,19 @@ def check_blocks(closed: Any, seq_lens: Sequence[int]) -> None:
     Raises:
       ValueError: naming the block size and the fixes.
     """
-    def walk(jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            m = UNIT_JIT.match(str(eqn.params.get("name", ""))) if "name" in eqn.params else None
-            block = int(m.group(2)) if m and m.group(2) else None
-            if block and block < max(seq_lens) and any(s % block for s in seq_lens):
-                raise ValueError(
-                    f"the layer block runs a blockwise fused-attention kernel with {block} keys per block; the "
-                    f"analysis traces sequence lengths {sorted(set(seq_lens))}, where its number of blocks "
-                    f"(ceil(s / {block})) is not a polynomial in s. Use a block size (ModelConfig.attention_block "
-                    f"for models/) >= {max(seq_lens)} (default 128) or one dividing every traced length, or pass "
-                    f"analysis points whose sequence lengths are multiples of {block}")
-            for sub in jex.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(closed.jaxpr)
+    for eqn in iter_eqns(closed, bodies=True):
+        m = UNIT_JIT.match(str(eqn.params.get("name", ""))) if "name" in eqn.params else None
+        block = int(m.group(2)) if m and m.group(2) else None
+        if block and block < max(seq_lens) and any(s % block for s in seq_lens):
+            raise ValueError(
+                f"the layer block runs a blockwise fused-attention kernel with {block} keys per block; the "
+                f"analysis traces sequence lengths {sorted(set(seq_lens))}, where its number of blocks "
+                f"(ceil(s / {block})) is not a polynomial in s. Use a block size (ModelConfig.attention_block "
+                f"for models/) >= {max(seq_lens)} (default 128) or one dividing every traced length, or pass "
+                f"analysis points whose sequence lengths are multiples of {block}")
 
 
-def cudnn_flops(prim: str, params: dict[str, Any], ins: Sequence[tuple[Poly, ...]], itemsize: int
+def cudnn_flops(prim: str, params: Params, ins: Sequence[tuple[Poly, ...]], itemsize: int
                 ) -> tuple[Poly, Poly, Poly]:
     """``(matmul, elementwise, transcendental)`` FLOPs of a cuDNN attention primitive (per device).
 
@@ -134,21 +129,21 @@ def per_block(size: Poly, block: int) -> Poly:
     are kept: the query-side values are exact, the key-block ones (a k/v block, a dK/dV block) are then
     counted at ``s`` keys instead of ``block`` (an upper bound; docs/cost_model.md).
     """
-    out: dict[tuple[int, int, int], Any] = {}
+    out: dict[Mono, Number] = {}
     for (i, j, k), c in size.terms.items():
         m, c2 = ((i, 1, k), c * block) if j == 2 else ((i, j, k), c)
         out[m] = out.get(m, 0) + c2
     return Poly(out)
 
 
-def unit_bytes(calls: Sequence[UnitCall], nbytes: Any) -> Poly:
+def unit_bytes(calls: Sequence[UnitCall], nbytes: Callable[[jex.Var], Poly]) -> Poly:
     """Bytes the fused calls read and write (q, k, v, o, lse; backward also dO, dq, dk, dv): the memory
     traffic of one fused kernel per call, each value once per call."""
     total = ZERO
     for c in calls:
-        seen: dict[Any, None] = {}
+        seen: dict[jex.Var, None] = {}
         for v in (*c.ins, *c.outs):
-            if isinstance(v, jex.Var) and not isinstance(v, jex.DropVar):
+            if is_var(v):
                 seen.setdefault(v, None)
         for v in seen:
             total = total + nbytes(v)

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from jax.extend import core as jex
 
 from mistjax.analysis.fused import UnitCall, unit_of
 from mistjax.analysis.poly import Poly, fit_dim
-from mistjax.core.jaxpr import CHECKPOINTS, CUSTOM_VJP, JIT, Atom, Step, Value, Visit, is_var, walk
+from mistjax.core.jaxpr import CHECKPOINTS, CUSTOM_VJP, JIT, Atom, Params, Step, Value, Visit, is_var, walk
 
 # Name of the identity ``jit`` that marks a value an eager runtime writes (models.layers.eager_written).
 EAGER_JIT = "eager_kernel"
@@ -68,7 +67,7 @@ class Node:
     """One leaf equation (identity-hashed), or a loop / conditional with nested graphs."""
 
     prim: str
-    params: dict[str, Any]  # the equation's parameters, whatever the primitive takes
+    params: Params
     ins: list[Atom]  # after inlining substitutions
     outs: list[jex.Var]  # DropVar for an unused result
     eqn: jex.JaxprEqn  # the reference equation (source info for messages)

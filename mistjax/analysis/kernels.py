@@ -28,17 +28,22 @@ All sizes are exact `Poly` in ``(b, s, 1/t)`` (the graph's fitted dims with the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import sympy as sp
 from jax.extend import core as jex
+from numpy.typing import ArrayLike
 
 from mistjax.analysis.flops import REDUCTIONS, SCATTERS, count_graph
 from mistjax.analysis.graph import Graph, Node, constant_nodes, names
 from mistjax.analysis.poly import ONE, ZERO, Poly, prod
+from mistjax.core.jaxpr import Atom, is_var
+
+if TYPE_CHECKING:  # profile.py reads this module's tables
+    from mistjax.analysis.profile import PartProfile
 
 GEMM = frozenset({"dot_general", "conv_general_dilated"})
 # Views: no data of their own (the value is its operand's buffer, or a broadcast computed in place).
@@ -53,8 +58,10 @@ SLICING = names("slice dynamic_slice gather")
 EPILOGUE = names("convert_element_type transpose reshape squeeze expand_dims copy copy_p")
 LOOPS = frozenset({"scan", "while"})
 
-SizeFn = Callable[[Any], Poly]  # bytes of a var on one device
+SizeFn = Callable[[jex.Var], Poly]  # bytes of a var on one device
 DimsFn = Callable[[Node], tuple[list[tuple[Poly, ...]], list[tuple[Poly, ...]]]]  # per-device (in, out) dims
+KernelLog: TypeAlias = list[tuple[str, str, Poly, dict[jex.Var, Poly]]]
+"""Fusion kernels as ``(root primitive, result aval, bytes written, {input var: bytes read})``."""
 
 
 @dataclass(frozen=True)
@@ -144,10 +151,6 @@ def merge_gemms(gemms: Iterable[Gemm]) -> tuple[Gemm, ...]:
     return tuple(Gemm(*key, count=c) for key, c in acc.items() if c != ZERO)
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, jex.Var) and not isinstance(v, jex.DropVar)
-
-
 def _gemm_dims(n: Node, ins: Sequence[tuple[Poly, ...]], outs: Sequence[tuple[Poly, ...]]
                ) -> tuple[Poly, Poly, Poly, Poly]:
     """(batch, m, n, k) of a dot_general / convolution from its per-device operand and result dims."""
@@ -170,30 +173,30 @@ def _gemm_dims(n: Node, ins: Sequence[tuple[Poly, ...]], outs: Sequence[tuple[Po
 class _Kernels:
     """Kernels of one graph (one level: loop bodies recurse)."""
 
-    def __init__(self, g: Graph, size: SizeFn, dims: DimsFn, itemsize: Callable[[Any], int],
-                 log: list[Any] | None = None, units_as_code: bool = False):
+    def __init__(self, g: Graph, size: SizeFn, dims: DimsFn, itemsize: Callable[[jex.Var], int],
+                 log: KernelLog | None = None, units_as_code: bool = False):
         self.g, self.size, self.dims, self.itemsize, self.log = g, size, dims, itemsize, log
         self.units_as_code = units_as_code
         self.const = constant_nodes(g)
-        self.producer: dict[Any, Node] = {}
-        self.users: dict[Any, list[Node]] = {}
+        self.producer: dict[jex.Var, Node] = {}
+        self.users: dict[jex.Var, list[Node]] = {}
         for n in g.nodes:
             for v in n.outs:
-                if _is_var(v):
+                if is_var(v):
                     self.producer[v] = n
             for v in n.ins:
-                if _is_var(v):
+                if is_var(v):
                     self.users.setdefault(v, []).append(n)
         self.inputs = set(g.invars) | set(g.constvars)
         # GEMM epilogues: a chain of casts and layout changes, each the only consumer of the last, ends in
         # the value the GEMM writes (cuBLAS / Triton write the converted dtype in the layout asked for).
-        self.epilogue: dict[Any, Node] = {}  # epilogue value -> the GEMM it belongs to
+        self.epilogue: dict[jex.Var, Node] = {}  # epilogue value -> the GEMM it belongs to
         for n in g.nodes:
-            if n.prim in GEMM and self._unit(n) is None and _is_var(n.outs[0]):
+            if n.prim in GEMM and self._unit(n) is None and is_var(n.outs[0]):
                 v = n.outs[0]
                 while len(self.users.get(v, ())) == 1:
                     c = self.users[v][0]
-                    if (self._unit(c) is not None or c.prim not in EPILOGUE or not _is_var(c.outs[0])
+                    if (self._unit(c) is not None or c.prim not in EPILOGUE or not is_var(c.outs[0])
                             or c.ins[0] is not v):
                         break
                     v = c.outs[0]
@@ -203,19 +206,19 @@ class _Kernels:
     def _unit(self, n: Node) -> str | None:
         return None if self.units_as_code else n.unit
 
-    def _free(self, v: Any) -> bool:
+    def _free(self, v: Atom) -> bool:
         """A literal or a value computed from constants only (folded / fused by XLA)."""
-        if not _is_var(v):
+        if not is_var(v):
             return True
         p = self.producer.get(v)
         return p is not None and p in self.const
 
-    def _root(self, v: Any) -> Any:
+    def _root(self, v: Atom) -> Atom:
         """The var whose buffer ``v`` is (through views)."""
         seen = 0
-        while _is_var(v) and seen < 10_000:
+        while is_var(v) and seen < 10_000:
             p = self.producer.get(v)
-            if p is None or self._unit(p) is not None or p.prim not in VIEW or not p.ins or not _is_var(p.ins[0]):
+            if p is None or self._unit(p) is not None or p.prim not in VIEW or not p.ins or not is_var(p.ins[0]):
                 return v
             v, seen = p.ins[0], seen + 1
         return v
@@ -236,13 +239,13 @@ class _Kernels:
         return "fusible"
 
     # -- the model -------------------------------------------------------------------------------
-    def materialised(self) -> set[Any]:
+    def materialised(self) -> set[jex.Var]:
         """Values written to memory (see the module docstring)."""
-        mat: set[Any] = set()
+        mat: set[jex.Var] = set()
 
-        def need(v: Any) -> None:
+        def need(v: Atom) -> None:
             r = self._root(v)
-            if _is_var(r) and r not in self.inputs and not self._free(r):
+            if is_var(r) and r not in self.inputs and not self._free(r):
                 mat.add(r)
 
         for n in self.g.nodes:
@@ -250,7 +253,7 @@ class _Kernels:
                 continue
             kind = self._kind(n)
             if kind in ("gemm", "unit", "loop", "root", "reduce"):
-                mat.update(v for v in n.outs if _is_var(v))
+                mat.update(v for v in n.outs if is_var(v))
             if kind in ("gemm", "unit", "loop", "root"):
                 for v in n.ins:
                     need(v)
@@ -265,14 +268,14 @@ class _Kernels:
                 mat.add(chain[-1])
         return mat
 
-    def cone_reads(self, roots: Sequence[Any], mat: set[Any]) -> dict[Any, Poly]:
+    def cone_reads(self, roots: Sequence[Atom], mat: set[jex.Var]) -> dict[jex.Var, Poly]:
         """Materialised inputs (var -> bytes read) of the fusible cone computing ``roots``."""
-        reads: dict[Any, Poly] = {}
-        stack: list[tuple[Any, Poly | None]] = [(v, None) for v in roots]
-        seen: set[tuple[Any, Any]] = set()
+        reads: dict[jex.Var, Poly] = {}
+        stack: list[tuple[Atom, Poly | None]] = [(v, None) for v in roots]
+        seen: set[tuple[jex.Var, Poly | None]] = set()
         while stack:
             v, cap = stack.pop()
-            if not _is_var(v) or (v, cap) in seen or self._free(v):
+            if not is_var(v) or (v, cap) in seen or self._free(v):
                 continue
             seen.add((v, cap))
             p = self.producer.get(v)
@@ -289,7 +292,7 @@ class _Kernels:
             stack.extend((u, cap) for u in p.ins)
         return reads
 
-    def _relaid(self, n: Node) -> list[Any]:
+    def _relaid(self, n: Node) -> list[jex.Var]:
         """Operands of a dot_general that a GEMM library cannot read in place and no fusion writes for it.
 
         cuBLAS-style batched GEMMs want the batch dims leading and the free and contracting dims each
@@ -301,7 +304,7 @@ class _Kernels:
         (lc, rc), (lb, rb) = n.params["dimension_numbers"]
         out = []
         for v, contract, batch in ((n.ins[0], lc, lb), (n.ins[1], rc, rb)):
-            if not _is_var(v) or self._free(v):
+            if not is_var(v) or self._free(v):
                 continue
             rank = len(self.g.shape(v))
             free = [d for d in range(rank) if d not in contract and d not in batch]
@@ -319,7 +322,7 @@ class _Kernels:
         mat = self.materialised()
         gemms: list[Gemm] = []
         fusions: list[_Fusion] = []
-        relaid: set[Any] = set()
+        relaid: set[jex.Var] = set()
         sub = PassKernels()
         for n in self.g.nodes:
             if n in self.const:
@@ -342,11 +345,11 @@ class _Kernels:
                 body = inner[0] if n.prim != "cond" else _largest(inner)
                 sub = sub + body.scale(n.length if n.length is not None and n.prim != "cond" else ONE)
             elif kind in ("reduce", "root"):
-                outs = [v for v in n.outs if _is_var(v)]
-                reads = self.cone_reads([u for u in n.ins if _is_var(u)], mat)
+                outs = [v for v in n.outs if is_var(v)]
+                reads = self.cone_reads([u for u in n.ins if is_var(u)], mat)
                 out_b = sum((self.size(v) for v in outs), ZERO)
                 if n.prim == "dynamic_update_slice":  # in place: writes the update only
-                    out_b = self.size(n.ins[1]) if _is_var(n.ins[1]) else ZERO
+                    out_b = self.size(n.ins[1]) if is_var(n.ins[1]) else ZERO
                     reads.pop(self._root(n.ins[0]), None)
                 fusions.append(_Fusion(reads, prod(self.g.shape(outs[0])) if outs else ZERO, out_b, tuple(outs),
                                        kind == "reduce"))
@@ -370,10 +373,10 @@ class _Kernels:
 class _Fusion:
     """One fusion kernel before merging."""
 
-    reads: dict[Any, Poly]  # materialised input -> bytes read
+    reads: dict[jex.Var, Poly]  # materialised input -> bytes read
     elems: Poly  # output elements (its loop size)
     written: Poly  # bytes written
-    outs: tuple[Any, ...]  # the values it writes
+    outs: tuple[jex.Var, ...]  # the values it writes
     reduce: bool  # a reduction kernel
     eager: bool = False  # writes a value an op-by-op runtime writes: a kernel of its own, never merged
 
@@ -384,13 +387,13 @@ class _Fusion:
         self.written, self.outs = self.written + other.written, self.outs + other.outs
 
 
-def _fusion_totals(fusions: Sequence[_Fusion], order: dict[Any, int] | None = None) -> tuple[Poly, Poly]:
+def _fusion_totals(fusions: Sequence[_Fusion], order: dict[jex.Var, int] | None = None) -> tuple[Poly, Poly]:
     """(bytes, count) of the fusion kernels after XLA-style merging: kernels reading the same largest input
     and writing as many elements are one multi-output fusion (sibling fusion), and an elementwise kernel
     that reads a reduction's input and its result joins the reduction (normalization / softmax fusion).
     Among inputs of the same size the largest is the first in ``order`` (the graph's), so that kernels
     reading the same equal-sized inputs (a softmax backward's probabilities and their gradient) agree."""
-    groups: dict[Any, _Fusion] = {}
+    groups: dict[tuple[Hashable, ...], _Fusion] = {}  # (largest input, elements, reduces) or a lone kernel
     for f in fusions:
         key = (_largest_input(f.reads, order or {}), f.elems, f.reduce) if f.reads and not f.eager else (object(),)
         if key in groups:
@@ -408,7 +411,7 @@ def _fusion_totals(fusions: Sequence[_Fusion], order: dict[Any, int] | None = No
     return total, Poly.const(len(groups))
 
 
-def _largest_input(reads: dict[Any, Poly], order: dict[Any, int]) -> Any:
+def _largest_input(reads: dict[jex.Var, Poly], order: dict[jex.Var, int]) -> jex.Var | None:
     best, size = None, ZERO
     last = len(order)
     for v, b in reads.items():
@@ -438,13 +441,13 @@ def unit_kernel(g: Graph, dims: DimsFn, nbytes: Poly) -> UnitKernel:
         return UnitKernel()
     fl = count_graph(g, dims, select=lambda n: n.unit is not None)
     q = g.units[0].ins[0]
-    head_dim = int(g.shape(q)[-1].const_value) if _is_var(q) and g.shape(q)[-1].is_const else 0
+    head_dim = int(g.shape(q)[-1].const_value) if is_var(q) and g.shape(q)[-1].is_const else 0
     causal = any(n.prim == "select_n" or n.params.get("mask_type") not in (None, 0)
                  for n in g.walk() if n.unit is not None)
     return UnitKernel(Poly.const(len(g.units)), fl.matmul, fl.elementwise + fl.transcendental, nbytes, head_dim, causal)
 
 
-def graph_kernels(g: Graph, size: SizeFn, dims: DimsFn, unit_bytes: Poly = ZERO, log: list[Any] | None = None
+def graph_kernels(g: Graph, size: SizeFn, dims: DimsFn, unit_bytes: Poly = ZERO, log: KernelLog | None = None
                   ) -> PassKernels:
     """The kernels of one analysed pass (see the module docstring).
 
@@ -467,7 +470,7 @@ def pass_keys(policies: Sequence[str]) -> tuple[str, ...]:
     return tuple(f"{ph}[{p}]" for p in policies for ph in ("fwd", "bwd"))
 
 
-def kernel_values(part: Any, key: str, b: float, s: float, t: float = 1) -> dict[str, float]:
+def kernel_values(part: PartProfile, key: str, b: float, s: float, t: float = 1) -> dict[str, float]:
     """A part's kernel totals of one pass (``fwd[none]``, ``bwd[full]``, ...) at one size, as floats."""
     k: PassKernels = part.kernels[key]
     u = k.unit
@@ -502,9 +505,9 @@ class CompiledKernels:
     """Every part's kernel table as one vectorised NumPy function of ``(b, s, t)``."""
 
     keys: tuple[tuple[str, str, int, int, bool], ...]  # (part, pass key, number of GEMMs, head dim, causal)
-    fn: Callable[..., list[Any]] = field(repr=False)
+    fn: Callable[[np.ndarray, np.ndarray, np.ndarray], list[np.ndarray | float]] = field(repr=False)
 
-    def __call__(self, b: Any, s: Any, t: Any) -> dict[tuple[str, str], KernelArrays]:
+    def __call__(self, b: ArrayLike, s: ArrayLike, t: ArrayLike) -> dict[tuple[str, str], KernelArrays]:
         """``(part, pass key) -> KernelArrays`` at the 1-D arrays of points ``b, s, t`` (same length)."""
         b, s, t = np.broadcast_arrays(*(np.atleast_1d(np.asarray(x, dtype=np.float64)) for x in (b, s, t)))
         vals = iter(self.fn(b, s, t))
@@ -517,7 +520,7 @@ class CompiledKernels:
         return out
 
 
-def compile_kernels(parts: Sequence[Any]) -> CompiledKernels:
+def compile_kernels(parts: Sequence[PartProfile]) -> CompiledKernels:
     """Lambdify the kernel tables of ``parts`` (`PartProfile`s) into one function (`CompiledKernels`)."""
     from mistjax.analysis.poly import B, S, T
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import numpy as np
@@ -23,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.analysis.graph import Graph, Node
 from mistjax.analysis.poly import Poly, prod
+from mistjax.core.jaxpr import Atom, Value, bind_equation, read
 
 
 @dataclass(frozen=True)
@@ -103,16 +103,16 @@ def map_reshape(src: Sequence[int], dst: Sequence[int], d: int) -> int | None:
 class TPResult:
     """Layouts and collectives of one graph."""
 
-    states: dict[Any, State]
+    states: dict[jex.Var, State]
     node_states: dict[Node, tuple[list[State], list[State]]]
     collectives: list[CollectiveRecord] = field(default_factory=list)
-    extra: list[tuple[int, Any, Poly]] = field(default_factory=list)  # (node index, var, local bytes) copies
+    extra: list[tuple[int, jex.Var, Poly]] = field(default_factory=list)  # (node index, var, local bytes) copies
     divisors: set[Poly] = field(default_factory=set)  # split dim sizes: t must divide each
     notes: list[str] = field(default_factory=list)
     out_states: list[State] = field(default_factory=list)  # layouts of the graph outputs after resolution
-    params: set[Any] = field(default_factory=set)  # weights and values derived from them by casts / views
+    params: set[jex.Var] = field(default_factory=set)  # weights and values derived from them by casts / views
 
-    def local_dims(self, graph: Graph, v: Any, st: State) -> tuple[Poly, ...]:
+    def local_dims(self, graph: Graph, v: Atom, st: State) -> tuple[Poly, ...]:
         """Per-device dims of ``v`` in layout ``st`` (a partial value is held whole on each device)."""
         dims = graph.shape(v)
         if isinstance(st, Shard):
@@ -120,7 +120,7 @@ class TPResult:
         return dims
 
 
-def nbytes(graph: Graph, v: Any) -> Poly:
+def nbytes(graph: Graph, v: jex.Var) -> Poly:
     return prod(graph.shape(v)) * int(np.dtype(v.aval.dtype).itemsize)
 
 
@@ -128,7 +128,7 @@ def partition_spec(state: State, ndim: int, axis: str = "tensor") -> P | None:
     """The PartitionSpec of a layout (None for a partial value: leave it to GSPMD)."""
     if isinstance(state, Partial):
         return None
-    entries: list[Any] = [None] * ndim
+    entries: list[str | None] = [None] * ndim
     if isinstance(state, Shard):
         entries[state.dim] = axis
     return P(*entries)
@@ -136,7 +136,7 @@ def partition_spec(state: State, ndim: int, axis: str = "tensor") -> P | None:
 
 def constrain_graph(
     graph: Graph, result: TPResult, mesh: jax.sharding.Mesh, axis: str = "tensor"
-) -> Callable[..., list[Any]]:
+) -> Callable[..., list[Value]]:
     """A function evaluating ``graph`` with every value constrained to its propagated layout.
 
     The returned ``f(*args)`` takes the graph's inputs (constvars are bound from the trace) and
@@ -144,19 +144,18 @@ def constrain_graph(
     then inserts exactly the collectives the propagation recorded.
     """
 
-    def constrain(v: Any, x: Any) -> Any:
+    def constrain(v: jex.Var, x: Value) -> Value:
         st = result.states.get(v, REP)
         spec = partition_spec(st, np.ndim(x), axis)
         if spec is None or not hasattr(x, "shape"):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def run(g: Graph, args: Sequence[Any]) -> list[Any]:
-        env: dict[Any, Any] = dict(g.consts)
+    def run(g: Graph, args: Sequence[Value]) -> list[Value]:
+        env: dict[jex.Var, Value] = dict(g.consts)
         env.update(zip(g.invars, args))
-        read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
         for n in g.nodes:
-            vals = [read(v) for v in n.ins]
+            vals = [read(env, v) for v in n.ins]
             eff = result.node_states.get(n, ([None] * len(n.ins), []))[0]
             for k, (v, st) in enumerate(zip(n.ins, eff)):
                 # The consumer needs a layout other than the value's own: a gathered copy, a
@@ -173,12 +172,8 @@ def constrain_graph(
                 ):
                     spec = partition_spec(st, np.ndim(vals[k]), axis)
                     vals[k] = jax.lax.with_sharding_constraint(vals[k], NamedSharding(mesh, spec))
-            params = n.eqn.primitive.get_bind_params(n.eqn.params)
-            with n.eqn.ctx.manager:
-                out = n.eqn.primitive.bind(*vals, **params)
-            out = list(out) if n.eqn.primitive.multiple_results else [out]
-            for v, o in zip(n.outs, out):
+            for v, o in zip(n.outs, bind_equation(n.eqn, vals)):
                 env[v] = constrain(v, o)
-        return [read(v) for v in g.outvars]
+        return [read(env, v) for v in g.outvars]
 
     return lambda *args: run(graph, args)

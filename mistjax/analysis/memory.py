@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import numpy as np
 from jax.extend import core as jex
@@ -12,6 +11,7 @@ from jax.extend import core as jex
 from mistjax.analysis.fused import per_block
 from mistjax.analysis.graph import Graph, Node, constant_nodes, names
 from mistjax.analysis.poly import ZERO, Poly, prune_dominated
+from mistjax.core.jaxpr import Atom, is_var
 
 ALIAS = names(
     "name reduce_precision reshape squeeze expand_dims copy copy_p optimization_barrier stop_gradient"
@@ -25,28 +25,24 @@ ELEMENTWISE = names(
 )
 FUSING_CONSUMERS = ELEMENTWISE | names("reduce_sum reduce_max reduce_min argmax argmin")
 
-SizeFn = Callable[[Any], Poly]
+SizeFn = Callable[[jex.Var], Poly]  # bytes of a var (per device)
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, jex.Var) and not isinstance(v, jex.DropVar)
-
-
-def alias_roots(graph: Graph) -> dict[Any, Any]:
+def alias_roots(graph: Graph) -> dict[jex.Var, jex.Var | None]:
     """var -> the var whose buffer it shares (itself when it owns one; None when it has none)."""
-    root: dict[Any, Any] = {}
-    outs = {v for v in graph.outvars if _is_var(v)}
+    root: dict[jex.Var, jex.Var | None] = {}
+    outs = {v for v in graph.outvars if is_var(v)}
     const = constant_nodes(graph)
-    consumers: dict[Any, list[Node]] = {}
+    consumers: dict[jex.Var, list[Node]] = {}
     for n in graph.nodes:
         for v in n.ins:
-            if _is_var(v):
+            if is_var(v):
                 consumers.setdefault(v, []).append(n)
     for n in graph.nodes:
         if n in const:  # folded or fused by XLA
             root.update((v, None) for v in n.outs)
             continue
-        src = n.ins[0] if n.ins and _is_var(n.ins[0]) else None
+        src = n.ins[0] if n.ins and is_var(n.ins[0]) else None
         same_dtype_convert = (
             n.prim == "convert_element_type" and src is not None and src.aval.dtype == n.outs[0].aval.dtype
         )
@@ -66,11 +62,11 @@ def _fuses_into_consumer(users: list[Node]) -> bool:
     return len(users) == 1 and users[0].prim in FUSING_CONSUMERS and not users[0].subs
 
 
-def nbytes_fn(graph: Graph, local_dims: Callable[[Any], tuple[Poly, ...]] | None = None) -> SizeFn:
+def nbytes_fn(graph: Graph, local_dims: Callable[[jex.Var], tuple[Poly, ...]] | None = None) -> SizeFn:
     """Bytes of a var (per device when ``local_dims`` gives per-device dims)."""
     dims = local_dims or graph.shape
 
-    def size(v: Any) -> Poly:
+    def size(v: jex.Var) -> Poly:
         n = Poly.const(1)
         for d in dims(v):
             n = n * d
@@ -83,8 +79,8 @@ def peak_candidates(
     graph: Graph,
     size: SizeFn,
     *,
-    exclude: Iterable[Any] = (),
-    extra: Sequence[tuple[int, Any, Poly]] = (),
+    exclude: Iterable[Atom] = (),
+    extra: Sequence[tuple[int, jex.Var, Poly]] = (),
     large_blocks: bool = False,
 ) -> list[Poly]:
     """Live bytes at each program point of ``graph`` (pruned to the non-dominated ones).
@@ -100,11 +96,11 @@ def peak_candidates(
         block size (`fused.per_block`) instead of as traced (one block of ``s`` keys).
     """
     root = alias_roots(graph)
-    excluded = {root.get(v, v) for v in exclude if _is_var(v)}
-    last: dict[Any, int] = {}
+    excluded = {root.get(v, v) for v in exclude if is_var(v)}
+    last: dict[jex.Var, int] = {}
     for i, n in enumerate(graph.nodes):
         for v in n.ins:
-            if _is_var(v):
+            if is_var(v):
                 r = root.get(v, v)
                 if r is not None:
                     last[r] = i
@@ -114,10 +110,10 @@ def peak_candidates(
                 last.setdefault(r, i)
     end = len(graph.nodes)
     for v in graph.outvars:
-        if _is_var(v) and root.get(v, v) is not None:
+        if is_var(v) and root.get(v, v) is not None:
             last[root.get(v, v)] = end
     inputs = set(graph.invars) | set(graph.constvars)
-    extra_at: dict[int, list[tuple[Any, Poly]]] = {}
+    extra_at: dict[int, list[tuple[jex.Var, Poly]]] = {}
     for i, v, b in extra:
         extra_at.setdefault(i, []).append((v, b))
     frees: dict[int, list[Poly]] = {}
@@ -128,7 +124,7 @@ def peak_candidates(
             live = live + b
             frees.setdefault(max(last.get(root.get(v, v), i), i), []).append(b)
         for v in n.outs:
-            if not (_is_var(v) or isinstance(v, jex.DropVar)) or v in inputs:
+            if not (is_var(v) or isinstance(v, jex.DropVar)) or v in inputs:
                 continue
             r = root.get(v, v)
             if r is not v or r in excluded:
@@ -151,7 +147,7 @@ def peak_candidates(
     return prune_dominated(cands)
 
 
-def loop_state(node: Node, body: Graph) -> list[Any]:
+def loop_state(node: Node, body: Graph) -> list[Atom]:
     """The results of ``body`` that are ``node``'s own output buffers: a loop body's new carry (XLA gives
     a while loop one buffer per state element, shared by its init, the body's parameter and root, and the
     loop's result) and a conditional branch's results. The outer graph counts them as ``node``'s outputs,
@@ -166,12 +162,12 @@ def loop_state(node: Node, body: Graph) -> list[Any]:
     return []
 
 
-def residual_roots(graph: Graph, residuals: Sequence[Any]) -> list[Any]:
+def residual_roots(graph: Graph, residuals: Sequence[Atom]) -> list[jex.Var]:
     """The distinct buffers behind ``residuals`` (aliases of one buffer count once)."""
     root = alias_roots(graph)
-    seen: dict[Any, None] = {}
+    seen: dict[jex.Var, None] = {}
     for v in residuals:
-        if _is_var(v):
+        if is_var(v):
             r = root.get(v, v)
             seen.setdefault(v if r is None else r, None)
     return list(seen)

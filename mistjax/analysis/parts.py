@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
 from jax.extend import core as jex
+from jax.tree_util import PyTreeDef
 
+from mistjax.core.jaxpr import Atom, Value, read
 from mistjax.core.policies import remat_policy
 from mistjax.trace.split import TracedLoss, free_vars, needed_equations, run_equations
 
@@ -39,7 +40,7 @@ class PartFn:
       num_outputs: outputs of ``fn`` (all differentiated).
     """
 
-    fn: Callable[[list[Any], list[Any]], list[Any]]
+    fn: Callable[[list[Value], list[Value]], list[Value]]
     diff: tuple[jax.ShapeDtypeStruct, ...]
     diff_kind: tuple[str, ...]
     diff_leaf: tuple[int | None, ...]
@@ -47,37 +48,37 @@ class PartFn:
     num_outputs: int
 
 
-def _sds(v: Any) -> jax.ShapeDtypeStruct:
+def _sds(v: jex.Var) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
 
 
-def _float(v: Any) -> bool:
+def _float(v: jex.Var) -> bool:
     return jax.dtypes.issubdtype(v.aval.dtype, np.inexact)
 
 
-def _free_inputs(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+def _free_inputs(eqns: Sequence[jex.JaxprEqn], outs: Sequence[Atom]) -> list[jex.Var]:
     """Vars read by ``eqns`` (or returned) that they do not define, in first-use order."""
     return free_vars(eqns, outs, defined=set())
 
 
 def _sub_fn(
-    eqns: Sequence[Any], ins: Sequence[Any], outs: Sequence[Any], consts: dict[Any, Any]
-) -> Callable[[list[Any]], list[Any]]:
-    def f(args: list[Any]) -> list[Any]:
+    eqns: Sequence[jex.JaxprEqn], ins: Sequence[jex.Var], outs: Sequence[Atom], consts: dict[jex.Var, Value]
+) -> Callable[[list[Value]], list[Value]]:
+    def f(args: list[Value]) -> list[Value]:
         env = dict(consts)
         env.update(zip(ins, args))
         run_equations(eqns, env)
-        return [v.val if isinstance(v, jex.Literal) else env[v] for v in outs]
+        return [read(env, v) for v in outs]
 
     return f
 
 
 def _make_part(
-    eqns: Sequence[Any],
-    outs: Sequence[Any],
-    consts: dict[Any, Any],
-    leaf_of: dict[Any, int],
-    act_inputs: set[Any],
+    eqns: Sequence[jex.JaxprEqn],
+    outs: Sequence[Atom],
+    consts: dict[jex.Var, Value],
+    leaf_of: dict[jex.Var, int],
+    act_inputs: set[jex.Var],
 ) -> PartFn:
     eqns = needed_equations(eqns, outs)
     free = [v for v in _free_inputs(eqns, outs) if v not in consts]
@@ -135,10 +136,10 @@ def vjp_jaxprs(part: PartFn, policy: str = "none") -> VjpTrace:
       policy: ``"none"`` (no remat) or a remat policy name of `mistjax.runtime.remat`
         (``full``, ``dots``, ``names:a,b``); the part is wrapped in ``jax.checkpoint`` with it.
     """
-    box: list[Any] = []
+    box: list[PyTreeDef] = []
     nd_count = len(part.diff)
 
-    def fwd(*flat: Any) -> tuple[list[Any], list[Any]]:
+    def fwd(*flat: Value) -> tuple[list[Value], list[Value]]:
         d, nd = list(flat[:nd_count]), list(flat[nd_count:])
         f = lambda dd: part.fn(dd, nd)  # noqa: E731
         if policy != "none":
@@ -153,7 +154,7 @@ def vjp_jaxprs(part: PartFn, policy: str = "none") -> VjpTrace:
     res = [_sds(v) for v in fj.jaxpr.outvars[part.num_outputs :]]
     cts = [_sds(v) for v in fj.jaxpr.outvars[: part.num_outputs]]
 
-    def bwd(*flat: Any) -> list[Any]:
+    def bwd(*flat: Value) -> list[Value]:
         r, c = list(flat[: len(res)]), list(flat[len(res) :])
         (grads,) = jax.tree.unflatten(tree, r)(c)
         return list(grads)

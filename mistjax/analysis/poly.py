@@ -6,7 +6,8 @@ polynomial in ``b`` and ``s`` with rational coefficients, divided by the tensor-
 such expressions (monomials ``b^i s^j t^-k`` -> `Fraction`), far faster than sympy for the
 thousands of additions liveness analysis performs, and comparable term by term: all three symbols
 are >= 1 and positive, so a polynomial whose coefficients are all >= those of another dominates it
-everywhere. sympy enters only at the end (`Poly.to_sympy`).
+everywhere. sympy enters only at the end (`Poly.to_sympy`), and is imported only then: the runtime's
+Megatron block reads polynomials (`mistjax.analysis.layout`) and never pays sympy's import.
 
 `fit_dim` recovers a dim's polynomial from its values at several concrete ``(b, s)`` points (the
 analysis traces the model at a handful of sizes; see `mistjax.analysis.graph`).
@@ -17,11 +18,28 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 from functools import cache
+from typing import TYPE_CHECKING
 
-import sympy as sp
+if TYPE_CHECKING:
+    import sympy as sp
 
-B, S, T = sp.symbols("b s t", positive=True, integer=True)
-SYMBOLS = (B, S, T)
+
+@cache
+def symbols() -> tuple[sp.Symbol, sp.Symbol, sp.Symbol]:
+    """The sympy symbols ``(b, s, t)`` (positive integers) every profile expression is written in."""
+    import sympy as sp
+
+    return sp.symbols("b s t", positive=True, integer=True)
+
+
+def __getattr__(name: str) -> sp.Symbol | tuple[sp.Symbol, ...]:
+    # B, S, T and SYMBOLS are made on first use, so that importing this module does not import sympy.
+    if name == "SYMBOLS":
+        return symbols()
+    if name in ("B", "S", "T"):
+        return symbols()["BST".index(name)]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Mono = tuple[int, int, int]  # exponents of (b, s, 1/t)
 Number = int | Fraction
@@ -141,6 +159,9 @@ class Poly:
         )
 
     def to_sympy(self) -> sp.Expr:
+        import sympy as sp
+
+        B, S, T = symbols()
         return sp.Add(
             *[
                 sp.Rational(c.numerator, c.denominator) * B**i * S**j / T**k
@@ -184,6 +205,8 @@ def prune_dominated(cands: Sequence[Poly]) -> list[Poly]:
 
 def max_expr(cands: Sequence[Poly]) -> sp.Expr:
     """sympy ``Max`` of the non-dominated candidates (0 if there are none)."""
+    import sympy as sp
+
     keep = prune_dominated(cands)
     if not keep:
         return sp.Integer(0)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import sympy as sp
 
 from mistjax.analysis.poly import B, S, T
+
+if TYPE_CHECKING:  # both modules build profiles
+    from mistjax.analysis.analyze import PassAnalysis
+    from mistjax.analysis.kernels import PassKernels
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 PHASES = ("fwd", "bwd")
@@ -118,7 +122,7 @@ class PartProfile:
     fused_flops: sp.Expr = sp.Integer(0)
     fused_matmul_flops: sp.Expr = sp.Integer(0)
     fused_bytes: sp.Expr = sp.Integer(0)
-    kernels: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    kernels: Mapping[str, PassKernels] = field(default_factory=dict, compare=False)
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -198,7 +202,7 @@ class ModelProfile:
     sequence_parallel: bool = True
     tags: tuple[str, ...] = ()
     symbols: tuple[sp.Symbol, sp.Symbol, sp.Symbol] = field(default=(B, S, T))
-    passes: Mapping[str, Mapping[str, tuple[Any, Any]]] | None = field(
+    passes: Mapping[str, Mapping[str, tuple[PassAnalysis, PassAnalysis]]] | None = field(
         default=None, compare=False, repr=False
     )
 

@@ -5,7 +5,6 @@ parallelism): each value's layout and the collectives between layouts. Rules: do
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 from jax.extend import core as jex
@@ -24,6 +23,7 @@ from mistjax.analysis.layout import (
     same_layout,
 )
 from mistjax.analysis.poly import ONE, PS, Poly, prod
+from mistjax.core.jaxpr import Atom
 
 __all__ = ["REP", "CollectiveRecord", "Partial", "Propagator", "Shard", "State", "TPResult", "propagate"]
 
@@ -48,10 +48,10 @@ class Propagator:
     def __init__(
         self,
         graph: Graph,
-        in_states: dict[Any, State],
+        in_states: dict[jex.Var, State],
         *,
         sequence_parallel: bool = True,
-        param_vars: Sequence[Any] = (),
+        param_vars: Sequence[jex.Var] = (),
         model_sizes: Sequence[Poly] = (),
     ):
         self.g = graph
@@ -59,26 +59,26 @@ class Propagator:
         self.res = TPResult(states=dict(in_states), node_states={})
         self.param = set(param_vars)
         self.model_sizes = set(model_sizes)
-        self.done: set[tuple[Any, Any]] = set()
-        self.summands: dict[Any, int] = {}  # partial value -> how many partial products it sums
+        self.done: set[tuple[jex.Var, int | State]] = set()  # (value, split dim or layout) converted
+        self.summands: dict[jex.Var, int] = {}  # partial value -> how many partial products it sums
         self.index = 0
         for v, st in in_states.items():
             self._divisor(v, st)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def st(self, v: Any) -> State:
+    def st(self, v: Atom) -> State:
         return REP if isinstance(v, jex.Literal) else self.res.states.get(v, REP)
 
-    def _divisor(self, v: Any, st: State) -> None:
+    def _divisor(self, v: Atom, st: State) -> None:
         if isinstance(st, Shard) and not isinstance(v, jex.Literal):
             self.res.divisors.add(self.g.shape(v)[st.dim])
 
-    def seq_dim(self, v: Any) -> int | None:
+    def seq_dim(self, v: Atom) -> int | None:
         if isinstance(v, jex.Literal):
             return None
         return next((k for k, x in enumerate(self.g.shape(v)) if x == PS), None)
 
-    def default_target(self, v: Any) -> State:
+    def default_target(self, v: Atom) -> State:
         st = self.st(v)
         if isinstance(st, Partial) and st.op == "sum" and st.rs_ok and self.sp:
             d = self.seq_dim(v)
@@ -86,7 +86,7 @@ class Propagator:
                 return Shard(d, seq=True)
         return REP
 
-    def record(self, kind: str, v: Any, where: str, mult: Poly) -> None:
+    def record(self, kind: str, v: Atom, where: str, mult: Poly) -> None:
         self.res.collectives.append(
             CollectiveRecord(
                 kind=kind,
@@ -99,7 +99,7 @@ class Propagator:
             )
         )
 
-    def convert(self, v: Any, want: State, where: str, mult: Poly) -> State:
+    def convert(self, v: Atom, want: State, where: str, mult: Poly) -> State:
         """Make ``v`` available in layout ``want``; record the collective that takes."""
         cur = self.st(v)
         if isinstance(v, jex.Literal) or same_layout(cur, want) or (cur is REP and isinstance(want, Shard)):
@@ -406,7 +406,7 @@ class Propagator:
         log-sum-exp ``[b, heads, s]`` on dim 1); without a head split everything is gathered."""
         heads = 1 if int(n.params.get("layout", 0)) == 1 else 2
 
-        def want(v: Any, split: bool) -> State:
+        def want(v: Atom, split: bool) -> State:
             rank = 0 if isinstance(v, jex.Literal) else len(self.g.shape(v))
             if not split or rank not in (3, 4):
                 return REP
@@ -489,13 +489,13 @@ class Propagator:
 
 def propagate(
     graph: Graph,
-    in_states: dict[Any, State],
+    in_states: dict[jex.Var, State],
     out_targets: Sequence[State | None],
     *,
     sequence_parallel: bool = True,
-    param_vars: Sequence[Any] = (),
+    param_vars: Sequence[jex.Var] = (),
     model_sizes: Sequence[Poly] = (),
-    gathered: Sequence[Any] = (),
+    gathered: Sequence[jex.Var] = (),
 ) -> TPResult:
     """Propagate layouts through ``graph`` and resolve its outputs to ``out_targets``.
 

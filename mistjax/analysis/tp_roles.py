@@ -21,26 +21,28 @@ cost model's leaf table read like names the model attached itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeAlias
 
 from jax.extend import core as jex
 
-from mistjax.analysis.graph import Graph, build_graph
+from mistjax.analysis.graph import Graph, Node, build_graph
 from mistjax.analysis.layout import REP, Shard, State, TPResult
 from mistjax.analysis.tp import propagate
 from mistjax.core.axes import apply_axis_rules, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
+from mistjax.core.types import PyTree
 from mistjax.trace.split import TracedLoss
 
 Axes = tuple[str | None, ...] | None
+AxisRules: TypeAlias = Sequence[tuple[str, str | Sequence[str] | None]]  # MaxText's [(logical, mesh axes)]
 SPLIT_NAME = "mlp"  # the logical name an inferred split dim gets (any of TENSOR_AXES would do)
 
 
-def _dots(graph: Graph) -> list[Any]:
+def _dots(graph: Graph) -> list[Node]:
     return [n for n in graph.walk() if n.prim == "dot_general"]
 
 
-def _free_dims(node: Any, side: int) -> list[int]:
+def _free_dims(node: Node, side: int) -> list[int]:
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     c, b = (lc, lb) if side == 0 else (rc, rb)
     rank = len(node.ins[side].aval.shape)
@@ -59,10 +61,13 @@ def _score(res: TPResult) -> tuple[int, int, float]:
 _SAME_SHAPE = frozenset({"convert_element_type", "copy", "copy_p", "name", "reduce_precision", "optimization_barrier"})
 
 
-def _sources(graph: Graph, weights: set[Any]) -> dict[Any, tuple[Any, tuple[int, ...]]]:
+Sources: TypeAlias = dict[jex.Var, tuple[jex.Var, tuple[int, ...]]]  # var -> (weight, per own dim its dim)
+
+
+def _sources(graph: Graph, weights: set[jex.Var]) -> Sources:
     """Var -> (the weight it is a view of, per own dim the weight's dim): the weight itself, a cast / copy
     (same dims) or a transpose of it (GPT-2's ``Conv1D`` multiplies by ``kernel.T``)."""
-    src: dict[Any, tuple[Any, tuple[int, ...]]] = {v: (v, tuple(range(len(v.aval.shape)))) for v in weights}
+    src: Sources = {v: (v, tuple(range(len(v.aval.shape)))) for v in weights}
     for n in graph.walk():
         ins = [src.get(i) if isinstance(i, jex.Var) else None for i in n.ins]
         if n.prim in _SAME_SHAPE and len(n.ins) == len(n.outs):
@@ -75,10 +80,9 @@ def _sources(graph: Graph, weights: set[Any]) -> dict[Any, tuple[Any, tuple[int,
     return src
 
 
-def _wanted_splits(res: TPResult, src: dict[Any, tuple[Any, tuple[int, ...]]], assigned: dict[Any, State]
-                   ) -> dict[Any, Shard]:
+def _wanted_splits(res: TPResult, src: Sources, assigned: dict[jex.Var, State]) -> dict[jex.Var, Shard]:
     """Weights not yet assigned that the propagation wants split (a local slice of a replicated input)."""
-    out: dict[Any, Shard] = {}
+    out: dict[jex.Var, Shard] = {}
     for node, (ins, _) in res.node_states.items():
         for v, st in zip(node.ins, ins):
             hit = src.get(v) if isinstance(v, jex.Var) else None
@@ -88,26 +92,27 @@ def _wanted_splits(res: TPResult, src: dict[Any, tuple[Any, tuple[int, ...]]], a
     return out
 
 
-def infer_layer_splits(graph: Graph, weights: Sequence[Any], activations: Sequence[Any]) -> dict[Any, Shard]:
+def infer_layer_splits(graph: Graph, weights: Sequence[jex.Var], activations: Sequence[jex.Var]
+                       ) -> dict[jex.Var, Shard]:
     """Megatron splits of ``weights`` (vars of ``graph``) by trial propagation (see the module doc)."""
     wset = set(weights)
     src = _sources(graph, wset)
-    assigned: dict[Any, State] = {}
+    assigned: dict[jex.Var, State] = {}
 
-    def run(states: dict[Any, State]) -> TPResult:
+    def run(states: dict[jex.Var, State]) -> TPResult:
         targets = [REP] * len(graph.outvars)
         return propagate(graph, {**{a: REP for a in activations}, **states}, targets, sequence_parallel=False,
                          param_vars=list(weights))
 
     base = _score(run(assigned))
-    order: list[tuple[Any, int]] = []
+    order: list[tuple[jex.Var, int]] = []
     for node in _dots(graph):
         for side in (0, 1):
             v = node.ins[side]
             hit = src.get(v) if isinstance(v, jex.Var) else None
             if hit is not None and len(hit[0].aval.shape) >= 2:
                 order.extend((hit[0], hit[1][d]) for d in _free_dims(node, side))
-    tried: set[Any] = set()
+    tried: set[tuple[jex.Var, int]] = set()
     for v, d in order:
         if v in assigned or (v, d) in tried:
             continue
@@ -175,7 +180,7 @@ def infer_tensor_axes(traced: TracedLoss, axes: Sequence[Axes]) -> list[Axes]:
     return axes
 
 
-def model_tensor_axes(traced: TracedLoss, params: Any, axis_rules: Any = None) -> list[Axes]:
+def model_tensor_axes(traced: TracedLoss, params: PyTree, axis_rules: AxisRules | None = None) -> list[Axes]:
     """Per real parameter leaf of ``params``, the logical axes mistjax lays it out by: the model's metadata
     (NNX / linen), renamed by ``axis_rules`` (MaxText style), or, when no weight names a tensor-split
     axis, the Megatron splits inferred from the layer's dataflow."""

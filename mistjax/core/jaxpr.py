@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Container, Iterator, Mapping, MutableMapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple, Protocol, TypeAlias, TypeGuard
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeGuard
 
 import jax
 import numpy as np
@@ -31,6 +31,9 @@ Atom: TypeAlias = Var | Literal
 Value: TypeAlias = jax.typing.ArrayLike
 """What an operand holds when a jaxpr is evaluated: an array (concrete or a tracer) or a Python / NumPy scalar."""
 
+
+Params: TypeAlias = dict[str, Any]
+"""An equation's parameters: whatever its primitive takes (sub-jaxprs, shapes, dtypes, callables)."""
 
 
 class Shaped(Protocol):
@@ -208,6 +211,6 @@ def inline_calls(closed: ClosedJaxpr, inline: Container[str] = INLINABLE, *, dep
     return jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
 
 
-__all__ = ["CALLS", "CHECKPOINTS", "CUSTOM_VJP", "INLINABLE", "JIT", "PER_DEVICE", "PLAIN_CALLS", "Atom", "Shaped",
-           "Step", "Value", "Visit", "bind_equation", "eval_jaxpr", "inline_calls", "inner_jaxpr", "is_var",
+__all__ = ["CALLS", "CHECKPOINTS", "CUSTOM_VJP", "INLINABLE", "JIT", "PER_DEVICE", "PLAIN_CALLS", "Atom", "Params",
+           "Shaped", "Step", "Value", "Visit", "bind_equation", "eval_jaxpr", "inline_calls", "inner_jaxpr", "is_var",
            "iter_eqns", "read", "run_equations", "walk"]
