@@ -15,21 +15,28 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
 from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes
-from mistjax.core.strategies import CostModel, StageStrategies
+from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tune.baselines import ablation_spaces, baseline_spaces
 from mistjax.tune.inter import KeyChoice, key_bound, tune_key
 from mistjax.tune.intra import ScheduleMemo, StageTables, sample_stage_tables
 from mistjax.tune.space import OuterKey, SearchSpace, outer_keys
 
+if TYPE_CHECKING:
+    from mistjax.hardware.presets import ClusterSpec
+
 _KEY_SHARE = 0.5  # of the search's time left, the most one outer key may use
 # ``progress(space_name, keys_visited, keys_total)``: called as a search starts (0 visited), after each outer key it
 # visits (pruned or searched) and as it ends (all visited, also when its time limit stopped it early).
 Progress = Callable[[str, int, int], None]
+# A JSON-ready report row (an outer key of the frontier, a stage's Pareto points): values of mixed types.
+Record: TypeAlias = dict[str, Any]
+# One improvement of a search: its objective, its plan and the Pareto data of its stages.
+_Improvement: TypeAlias = tuple[float, Plan, tuple[Record, ...]]
 
 __all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "default_cost_model", "fingerprints", "search",
            "tune"]
@@ -52,7 +59,7 @@ class TunedPlan(Plan):
     baseline_name: str = ""
     baseline_prediction: Prediction | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Record:
         out = super().to_dict()
         out.pop("baseline_name", None)
         out.pop("baseline_prediction", None)
@@ -100,8 +107,8 @@ class SearchResult:
     milps: int
     seconds: float
     timed_out: bool
-    frontier: tuple[dict[str, Any], ...] = ()
-    pareto: tuple[dict[str, Any], ...] = ()
+    frontier: tuple[Record, ...] = ()
+    pareto: tuple[Record, ...] = ()
 
     @property
     def prediction(self) -> Prediction | None:
@@ -113,7 +120,7 @@ class SearchResult:
         return p.step_time if p is not None else math.inf
 
 
-def fingerprints(workload: Any, cluster: Any, params_fingerprint: str = "") -> dict[str, str]:
+def fingerprints(workload: WorkloadLike, cluster: ClusterSpec, params_fingerprint: str = "") -> dict[str, str]:
     """What a plan was tuned for: workload (model profile), mesh, hardware and batch.
 
     ``model`` (the runtime's `mistjax.plan.params_fingerprint`, checked when the plan is applied) is
@@ -149,7 +156,7 @@ def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
                 shard_group=group, schedule=key.schedule)
 
 
-def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -> tuple[dict[str, Any], ...]:
+def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -> tuple[Record, ...]:
     if tables.key.stages == 1:
         G = tables.key.grad_accum
         s, d = tables.stable[0, 0].ravel(), tables.delta[0, 0].ravel()
@@ -170,7 +177,7 @@ def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -
     return tuple(out)
 
 
-def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: str) -> dict[str, Any]:
+def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: str) -> Record:
     rec = dataclasses.asdict(key)
     rec["objective"] = choice.objective if choice is not None else None
     rec["bound"] = bound if math.isfinite(bound) else None
@@ -178,7 +185,7 @@ def _key_record(key: OuterKey, choice: KeyChoice | None, bound: float, status: s
     return rec
 
 
-def _key_bounds(workload: Any, cluster: Any, cost: CostModel, keys: list[OuterKey], space: SearchSpace,
+def _key_bounds(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, keys: list[OuterKey], space: SearchSpace,
                 memo: ScheduleMemo, deadline: float) -> list[float]:
     """`inter.key_bound` of each key while time is left; a key left unbounded gets ``inf`` (visited last,
     never pruned by it).
@@ -194,9 +201,119 @@ def _key_bounds(workload: Any, cluster: Any, cost: CostModel, keys: list[OuterKe
     return bounds
 
 
-def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, time_limit: float = 60.0,
-           cost: CostModel | None = None, best_cost: float | None = None, prune: bool = True,
-           progress: Progress | None = None) -> SearchResult:
+def _visit_order(keys: list[OuterKey], bounds: list[float]) -> list[int]:
+    """Best bound first, but a key's siblings of other pipeline schedules right after it.
+
+    The siblings reuse its prices (`intra.ScheduleMemo`), and the pruning test still applies to each of them.
+    """
+    group = [dataclasses.replace(k, schedule="") for k in keys]
+    group_bound: dict[OuterKey, tuple[float, int]] = {}
+    for i, (g, b) in enumerate(zip(group, bounds)):
+        group_bound[g] = min(group_bound.get(g, (math.inf, i)), (b, i))
+    return sorted(range(len(keys)), key=lambda i: (group_bound[group[i]], bounds[i], i))
+
+
+@dataclass(frozen=True)
+class _SearchJob:
+    """What every outer key of one search is tuned against."""
+
+    workload: WorkloadLike
+    cluster: ClusterSpec
+    cost: CostModel
+    space: SearchSpace
+    memo: ScheduleMemo
+    prune: bool
+
+
+@dataclass
+class _Tally:
+    """What the loop over outer keys gathered so far (the loop adds to it key by key)."""
+
+    best: tuple[StageTables, KeyChoice] | None = None
+    found: list[_Improvement] = field(default_factory=list)  # every improvement, best last
+    frontier: list[Record] = field(default_factory=list)
+    evaluated: int = 0
+    milps: int = 0
+    done: int = 0  # keys searched (not pruned)
+    timed_out: bool = False
+    fastest_key: float = math.inf  # seconds the quickest key searched so far took
+
+    def add(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, bound: float) -> None:
+        """Count one searched key and keep its choice when it beats the best so far."""
+        self.evaluated += tables.evaluated
+        self.done += 1
+        self.timed_out |= tables.truncated
+        if choice is not None:
+            self.milps += choice.milps
+            self.timed_out |= not choice.optimal
+        self.frontier.append(_key_record(tables.key, choice, bound, "searched"))
+        if choice is not None and (self.best is None or choice.objective < self.best[1].objective):
+            self.best = (tables, choice)
+            plan = build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
+            self.found.append((choice.objective, plan, _pareto_data(tables, choice, job.space.pareto_k, False)))
+
+    def result(self, space: SearchSpace, keys: int, seconds: float,
+               winner: _Improvement | None = None) -> SearchResult:
+        """The `SearchResult` of this tally with ``winner`` as its plan (None: no plan)."""
+        objective, plan, pareto = winner if winner is not None else (math.inf, None, ())
+        return SearchResult(space, plan, objective, keys, self.done, self.evaluated, self.milps, seconds,
+                            self.timed_out, tuple(self.frontier), pareto)
+
+
+def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], deadline: float,
+                 best_cost: float | None, progress: Progress | None) -> _Tally:
+    """Tune the outer keys in `_visit_order`, skipping those whose bound cannot beat the best so far."""
+    tally = _Tally()
+    for visited, i in enumerate(_visit_order(keys, bounds)):
+        if progress is not None and visited:
+            progress(job.space.name, visited, len(keys))
+        key = keys[i]
+        cut = tally.best[1].objective if tally.best is not None else best_cost
+        if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
+            tally.frontier.append(_key_record(key, None, bounds[i], "pruned"))
+            continue
+        now = time.perf_counter()
+        # The best-bound key is always tried. A later one is not started with less time left than the
+        # quickest key so far took: a key's probes, base prices and MILP set-up run before its first
+        # deadline check, so it would overrun the limit.
+        if tally.done > 0 and deadline - now < tally.fastest_key:
+            tally.timed_out = True
+            break
+        # One key may use at most a share of the time left (its offloaded children are priced best-first
+        # and its MILPs get the rest), so a key too large to price whole leaves time for the others.
+        key_deadline = min(deadline, now + _KEY_SHARE * (deadline - now))
+        tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, cut, key_deadline, job.prune,
+                                  job.memo)
+        tally.fastest_key = min(tally.fastest_key, time.perf_counter() - now)
+        tally.add(job, tables, choice, bounds[i])
+    return tally
+
+
+def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improvement | None:
+    """The best improvement whose full prediction fits the memory budget, its prediction attached.
+
+    The full prediction is the runtime's memory view (e.g. the pipeline's shared activation pools), which
+    the search objective's per-stage peaks leave out; earlier improvements are the fallback.
+    """
+    budget = job.cluster.memory_budget()
+    for rank in range(len(found)):
+        objective, plan, pareto = found[-1 - rank]
+        pred = job.cost.predict(job.workload, plan, job.cluster)
+        if pred.guarded_peak(job.cluster.device.memory_margin) <= budget * (1 + 1e-9):
+            break
+    else:
+        warnings.warn(f"space {job.space.name!r}: every plan found exceeds the memory budget under the full "
+                      "prediction; no plan returned", RuntimeWarning, stacklevel=3)
+        return None
+    if rank:
+        warnings.warn(f"space {job.space.name!r}: the best {rank} plan(s) exceed the memory budget under the full "
+                      "prediction; returning the next best", RuntimeWarning, stacklevel=3)
+    return objective, plan.replace(prediction=pred), pareto
+
+
+def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | None = None, *,
+           time_limit: float = 60.0, cost: CostModel | None = None, best_cost: float | None = None,
+           prune: bool = True, progress: Progress | None = None) -> SearchResult:
     """Search one space for the plan with the lowest predicted step time.
 
     Outer keys are visited best-bound first (`inter.key_bound`: each key's fastest strategies
@@ -219,88 +336,30 @@ def search(workload: Any, cluster: Any, space: SearchSpace | None = None, *, tim
             outer key and as it ends (e.g. a progress bar; it does not change the search).
     """
     space = space or SearchSpace()
-    cost = cost or default_cost_model()
+    job = _SearchJob(workload, cluster, cost or default_cost_model(), space, ScheduleMemo(space.schedules), prune)
     t0 = time.perf_counter()
     deadline = t0 + time_limit
-    L = int(workload.num_layers)
-    keys = outer_keys(space, L, int(workload.global_batch), cluster.nodes, cluster.devices_per_node,
-                      workload.supports_tp)
-    memo = ScheduleMemo(space.schedules)
+    keys = outer_keys(space, int(workload.num_layers), int(workload.global_batch), cluster.nodes,
+                      cluster.devices_per_node, workload.supports_tp)
     if progress is not None:
         progress(space.name, 0, len(keys))
-    bounds = _key_bounds(workload, cluster, cost, keys, space, memo, deadline) if prune else [0.0] * len(keys)
-    # Best bound first, but a key's siblings of other pipeline schedules right after it: they reuse its
-    # prices (`intra.ScheduleMemo`), and the pruning test below still applies to each of them.
-    group = [dataclasses.replace(k, schedule="") for k in keys]
-    group_bound: dict[Any, tuple[float, int]] = {}
-    for i, (g, b) in enumerate(zip(group, bounds)):
-        group_bound[g] = min(group_bound.get(g, (math.inf, i)), (b, i))
-    order = sorted(range(len(keys)), key=lambda i: (group_bound[group[i]], bounds[i], i))
-    best: tuple[StageTables, KeyChoice] | None = None
-    found: list[tuple[float, Plan, tuple[dict[str, Any], ...]]] = []  # every improvement, best last
-    evaluated = milps = done = 0
-    frontier, timed_out = [], False
-    fastest_key = math.inf  # seconds the quickest key searched so far took
-    for visited, i in enumerate(order):
-        if progress is not None and visited:
-            progress(space.name, visited, len(keys))
-        key = keys[i]
-        cut = best[1].objective if best is not None else best_cost
-        if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
-            frontier.append(_key_record(key, None, bounds[i], "pruned"))
-            continue
-        now = time.perf_counter()
-        # The best-bound key is always tried. A later one is not started with less time left than the
-        # quickest key so far took: a key's probes, base prices and MILP set-up run before its first
-        # deadline check, so it would overrun the limit.
-        if done > 0 and deadline - now < fastest_key:
-            timed_out = True
-            break
-        # One key may use at most a share of the time left (its offloaded children are priced best-first
-        # and its MILPs get the rest), so a key too large to price whole leaves time for the others.
-        key_deadline = min(deadline, now + _KEY_SHARE * (deadline - now))
-        tables, choice = tune_key(workload, cluster, cost, key, space, cut, key_deadline, prune, memo)
-        fastest_key = min(fastest_key, time.perf_counter() - now)
-        evaluated += tables.evaluated
-        done += 1
-        timed_out |= tables.truncated
-        if choice is not None:
-            milps += choice.milps
-            timed_out |= not choice.optimal
-        frontier.append(_key_record(key, choice, bounds[i], "searched"))
-        if choice is not None and (best is None or choice.objective < best[1].objective):
-            best = (tables, choice)
-            found.append((choice.objective, build_plan(tables, choice).replace(grad_dtype=workload.grad_dtype),
-                          _pareto_data(tables, choice, space.pareto_k, False)))
+    bounds = (_key_bounds(workload, cluster, job.cost, keys, space, job.memo, deadline) if prune
+              else [0.0] * len(keys))
+    tally = _search_keys(job, keys, bounds, deadline, best_cost, progress)
     if progress is not None:
         progress(space.name, len(keys), len(keys))
     seconds = time.perf_counter() - t0
-    if timed_out:
-        warnings.warn(f"tuning space {space.name!r} hit its time limit ({time_limit:g} s) after {done} of "
+    if tally.timed_out:
+        warnings.warn(f"tuning space {space.name!r} hit its time limit ({time_limit:g} s) after {tally.done} of "
                       f"{len(keys)} outer keys; returning the best feasible plan found so far",
                       RuntimeWarning, stacklevel=2)
-    if best is None:
-        return SearchResult(space, None, math.inf, len(keys), done, evaluated, milps, seconds, timed_out,
-                            tuple(frontier))
-    # Check the winner with the full prediction (the runtime's memory view, e.g. the pipeline's
-    # shared activation pools); fall back to earlier improvements if it does not fit.
-    budget = cluster.memory_budget()
-    for rank in range(len(found)):
-        objective, plan, pareto = found[-1 - rank]
-        pred = cost.predict(workload, plan, cluster)
-        if pred.guarded_peak(cluster.device.memory_margin) <= budget * (1 + 1e-9):
-            break
-    else:
-        warnings.warn(f"space {space.name!r}: every plan found exceeds the memory budget under the full prediction; "
-                      "no plan returned", RuntimeWarning, stacklevel=2)
-        return SearchResult(space, None, math.inf, len(keys), done, evaluated, milps, time.perf_counter() - t0,
-                            timed_out, tuple(frontier))
-    if rank:
-        warnings.warn(f"space {space.name!r}: the best {rank} plan(s) exceed the memory budget under the full "
-                      "prediction; returning the next best", RuntimeWarning, stacklevel=2)
-    plan = plan.replace(prediction=pred, fingerprints=fingerprints(workload, cluster))
-    return SearchResult(space, plan, objective, len(keys), done, evaluated, milps,
-                        time.perf_counter() - t0, timed_out, tuple(frontier), pareto)
+    if tally.best is None:
+        return tally.result(space, len(keys), seconds)
+    winner = _fitting_improvement(job, tally.found)
+    if winner is not None:
+        objective, plan, pareto = winner
+        winner = objective, plan.replace(fingerprints=fingerprints(workload, cluster)), pareto
+    return tally.result(space, len(keys), time.perf_counter() - t0, winner)
 
 
 @dataclass(frozen=True)
@@ -326,7 +385,7 @@ class TuneResult:
     note: str = ""
 
     @property
-    def pareto(self) -> tuple[dict[str, Any], ...]:
+    def pareto(self) -> tuple[Record, ...]:
         return self.search.pareto if self.search is not None else ()
 
     def best_baseline(self) -> tuple[str, SearchResult] | None:
@@ -352,7 +411,7 @@ class TuneResult:
         return "\n".join(lines)
 
 
-def no_plan_message(workload: Any, cluster: Any, cost: CostModel) -> str:
+def no_plan_message(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel) -> str:
     """Why nothing fits: the smallest per-device memory mistjax can reach, and what would fit it."""
     n = cluster.nodes * cluster.devices_per_node
     budget = cluster.memory_budget()
@@ -377,7 +436,7 @@ def no_plan_message(workload: Any, cluster: Any, cost: CostModel) -> str:
     return text
 
 
-def tune(workload: Any, cluster: Any, *, space: SearchSpace | None = None, time_limit: float = 60.0,
+def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | None = None, time_limit: float = 60.0,
          baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: CostModel | None = None,
          baseline_time_limit: float = 60.0, progress: Progress | None = None) -> TuneResult:
     """Tune a plan for ``workload`` on ``cluster`` and compare it with the baselines.
