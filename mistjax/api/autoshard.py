@@ -25,6 +25,7 @@ from jax.extend import core as jex
 from jax.sharding import Mesh
 
 from mistjax.api.precision import MasterWeightsState
+from mistjax.core.execution import is_batch_leaf
 from mistjax.core.layout import OPT, PARAM
 from mistjax.core.plan import Plan, PlanDoesNotFit, PlanError, Prediction, format_bytes, lowered_budget
 from mistjax.core.strategies import CostModel
@@ -121,7 +122,7 @@ def _resized_batch(args: tuple[PyTree, ...], global_batch: int, seq_len: int
     def resize(b: int, s: int) -> tuple[PyTree, ...]:
         def one(x: jax.Array) -> jax.ShapeDtypeStruct:
             shape = list(np.shape(x))
-            if shape and shape[0] == global_batch:
+            if is_batch_leaf(shape, global_batch):
                 shape[0] = b
                 if len(shape) > 1 and shape[1] == seq_len:
                     shape[1] = s

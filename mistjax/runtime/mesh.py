@@ -15,10 +15,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from mistjax.core.layout import RUNTIME_MESH_AXES, SHARD_AXES, SHARD_SPEC
+from mistjax.core.execution import is_batch_leaf
+from mistjax.core.layout import DP_AXES, RUNTIME_MESH_AXES, SHARD_AXES, SHARD_SPEC
 from mistjax.core.plan import PLAN_MESH_AXES, Plan, PlanError
+from mistjax.core.types import PyTree
 
 NODE_AXIS_NAMES = ("node", "nodes", "host", "hosts", "dcn", "slice")
 __all__ = ["NODE_AXIS_NAMES", "RUNTIME_MESH_AXES", "SHARD_AXES", "SHARD_SPEC", "build_plan_mesh", "devices_of",
@@ -78,3 +81,10 @@ def build_plan_mesh(mesh_or_devices: Mesh | Sequence[Any] | None, plan: Plan) ->
                   for e in ((nodes, local) if a == "shard" else (plan.mesh_shape[a],)))
     grid = np.array(devs, dtype=object).reshape(shape)
     return Mesh(grid, RUNTIME_MESH_AXES, axis_types=(AxisType.Auto,) * len(RUNTIME_MESH_AXES))
+
+
+def batch_shardings(mesh: Mesh, batch: PyTree, global_batch: int) -> PyTree:
+    """Where each batch leaf goes on `mesh`: batch data (`core.execution.is_batch_leaf`) split over the
+    data-parallel axes, the rest replicated."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, P(DP_AXES) if is_batch_leaf(np.shape(x), global_batch)
+                                                else P()), batch)

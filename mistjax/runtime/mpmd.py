@@ -32,16 +32,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import leaf_axes
+from mistjax.core.execution import is_batch_leaf
 from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts, select_offload
 from mistjax.core.pipeline_order import Op, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.runtime.grads import regather_updated_params
-from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, build_plan_mesh
+from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
 from mistjax.runtime.mpmd_update import (
+    InputGroup,
+    Output,
     Propagation,
     Rows,
+    Sink,
+    Source,
     StageRows,
     Whole,
     combine,
@@ -49,6 +54,7 @@ from mistjax.runtime.mpmd_update import (
     stage_eval,
     state_names,
     trace_step,
+    twin_key,
 )
 from mistjax.runtime.report import PipelineReport, StageReport, applied_report, pipeline_report
 from mistjax.runtime.tensor import tensor_parallel_block
@@ -75,9 +81,8 @@ class DispatchStats:
 class _Round:
     """One update program of one stage (see `mpmd_update`)."""
 
-    groups: list[tuple[Any, ...]]  # input groups: ("state", i) | ("grad", j) | ("loss",) | ("aux", a) |
-    #                                ("batch", b) | ("twin", var) | ("rest", r)
-    outputs: list[tuple[Any, ...]]  # ("contrib", var) | ("state", i) | ("metric", m) | ("rest", r)
+    groups: list[InputGroup]  # the input groups it reads, in argument order
+    outputs: list[Output]  # what each output is
     program: Callable[..., Any]
     sizes: list[int]  # arrays per input group
     avals: list[Any]  # one aval per input array (abstract lowering)
@@ -137,7 +142,7 @@ class MpmdStep:
         rest_vars = vg.invars[n_params:]
         self.rest_vars = rest_vars
         gb = plan.global_batch
-        is_batch = tuple(bool(v.aval.shape) and v.aval.shape[0] == gb for v in rest_vars)
+        is_batch = tuple(is_batch_leaf(v.aval.shape, gb) for v in rest_vars)
         if not any(is_batch):
             raise PlanError(f"no argument of the loss has the global batch ({gb}) as its leading dim; a pipelined "
                             "plan splits the batch into micro-batches")
@@ -292,54 +297,53 @@ class MpmdStep:
         return k == 0 or k == self.K - 1 or bool(self.info.bconst_positions)
 
     # ------------------------------------------------------------------ update rounds
-    def _inputs_of(self, k: int, r: int) -> list[tuple[Any, ...]]:
+    def _inputs_of(self, k: int, r: int) -> list[InputGroup]:
         """Every input group stage `k` could read in round `r` (pruned to the used ones later)."""
         prop, ts = self.prop, self.ts
-        groups: list[tuple[Any, ...]] = [("state", i) for i in self.held[k]]
+        groups = [InputGroup(Source.STATE, i) for i in self.held[k]]
         n_aux = ts.call.num_aux
         if k == self.K - 1:
-            groups += [("loss",)] + [("aux", a) for a in range(n_aux)]
-        groups += [("grad", j) for j, i in enumerate(self.param_index) if i in self.layouts[k]]
-        groups += [("batch", b) for b in range(len(ts.batch_vars))]
-        groups += [("twin", v) for v in prop.mat if prop.level[v] <= r - 2]
+            groups += [InputGroup(Source.LOSS)] + [InputGroup(Source.AUX, a) for a in range(n_aux)]
+        groups += [InputGroup(Source.GRAD, j) for j, i in enumerate(self.param_index) if i in self.layouts[k]]
+        groups += [InputGroup(Source.BATCH, b) for b in range(len(ts.batch_vars))]
+        groups += [InputGroup(Source.TWIN, v) for v in prop.mat if prop.level[v] <= r - 2]
         return groups
 
-    def _group_vars(self, g: tuple[Any, ...]) -> Any:
+    def _group_vars(self, g: InputGroup) -> jex.Var | tuple[Source, jex.Var]:
+        """The step jaxpr's variable an input group binds in the update's environment (a twin: its own key)."""
         ts, n_aux = self.ts, self.ts.call.num_aux
-        kind = g[0]
-        if kind == "state":
-            return ts.state_vars[g[1]]
-        if kind == "loss":
-            return ts.vg.outvars[0]
-        if kind == "aux":
-            return ts.vg.outvars[1 + g[1]]
-        if kind == "grad":
-            return ts.vg.outvars[1 + n_aux + g[1]]
-        if kind == "batch":
-            return ts.batch_vars[g[1]]
-        return ("twin", g[1])
+        match g.source:
+            case Source.STATE:
+                return ts.state_vars[g.ref]
+            case Source.LOSS:
+                return ts.vg.outvars[0]
+            case Source.AUX:
+                return ts.vg.outvars[1 + g.ref]
+            case Source.GRAD:
+                return ts.vg.outvars[1 + n_aux + g.ref]
+            case Source.BATCH:
+                return ts.batch_vars[g.ref]
+        return twin_key(g.ref)
 
-    def _group_avals(self, k: int, g: tuple[Any, ...]) -> list[Any]:
+    def _group_avals(self, k: int, g: InputGroup) -> list[jax.ShapeDtypeStruct]:
         """Avals (with shardings) of the arrays of input group `g` on stage `k`."""
-        kind = g[0]
         mesh = self.meshes[k]
-        if kind == "state":
-            return [self._piece_aval(g[1], k)]
-        if kind in ("loss", "aux"):
+        if g.source is Source.STATE:
+            return [self._piece_aval(g.ref, k)]
+        if g.source in (Source.LOSS, Source.AUX):
             v = self._group_vars(g)
             return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, P()))]
-        if kind == "grad":
-            prog = self.programs[k]
-            jj = prog.spec.params.index(g[1])
-            piece = self._piece_aval(self.param_index[g[1]], k)
-            sources = self.infos[self.param_index[g[1]]].stages if not self.infos[self.param_index[g[1]]].rows \
-                else (k,)
+        if g.source is Source.GRAD:
+            prog, info = self.programs[k], self.infos[self.param_index[g.ref]]
+            jj = prog.spec.params.index(g.ref)
+            piece = self._piece_aval(self.param_index[g.ref], k)
+            sources = info.stages if not info.rows else (k,)
             return [jax.ShapeDtypeStruct(piece.shape, piece.dtype, sharding=prog.grad_shardings()[jj])] * len(sources)
-        if kind == "batch":
-            v = self.ts.batch_vars[g[1]]
-            spec = P(DP_AXES) if v.aval.shape and v.aval.shape[0] == self.plan.global_batch else P()
+        if g.source is Source.BATCH:
+            v = self.ts.batch_vars[g.ref]
+            spec = P(DP_AXES) if is_batch_leaf(v.aval.shape, self.plan.global_batch) else P()
             return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))]
-        v = g[1]
+        v = g.ref
         lay = self.prop.layout[v]
         return [self._contrib_aval(v, lay, s, k) for s in contributors(lay, self.K)]
 
@@ -358,21 +362,22 @@ class MpmdStep:
                                                     sharding=NamedSharding(self.meshes[at], P()))
         return self._avals[key]
 
-    def _targets(self, k: int, r: int) -> list[tuple[tuple[Any, ...], Any]]:
+    def _targets(self, k: int, r: int) -> list[tuple[Output, Any]]:
+        """What stage `k` computes in round `r`: each `Output` with the step jaxpr's value it is."""
         prop, ts = self.prop, self.ts
-        out: list[tuple[tuple[Any, ...], Any]] = []
+        out: list[tuple[Output, Any]] = []
         for v in prop.mat:
             if prop.level[v] == r - 1 and k in contributors(prop.layout[v], self.K):
-                out.append((("contrib", v), v))
+                out.append((Output(Sink.CONTRIB, v), v))
         if r == prop.num_rounds:
             for i in self.held[k]:
                 nv = ts.new_state_vars[i]
                 if nv is ts.state_vars[i]:
                     continue  # unchanged: the old piece is kept
-                out.append((("state", i), ("twin", nv) if i in prop.out_twin else nv))
+                out.append((Output(Sink.STATE, i), twin_key(nv) if i in prop.out_twin else nv))
             for m, v in enumerate(ts.metric_vars):
                 if k in self._metric_sources(v):
-                    out.append((("metric", m), v))
+                    out.append((Output(Sink.METRIC, m), v))
         return out
 
     def _metric_sources(self, v: Any) -> list[int]:
@@ -381,8 +386,8 @@ class MpmdStep:
             return list(range(self.S))  # each device group computes its own copy
         return contributors(lay, self.K)
 
-    def _make_env_fn(self, k: int, groups: list[tuple[Any, ...]], sizes: list[int],
-                     targets: list[tuple[tuple[Any, ...], Any]]) -> Callable[..., list[Any]]:
+    def _make_env_fn(self, k: int, groups: list[InputGroup], sizes: list[int],
+                     targets: list[tuple[Output, Any]]) -> Callable[..., list[Any]]:
         prop = self.prop
 
         def fn(*flat: Any) -> list[Any]:
@@ -391,12 +396,12 @@ class MpmdStep:
             for g, n in zip(groups, sizes):
                 arrays = list(flat[pos: pos + n])
                 pos += n
-                if g[0] == "state" and self.layouts[k][g[1]].host:
+                if g.source is Source.STATE and self.layouts[k][g.ref].host:
                     arrays = [jax.device_put(a, jax.memory.Space.Device) for a in arrays]
-                if g[0] == "grad":
+                if g.source is Source.GRAD:
                     value = arrays[0] if n == 1 else sum(arrays[1:], arrays[0])  # a tied parameter's summands
-                elif g[0] == "twin":
-                    value = combine(prop.layout[g[1]], arrays)
+                elif g.source is Source.TWIN:
+                    value = combine(prop.layout[g.ref], arrays)
                 else:
                     value = arrays[0]
                 env[self._group_vars(g)] = value
@@ -405,16 +410,16 @@ class MpmdStep:
 
         return fn
 
-    def _regather(self, k: int, targets: list[tuple[tuple[Any, ...], Any]], outs: list[Any],
+    def _regather(self, k: int, targets: list[tuple[Output, Any]], outs: list[Any],
                   env: dict[Any, Any]) -> list[Any]:
         """Updated ZeRO-1/2 parameters re-gathered hierarchically when the partition group spans nodes."""
         if self.meshes[k].shape[SHARD_AXES[0]] == 1:
             return outs
-        idx = [j for j, (key, _) in enumerate(targets) if key[0] == "state" and
-               self.layouts[k][key[1]].role == PARAM]
+        idx = [j for j, (key, _) in enumerate(targets) if key.sink is Sink.STATE and
+               self.layouts[k][key.ref].role == PARAM]
         if not idx:
             return outs
-        lays = [self.layouts[k][targets[j][0][1]] for j in idx]
+        lays = [self.layouts[k][targets[j][0].ref] for j in idx]
         new = regather_updated_params([outs[j] for j in idx], [None] * len(idx), lays, self.one_stage_plans[k],
                                       self.meshes[k])
         outs = list(outs)
@@ -422,8 +427,8 @@ class MpmdStep:
             outs[j] = x
         return outs
 
-    def _build_program(self, k: int, groups: list[tuple[Any, ...]], targets: list[tuple[tuple[Any, ...], Any]],
-                       donate_kinds: tuple[str, ...]) -> _Round:
+    def _build_program(self, k: int, groups: list[InputGroup], targets: list[tuple[Output, Any]],
+                       donate: frozenset[Source]) -> _Round:
         """Jit stage `k`'s evaluation of `targets`, keeping only the input groups it reads."""
         sizes = [len(self._group_avals(k, g)) for g in groups]
         avals = [a for g in groups for a in self._group_avals(k, g)]
@@ -439,36 +444,33 @@ class MpmdStep:
         sizes = [len(self._group_avals(k, g)) for g in keep]
         avals = [a for g in keep for a in self._group_avals(k, g)]
         fn = self._make_env_fn(k, keep, sizes, targets)
-        out_sh = []
-        for key, _ in targets:
-            if key[0] == "state":
-                out_sh.append(self.piece_sharding(key[1], k))
-            else:
-                out_sh.append(NamedSharding(self.meshes[k], P()))
-        donate, pos = [], 0
-        new_state = {key[1] for key, _ in targets if key[0] == "state"}
+        out_sh = [self.piece_sharding(key.ref, k) if key.sink is Sink.STATE else NamedSharding(self.meshes[k], P())
+                  for key, _ in targets]
+        donated, pos = [], 0
+        new_state = {key.ref for key, _ in targets if key.sink is Sink.STATE}
         for g, n in zip(keep, sizes):
-            if g[0] in donate_kinds and (g[0] != "state" or g[1] in new_state):
-                donate += range(pos, pos + n)
+            if g.source in donate and (g.source is not Source.STATE or g.ref in new_state):
+                donated += range(pos, pos + n)
             pos += n
-        prog = jax.jit(fn, out_shardings=out_sh, donate_argnums=tuple(donate))
+        prog = jax.jit(fn, out_shardings=out_sh, donate_argnums=tuple(donated))
         return _Round(keep, [key for key, _ in targets], prog, sizes, avals)
 
     def _build_round(self, k: int, r: int) -> _Round:
         final = r == self.prop.num_rounds
         return self._build_program(k, self._inputs_of(k, r), self._targets(k, r),
-                                   ("state",) if final else ())
+                                   frozenset({Source.STATE}) if final else frozenset())
 
     def _build_prologue(self, k: int) -> _Round | None:
         """Stage `k`'s loss arguments computed from the step's inputs (None if they are all inputs)."""
         targets = []
         for r, v in enumerate(self.rest_vars):
             if isinstance(v, jex.Var) and v not in self.ts.batch_vars:
-                targets.append((("rest", r), v))
+                targets.append((Output(Sink.REST, r), v))
         if not targets:
             return None
-        groups = [("state", i) for i in self.held[k]] + [("batch", b) for b in range(len(self.ts.batch_vars))]
-        return self._build_program(k, groups, targets, ())
+        groups = ([InputGroup(Source.STATE, i) for i in self.held[k]]
+                  + [InputGroup(Source.BATCH, b) for b in range(len(self.ts.batch_vars))])
+        return self._build_program(k, groups, targets, frozenset())
 
     def _metric_plan(self) -> None:
         """Which metrics need combining on the device groups after the last round."""
@@ -530,9 +532,7 @@ class MpmdStep:
     # ================================================================== batch
     def batch_shardings(self, batch: Any) -> Any:
         """The batch over the whole plan mesh: split over DP, replicated over the stages."""
-        gb = self.plan.global_batch
-        return jax.tree.map(lambda x: NamedSharding(self.mesh, P(DP_AXES) if np.ndim(x) and np.shape(x)[0] == gb
-                                                    else P()), batch)
+        return batch_shardings(self.mesh, batch, self.plan.global_batch)
 
     def _stage_batch(self, batch: Any) -> list[list[jax.Array]]:
         """Per device group, the batch leaves on its sub-mesh (no copies for a batch placed by
@@ -621,7 +621,7 @@ class MpmdStep:
         if prologue is not None:
             args = self._gather_inputs(k, prologue, pieces, {}, None, None, None, groups_batch)
             outs = self._run("prologue", k, prologue.program, *args)
-            computed = {key[1]: o for key, o in zip(prologue.outputs, outs or [None] * len(prologue.outputs))}
+            computed = {key.ref: o for key, o in zip(prologue.outputs, outs or [None] * len(prologue.outputs))}
         out = []
         for r, v in enumerate(self.rest_vars):
             if isinstance(v, jex.Literal):
@@ -752,19 +752,19 @@ class MpmdStep:
                        groups_batch: list[list[Any]]) -> list[Any]:
         args: list[Any] = []
         for g in rnd.groups:
-            kind = g[0]
-            if kind == "state":
-                args.append(pieces[g[1]][k])
-            elif kind == "loss":
-                args.append(loss)
-            elif kind == "aux":
-                args.append(aux[g[1]])
-            elif kind == "grad":
-                args.extend(grads[(k, g[1])])
-            elif kind == "batch":
-                args.append(groups_batch[k % self.S][g[1]])
-            else:
-                args.extend(twins[(k, g[1])])
+            match g.source:
+                case Source.STATE:
+                    args.append(pieces[g.ref][k])
+                case Source.LOSS:
+                    args.append(loss)
+                case Source.AUX:
+                    args.append(aux[g.ref])
+                case Source.GRAD:
+                    args.extend(grads[(k, g.ref)])
+                case Source.BATCH:
+                    args.append(groups_batch[k % self.S][g.ref])
+                case _:
+                    args.extend(twins[(k, g.ref)])
         return args
 
     def _update(self, pieces: list[dict[int, Any]], grads: dict[tuple[int, int], list[Any]], loss: Any, aux: Any,
@@ -782,18 +782,18 @@ class MpmdStep:
                 outs = self._run(f"update{r}", k, rnd.program, *args)
                 outs = outs if outs is not None else [None] * len(rnd.outputs)
                 for key, o in zip(rnd.outputs, outs):
-                    if key[0] == "contrib":
-                        contribs[(key[1], k)] = o
-                    elif key[0] == "state":
-                        new_pieces[key[1]][k] = o
+                    if key.sink is Sink.CONTRIB:
+                        contribs[(key.ref, k)] = o
+                    elif key.sink is Sink.STATE:
+                        new_pieces[key.ref][k] = o
                     else:
-                        metric_parts[(key[1], k)] = o
+                        metric_parts[(key.ref, k)] = o
             for t in range(self.K):
                 for r2 in range(r + 1, R + 1):
                     for g in self.rounds[(t, r2)].groups:
-                        if g[0] != "twin" or prop.level[g[1]] != r - 1 or (t, g[1]) in twins:
+                        if g.source is not Source.TWIN or prop.level[g.ref] != r - 1 or (t, g.ref) in twins:
                             continue
-                        v = g[1]
+                        v = g.ref
                         lay = prop.layout[v]
                         srcs = contributors(lay, self.K)
                         twins[(t, v)] = [self._transfer(contribs[(v, s)], self._replicated[t],

@@ -31,9 +31,10 @@ then the update with the global norm. Values needed by several rounds are recomp
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -734,7 +735,7 @@ class StageRows:
 
 def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[Any, Any],
                targets: Sequence[Any]) -> list[Any]:
-    """Evaluate `targets` on stage `k` from `env` (input vars and ``("twin", var)`` entries).
+    """Evaluate `targets` on stage `k` from `env` (input vars and `twin_key` entries).
 
     Runs only the equations the targets need, with stage-local values: row-split values hold the
     stage's rows (shape parameters adjusted), whole values are sliced to those rows where they meet a
@@ -755,7 +756,7 @@ def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[Any, Any],
         for j, v in enumerate(eqn.invars):
             if isinstance(v, jex.Var) and (j not in plan.present or k in plan.present[j]):
                 if j in plan.twins:
-                    if ("twin", v) not in env:
+                    if twin_key(v) not in env:
                         raise RuntimeError(f"stage {k} needs the materialised value of {prop._name(v)}")
                 else:
                     needed.add(v)
@@ -774,7 +775,7 @@ def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[Any, Any],
             if j in plan.present and k not in plan.present[j]:
                 vals.append(jnp.zeros(v.aval.shape, v.aval.dtype))  # a summand this stage does not add
                 continue
-            x = local[("twin", v)] if j in plan.twins else read(v)
+            x = local[twin_key(v)] if j in plan.twins else read(v)
             if j in plan.slices:
                 x = lax.slice_in_dim(x, a, b, axis=plan.slices[j])
             vals.append(x)
@@ -816,6 +817,47 @@ def state_names(state: Any) -> list[str]:
     return out
 
 
-__all__ = ["FREE", "GradCall", "Part", "Propagation", "Rows", "SMALL_ELEMENTS", "StageRows", "TracedStep",
+class Source(enum.StrEnum):
+    """Where an update program's input group comes from."""
+
+    STATE = "state"  # a piece of a state leaf held by the stage (ref: state index)
+    LOSS = "loss"  # the step's loss (ref: unused)
+    AUX = "aux"  # one aux output of the loss (ref: aux index)
+    GRAD = "grad"  # a parameter's synchronised gradient, one array per contributing stage (ref: param index)
+    BATCH = "batch"  # one batch leaf (ref: batch index)
+    TWIN = "twin"  # the contributions to a value materialised in an earlier round (ref: its jaxpr var)
+    REST = "rest"  # a loss argument computed from the step's inputs (prologue outputs only)
+
+
+class Sink(enum.StrEnum):
+    """What an update program's output is."""
+
+    CONTRIB = "contrib"  # this stage's contribution to a materialised value (ref: its jaxpr var)
+    STATE = "state"  # the stage's new piece of a state leaf (ref: state index)
+    METRIC = "metric"  # this stage's part of a metric (ref: metric index)
+    REST = "rest"  # a loss argument computed from the step's inputs (ref: rest index)
+
+
+class InputGroup(NamedTuple):
+    """One input group of an update program: its `Source` and which one (an index, or a jaxpr var)."""
+
+    source: Source
+    ref: int | jex.Var = -1
+
+
+class Output(NamedTuple):
+    """One output of an update program: its `Sink` and which one (an index, or a jaxpr var)."""
+
+    sink: Sink
+    ref: int | jex.Var
+
+
+def twin_key(v: jex.Var) -> tuple[Source, jex.Var]:
+    """The update environment's key of the contributions to `v`, materialised in an earlier round."""
+    return (Source.TWIN, v)
+
+
+__all__ = ["FREE", "GradCall", "InputGroup", "Output", "Part", "Propagation", "Rows", "SMALL_ELEMENTS", "Sink",
+           "Source", "StageRows", "TracedStep",
            "UpdateError", "Whole", "combine", "contributors", "inline_all", "pipeline_p",
-           "stage_eval", "state_names", "trace_step"]
+           "stage_eval", "state_names", "trace_step", "twin_key"]

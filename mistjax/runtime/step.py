@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import apply_axis_rules, is_stacked, leaf_axes
 from mistjax.core.layout import (
-    DP_AXES,
     OPT,
     OTHER,
     PARAM,
@@ -36,7 +35,7 @@ from mistjax.runtime.checks import (
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles
-from mistjax.runtime.mesh import build_plan_mesh
+from mistjax.runtime.mesh import batch_shardings, build_plan_mesh
 from mistjax.runtime.mpmd import MpmdStep
 from mistjax.runtime.report import (
     AppliedReport,
@@ -287,14 +286,7 @@ class ShardedStep:
         self._build()
 
     def _batch_shardings(self, batch: Batch) -> PyTree:
-        b = self.plan.global_batch
-
-        def one(x: jax.Array) -> NamedSharding:
-            if np.ndim(x) and np.shape(x)[0] == b:
-                return NamedSharding(self.mesh, P(DP_AXES))
-            return NamedSharding(self.mesh, P())
-
-        return jax.tree.map(one, batch)
+        return batch_shardings(self.mesh, batch, self.plan.global_batch)
 
     def _build(self) -> None:
         assert self.layouts is not None
