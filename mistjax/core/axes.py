@@ -5,20 +5,30 @@ rules (MaxText style, `apply_axis_rules`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TypeAlias
 
 import jax
 from flax import nnx
 from flax.core import meta
 
-Axes = tuple[str | None, ...]
+from mistjax.core.types import PyTree
+
+Axes: TypeAlias = tuple[str | None, ...]
+"""Logical axis names of one leaf, one per dim (None: a dim without a name)."""
+
+AxisRule: TypeAlias = tuple[str, str | Sequence[str | None] | None]
+"""One MaxText-style rule: a logical axis name and the mesh axis (or axes, or None) it maps to."""
+
+AxisRules: TypeAlias = Sequence[AxisRule]
+"""MaxText-style logical-axis rules ``[(logical, mesh_axes), ...]`` (`apply_axis_rules`)."""
 
 
-def _is_variable(x: Any) -> bool:
+def _is_variable(x: object) -> bool:
     return isinstance(x, nnx.Variable | meta.Partitioned)
 
 
-def leaf_axes(tree: Any) -> list[Axes | None]:
+def leaf_axes(tree: PyTree) -> list[Axes | None]:
     """Logical axis names of each array leaf of `tree` (aligned with `jax.tree.leaves(tree)`)."""
     out: list[Axes | None] = []
     for node in jax.tree.leaves(tree, is_leaf=_is_variable):
@@ -39,7 +49,7 @@ def leaf_axes(tree: Any) -> list[Axes | None]:
 _TENSOR_MARK, _WHOLE_MARK = "mlp", "embed"
 
 
-def apply_axis_rules(axes: list[Axes | None], rules: Any) -> list[Axes | None]:
+def apply_axis_rules(axes: Sequence[Axes | None], rules: AxisRules | None) -> list[Axes | None]:
     """Logical axes renamed by MaxText-style rules ``[(logical, mesh_axes), ...]``.
 
     A logical name whose rule maps it to a mesh axis named ``tensor`` (or a tuple holding it) is split
@@ -71,4 +81,4 @@ def is_stacked(axes: Axes | None) -> bool:
     return bool(axes) and axes[0] == "layers"
 
 
-__all__ = ["Axes", "apply_axis_rules", "is_stacked", "leaf_axes"]
+__all__ = ["Axes", "AxisRule", "AxisRules", "apply_axis_rules", "is_stacked", "leaf_axes"]

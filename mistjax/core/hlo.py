@@ -11,7 +11,10 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:  # annotations only: reading HLO text needs no JAX
+    from jax.stages import Compiled
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
                 "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -34,7 +37,7 @@ _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?(
 _CALLS = re.compile(r"\s(?:call|async-start)\(.*?to_apply=%?([\w.\-]+)")
 
 # An HLO type: an array (dtype, bytes) or a tuple of types.
-HloType = tuple[str, int] | list[Any]
+HloType: TypeAlias = "tuple[str, int] | list[HloType]"
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Collective:
 
 def parse_type(text: str) -> HloType:
     """The type of an HLO value as nested lists of ``(dtype, bytes)`` arrays."""
-    stack: list[list[Any]] = [[]]
+    stack: list[list[HloType]] = [[]]
     for m in _TOKEN.finditer(_COMMENT.sub("", text)):
         if m.group(0) == "(":
             stack.append([])
@@ -316,7 +319,7 @@ def tuple_element(type_text: str, index: tuple[int, ...]) -> str:
     return type_text
 
 
-def memory_stats(compiled: Any) -> dict[str, int]:
+def memory_stats(compiled: Compiled) -> dict[str, int]:
     """Per-device bytes from ``compiled.memory_analysis()``; ``peak`` = argument + output + temp - alias.
 
     (On CPU ``peak_memory_in_bytes`` leaves temporaries out, so the sum is the honest figure.)

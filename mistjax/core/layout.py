@@ -11,15 +11,22 @@ differ, as in Levanter: a ZeRO-3 parameter is stored sharded and gathered per la
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import PyTreeDef
 
 from mistjax.core.plan import Plan, PlanError
+from mistjax.core.types import PyTree
+
+if TYPE_CHECKING:  # annotations only: mistjax.core.axes loads Flax
+    from mistjax.core.axes import Axes
 
 # The plan's `shard` axis as (inter-node, intra-node) mesh axes, node-major like the devices.
 SHARD_AXES = ("shard_node", "shard_local")
@@ -41,16 +48,39 @@ SHARD_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim")
 # as the plan's flat (replica, shard) axes.
 DP_AXES = ("replica", *SHARD_AXES)
 
-PARAM, OPT, OTHER = "param", "opt", "other"
+
+class LeafRole(enum.StrEnum):
+    """What a state leaf is to the plan: the ZeRO stage shards parameters and optimizer state differently.
+
+    A `str` enum, so a role compares equal to its value (``LeafRole.PARAM == "param"``) and formats as it.
+    """
+
+    PARAM = "param"  # a parameter (ZeRO-3 shards it; weight offload moves it)
+    OPT = "opt"  # optimizer state mirroring a parameter (ZeRO >= 1 shards it; optimizer offload moves it)
+    OTHER = "other"  # anything else (step counters, scalars): replicated
+
+
+PARAM, OPT, OTHER = LeafRole.PARAM, LeafRole.OPT, LeafRole.OTHER
+
+
+class Shaped(Protocol):
+    """A leaf as far as its layout goes: an array, a ``jax.ShapeDtypeStruct`` or an abstract value."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+# One entry of a PartitionSpec: a mesh axis, several (split over their product), or None (whole).
+_SpecEntry = str | tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
 class LeafLayout:
     """How one state leaf is laid out on the plan mesh."""
 
-    role: str  # "param", "opt" (optimizer state mirroring a param) or "other"
+    role: LeafRole  # parameter, optimizer state mirroring a parameter, or other
     shape: tuple[int, ...]  # global shape
-    axes: tuple[str | None, ...] | None  # logical axis names, if the model provided them
+    axes: Axes | None  # logical axis names, if the model provided them
     tensor_dims: tuple[int, ...]  # dims split over the `tensor` axis
     shard_dim: int | None  # dim split over SHARD_SPEC when the plan shards this leaf (ZeRO / MiCS)
     stacked: bool  # leading dim is the layer stack
@@ -59,9 +89,13 @@ class LeafLayout:
     stage_split: bool = False  # the layer dim is split over `stage` (pipelined plans, even layer blocks)
     layer_slice: bool = False  # one layer's leaf of an unrolled stack (laid out as a slice of a stacked leaf)
 
+    def __post_init__(self) -> None:
+        # Callers may name the role by its string; the field always holds the member (ValueError if unknown).
+        object.__setattr__(self, "role", LeafRole(self.role))
+
     def spec(self, *, storage: bool = True) -> P:
         """PartitionSpec: storage layout, or the compute layout (no ZeRO split) if not `storage`."""
-        entries: list[Any] = [None] * len(self.shape)
+        entries: list[_SpecEntry] = [None] * len(self.shape)
         for d in self.tensor_dims:
             entries[d] = "tensor"
         if storage and self.stage_split:
@@ -83,7 +117,7 @@ class LeafLayout:
         return int(np.prod(self.shape))
 
 
-def choose_shard_dim(shape: tuple[int, ...], axes: tuple[str | None, ...] | None, tensor_dims: tuple[int, ...],
+def choose_shard_dim(shape: tuple[int, ...], axes: Axes | None, tensor_dims: tuple[int, ...],
                      stacked: bool, group: int, tp: int) -> int | None:
     """The dim ZeRO / MiCS splits `group` ways, or None if no dim divides evenly."""
     if group <= 1:
@@ -121,12 +155,18 @@ def select_offload(sizes: list[int], ratio: float) -> list[bool]:
     return chosen
 
 
-def plan_layouts(leaves: list[Any], roles: list[str], stacked_flags: list[bool], plan: Plan,
-                 axes: list[tuple[str | None, ...] | None]) -> list[LeafLayout]:
-    """Lay out every state leaf under `plan` (stage 0's ZeRO flags for now: DP is uniform)."""
+def plan_layouts(leaves: Sequence[Shaped], roles: Sequence[LeafRole | str], stacked_flags: Sequence[bool],
+                 plan: Plan, axes: Sequence[Axes | None]) -> list[LeafLayout]:
+    """Lay out every state leaf under `plan` (stage 0's ZeRO flags for now: DP is uniform).
+
+    Raises:
+        ValueError: a role that is not a `LeafRole` value.
+        PlanError: the tensor-parallel degree does not divide a tensor-split dim.
+    """
     stage = plan.stages[0]
     layouts = []
-    for leaf, role, stacked, ax in zip(leaves, roles, stacked_flags, axes):
+    for leaf, name, stacked, ax in zip(leaves, roles, stacked_flags, axes):
+        role = LeafRole(name)
         shape = tuple(np.shape(leaf))
         tensor_dims: tuple[int, ...] = ()
         if plan.tp > 1 and ax is not None and len(ax) == len(shape):
@@ -153,14 +193,14 @@ def plan_layouts(leaves: list[Any], roles: list[str], stacked_flags: list[bool],
     return layouts
 
 
-def state_shardings(layouts: list[LeafLayout], treedef: Any, mesh: Mesh) -> Any:
+def state_shardings(layouts: list[LeafLayout], treedef: PyTreeDef, mesh: Mesh) -> PyTree:
     """Storage NamedShardings for the whole state (a pytree like the state)."""
     shardings = [NamedSharding(mesh, lay.spec(), memory_kind="pinned_host" if lay.host else None)
                  for lay in layouts]
     return jax.tree.unflatten(treedef, shardings)
 
 
-def unsharded_fraction(layouts: list[LeafLayout], role: str = PARAM) -> float:
+def unsharded_fraction(layouts: list[LeafLayout], role: LeafRole = PARAM) -> float:
     """Fraction of `role` elements that could not be split over the partition group (<= 2% check)."""
     total = sum(lay.nbytes_elems for lay in layouts if lay.role == role)
     whole = sum(lay.nbytes_elems for lay in layouts if lay.role == role and lay.shard_dim is None)

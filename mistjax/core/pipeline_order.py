@@ -10,25 +10,43 @@ program. The schedules and the reasoning: docs/pipelines.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mistjax.core.schedules import SCHEDULE_NAMES as MPMD_SCHEDULES
 from mistjax.core.schedules import ScheduleError
 
+
+class OpKind(enum.StrEnum):
+    """What a pipeline operation runs. A `str` enum: ``OpKind.F == "F"``, and it hashes as its value."""
+
+    F = "F"  # forward of one micro-batch
+    B = "B"  # backward of one micro-batch
+    FB = "FB"  # the last virtual stage: forward and backward in one program
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # an `Op` prints as Op(kind='F', ...) in messages, as with plain strings
+
+
 # Nominal costs of the list scheduler's simulation (backward = 2 x forward, as without remat); only
 # the order of simulated start times matters, so any positive costs give a valid issue order.
-NOMINAL_COST = {"F": 1.0, "B": 2.0, "FB": 3.0}
+NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.FB: 3.0}
 
 
 class Op(NamedTuple):
     """One pipeline operation: ``kind`` F / B / FB on virtual stage ``stage`` for micro-batch ``mb``."""
 
-    kind: str
+    kind: OpKind
     stage: int
     mb: int
+
+
+OpCost: TypeAlias = ArrayLike | Callable[[Op], float]
+"""Seconds of one kind of operation: a scalar, one per virtual stage, or ``cost(op) -> seconds``."""
 
 
 def _check(num_groups: int, chunks: int, num_microbatches: int, schedule: str) -> None:
@@ -45,21 +63,21 @@ def _check(num_groups: int, chunks: int, num_microbatches: int, schedule: str) -
                             f"groups, so grad_accum={num_microbatches} must be a multiple of {num_groups}")
 
 
-def _classic(s: int, S: int, G: int) -> list[tuple[str, int]]:
+def _classic(s: int, S: int, G: int) -> list[tuple[OpKind, int]]:
     warm = min(S - s - 1, G)
-    ops = [("F", i) for i in range(warm)]
+    ops = [(OpKind.F, i) for i in range(warm)]
     for k in range(G - warm):
-        ops += [("F", warm + k), ("B", k)]
-    return ops + [("B", i) for i in range(G - warm, G)]
+        ops += [(OpKind.F, warm + k), (OpKind.B, k)]
+    return ops + [(OpKind.B, i) for i in range(G - warm, G)]
 
 
-def _eager(s: int, S: int, G: int) -> list[tuple[str, int]]:
+def _eager(s: int, S: int, G: int) -> list[tuple[OpKind, int]]:
     # One forward and one backward per tick; forwards first within a tick.
-    timed = [(i + s, 0, "F", i) for i in range(G)] + [(i + 2 * S - 2 - s, 1, "B", i) for i in range(G)]
+    timed = [(i + s, 0, OpKind.F, i) for i in range(G)] + [(i + 2 * S - 2 - s, 1, OpKind.B, i) for i in range(G)]
     return [(kind, i) for _, _, kind, i in sorted(timed)]
 
 
-def _interleaved(d: int, S: int, v: int, G: int) -> list[tuple[str, int, int]]:
+def _interleaved(d: int, S: int, v: int, G: int) -> list[tuple[OpKind, int, int]]:
     """Megatron's order for device group ``d``: (kind, chunk, micro-batch) triples."""
     total = v * G
 
@@ -71,10 +89,10 @@ def _interleaved(d: int, S: int, v: int, G: int) -> list[tuple[str, int, int]]:
         return (j // (S * v)) * S + j % S
 
     warm = total if G == S else min((S - d - 1) * 2 + (v - 1) * S, total)
-    ops = [("F", chunk(j, True), mb(j)) for j in range(warm)]
+    ops = [(OpKind.F, chunk(j, True), mb(j)) for j in range(warm)]
     for j in range(total - warm):
-        ops += [("F", chunk(warm + j, True), mb(warm + j)), ("B", chunk(j, False), mb(j))]
-    return ops + [("B", chunk(j, False), mb(j)) for j in range(total - warm, total)]
+        ops += [(OpKind.F, chunk(warm + j, True), mb(warm + j)), (OpKind.B, chunk(j, False), mb(j))]
+    return ops + [(OpKind.B, chunk(j, False), mb(j)) for j in range(total - warm, total)]
 
 
 def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> list[list[Op]]:
@@ -92,8 +110,8 @@ def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks:
     orders: list[list[Op]] = []
     for d in range(S):
         if schedule == "gpipe":
-            raw = [("F", c, i) for c in range(v) for i in range(G)]
-            raw += [("B", c, i) for c in reversed(range(v)) for i in range(G)]
+            raw = [(OpKind.F, c, i) for c in range(v) for i in range(G)]
+            raw += [(OpKind.B, c, i) for c in reversed(range(v)) for i in range(G)]
         elif schedule == "1f1b-eager":
             raw = [(kind, 0, i) for kind, i in _eager(d, S, G)]
         elif v == 1:
@@ -104,8 +122,8 @@ def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks:
         for kind, c, i in raw:
             k = c * S + d
             if k == last:
-                if kind == "F":
-                    ops.append(Op("FB", k, i))
+                if kind == OpKind.F:
+                    ops.append(Op(OpKind.FB, k, i))
                 continue
             ops.append(Op(kind, k, i))
         orders.append(ops)
@@ -116,14 +134,14 @@ def dependencies(op: Op, num_virtual: int) -> list[Op]:
     """The operations whose outputs `op` reads (activation, cotangent, its own residuals)."""
     kind, k, i = op
     last = num_virtual - 1
-    if kind == "F":
-        return [Op("F", k - 1, i)] if k > 0 else []
-    if kind == "FB":
-        return [Op("F", k - 1, i)] if k > 0 else []
-    return [Op("F", k, i), Op("FB" if k + 1 == last else "B", k + 1, i)]
+    if kind == OpKind.F:
+        return [Op(OpKind.F, k - 1, i)] if k > 0 else []
+    if kind == OpKind.FB:
+        return [Op(OpKind.F, k - 1, i)] if k > 0 else []
+    return [Op(OpKind.F, k, i), Op(OpKind.FB if k + 1 == last else OpKind.B, k + 1, i)]
 
 
-def list_schedule(orders: Sequence[Sequence[Op]], cost: dict[str, float] | None = None) -> list[Op]:
+def list_schedule(orders: Sequence[Sequence[Op]], cost: Mapping[str, float] | None = None) -> list[Op]:
     """Merge per-group orders into one issue order by simulated start time (see module docstring).
 
     Raises:
@@ -180,7 +198,7 @@ def dependency_depth(issue: Sequence[Op], num_groups: int) -> dict[str, int]:
         for a, b in zip(queue, queue[1:]):
             prev[b] = a
     out = {}
-    for name, kinds in (("forward", {"F", "FB"}), ("backward", {"B", "FB"})):
+    for name, kinds in (("forward", {OpKind.F, OpKind.FB}), ("backward", {OpKind.B, OpKind.FB})):
         depth: dict[Op, int] = {}
         for op in issue:
             preds = [*dependencies(op, num_virtual), *([prev[op]] if op in prev else [])]
@@ -195,10 +213,10 @@ def residuals_in_flight(issue: Sequence[Op]) -> np.ndarray:
     live = np.zeros(num_virtual, np.int64)
     peak = np.zeros(num_virtual, np.int64)
     for op in issue:
-        if op.kind == "F":
+        if op.kind == OpKind.F:
             live[op.stage] += 1
             peak[op.stage] = max(peak[op.stage], live[op.stage])
-        elif op.kind == "B":
+        elif op.kind == OpKind.B:
             live[op.stage] -= 1
     return peak
 
@@ -208,7 +226,7 @@ def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: i
     return list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks))
 
 
-def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None
+def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None
              ) -> dict[Op, tuple[float, float]]:
     """(start, end) seconds of every operation, each device group running its operations in issue order
     as soon as its inputs arrive. ``cost[kind]`` is a scalar or a per-virtual-stage sequence of seconds,
@@ -228,7 +246,7 @@ def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | Non
     return spans
 
 
-def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None
+def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None
                        ) -> np.ndarray:
     """When each device group finishes its last operation (`op_spans`)."""
     finish = np.zeros(num_groups)
@@ -238,11 +256,11 @@ def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, 
     return finish
 
 
-def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, Any] | None = None) -> float:
+def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None) -> float:
     """Makespan of the issue order (`group_finish_times`)."""
     return float(group_finish_times(issue, num_groups, cost).max())
 
 
-__all__ = ["MPMD_SCHEDULES", "Op", "ScheduleError", "dependencies", "dependency_depth", "device_orders",
-           "group_finish_times", "group_queues", "issue_order", "list_schedule", "op_spans", "residuals_in_flight",
-           "simulated_time"]
+__all__ = ["MPMD_SCHEDULES", "Op", "OpCost", "OpKind", "ScheduleError", "dependencies", "dependency_depth",
+           "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule", "op_spans",
+           "residuals_in_flight", "simulated_time"]

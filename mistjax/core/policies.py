@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeAlias
 
 import jax
 
 from mistjax.core.plan import PlanError
+
+CheckpointPolicy: TypeAlias = Callable[..., bool]
+"""What ``jax.checkpoint(policy=...)`` takes, as JAX annotates it: ``(primitive, *avals, **params) -> saveable``
+(an offload policy answers with JAX's offload marker in place of True)."""
 
 # `checkpoint_name` tag of a weight fetched inside a layer (ZeRO-3 gather, host->device copy).
 GATHERED = "mistjax_gathered_weight"
 _cp = jax.checkpoint_policies
 
 
-def remat_policy(name: str) -> Callable[..., Any]:
+def remat_policy(name: str) -> CheckpointPolicy:
     """The `jax.checkpoint` policy for a plan's remat policy name."""
     if name == "full":
         return _cp.nothing_saveable
@@ -26,11 +30,11 @@ def remat_policy(name: str) -> Callable[..., Any]:
     raise PlanError(f"unknown remat policy {name!r}; use full, dots or names:a,b")
 
 
-def offload_policy(names: Sequence[str]) -> Callable[..., Any]:
+def offload_policy(names: Sequence[str]) -> CheckpointPolicy:
     """Offload the tagged activations of a layer to host memory and recompute the rest in backward."""
     return _cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=[n for n in names if n != GATHERED],
         offload_src="device", offload_dst="pinned_host")
 
 
-__all__ = ["GATHERED", "offload_policy", "remat_policy"]
+__all__ = ["GATHERED", "CheckpointPolicy", "offload_policy", "remat_policy"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -27,7 +26,7 @@ class SegmentKind(enum.StrEnum):
 OFFLOAD, PLAIN, REMAT = SegmentKind.OFFLOAD, SegmentKind.PLAIN, SegmentKind.REMAT
 
 
-def offloaded_layers(num_layers: ArrayLike, remat_layers: ArrayLike, ratio: ArrayLike) -> Any:
+def offloaded_layers(num_layers: ArrayLike, remat_layers: ArrayLike, ratio: ArrayLike) -> int | np.ndarray:
     """Layers whose activations go to host for an activation offload ``ratio`` of the non-remat layers.
 
     Vectorised (the cost model prices arrays of strategies); an int for scalar arguments.

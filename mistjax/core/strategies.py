@@ -8,7 +8,7 @@ project's model is `mistjax.cost.COST_MODEL`; tests implement the same interface
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple, Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -90,24 +90,37 @@ class WorkloadLike(Protocol):
     def supports_tp(self, tp: int) -> bool: ...  # whether tensor parallelism of degree tp applies
 
 
-class StageCostFn(Protocol):
-    def __call__(self, workload: Any, cluster: Any, strategies: StageStrategies) -> StageCostLike: ...
+# A cost model is written for its own workload and cluster types (the project's: `mistjax.cost.Workload` and
+# `mistjax.hardware.ClusterSpec`, which this layer cannot import; the tests' stub has its own workload), so the
+# function protocols take them as type parameters; contravariant, as argument types are.
+W_contra = TypeVar("W_contra", bound=WorkloadLike, contravariant=True)
+C_contra = TypeVar("C_contra", contravariant=True)
+W = TypeVar("W", bound=WorkloadLike)
+C = TypeVar("C")
 
 
-class PredictFn(Protocol):
-    def __call__(self, workload: Any, plan: Plan, cluster: Any) -> Prediction: ...
+class StageCostFn(Protocol[W_contra, C_contra]):
+    """Prices every strategy of a `StageStrategies` on a cluster (vectorised)."""
+
+    def __call__(self, workload: W_contra, cluster: C_contra, strategies: StageStrategies) -> StageCostLike: ...
 
 
-class CostModel(NamedTuple):
-    """A cost model as the tuner uses it.
+class PredictFn(Protocol[W_contra, C_contra]):
+    """The full prediction of one `Plan` on a cluster."""
+
+    def __call__(self, workload: W_contra, plan: Plan, cluster: C_contra) -> Prediction: ...
+
+
+class CostModel(NamedTuple, Generic[W, C]):
+    """A cost model as the tuner uses it, for workloads of type ``W`` on clusters of type ``C``.
 
     Attributes:
         stage_cost: prices every strategy of a `StageStrategies` on a cluster (vectorised).
         predict: the full prediction of one `Plan` (the runtime's view: what the plan will cost).
     """
 
-    stage_cost: StageCostFn
-    predict: PredictFn
+    stage_cost: StageCostFn[W, C]
+    predict: PredictFn[W, C]
 
 
 __all__ = ["CostModel", "PredictFn", "StageCostFn", "StageCostLike", "StageStrategies", "WorkloadLike"]

@@ -52,9 +52,10 @@ from mistjax.cost.ops import (
 from mistjax.cost.predict import Analysis, analyze, plan_strategies, predict
 from mistjax.cost.workload import OPTIMIZERS, ParamLeaf, Workload
 from mistjax.hardware.interference import CHANNELS, MASKS, InterferenceParams, mask_name  # hardware data, re-exported
+from mistjax.hardware.presets import ClusterSpec
 
 # The project's cost model as the tuner sees it (`mistjax.core.strategies.CostModel`).
-COST_MODEL = CostModel(stage_cost=stage_cost, predict=predict)
+COST_MODEL: CostModel[Workload, ClusterSpec] = CostModel(stage_cost=stage_cost, predict=predict)
 
 __all__ = [
     "COST_MODEL",

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Literal, TypeAlias
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from mistjax.hardware.presets import LinkModel
+
 CostForm = Literal["ring", "mist"]
-LinkLike = Any  # LinkModel | tuple[ArrayLike, ArrayLike]; Any avoids importing mistjax.hardware
+LinkLike: TypeAlias = LinkModel | tuple[ArrayLike, ArrayLike]
+"""A link: one `LinkModel`, or (bandwidth, latency) arrays of one link per strategy
+(`ClusterSpec.collective_link_arrays`)."""
 
 COLLECTIVES: tuple[str, ...] = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 # HLO opcode spelling. Ring passes over the data: all-reduce = reduce-scatter + all-gather.
@@ -333,13 +337,17 @@ def mics_node_egress_bytes(
 # -- rank layout (Mist): DP spreads across nodes first, TP is the inner (fastest) dimension ------
 
 
-def _intish(x: np.ndarray) -> Any:
+GroupCount: TypeAlias = int | np.ndarray
+"""Participants of a group layout: an int for scalar arguments, else an int64 array."""
+
+
+def _intish(x: np.ndarray) -> GroupCount:
     return int(x) if x.ndim == 0 else x
 
 
 def dp_group_layout(
     dp: ArrayLike, tp: ArrayLike, nodes_in_stage: ArrayLike, devices_per_node: ArrayLike
-) -> tuple[Any, Any]:
+) -> tuple[GroupCount, GroupCount]:
     """(inter, intra) participants of one DP group in a stage mesh of n nodes x m devices.
 
     Ranks are node-major with TP innermost, so a DP group takes every tp-th device: it spans
@@ -364,7 +372,7 @@ def dp_group_layout(
     return _intish(inter), _intish(intra)
 
 
-def tp_group_layout(tp: ArrayLike, devices_per_node: ArrayLike) -> tuple[Any, Any]:
+def tp_group_layout(tp: ArrayLike, devices_per_node: ArrayLike) -> tuple[GroupCount, GroupCount]:
     """(inter, intra) participants of one TP group: ``intra = min(tp, m)``, ``inter = tp / m`` if tp > m."""
     tp_, m = np.asarray(tp, dtype=np.int64), np.asarray(devices_per_node, dtype=np.int64)
     intra = np.minimum(tp_, m)

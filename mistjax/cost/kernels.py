@@ -18,22 +18,28 @@ on the workload, so `stage_cost` stays vectorised.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mistjax.analysis.kernels import KernelArrays
 from mistjax.cost.layout import unique_rows
+from mistjax.cost.workload import Workload
+from mistjax.hardware.presets import DeviceSpec
 
 _CACHE = "kernel-times"  # key prefix in Workload.layout_cache
 
+PassTimes: TypeAlias = dict[tuple[str, str], np.ndarray]
+"""Seconds by ``(part, "fwd[policy]" | "bwd[policy]")``."""
 
-def _device_key(dev: Any, fp32: bool) -> tuple[Any, ...]:
+
+def _device_key(dev: DeviceSpec, fp32: bool) -> tuple[float | bool, ...]:
     return (dev.peak_flops, dev.peak_flops_fp32, dev.hbm_bandwidth, dev.matmul_efficiency, dev.memory_efficiency,
             dev.matmul_k_half, dev.matmul_tile, dev.kernel_overhead, dev.fused_attention_kernels, fp32)
 
 
-def gemm_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
+def gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     """Seconds of a pass's GEMMs at each point (sum over its GEMMs)."""
     if ka.gemm_m.shape[-1] == 0:
         return np.zeros(ka.fusion_bytes.shape)
@@ -45,7 +51,7 @@ def gemm_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
     return np.sum(each * ka.gemm_count, axis=-1)
 
 
-def unit_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
+def unit_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     """Seconds of a pass's fused-attention calls, each one kernel."""
     peak = dev.peak_flops_fp32 if fp32 else dev.peak_flops
     skip = 0.5 if ka.causal else 1.0
@@ -58,13 +64,13 @@ def unit_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
     return np.where(ka.unit_count > 0, np.maximum(compute, memory) + ka.unit_count * dev.kernel_overhead, 0.0)
 
 
-def pass_seconds(ka: KernelArrays, dev: Any, fp32: bool) -> np.ndarray:
+def pass_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     """Seconds of one pass's kernels at each point."""
     fusions = ka.fusion_bytes / (dev.hbm_bandwidth * dev.memory_efficiency) + ka.fusion_count * dev.kernel_overhead
     return gemm_seconds(ka, dev, fp32) + fusions + unit_seconds(ka, dev, fp32)
 
 
-def _tables(workload: Any, dev: Any, b: np.ndarray, s: float, t: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
+def _tables(workload: Workload, dev: DeviceSpec, b: np.ndarray, s: float, t: np.ndarray) -> PassTimes:
     """Seconds of every (part, pass) at the points ``(b, s, t)`` (1-D arrays)."""
     fp32 = workload.compute_dtype == "float32"
     arrays = workload.compiled.kernels(b, np.full_like(b, s), t)
@@ -78,7 +84,7 @@ def _tables(workload: Any, dev: Any, b: np.ndarray, s: float, t: np.ndarray) -> 
     return out
 
 
-def kernel_rows(workload: Any, dev: Any, b: Any, t: Any) -> tuple[dict[tuple[str, str], np.ndarray], np.ndarray]:
+def kernel_rows(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike) -> tuple[PassTimes, np.ndarray]:
     """Seconds of every ``(part, "fwd[policy]" | "bwd[policy]")`` of one micro-batch at the distinct
     ``(b, t)`` of the strategies: ``(name -> [rows] seconds, row index of every strategy (flat))``.
 
@@ -103,11 +109,11 @@ def kernel_rows(workload: Any, dev: Any, b: Any, t: Any) -> tuple[dict[tuple[str
     return {n: np.array([cache[r][n] for r in keys]) for n in names}, inv
 
 
-def kernel_times(workload: Any, dev: Any, b: Any, t: Any) -> dict[tuple[str, str], np.ndarray]:
+def kernel_times(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike) -> PassTimes:
     """`kernel_rows` broadcast to the strategies: ``(part, pass) -> seconds`` shaped like ``b`` and ``t``."""
     shape = np.broadcast_shapes(np.shape(b), np.shape(t))
     table, inv = kernel_rows(workload, dev, b, t)
     return {n: v[inv].reshape(shape) for n, v in table.items()}
 
 
-__all__ = ["gemm_seconds", "kernel_rows", "kernel_times", "pass_seconds", "unit_seconds"]
+__all__ = ["PassTimes", "gemm_seconds", "kernel_rows", "kernel_times", "pass_seconds", "unit_seconds"]

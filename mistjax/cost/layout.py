@@ -10,9 +10,9 @@ results back over the strategy arrays, so the model charges exactly what the run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,9 @@ FIELDS = ("w_layer_dev", "w_layer_host", "w_layer_shard", "w_other_dev", "w_othe
           "opt_layer_host", "opt_other_dev", "opt_other_host", "g_layer_shard", "g_other_shard",
           "acc_layer_host_frac", "w_layer_fetch", "w_other_fetch", "w_pre_fetch", "w_post_fetch",
           "w_layer_dev_acc_host")
+
+_T = TypeVar("_T")
+_Selected = Literal["w", "opt", "acc"]  # what `_selection` picks: weights, optimizer-state copies, grad accumulators
 
 
 @dataclass(frozen=True)
@@ -70,14 +73,14 @@ def held(leaf: ParamLeaf, first: bool, last: bool) -> bool:
     return (first and "pre" in parts) or (last and "post" in parts)
 
 
-def _cached(wl: Workload, key: tuple, make: Any) -> Any:
+def _cached(wl: Workload, key: tuple, make: Callable[[], _T]) -> _T:
     cache = wl.layout_cache  # lives (and dies) with the workload
     if key not in cache:
         cache[key] = make()
     return cache[key]
 
 
-def _selection(wl: Workload, kind: str, ratio: float, first: bool, last: bool, n: int) -> np.ndarray:
+def _selection(wl: Workload, kind: _Selected, ratio: float, first: bool, last: bool, n: int) -> np.ndarray:
     """Which leaves (or, for ``opt``, which optimizer-state copies of which leaves: ``[copies, leaves]``) a
     stage keeps in host memory at offload ``ratio``: `select_offload` over the stage's whole leaves."""
     L = wl.num_layers

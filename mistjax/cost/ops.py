@@ -20,13 +20,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-if TYPE_CHECKING:  # hardware imports mistjax.cost; importing it here at runtime would be circular
-    from mistjax.hardware.presets import DeviceSpec
+from mistjax.hardware.presets import DeviceSpec
 
 DEFAULT_OP_OVERHEAD = 3e-6  # seconds; per-op fixed cost implied by the efficiency curve
 _TABLE_FORMAT = "mistjax.op_time_table"
@@ -96,7 +94,7 @@ def op_time(
     )
 
 
-def op_signature(op: str, shapes: Sequence[Sequence[int]], dtype: str, **attrs: Any) -> str:
+def op_signature(op: str, shapes: Sequence[Sequence[int]], dtype: str, **attrs: object) -> str:
     """Canonical table key, e.g. ``dot_general|bf16|8x1024x4096,4096x4096|pass=fwd``.
 
     Attributes are sorted by name so that keyword order does not matter.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -17,6 +16,7 @@ from mistjax.core.plan import Plan, Prediction
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
 from mistjax.cost.workload import Workload
+from mistjax.hardware.presets import ClusterSpec
 
 # Memory categories a device group holds once per chunk it runs (state, residuals); the rest are
 # transients of one program at a time.
@@ -67,7 +67,7 @@ def _inflight(plan: Plan) -> np.ndarray:
     return np.maximum(residuals_in_flight(issue), 1)
 
 
-def plan_strategies(workload: Workload, plan: Plan, cluster: Any) -> StageStrategies:
+def plan_strategies(workload: Workload, plan: Plan, cluster: ClusterSpec) -> StageStrategies:
     """One strategy row per (virtual) stage of ``plan`` (the runtime's view of the plan)."""
     S, G = plan.num_stages, plan.grad_accum
     n_dev = plan.dp * plan.tp
@@ -126,7 +126,7 @@ def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, floa
     return out
 
 
-def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
+def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     """Predict ``plan`` on ``cluster`` with per-stage time / memory breakdowns (see `Analysis`)."""
     st = plan_strategies(workload, plan, cluster)
     c: StageCost = stage_cost(workload, cluster, st)
@@ -162,7 +162,7 @@ def analyze(workload: Workload, plan: Plan, cluster: Any) -> Analysis:
                     notes=notes)
 
 
-def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:
+def predict(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Prediction:
     """The `mistjax.plan.Prediction` of ``plan`` (step time, per-stage stable / delta, per-group memory)."""
     return analyze(workload, plan, cluster).prediction
 

@@ -14,13 +14,15 @@ reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mistjax.analysis.compiled import PartValues, ProfileValues
 from mistjax.core.execution import Capabilities, rows_synced_in_loop
 from mistjax.cost.collectives import (
+    LinkLike,
     collective_time,
     hierarchical_all_gather_time,
     hierarchical_reduce_scatter_time,
@@ -36,12 +38,16 @@ from mistjax.hardware.presets import ClusterSpec
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
+LinkArrays: TypeAlias = tuple[np.ndarray, np.ndarray]
+"""(bandwidth, latency) of one link per strategy: a `LinkLike` of `mistjax.cost.collectives`."""
+
 
 def _fp32(workload: Workload) -> bool:
     return workload.compute_dtype == "float32"
 
 
-def compute_time(cluster: Any, flops: np.ndarray, matmul: np.ndarray, fp32: bool, itemsize: float) -> np.ndarray:
+def compute_time(cluster: ClusterSpec, flops: np.ndarray, matmul: np.ndarray, fp32: bool, itemsize: float
+                 ) -> np.ndarray:
     """Roofline time: matmul FLOPs at the (efficiency-scaled) peak, the rest memory-bound.
 
     The profile gives FLOPs, not bytes per op; elementwise work is charged one element read and one
@@ -53,8 +59,8 @@ def compute_time(cluster: Any, flops: np.ndarray, matmul: np.ndarray, fp32: bool
     return matmul / peak + other * 2.0 * itemsize / (dev.hbm_bandwidth * dev.memory_efficiency)
 
 
-def _group_link(cluster: Any, group: np.ndarray, stride: np.ndarray, per_node: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, tuple[Any, Any], tuple[Any, Any]]:
+def _group_link(cluster: ClusterSpec, group: np.ndarray, stride: np.ndarray, per_node: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, LinkArrays, LinkArrays]:
     """(devices per node k, nodes m, intra link, inter link) of a group of ``group`` devices ``stride`` apart."""
     span = group * stride
     m = np.maximum(np.ceil(span / np.maximum(per_node, 1)), 1.0)
@@ -64,7 +70,7 @@ def _group_link(cluster: Any, group: np.ndarray, stride: np.ndarray, per_node: n
     return k, m, intra, inter
 
 
-def _links(cluster: Any, k: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _links(cluster: ClusterSpec, k: np.ndarray, m: np.ndarray) -> LinkArrays:
     """Vectorised ``cluster.collective_link(k, m)`` (a lookup per distinct layout, 1-D sorts only)."""
     k, m = np.asarray(k, dtype=np.int64), np.asarray(m, dtype=np.int64)
     shape = np.broadcast_shapes(k.shape, m.shape)
@@ -75,11 +81,13 @@ def _links(cluster: Any, k: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.n
     return bw, lat
 
 
-def _ag(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any, ops: float = 1.0) -> np.ndarray:
+def _ag(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: LinkLike, inter: LinkLike, ops: ArrayLike = 1.0
+        ) -> np.ndarray:
     return hierarchical_all_gather_time(nbytes, k, m, intra, inter, ops=ops)
 
 
-def _rs(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: Any, inter: Any, ops: float = 1.0) -> np.ndarray:
+def _rs(nbytes: np.ndarray, k: np.ndarray, m: np.ndarray, intra: LinkLike, inter: LinkLike, ops: ArrayLike = 1.0
+        ) -> np.ndarray:
     return hierarchical_reduce_scatter_time(nbytes, k, m, intra, inter, ops=ops)
 
 
@@ -91,7 +99,7 @@ class LeafOps(NamedTuple):
     total: float  # once per step over every leaf (the stacked ones as [L, ...] arrays)
 
 
-def leaf_ops(workload: Workload, cluster: Any) -> LeafOps:
+def leaf_ops(workload: Workload, cluster: ClusterSpec) -> LeafOps:
     """One collective per parameter leaf where XLA does not combine them (XLA:CPU), else one per program
     point (XLA:GPU's combiner passes): each pays the link latency (`collective_time`'s ``ops``)."""
     if cluster.device.combines_collectives:
@@ -101,17 +109,17 @@ def leaf_ops(workload: Workload, cluster: Any) -> LeafOps:
     return LeafOps(float(max(stacked, 1)), float(max(other, 1)), float(max(len(workload.leaves), 1)))
 
 
-def _compute(cluster: Any, fp32: bool, flops: np.ndarray, matmul: np.ndarray) -> np.ndarray:
+def _compute(cluster: ClusterSpec, fp32: bool, flops: np.ndarray, matmul: np.ndarray) -> np.ndarray:
     return compute_time(cluster, flops, matmul, fp32, 4.0 if fp32 else 2.0)
 
 
-def _tp_link(cluster: Any, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
+def _tp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
     """The link of a tensor-parallel group: ``t`` consecutive devices."""
     _, tm, tintra, tinter = _group_link(cluster, k.t, np.ones_like(k.t), k.per_node)
     return np.where(tm > 1, tinter[0], tintra[0]), np.where(tm > 1, tinter[1], tintra[1])
 
 
-def _dp_link(cluster: Any, k: Knobs) -> tuple[np.ndarray, np.ndarray]:
+def _dp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
     """The link of the whole data-parallel group: ``dp`` devices with stride ``t``."""
     _, dm, dintra, dinter = _group_link(cluster, k.dp, k.t, k.per_node)
     return np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1])
@@ -137,7 +145,7 @@ def capabilities(cluster: ClusterSpec) -> Capabilities:
     return Capabilities(bool(cluster.device.async_collectives))
 
 
-def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray, rs_ops: Any = 1.0) -> np.ndarray:
+def _grad_sync_time(cluster: ClusterSpec, k: Knobs, nbytes: np.ndarray, rs_ops: ArrayLike = 1.0) -> np.ndarray:
     """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
     ``rs_ops`` collectives (all-reduces are combined on every platform)."""
@@ -146,12 +154,12 @@ def _grad_sync_time(cluster: Any, k: Knobs, nbytes: np.ndarray, rs_ops: Any = 1.
     return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter, rs_ops), 0.0))
 
 
-def _tp_time(part: PartValues, phase: str, k: Knobs, link: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+def _tp_time(part: PartValues, phase: str, k: Knobs, link: LinkArrays) -> np.ndarray:
     """Seconds of a part's tensor-parallel collectives in one phase (serial: between matmuls)."""
     return sum(collective_time(kd, part.tp(kd, phase), k.t, link) for kd in KINDS)
 
 
-def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: tuple[np.ndarray, np.ndarray]
+def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: LinkArrays
                        ) -> np.ndarray:
     """Seconds of the extra tensor-parallel collectives a checkpointed layer issues when it recomputes."""
     total = 0.0
@@ -161,7 +169,7 @@ def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: tup
     return total
 
 
-def _pass_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, kinds: LayerKinds
+def _pass_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, kinds: LayerKinds
                 ) -> dict[str, np.ndarray]:
     """Compute seconds of one layer per kind and phase, and of pre / post (`mistjax.cost.kernels`).
 
@@ -192,7 +200,7 @@ def _pass_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, ki
     return out
 
 
-def _flop_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, kinds: LayerKinds
+def _flop_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, kinds: LayerKinds
                 ) -> dict[str, np.ndarray]:
     """`_pass_times` from FLOPs alone (matmul at peak x efficiency, the rest at 2 x itemsize bytes per FLOP)."""
     fp32 = _fp32(workload)
@@ -211,7 +219,7 @@ def _flop_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, ki
     return out
 
 
-def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
+def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
                 kinds: LayerKinds) -> dict[str, np.ndarray]:
     """Forward and backward seconds of one micro-batch on the stage (layers + pre/post + p2p)."""
     blk = v.block
@@ -273,7 +281,7 @@ def layer_times(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt
     return {"fwd": fwd + send, "bwd": bwd + send}
 
 
-def step_extras(workload: Workload, cluster: Any, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
+def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
                 states: StateBytes, kinds: LayerKinds) -> dict[str, np.ndarray]:
     """Once-per-step work (delta), FLOPs outside the layers, and collective bytes per step."""
     loops = sum((np.asarray(n) > 0).astype(np.float64) for n in (kinds.n_off, kinds.n_plain, kinds.n_remat))

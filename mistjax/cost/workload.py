@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ import numpy as np
 
 from mistjax.analysis import DEFAULT_POINTS, CompiledProfile, ModelProfile, analyze_model, compile_profile, token_batch
 from mistjax.analysis.tp_roles import model_tensor_axes
-from mistjax.core.axes import is_stacked, leaf_axes
+from mistjax.core.axes import Axes, AxisRules, is_stacked, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
+from mistjax.core.types import LossFn, PyTree
 from mistjax.trace.split import TracedLoss, part_usage, trace_loss
 
 # Optimizer state per parameter element: (fp32 state copies, elementwise FLOPs, transcendentals).
@@ -70,7 +72,8 @@ class Workload:
     # Stacked-weight gradients are added into the accumulator inside the backward layer loop (one buffer,
     # `runtime.accumulate`); False for an unrolled stack, whose micro-batch gradient is whole first.
     layer_grads_in_loop: bool = True
-    # Per-device state totals by knob combination (`cost.layout.totals_over`): lives with the workload.
+    # Per-device state totals by knob combination (`cost.layout.totals_over`), leaf selections and kernel
+    # tables: lives with the workload. Values differ by key: each owner reads back what it stored.
     layout_cache: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,11 +82,12 @@ class Workload:
 
     # ------------------------------------------------------------------------------ constructors
     @classmethod
-    def from_loss(cls, loss_fn: Any, params: Any, *, seq_len: int, global_batch: int, optimizer: str = "adamw",
+    def from_loss(cls, loss_fn: LossFn, params: PyTree, *, seq_len: int, global_batch: int, optimizer: str = "adamw",
                   name: str = "custom", policies: tuple[str, ...] | None = None, compute_dtype: str = "float32",
                   master_weights: bool = False, state_itemsize: int = 4, grad_dtype: str | None = None,
-                  batch_fn: Any = None, profile: ModelProfile | None = None,
-                  cache: bool | str | Path = True, axis_rules: Any = None) -> Workload:
+                  batch_fn: Callable[[int, int], tuple[PyTree, ...]] | None = None,
+                  profile: ModelProfile | None = None, cache: bool | str | Path = True,
+                  axis_rules: AxisRules | None = None) -> Workload:
         """Analyse ``loss_fn(params, batch)`` over token batches (`mistjax.analysis.analyze_model`).
 
         Args:
@@ -186,7 +190,7 @@ class Workload:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def leaf_table(params: Any, traced: TracedLoss | None = None, *, axes: list[Any] | None = None
+def leaf_table(params: PyTree, traced: TracedLoss | None = None, *, axes: Sequence[Axes | None] | None = None
                ) -> tuple[ParamLeaf, ...]:
     """The `ParamLeaf` of every leaf of a parameter pytree, as the runtime lays them out.
 
