@@ -15,20 +15,21 @@ import itertools
 import time
 from collections.abc import Callable
 from datetime import date
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from mistjax.core.hlo import ASYNC_COLLECTIVE_PLATFORMS
+from mistjax.core.types import PyTree
 from mistjax.hardware.interference import MASKS, InterferenceParams
 from mistjax.hardware.presets import ClusterSpec, DeviceSpec, LinkModel
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+def _median_time(fn: Callable[[], PyTree], repeats: int) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after one untimed (compiling) call: the median, as the
     benchmarks report a step's, so a lucky call on a shared host does not set the figure."""
     jax.block_until_ready(fn())  # compile + warm up
@@ -40,13 +41,13 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> float:
     return float(np.median(times))
 
 
-def _spread(devices: list[Any] | None) -> tuple[jax.sharding.Mesh, NamedSharding]:
+def _spread(devices: list[jax.Device] | None) -> tuple[jax.sharding.Mesh, NamedSharding]:
     """A 1-D mesh over ``devices`` (default: the first device) and the sharding of its leading axis."""
     mesh = jax.sharding.Mesh(np.array(devices or jax.devices()[:1]), ("x",))
     return mesh, NamedSharding(mesh, P("x"))
 
 
-def matmul_flops(n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None = None) -> float:
+def matmul_flops(n: int, dtype: DTypeLike, repeats: int = 3, devices: list[jax.Device] | None = None) -> float:
     """Dense matmul FLOP/s of one device while every device of ``devices`` runs its own ``n x n`` matmul.
 
     All devices compute at once, as in a training step: simulated CPU devices share the host's cores,
@@ -58,7 +59,7 @@ def matmul_flops(n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None
     return 2 * n**3 / _median_time(lambda: f(a), repeats)
 
 
-def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[Any] | None = None, in_place: bool = False
+def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[jax.Device] | None = None, in_place: bool = False
                      ) -> float:
     """Streaming read+write bytes/s of one device while every device of ``devices`` streams its buffer.
 
@@ -93,8 +94,8 @@ def _median_donated_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, repe
     return float(np.median(times))
 
 
-def shares_compute(flops_all: float, n: int, dtype: Any, repeats: int = 3, devices: list[Any] | None = None,
-                   ) -> bool:
+def shares_compute(flops_all: float, n: int, dtype: DTypeLike, repeats: int = 3,
+                   devices: list[jax.Device] | None = None) -> bool:
     """Whether the devices draw on one pool of compute: one device's matmul FLOP/s with half of ``devices``
     busy (``n x n`` each) is well above ``flops_all``, its FLOP/s with all of them busy (simulated XLA:CPU
     devices share the host's cores: about 2x; independent GPUs: about 1x)."""
@@ -104,14 +105,14 @@ def shares_compute(flops_all: float, n: int, dtype: Any, repeats: int = 3, devic
     return matmul_flops(n, dtype, repeats, devices[: len(devices) // 2]) > 1.5 * flops_all
 
 
-def kernel_overhead(repeats: int = 3, devices: list[Any] | None = None) -> float:
+def kernel_overhead(repeats: int = 3, devices: list[jax.Device] | None = None) -> float:
     """Seconds each kernel of a program costs beyond its work, every device of ``devices`` running at once:
     the slope between chains of 16 and 128 dependent 16 x 16 matmuls (about no work; XLA fuses no two)."""
     mesh, spec = _spread(devices)
     x = jax.device_put(jnp.ones((mesh.size * 16, 16), jnp.float32), spec)
     w = jnp.eye(16, dtype=jnp.float32) * 0.5
 
-    def chain(k: int) -> Callable[..., Any]:
+    def chain(k: int) -> Callable[[jax.Array, jax.Array], jax.Array]:
         def run(x: jax.Array, w: jax.Array) -> jax.Array:
             for _ in range(k):
                 x = x @ w
@@ -123,7 +124,7 @@ def kernel_overhead(repeats: int = 3, devices: list[Any] | None = None) -> float
     return max((long - short) / 112, 0.0)
 
 
-def dispatch_seconds(calls: int = 200, devices: list[Any] | None = None) -> float:
+def dispatch_seconds(calls: int = 200, devices: list[jax.Device] | None = None) -> float:
     """Host seconds per call of a one-element jitted program on two devices (``devices[:2]``): what issuing
     any program costs the host, whatever it computes (the MPMD pipeline issues many per step). The calls
     are issued back to back without waiting, so the figure is the host's, not the devices'."""
@@ -143,7 +144,7 @@ GEMM_SHAPES: tuple[tuple[int, int, int], ...] = ((64, 64, 64), (64, 64, 512), (5
                                                  (256, 16, 256), (256, 256, 16), (128, 128, 128))
 
 
-def gemm_throughput(m: int, n: int, k: int, dtype: Any, repeats: int = 3, devices: list[Any] | None = None,
+def gemm_throughput(m: int, n: int, k: int, dtype: DTypeLike, repeats: int = 3, devices: list[jax.Device] | None = None,
                     flops: float = 2.0**27) -> float:
     """FLOP/s of one device running batched ``m x k`` by ``k x n`` GEMMs while every device of ``devices`` does.
 
@@ -178,7 +179,7 @@ def fit_gemm_shape(efficiency: dict[tuple[int, int, int], float]) -> tuple[float
     return pick
 
 
-def gemm_shape_constants(peak: float, dtype: Any, repeats: int = 3, devices: list[Any] | None = None,
+def gemm_shape_constants(peak: float, dtype: DTypeLike, repeats: int = 3, devices: list[jax.Device] | None = None,
                          log: Callable[[str], None] = print) -> tuple[float, float]:
     """Measure `GEMM_SHAPES` on all devices and fit ``(matmul_tile, matmul_k_half)`` to their efficiency."""
     eff = {shape: min(gemm_throughput(*shape, dtype, repeats, devices) / peak, 1.0) for shape in GEMM_SHAPES}
@@ -198,7 +199,7 @@ def _all_gather_seconds(mesh: jax.sharding.Mesh, nbytes: int, trips: int, repeat
     g = mesh.shape["x"]
     local = max(nbytes // 4 // g, 1)
 
-    def body(_: Any, y: jax.Array) -> jax.Array:  # the next gather reads this one's result
+    def body(_: jax.Array, y: jax.Array) -> jax.Array:  # the next gather reads this one's result
         return jax.lax.all_gather(y, "x", tiled=True)[:local] * 1.0
 
     spec = P(("r", "x"))
@@ -208,7 +209,7 @@ def _all_gather_seconds(mesh: jax.sharding.Mesh, nbytes: int, trips: int, repeat
     return _median_time(lambda: f(x), repeats) / trips
 
 
-def collective_link(devices: list[Any], group: int, sizes: tuple[int, int], repeats: int = 3) -> LinkModel:
+def collective_link(devices: list[jax.Device], group: int, sizes: tuple[int, int], repeats: int = 3) -> LinkModel:
     """Alpha-beta fit of a ring all-gather over groups of ``group`` consecutive ``devices``, every group
     gathering at once as in a train step (on simulated CPU devices a group's rendezvous waits for threads
     that share the cores with the other groups': 2.4x the latency of one group alone for pairs, measured):
@@ -238,7 +239,7 @@ def host_links(nbytes: int, repeats: int = 3) -> tuple[LinkModel, LinkModel]:
     return LinkModel(h2d, 10e-6), LinkModel(d2h, 10e-6)
 
 
-def interference_factors(devices: list[Any], nbytes: int, repeats: int = 3) -> InterferenceParams:
+def interference_factors(devices: list[jax.Device], nbytes: int, repeats: int = 3) -> InterferenceParams:
     """Slowdown of each channel when the channels of a subset run in one program concurrently.
 
     Each channel (compute, device<->device, host->device, device->host) gets a workload; a subset's

@@ -16,17 +16,24 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from importlib import resources
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from mistjax.hardware.interference import InterferenceParams
 
 GiB = 2**30
 _FORMAT, _VERSION = "mistjax.cluster", 1
 
+Json: TypeAlias = Any
+"""A parsed JSON value (``json.loads`` output, a cluster document or part of one), validated field by field
+where it is read: until then its shape is unknown."""
 
-def _check_num(owner: str, name: str, v: Any, *, positive: bool = True, at_most_one: bool = False) -> None:
+_T = TypeVar("_T")
+
+
+def _check_num(owner: str, name: str, v: object, *, positive: bool = True, at_most_one: bool = False) -> None:
     ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     ok = ok and (v > 0 if positive else v >= 0) and (not at_most_one or v <= 1)
     if not ok:
@@ -34,7 +41,7 @@ def _check_num(owner: str, name: str, v: Any, *, positive: bool = True, at_most_
         raise ValueError(f"{owner}.{name}: expected {want}, got {v!r}")
 
 
-def _check_count(name: str, v: Any) -> None:
+def _check_count(name: str, v: object) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
 
@@ -131,7 +138,7 @@ class DeviceSpec:
         measured, else ``hbm_bandwidth`` (before ``memory_efficiency``)."""
         return self.in_place_bandwidth or self.hbm_bandwidth
 
-    def gemm_efficiency(self, m: Any, n: Any, k: Any) -> np.ndarray:
+    def gemm_efficiency(self, m: npt.ArrayLike, n: npt.ArrayLike, k: npt.ArrayLike) -> np.ndarray:
         """Fraction of the peak a GEMM of ``m x k`` by ``k x n`` reaches (vectorised; before the memory roofline).
 
         ``matmul_efficiency * k / (k + matmul_k_half) * tile(m) * tile(n)`` with ``tile(x) = x / (T ceil(x / T))``
@@ -141,7 +148,7 @@ class DeviceSpec:
         k = np.maximum(np.asarray(k, dtype=np.float64), 1.0)
         edge = self.matmul_tile
 
-        def tile(x: Any) -> np.ndarray:
+        def tile(x: npt.ArrayLike) -> np.ndarray:
             x = np.maximum(np.asarray(x, dtype=np.float64), 1.0)
             return x / (np.ceil(x / edge) * edge)
 
@@ -220,8 +227,12 @@ class ClusterSpec:
         kk = _pick(sorted(b for a, b in self.inter_node if a == nk), k)
         return self.inter_node[(nk, kk)]
 
-    def collective_link_arrays(self, group_size_intra: Any, group_nodes: Any = 1) -> tuple[Any, Any]:
-        """Vectorised ``collective_link``: (bandwidth, latency) arrays, usable as a link in mistjax.cost."""
+    def collective_link_arrays(self, group_size_intra: npt.ArrayLike, group_nodes: npt.ArrayLike = 1
+                               ) -> tuple[np.ndarray | np.float64, np.ndarray | np.float64]:
+        """Vectorised ``collective_link``: (bandwidth, latency) arrays, usable as a link in mistjax.cost.
+
+        Arrays of the inputs' broadcast shape; numpy scalars when both inputs are scalars.
+        """
         k, m = np.broadcast_arrays(np.asarray(group_size_intra, np.int64), np.asarray(group_nodes, np.int64))
         # One int64 code per (k, m) and a 1-D unique: row-wise np.unique(axis=0) sorts structured
         # rows and dominated the tuner's time on million-element strategy arrays.
@@ -261,7 +272,7 @@ class ClusterSpec:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     # -- JSON -----------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Json]:
         """Plain-JSON form (dict keys become lists of records)."""
         return {
             "format": _FORMAT, "version": _VERSION, "name": self.name, "source": self.source,
@@ -277,7 +288,7 @@ class ClusterSpec:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, doc: Any, nodes: int | None = None, per_node: int | None = None) -> ClusterSpec:
+    def from_dict(cls, doc: Json, nodes: int | None = None, per_node: int | None = None) -> ClusterSpec:
         """Build from a cluster document, validating every field (ValueError naming the field).
 
         The document is either ``to_dict`` output or a preset file of ``mistjax/hardware/catalog/``,
@@ -359,7 +370,7 @@ def _preset_text(name: str) -> str:
     return resources.files("mistjax.hardware").joinpath("catalog", f"{name}.json").read_text(encoding="utf-8")
 
 
-def preset_document(name: str) -> dict[str, Any]:
+def preset_document(name: str) -> dict[str, Json]:
     """The JSON document of preset ``name`` (a fresh copy: link rules, not yet sized to a shape).
 
     Raises:
@@ -371,7 +382,7 @@ def preset_document(name: str) -> dict[str, Any]:
 
 
 # -- JSON validation helpers ---------------------------------------------------------------------
-def _fields(doc: Any, path: str, allowed: set[str], optional: frozenset[str] = frozenset()) -> None:
+def _fields(doc: object, path: str, allowed: set[str], optional: frozenset[str] = frozenset()) -> None:
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected an object, got {type(doc).__name__}")
     extra, missing = sorted(set(doc) - allowed), sorted(allowed - optional - set(doc))
@@ -381,7 +392,7 @@ def _fields(doc: Any, path: str, allowed: set[str], optional: frozenset[str] = f
         raise ValueError(f"{path}: missing field(s) {missing}")
 
 
-def _build(kind: type, kwargs: dict[str, Any], path: str) -> Any:
+def _build(kind: type[_T], kwargs: dict[str, Json], path: str) -> _T:
     try:
         return kind(**kwargs)
     except ValueError as e:  # "device.peak_flops: ..." -> "cluster.device.peak_flops: ..."
@@ -389,12 +400,12 @@ def _build(kind: type, kwargs: dict[str, Any], path: str) -> Any:
         raise ValueError(f"{path}.{rest}" if rest and ":" not in head else f"{path}: {e}") from None
 
 
-def _link(doc: Any, path: str) -> LinkModel:
+def _link(doc: Json, path: str) -> LinkModel:
     _fields(doc, path, {"bandwidth", "latency"})
     return _build(LinkModel, doc, path)
 
 
-def _records(doc: Any, path: str, keys: tuple[str, ...]) -> dict[tuple[int, ...], LinkModel]:
+def _records(doc: Json, path: str, keys: tuple[str, ...]) -> dict[tuple[int, ...], LinkModel]:
     if not isinstance(doc, list):
         raise ValueError(f"{path}: expected a list of records")
     out: dict[tuple[int, ...], LinkModel] = {}
@@ -419,7 +430,7 @@ def _pow2_upto(n: int) -> list[int]:
     return [2**i for i in range(1, top.bit_length()) if 2**i <= top]
 
 
-def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
+def _device(doc: Json, num_devices: int, path: str) -> DeviceSpec:
     """A `DeviceSpec` from its document; fields named in ``split_across_devices`` are divided among the devices."""
     _fields(doc, path, {f.name for f in fields(DeviceSpec)} | {"split_across_devices"},
             frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds", "matmul_k_half",
@@ -439,7 +450,7 @@ def _device(doc: Any, num_devices: int, path: str) -> DeviceSpec:
     return _build(DeviceSpec, dev, path)
 
 
-def _intra_links(doc: Any, per_node: int, path: str) -> dict[int, LinkModel]:
+def _intra_links(doc: Json, per_node: int, path: str) -> dict[int, LinkModel]:
     """Records ``[{group_size, bandwidth, latency}, ...]`` or the rule ``{"group_sizes": "powers_of_two", ...}``."""
     if not isinstance(doc, dict):
         return {k[0]: v for k, v in _records(doc, path, ("group_size",)).items()}
@@ -450,7 +461,7 @@ def _intra_links(doc: Any, per_node: int, path: str) -> dict[int, LinkModel]:
     return dict.fromkeys(_pow2_upto(per_node), _link({"bandwidth": doc["bandwidth"], "latency": doc["latency"]}, path))
 
 
-def _inter_links(doc: Any, per_node: int, path: str) -> dict[tuple[int, int], LinkModel]:
+def _inter_links(doc: Json, per_node: int, path: str) -> dict[tuple[int, int], LinkModel]:
     """Records ``[{nodes, per_node, bandwidth, latency}, ...]`` or a rule (see ``docs/hardware.md``).
 
     The rule ``{"nodes": [2, 4], "per_node": "one_and_powers_of_two", "bandwidth_per_device": B, "latency": L}``

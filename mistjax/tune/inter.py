@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mistjax.core.strategies import CostModel
+from mistjax.core.strategies import CostModel, WorkloadLike
 from mistjax.tune.intra import ScheduleMemo, StageTables, prepare_key, price, price_pairs, sample_stage_tables
 from mistjax.tune.milp import solve_inter_stage
-from mistjax.tune.space import OuterKey, RematOptions, SearchSpace, layer_options, strategy_grid
+from mistjax.tune.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, layer_options, strategy_grid
+
+if TYPE_CHECKING:
+    from mistjax.hardware.presets import ClusterSpec
 
 __all__ = ["KeyChoice", "key_bound", "lower_bounds", "solve_key", "tune_key"]
 
@@ -175,7 +178,7 @@ def _with_stats(c: KeyChoice, optimal: bool, milps: int) -> KeyChoice:
     return KeyChoice(c.objective, c.layers, c.remat, c.strategy, c.stable, c.delta, optimal, milps)
 
 
-def _base_strategies(grid: Any) -> tuple[np.ndarray, np.ndarray]:
+def _base_strategies(grid: StrategyGrid) -> tuple[np.ndarray, np.ndarray]:
     """Per family: the strategy with the smallest offload ratios, and the one with the largest."""
     F = int(grid.family.max()) + 1
     ratios = (grid.wo, grid.go, grid.oo, grid.ao)
@@ -186,7 +189,7 @@ def _base_strategies(grid: Any) -> tuple[np.ndarray, np.ndarray]:
     return base, top
 
 
-def key_bound(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
+def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
               memo: ScheduleMemo | None = None) -> float:
     """A lower bound of a key's best objective, from its families' least-offloaded strategies
     without remat and without the memory limit (an offload or a checkpointed layer never saves time)."""
@@ -204,9 +207,9 @@ def key_bound(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space
     return float(lb.min())
 
 
-def _price_children(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, base: np.ndarray,
-                    top: np.ndarray, ok0: np.ndarray, bound: np.ndarray | None, best_obj: float, deadline: float
-                    ) -> None:
+def _price_children(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                    base: np.ndarray, top: np.ndarray, ok0: np.ndarray, bound: np.ndarray | None, best_obj: float,
+                    deadline: float) -> None:
     """Price the offloaded strategies of (remat option, family) pairs where they can matter.
 
     An offload never makes a strategy faster, so a family's offloaded strategies are priced only for
@@ -243,7 +246,8 @@ def _price_children(workload: Any, cluster: Any, cost: CostModel, tables: StageT
             best_obj = min(best_obj, float(np.min(np.where(ok[0, 0], G * s[0, 0] + d[0, 0], np.inf))))
 
 
-def _price_all(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, deadline: float) -> None:
+def _price_all(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+               deadline: float) -> None:
     """Price every strategy (Mist's exhaustive evaluation) in chunks, until the deadline."""
     S, J, R, X = tables.stable.shape
     step = max(1, _CHUNK_ELEMENTS // (S * J * R))
@@ -254,7 +258,7 @@ def _price_all(workload: Any, cluster: Any, cost: CostModel, tables: StageTables
         price(workload, cluster, cost, tables, np.arange(lo, min(lo + step, X)))
 
 
-def tune_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
+def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
              best_cost: float | None, deadline: float, prune: bool = True, memo: ScheduleMemo | None = None
              ) -> tuple[StageTables, KeyChoice | None]:
     """Price and solve one outer key; the choice is None unless it beats ``best_cost``.

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mistjax.core.schedules import inflight_microbatches
-from mistjax.core.strategies import CostModel, StageStrategies
+from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tune.pareto import sample_pareto
 from mistjax.tune.space import (
     OuterKey,
@@ -23,6 +23,9 @@ from mistjax.tune.space import (
     remat_options,
     strategy_grid,
 )
+
+if TYPE_CHECKING:
+    from mistjax.hardware.presets import ClusterSpec
 
 __all__ = ["SampledTables", "ScheduleMemo", "StageTables", "prepare_key", "price", "price_pairs", "sample_stage_tables"]
 
@@ -100,7 +103,7 @@ class ScheduleMemo:
         self._entries[what] = results
 
 
-def price_pairs(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, r: np.ndarray,
+def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables, r: np.ndarray,
                 x: np.ndarray, slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Raw (stable, delta, feasible) ``[S', J, n]`` of (remat option ``r[n]``, strategy ``x[n]``) pairs.
 
@@ -158,7 +161,7 @@ def price_pairs(workload: Any, cluster: Any, cost: CostModel, tables: StageTable
     return stable[i], delta[i], feasible[i]
 
 
-def price(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, xs: np.ndarray
+def price(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables, xs: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Price every remat option of strategies ``xs`` into the tables.
 
@@ -174,7 +177,7 @@ def price(workload: Any, cluster: Any, cost: CostModel, tables: StageTables, xs:
     return s.reshape(shape), d.reshape(shape), ok.reshape(shape)
 
 
-def _prune_policies(workload: Any, cluster: Any, cost: CostModel, tables: StageTables) -> RematOptions:
+def _prune_policies(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables) -> RematOptions:
     """Drop remat policies that a probe shows to be dominated (no faster, no smaller, no cheaper).
 
     A policy only changes what a checkpointed layer saves and recomputes, the same per layer for
@@ -208,7 +211,8 @@ def key_inflight(key: OuterKey) -> int:
     return int(inflight_microbatches(0, key.stages, key.grad_accum, key.schedule))
 
 
-def _probe_peak(workload: Any, cluster: Any, cost: CostModel, probe: StageTables, r: np.ndarray) -> np.ndarray:
+def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, probe: StageTables,
+                r: np.ndarray) -> np.ndarray:
     key = probe.key
     layers = probe.layer_options[0]
     st = StageStrategies(
@@ -222,7 +226,7 @@ def _probe_peak(workload: Any, cluster: Any, cost: CostModel, probe: StageTables
     return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))
 
 
-def prepare_key(workload: Any, cluster: Any, cost: CostModel, key: OuterKey, space: SearchSpace,
+def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
                 memo: ScheduleMemo | None = None) -> StageTables:
     """Empty (all ``inf``) tables of one outer key, with dominated remat policies removed."""
     L = int(workload.num_layers)

@@ -177,7 +177,7 @@ def sample_pareto(
     * **Epsilon constraint** (``num_eps`` points, default ``k // 2``): ``argmin delta`` subject to
       ``stable <= eps_j``, with ``eps_j`` spread evenly from the smallest frontier ``stable`` to the
       frontier's ``stable`` at its smallest ``delta`` (both ends included when ``num_eps >= 2``, the
-      midpoint when ``num_eps == 1``). Any frontier point solves such a problem, so concave stretches
+      midpoint when ``num_eps == 1``). Each frontier point solves such a problem, so concave stretches
       of the frontier are reachable too. The MILP objective is not a weighted sum of one stage's
       costs, so a non-supported point can be the best choice for a stage. Mist's optional extra mode
       instead constrains ``stable >= x``. That can return dominated points; the upper-bound form here

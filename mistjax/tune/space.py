@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from mistjax.core.schedules import SCHEDULE_NAMES
 
@@ -246,7 +247,8 @@ class StrategyGrid:
     def __len__(self) -> int:
         return int(self.zero.size)
 
-    def take(self, index: Any) -> StrategyGrid:
+    def take(self, index: slice | npt.ArrayLike) -> StrategyGrid:
+        """The strategies at ``index`` (a numpy index: positions, a boolean mask or a slice)."""
         return StrategyGrid(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
 
