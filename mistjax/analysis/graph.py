@@ -8,10 +8,10 @@ position and fitted exactly with `fit_dim` (degree <= 1 in b, <= 2 in s); the ch
 verifies the fit. A structural difference between the traces (the model branches on a size) is
 reported as an error naming the primitive.
 
-Call-like equations (``pjit``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call``,
-``closed_call``, ``shard_map``) are inlined, so a `Graph` is a flat list of leaf `Node`s; loops
-and conditionals (``scan``, ``while``, ``cond``) keep their bodies as nested graphs with a trip
-count (a fitted polynomial for ``scan``; 1 for ``while``, whose count is unknown).
+Call-like equations (every primitive of `mistjax.core.jaxpr.CALLS`: ``jit``, ``jax.checkpoint``, custom
+JVP / VJP functions, ``closed_call``, ``shard_map``) are inlined by that module's walker, so a `Graph` is a
+flat list of leaf `Node`s; loops and conditionals (``scan``, ``while``, ``cond``) keep their bodies as
+nested graphs with a trip count (a fitted polynomial for ``scan``; 1 for ``while``, whose count is unknown).
 
 Fused attention (`mistjax.analysis.fused`): the nodes inlined from a blockwise kernel's named ``jit``
 and cuDNN's attention primitives carry the unit's name (``Node.unit``), and every such call is listed in
