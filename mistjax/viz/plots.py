@@ -10,9 +10,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from mistjax.core.pipeline_order import issue_order, op_spans  # noqa: E402
+from mistjax.core.pipeline_order import Op, issue_order, op_spans  # noqa: E402
 
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                   "buffers": "#8172b3"}
@@ -43,29 +44,8 @@ def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_mi
     extra = sum(np.zeros(S) if e is None else np.asarray(e, float) for e in (first_extra, last_extra))
     spans = op_spans(issue_order(schedule, G, num_microbatches, S // G), G, {"F": f, "B": b, "FB": f + b})
     fig, ax = plt.subplots(figsize=(11, 1.1 + 0.75 * G), dpi=120)
-    colour = {"F": "#4c72b0", "B": "#dd8452"}
-    for op, (start, end) in spans.items():
-        row = op.stage % G
-        parts = [("F", f[op.stage]), ("B", b[op.stage])] if op.kind == "FB" else [(op.kind, end - start)]
-        for kind, dur in parts:
-            ax.barh(row, dur, left=start, height=0.6, color=colour[kind], edgecolor="white", linewidth=0.4)
-            if num_microbatches <= 16 and kind == "F":
-                ax.text(start + dur / 2, row, str(op.mb), ha="center", va="center", fontsize=6, color="white")
-            if channels is not None and kind == "F":
-                for j, ch in enumerate(("d2d", "h2d", "d2h")):
-                    if channels[op.stage].get(ch, 0.0) > 0:
-                        ax.barh(row + 0.36 + 0.09 * j, channels[op.stage][ch], left=start, height=0.08,
-                                color=CHANNEL_COLOURS[ch])
-            start += dur
-    finish = np.zeros(G)
-    for op, (_, end) in spans.items():
-        finish[op.stage % G] = max(finish[op.stage % G], end)
-    delta = np.bincount(np.arange(S) % G, weights=extra, minlength=G)
-    for g in range(G):
-        if delta[g] > 0:
-            ax.barh(g, delta[g], left=finish[g], height=0.6, color="white", edgecolor="black", hatch="//",
-                    linewidth=0.4)
-    step = float(np.max(finish + delta))
+    _draw_ops(ax, spans, f, b, G, num_microbatches <= 16, channels)
+    step = _draw_step_work(ax, spans, extra, G)
     ax.set_yticks(range(G), [f"stage {g}" for g in range(G)] if G == S else [f"group {g}" for g in range(G)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (each device group runs its operations as soon as their inputs arrive)")
@@ -79,6 +59,39 @@ def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_mi
               ncol=len(legend), fontsize=7, frameon=False)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def _draw_ops(ax: Axes, spans: dict[Op, tuple[float, float]], f: np.ndarray, b: np.ndarray, G: int, labels: bool,
+              channels: Sequence[Mapping[str, float]] | None) -> None:
+    """One bar per operation on its device group's row (a fused FB as its forward then its backward), the
+    micro-batch written on forwards when ``labels``, and each forward's channel times as thin bars under it."""
+    colour = {"F": "#4c72b0", "B": "#dd8452"}
+    for op, (start, end) in spans.items():
+        row = op.stage % G
+        parts = [("F", f[op.stage]), ("B", b[op.stage])] if op.kind == "FB" else [(op.kind, end - start)]
+        for kind, dur in parts:
+            ax.barh(row, dur, left=start, height=0.6, color=colour[kind], edgecolor="white", linewidth=0.4)
+            if labels and kind == "F":
+                ax.text(start + dur / 2, row, str(op.mb), ha="center", va="center", fontsize=6, color="white")
+            if channels is not None and kind == "F":
+                for j, ch in enumerate(("d2d", "h2d", "d2h")):
+                    if channels[op.stage].get(ch, 0.0) > 0:
+                        ax.barh(row + 0.36 + 0.09 * j, channels[op.stage][ch], left=start, height=0.08,
+                                color=CHANNEL_COLOURS[ch])
+            start += dur
+
+
+def _draw_step_work(ax: Axes, spans: dict[Op, tuple[float, float]], extra: np.ndarray, G: int) -> float:
+    """Each group's once-per-step seconds (``extra`` per stage), hatched after its last operation; the step time."""
+    finish = np.zeros(G)
+    for op, (_, end) in spans.items():
+        finish[op.stage % G] = max(finish[op.stage % G], end)
+    delta = np.bincount(np.arange(len(extra)) % G, weights=extra, minlength=G)
+    for g in range(G):
+        if delta[g] > 0:
+            ax.barh(g, delta[g], left=finish[g], height=0.6, color="white", edgecolor="black", hatch="//",
+                    linewidth=0.4)
+    return float(np.max(finish + delta))
 
 
 def plot_memory(stage_memory: Sequence[Mapping[str, float]], path: str | Path, *, limit: float | None = None,
