@@ -32,17 +32,20 @@ then the update with the global norm. Values needed by several rounds are recomp
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex
+from jax.tree_util import PyTreeDef
 
+from mistjax.core.jaxpr import INLINABLE, Atom, Value, bind_equation, inline_calls, read
 from mistjax.core.plan import PlanError
+from mistjax.core.types import Batch, LossFn, PyTree, State, TrainStep
 from mistjax.runtime.context import use_handler
 
 # A value of at most this many elements may be sent between stages inside the update (a partial
@@ -59,11 +62,11 @@ pipeline_p.def_abstract_eval(lambda *args, out_avals, **_: list(out_avals))
 class GradCall:
     """The step's `mistjax.value_and_grad` call, as recorded while tracing."""
 
-    fun: Callable[..., Any]  # the user's loss
+    fun: LossFn  # the user's loss
     has_aux: bool  # the loss returns (loss, aux)
-    args_tree: Any  # treedef of the call's arguments (params first)
+    args_tree: PyTreeDef  # treedef of the call's arguments (params first)
     num_params: int  # leaves of the differentiated first argument
-    out_tree: Any  # treedef of ((loss, aux), grads) / (loss, grads)
+    out_tree: PyTreeDef  # treedef of ((loss, aux), grads) / (loss, grads)
     num_aux: int  # aux leaves
 
 
@@ -73,7 +76,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[GradCall] = []
 
-    def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any:
+    def value_and_grad(self, fun: LossFn, has_aux: bool, args: tuple[PyTree, ...]) -> PyTree:
         leaves, tree = jax.tree.flatten(args)
         num_params = len(jax.tree.leaves(args[0]))
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
@@ -92,29 +95,29 @@ class TracedStep:
 
     closed: jex.ClosedJaxpr  # calls inlined; one `pipeline_p` equation
     num_state: int  # the first invars are the state's leaves, then the batch's
-    state_tree: Any  # treedef of the state (and of the new state)
-    metrics_tree: Any  # treedef of the metrics
+    state_tree: PyTreeDef  # treedef of the state (and of the new state)
+    metrics_tree: PyTreeDef  # treedef of the metrics
     call: GradCall  # the gradient call
     vg_index: int  # index of the `pipeline_p` equation
 
     @property
-    def vg(self) -> Any:
+    def vg(self) -> jex.JaxprEqn:
         return self.closed.jaxpr.eqns[self.vg_index]
 
     @property
-    def state_vars(self) -> list[Any]:
+    def state_vars(self) -> list[jex.Var]:
         return self.closed.jaxpr.invars[: self.num_state]
 
     @property
-    def batch_vars(self) -> list[Any]:
+    def batch_vars(self) -> list[jex.Var]:
         return self.closed.jaxpr.invars[self.num_state:]
 
     @property
-    def new_state_vars(self) -> list[Any]:
+    def new_state_vars(self) -> list[Atom]:
         return self.closed.jaxpr.outvars[: self.num_state]
 
     @property
-    def metric_vars(self) -> list[Any]:
+    def metric_vars(self) -> list[Atom]:
         return self.closed.jaxpr.outvars[self.num_state:]
 
     def param_state_index(self) -> list[int]:
@@ -129,15 +132,15 @@ class TracedStep:
         return out
 
 
-def trace_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch: Any) -> TracedStep:
+def trace_step(train_step: TrainStep, state: State, batch: Batch) -> TracedStep:
     """Trace `train_step` abstractly with its `mistjax.value_and_grad` call left opaque."""
     s_leaves, s_tree = jax.tree.flatten(state)
     b_leaves, b_tree = jax.tree.flatten(batch)
     n = len(s_leaves)
     rec = _Recorder()
-    trees: list[Any] = []
+    trees: list[PyTreeDef] = []
 
-    def flat(*leaves: Any) -> list[Any]:
+    def flat(*leaves: jax.Array) -> list[jax.Array]:
         with use_handler(rec):
             new_state, metrics = train_step(jax.tree.unflatten(s_tree, leaves[:n]),
                                             jax.tree.unflatten(b_tree, leaves[n:]))
@@ -150,45 +153,14 @@ def trace_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state: Any, ba
         return [*new_leaves, *m_leaves]
 
     abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in [*s_leaves, *b_leaves]]
-    closed = inline_all(jax.make_jaxpr(flat)(*abstract))
+    # The update is never differentiated, so only the primal computation matters: every call (jit,
+    # custom_jvp / custom_vjp, checkpoint) is inlined at any depth.
+    closed = inline_calls(jax.make_jaxpr(flat)(*abstract), INLINABLE)
     if len(rec.calls) != 1:
         raise PlanError(f"a pipelined plan needs the step to call mistjax.value_and_grad exactly once, it calls "
                         f"it {len(rec.calls)} times")
     vg = [k for k, e in enumerate(closed.jaxpr.eqns) if e.primitive is pipeline_p]
     return TracedStep(closed, n, s_tree, trees[0], rec.calls[0], vg[0])
-
-
-_INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-           "remat2": "jaxpr", "checkpoint": "jaxpr"}
-
-
-def inline_all(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
-    """Inline every call-like equation (jit, custom_jvp/vjp, checkpoint) at any depth: the update is
-    never differentiated, so only the primal computation matters."""
-
-    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        env = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
-        read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-        for eqn in jaxpr.eqns:
-            vals = [read(v) for v in eqn.invars]
-            key = _INLINE.get(eqn.primitive.name)
-            if key is not None and key in eqn.params:
-                sub = eqn.params[key]
-                sub_jaxpr, sub_consts = (sub.jaxpr, sub.consts) if isinstance(sub, jex.ClosedJaxpr) else (sub, ())
-                outs = run(sub_jaxpr, sub_consts, vals)
-            else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*vals, **params)
-                outs = list(outs) if eqn.primitive.multiple_results else [outs]
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
-
-    avals = [v.aval for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, a))(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -214,8 +186,20 @@ class Part:
     stages: frozenset[int]
 
 
-Layout = Whole | Rows | Part
-FREE = "free"  # a state leaf whose placement is still being inferred
+Layout: TypeAlias = Whole | Rows | Part
+"""Where a value of the update lives across the stages."""
+
+
+class Free(enum.Enum):
+    """The placement of a state leaf (and of what is computed from it alone) still being inferred."""
+
+    FREE = "free"
+
+
+FREE = Free.FREE
+
+Placement: TypeAlias = Layout | Free
+"""A value's `Layout`, or `FREE` while propagation infers it (never after `Propagation.run`)."""
 
 ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "nextafter", "and", "or",
                          "xor", "not", "neg", "sign", "floor", "ceil", "round", "is_finite", "exp", "exp2", "log",
@@ -239,11 +223,11 @@ for _op in ("add", "mul", "max", "min"):
         _PARTIAL_RULES[(_op, _prim)] = "all"
 
 
-def _size(v: Any) -> int:
+def _size(v: Atom) -> int:
     return int(np.prod(v.aval.shape)) if hasattr(v.aval, "shape") else 1
 
 
-def _describe(layout: Any, num_stages: int) -> str:
+def _describe(layout: Placement, num_stages: int) -> str:
     if isinstance(layout, Rows):
         return "split by layer ranges across stages"
     if isinstance(layout, Part):
@@ -259,7 +243,7 @@ def _describe(layout: Any, num_stages: int) -> str:
 class EqnPlan:
     """How one equation runs on each stage."""
 
-    out: list[Any]  # layout per output
+    out: list[Placement]  # layout per output
     twins: set[int] = field(default_factory=set)  # operands read materialised (whole on every stage)
     slices: dict[int, int] = field(default_factory=dict)  # operand -> dim sliced to the stage's rows
     # operand -> the stages that use it; elsewhere it is zero (a summand counted once, or absent there)
@@ -279,7 +263,7 @@ class Propagation:
         self.step, self.K, self.L = step, num_stages, num_layers
         self.ALL = frozenset(range(num_stages))
         self.param_index = step.param_state_index()
-        self.state_layout: list[Any] = [FREE] * step.num_state
+        self.state_layout: list[Placement] = [FREE] * step.num_state
         for i, lay in zip(self.param_index, param_layouts):
             self.state_layout[i] = lay
         self.names = {v: n for v, n in zip(step.state_vars, names)}
@@ -297,7 +281,7 @@ class Propagation:
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
         for _ in range(self.step.num_state + 2):
-            self.assign: dict[int, Any] = {}
+            self.assign: dict[int, Layout] = {}
             self._pass()
             for i, v in enumerate(self.step.new_state_vars):
                 if self.state_layout[i] == FREE and isinstance(v, jex.Var):
@@ -314,11 +298,11 @@ class Propagation:
 
     def _pass(self) -> None:
         st = self.step
-        self.layout: dict[Any, Any] = {}
-        self.derived: dict[Any, str] = {}
-        self.origin: dict[Any, set[int]] = {}  # free-derived value -> state leaves it is an elementwise image of
+        self.layout: dict[jex.Var, Placement] = {}
+        self.derived: dict[jex.Var, str] = {}
+        self.origin: dict[jex.Var, set[int]] = {}  # free-derived value -> state leaves it is an elementwise image of
         self.plans: list[EqnPlan | None] = []
-        self.mat: dict[Any, str] = {}  # materialised value -> why
+        self.mat: dict[jex.Var, str] = {}  # materialised value -> why
         for i, v in enumerate(st.state_vars):
             self.layout[v] = self.state_layout[i]
             if self.state_layout[i] == FREE:
@@ -336,7 +320,7 @@ class Propagation:
                 self.layout[v] = lay
             self._derive_name(eqn)
 
-    def _vg_outputs(self, eqn: Any) -> None:
+    def _vg_outputs(self, eqn: jex.JaxprEqn) -> None:
         n_aux = self.step.call.num_aux
         last = frozenset({self.K - 1})
         for v in eqn.invars[self.step.call.num_params:]:
@@ -349,10 +333,10 @@ class Propagation:
         for v, lay in zip(eqn.outvars[1 + n_aux:], self.param_layouts):
             self.layout[v] = lay
 
-    def _name(self, v: Any) -> str:
+    def _name(self, v: Atom) -> str:
         return self.names.get(v) or self.derived.get(v) or "a value computed in the update"
 
-    def _derive_name(self, eqn: Any) -> None:
+    def _derive_name(self, eqn: jex.JaxprEqn) -> None:
         """Name an equation's outputs after the state leaf they come from (for error messages)."""
         srcs = [v for v in eqn.invars if isinstance(v, jex.Var) and (v in self.names or v in self.derived)]
         spread = [v for v in srcs if self.layout.get(v) != Whole(self.ALL)]
@@ -364,10 +348,10 @@ class Propagation:
                 self.derived.setdefault(v, name)
 
     # ------------------------------------------------------------------ rules
-    def _lay(self, v: Any) -> Any:
+    def _lay(self, v: Atom) -> Placement:
         return Whole(self.ALL) if isinstance(v, jex.Literal) else self.layout[v]
 
-    def _materialize(self, eqn: Any, j: int, plan: EqnPlan, why: str) -> None:
+    def _materialize(self, eqn: jex.JaxprEqn, j: int, plan: EqnPlan, why: str) -> None:
         v = eqn.invars[j]
         if isinstance(v, jex.Literal) or self._lay(v) == Whole(self.ALL):
             return
@@ -381,7 +365,7 @@ class Propagation:
         self.mat[v] = why
         plan.twins.add(j)
 
-    def _eqn(self, eqn: Any) -> EqnPlan:
+    def _eqn(self, eqn: jex.JaxprEqn) -> EqnPlan:
         name = eqn.primitive.name
         ins = [self._lay(v) for v in eqn.invars]
         if any(lay == FREE for lay in ins):
@@ -402,7 +386,7 @@ class Propagation:
                 break
         raise AssertionError(f"no stage layout for `{name}`")  # pragma: no cover
 
-    def _free(self, eqn: Any, ins: list[Any]) -> EqnPlan | None:
+    def _free(self, eqn: jex.JaxprEqn, ins: list[Placement]) -> EqnPlan | None:
         """Free-derived operands: stay free among whole / free values; otherwise give their state leaves
         the partner's placement (when they are elementwise images of the same shape) and treat them as
         whole for this pass."""
@@ -432,7 +416,7 @@ class Propagation:
                             self.assign.setdefault(i, partner)
         return None
 
-    def _rule(self, eqn: Any, ins: list[Any], plan: EqnPlan) -> list[Any] | None:
+    def _rule(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
         name = eqn.primitive.name
         n_out = len(eqn.outvars)
         if name in ELEMENTWISE or name in IDENTITY:
@@ -474,7 +458,7 @@ class Propagation:
             return None
         return [self._whole_out(eqn, ins, plan)] * n_out
 
-    def _whole_out(self, eqn: Any, ins: list[Any], plan: EqnPlan) -> Whole:
+    def _whole_out(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> Whole:
         """Whole operands: the stages holding all of them; small ones are moved when they disagree."""
         sets = [lay.stages for v, lay in zip(eqn.invars, ins) if isinstance(lay, Whole) and isinstance(v, jex.Var)]
         common = frozenset.intersection(*sets) if sets else self.ALL
@@ -495,7 +479,7 @@ class Propagation:
                 self._materialize(eqn, j, plan, "its operands live on different stages")
         return Whole(keep)
 
-    def _elementwise(self, eqn: Any, ins: list[Any], plan: EqnPlan) -> list[Any] | None:
+    def _elementwise(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
         name = eqn.primitive.name
         out_shape = eqn.outvars[0].aval.shape
         n_out = len(eqn.outvars)
@@ -562,7 +546,7 @@ class Propagation:
                 return [Part("add", frozenset().union(*plan.present.values()))] * n_out
         return [self._whole_out(eqn, ins, plan)] * n_out
 
-    def _reduce(self, eqn: Any, ins: list[Any], plan: EqnPlan) -> list[Any] | None:
+    def _reduce(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
         name, lay = eqn.primitive.name, ins[0]
         axes = eqn.params.get("axes", (eqn.params.get("axis"),))
         if isinstance(lay, Rows):
@@ -581,7 +565,7 @@ class Propagation:
             return None
         return [self._whole_out(eqn, ins, plan)]
 
-    def _dot(self, eqn: Any, ins: list[Any], plan: EqnPlan) -> list[Any] | None:
+    def _dot(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lhs, rhs = ins
         lnd, rnd = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
@@ -630,7 +614,7 @@ class Propagation:
             return [Rows(list(mine_b).index(d))]
         return [Part("add", self.ALL)]
 
-    def _along(self, eqn: Any, ins: list[Any], plan: EqnPlan) -> list[Any] | None:
+    def _along(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
         """concatenate / pad / rev / slice that leave the layer dim alone keep the row split."""
         name = eqn.primitive.name
         d = next(lay.dim for lay in ins if isinstance(lay, Rows))
@@ -674,7 +658,7 @@ class Propagation:
             raise UpdateError(f"the update returns {self.names.get(st.state_vars[i], 'a state leaf')} as a value "
                               f"{_describe(got, self.K)}, but the state holds it {_describe(want, self.K)}; a "
                               "pipelined plan keeps every state leaf where it was placed")
-        self.level: dict[Any, int] = {}
+        self.level: dict[jex.Var, int] = {}
         for v in st.closed.jaxpr.invars:
             self.level[v] = 0
         for eqn, plan in zip(st.closed.jaxpr.eqns, self.plans):
@@ -694,11 +678,11 @@ class Propagation:
         outs += [self.level[v] for v in st.metric_vars if isinstance(v, jex.Var)]
         self.num_rounds = 1 + max(outs, default=0)
 
-    def metric_layout(self, v: Any) -> Any:
+    def metric_layout(self, v: Atom) -> Placement:
         return self._lay(v)
 
 
-def combine(layout: Any, parts: Sequence[jax.Array]) -> jax.Array:
+def combine(layout: Layout, parts: Sequence[jax.Array]) -> jax.Array:
     """The whole value from its per-stage contributions (in stage order)."""
     if isinstance(layout, Whole):
         return parts[0]
@@ -712,7 +696,7 @@ def combine(layout: Any, parts: Sequence[jax.Array]) -> jax.Array:
     return out
 
 
-def contributors(layout: Any, num_stages: int) -> list[int]:
+def contributors(layout: Layout, num_stages: int) -> list[int]:
     """The stages whose values make up a materialised value (`combine`'s order)."""
     if isinstance(layout, Whole):
         return [min(layout.stages)]
@@ -733,8 +717,8 @@ class StageRows:
         return self.end[k] - self.start[k]
 
 
-def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[Any, Any],
-               targets: Sequence[Any]) -> list[Any]:
+def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[EnvKey, Value],
+               targets: Sequence[Atom]) -> list[Value]:
     """Evaluate `targets` on stage `k` from `env` (input vars and `twin_key` entries).
 
     Runs only the equations the targets need, with stage-local values: row-split values hold the
@@ -742,7 +726,7 @@ def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[Any, Any],
     row split, partial values hold the stage's summand.
     """
     jaxpr = prop.step.closed.jaxpr
-    needed: set[Any] = {v for v in targets if isinstance(v, jex.Var)}
+    needed: set[jex.Var] = {v for v in targets if isinstance(v, jex.Var)}
     chosen = []
     for idx in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[idx]
@@ -760,13 +744,10 @@ def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[Any, Any],
                         raise RuntimeError(f"stage {k} needs the materialised value of {prop._name(v)}")
                 else:
                     needed.add(v)
-    local = dict(env)
+    local: dict[EnvKey, Value] = dict(env)
     for v, c in zip(jaxpr.constvars, prop.step.closed.consts):
         local[v] = c
     a, b = rows.start[k], rows.end[k]
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jex.Literal) else local[v]
 
     for idx in reversed(chosen):
         eqn, plan = jaxpr.eqns[idx], prop.plans[idx]
@@ -775,40 +756,32 @@ def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[Any, Any],
             if j in plan.present and k not in plan.present[j]:
                 vals.append(jnp.zeros(v.aval.shape, v.aval.dtype))  # a summand this stage does not add
                 continue
-            x = local[twin_key(v)] if j in plan.twins else read(v)
+            x = local[twin_key(v)] if j in plan.twins else read(local, v)
             if j in plan.slices:
                 x = lax.slice_in_dim(x, a, b, axis=plan.slices[j])
             vals.append(x)
         outs = _bind_local(eqn, vals, plan, rows.count(k))
         local.update(zip(eqn.outvars, outs))
-    return [read(v) for v in targets]
+    return [read(local, v) for v in targets]
 
 
-def _bind_local(eqn: Any, vals: list[Any], plan: EqnPlan, n_rows: int) -> list[Any]:
+# Shape parameters sized by the layer dim, per primitive: a stage binds them at its own row count.
+_ROW_PARAMS = {"broadcast_in_dim": "shape", "reshape": "new_sizes", "slice": "limit_indices"}
+
+
+def _bind_local(eqn: jex.JaxprEqn, vals: list[Value], plan: EqnPlan, n_rows: int) -> list[Value]:
     name = eqn.primitive.name
     if name in IDENTITY:
         return list(vals[: len(eqn.outvars)])
-    params = dict(eqn.primitive.get_bind_params(eqn.params))
-    d = plan.row_dim
-    if d is not None:
-        if name == "broadcast_in_dim":
-            shape = list(params["shape"])
-            shape[d] = n_rows
-            params["shape"] = tuple(shape)
-        elif name == "reshape":
-            sizes = list(params["new_sizes"])
-            sizes[d] = n_rows
-            params["new_sizes"] = tuple(sizes)
-        elif name == "slice":
-            limit = list(params["limit_indices"])
-            limit[d] = n_rows
-            params["limit_indices"] = tuple(limit)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*vals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    key, d = _ROW_PARAMS.get(name), plan.row_dim
+    if key is not None and d is not None:
+        sizes = list(eqn.params[key])
+        sizes[d] = n_rows
+        eqn = eqn.replace(params={**eqn.params, key: tuple(sizes)})
+    return bind_equation(eqn, vals)
 
 
-def state_names(state: Any) -> list[str]:
+def state_names(state: State) -> list[str]:
     """Readable names of the state's leaves (``params/layers/mlp/wi``), for error messages."""
     out = []
     for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -852,12 +825,15 @@ class Output(NamedTuple):
     ref: int | jex.Var
 
 
+EnvKey: TypeAlias = jex.Var | tuple[Source, jex.Var]
+"""A key of `stage_eval`'s environment: a jaxpr variable, or `twin_key` of a materialised one."""
+
+
 def twin_key(v: jex.Var) -> tuple[Source, jex.Var]:
     """The update environment's key of the contributions to `v`, materialised in an earlier round."""
     return (Source.TWIN, v)
 
 
-__all__ = ["FREE", "GradCall", "InputGroup", "Output", "Part", "Propagation", "Rows", "SMALL_ELEMENTS", "Sink",
-           "Source", "StageRows", "TracedStep",
-           "UpdateError", "Whole", "combine", "contributors", "inline_all", "pipeline_p",
-           "stage_eval", "state_names", "trace_step", "twin_key"]
+__all__ = ["FREE", "EnvKey", "Free", "GradCall", "InputGroup", "Layout", "Output", "Part", "Placement", "Propagation",
+           "Rows", "SMALL_ELEMENTS", "Sink", "Source", "StageRows", "TracedStep", "UpdateError", "Whole", "combine",
+           "contributors", "pipeline_p", "stage_eval", "state_names", "trace_step", "twin_key"]

@@ -17,39 +17,46 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeAlias
 
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
-PyTree = Any
+from mistjax.core.jaxpr import Atom, Visit, is_var, walk
+from mistjax.core.types import PyTree
 
-# Primitives that just call a sub-jaxpr once with their operands, so dependencies can be traced through
-# them precisely (loops and conds are treated conservatively: every output depends on every input).
-CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat",
-                             "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+VjpFn: TypeAlias = Callable[[PyTree], tuple[PyTree, ...]]
+"""What ``jax.vjp`` returns besides the primal: a pytree (its leaves are the residuals) called on a cotangent."""
 
 
-def depends(jaxpr: Jaxpr, seeds: Sequence[bool]) -> list[bool]:
-    """Which outputs of `jaxpr` depend on the inputs flagged in `seeds` (conservative but exact enough)."""
-    dep = {v for v, d in zip(jaxpr.invars, seeds) if d}
-    for eqn in jaxpr.eqns:
-        ins = [not isinstance(v, Literal) and v in dep for v in eqn.invars]
-        if not any(ins):
-            continue
-        outs = [True] * len(eqn.outvars)
-        if eqn.primitive.name in CALL_PRIMITIVES:
-            for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-                sub = eqn.params.get(key)
-                sub = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-                if (isinstance(sub, Jaxpr) and len(sub.invars) == len(eqn.invars)
-                        and len(sub.outvars) == len(eqn.outvars)):
-                    outs = depends(sub, ins)
-                    break
-        dep.update(v for v, d in zip(eqn.outvars, outs) if d)
-    return [not isinstance(v, Literal) and v in dep for v in jaxpr.outvars]
+def depends(jaxpr: Jaxpr | ClosedJaxpr, seeds: Sequence[bool]) -> list[bool]:
+    """Which outputs of ``jaxpr`` depend on the inputs flagged in ``seeds``.
+
+    Exact through calls (`core.jaxpr.CALLS`: their bodies are walked), conservative through anything else
+    (a loop's or a conditional's every output depends on every input).
+    """
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    # Every variable's flag is written, not only the dependent ones': one jaxpr object may be the body of
+    # several calls (a cached jit), so a later call must overwrite what an earlier one left.
+    dep: dict[Var, bool] = dict(zip(jaxpr.invars, seeds))
+    dep.update((v, False) for v in jaxpr.constvars)
+
+    def flag(v: Atom) -> bool:
+        return is_var(v) and dep.get(v, False)
+
+    for step in walk(jaxpr):
+        eqn, inner = step.eqn, step.inner
+        if inner is None:  # a leaf
+            d = any(flag(v) for v in eqn.invars)
+            dep.update((v, d) for v in eqn.outvars)
+        elif step.visit is Visit.ENTER:
+            dep.update(zip(inner.jaxpr.invars, [flag(v) for v in eqn.invars], strict=True))
+            dep.update((v, False) for v in inner.jaxpr.constvars)
+        else:
+            dep.update(zip(eqn.outvars, [flag(v) for v in inner.jaxpr.outvars], strict=True))
+    return [flag(v) for v in jaxpr.outvars]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +66,7 @@ class Residuals:
     num_leaves: int
     stored: tuple[int, ...]  # leaf indices kept (first occurrence of each activation-dependent value)
     # (shape, dtype, varying axes, in host memory) per stored leaf; host leaves come from an offload policy
-    avals: tuple[tuple[tuple[int, ...], np.dtype, frozenset, bool], ...]
+    avals: tuple[tuple[tuple[int, ...], np.dtype, frozenset[str], bool], ...]
     aliases: tuple[tuple[int, int], ...]  # (leaf, stored leaf) pairs that are the same value
 
     @property
@@ -77,7 +84,7 @@ class Residuals:
         """Bytes of the stored leaves an offload policy puts in host memory."""
         return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt, _, host in self.avals if host)
 
-    def take(self, vjp: Callable[..., Any]) -> list[Any]:
+    def take(self, vjp: VjpFn) -> list[jax.Array]:
         """The stored leaves of a ``jax.vjp`` function traced like the classified one."""
         leaves = jax.tree.leaves(vjp)
         if len(leaves) != self.num_leaves:
@@ -104,7 +111,7 @@ def classify(fn: Callable[[PyTree, PyTree], PyTree], w: PyTree, h: PyTree) -> Re
     return Residuals(len(closed.jaxpr.outvars), tuple(stored), avals, tuple(aliases))
 
 
-def restore_vjp(fresh: Callable[..., Any], res: Residuals, stored: Sequence[Any]) -> Callable[..., Any]:
+def restore_vjp(fresh: VjpFn, res: Residuals, stored: Sequence[jax.Array]) -> VjpFn:
     """`fresh` (a ``jax.vjp`` function traced at a zero activation) with the `stored` leaves put back.
 
     `fresh` supplies the treedef and the weight-only leaves; its activation-dependent leaves are
@@ -131,4 +138,4 @@ def vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-__all__ = ["CALL_PRIMITIVES", "Residuals", "classify", "depends", "restore_vjp", "vary"]
+__all__ = ["Residuals", "VjpFn", "classify", "depends", "restore_vjp", "vary"]
