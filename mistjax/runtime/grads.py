@@ -130,8 +130,8 @@ def shard_psum_scatter(x: jax.Array, dim: int) -> jax.Array:
     return x
 
 
-def regather_updated_params(leaves: Sequence[Any], inputs: Sequence[Any], layouts: Sequence[LeafLayout],
-                            plan: Plan, mesh: Mesh) -> list[Any]:
+def regather_updated_params(leaves: Sequence[jax.Array], inputs: Sequence[jax.Array], layouts: Sequence[LeafLayout],
+                            plan: Plan, mesh: Mesh) -> list[jax.Array]:
     """All-gather the updated ZeRO-1/2 parameters from their shards, in their storage dtype.
 
     Under ZeRO-1/2 the optimizer updates each parameter on its 1/p shard (its gradient and state are
@@ -179,15 +179,17 @@ def make_fetch(spec: GradSpec, stacked_slice: bool) -> Callable[[jax.Array], jax
     return fetch
 
 
-def _to_host(x: jax.Array, host: bool) -> jax.Array:
+def to_host(x: jax.Array, host: bool) -> jax.Array:
+    """`x` moved to host memory where `host` (an offloaded accumulator or weight), else as it is."""
     return jax.device_put(x, jax.memory.Space.Host) if host else x
 
 
-def _to_device(x: jax.Array, host: bool) -> jax.Array:
+def to_device(x: jax.Array, host: bool) -> jax.Array:
+    """`x` moved to device memory where `host` says it lives on the host, else as it is."""
     return jax.device_put(x, jax.memory.Space.Device) if host else x
 
 
-def psum_live(x: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:
+def psum_live(x: jax.Array, axes: tuple[str, ...], mesh: Mesh) -> Any:
     """`lax.psum` over the axes of `axes` that have more than one device (XLA rejects the others
     when every manual axis is trivial)."""
     live = tuple(a for a in axes if mesh.shape[a] > 1)
@@ -199,7 +201,7 @@ def grad_dtype_of(plan: Plan, g: jax.Array) -> jax.Array:
     return g if plan.grad_dtype is None else g.astype(jnp.dtype(plan.grad_dtype))
 
 
-def _split_microbatches(x: jax.Array, g: int) -> jax.Array:
+def split_microbatches(x: jax.Array, g: int) -> jax.Array:
     """[B_local, ...] -> [G, B_local / G, ...] without moving rows across devices."""
     if x.shape[0] % g:
         raise PlanError(f"a local batch of {x.shape[0]} rows does not split into {g} micro-batches")
@@ -323,10 +325,10 @@ def _shard_group_size(mesh: Mesh) -> int:
 
 def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad:
     """The collective that synchronises one layer's summed gradient row (the layer dim dropped) of a leaf the
-    `StageExecution` syncs in the loop: what `_finish_grads` does to the whole leaf at the end of the step
+    `StageExecution` syncs in the loop: what `finish_grads` does to the whole leaf at the end of the step
     (ZeRO-1 reduce-scatter over the partition group, MiCS hop 1; else the all-reduce over the DP axes)."""
     if spec.layout.shard_dim is not None and spec.zero == 1:
-        return lambda row: _scatter(row, spec, layer_slice=True)
+        return lambda row: scatter_grad(row, spec, layer_slice=True)
     return lambda row: psum_live(row, DP_AXES, mesh)
 
 
@@ -458,8 +460,8 @@ def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.
 def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan, layer_slice: bool = False) -> jax.Array:
     """One micro-batch gradient (of one layer's slice with `layer_slice`) in the plan's dtype, on device (a
     host-streamed weight's arrives in host memory: the transpose of its fetch), reduce-scattered under ZeRO-2."""
-    g = grad_dtype_of(plan, _to_device(g, spec.layout.host))
-    return _scatter(g, spec, layer_slice) if spec.scatter_each_microbatch else g
+    g = grad_dtype_of(plan, to_device(g, spec.layout.host))
+    return scatter_grad(g, spec, layer_slice) if spec.scatter_each_microbatch else g
 
 
 def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
@@ -473,17 +475,17 @@ def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Ar
         loss, aux, acc = grad(p_local, mb0, None, sync)
         return acc, loss, aux
     shapes = jax.eval_shape(grad, p_local, mb0)[2]
-    acc0 = [_to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
+    acc0 = [to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
 
     def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
         loss, aux, g = grad(p_local, [x[i] if b else x for x, b in zip(mbs, is_batch)], acc)
         # Offloaded accumulators come in, take this micro-batch's gradient and go back out.
-        acc = [gi if k in in_loop else _to_host(_to_device(a, h) + gi, h)
+        acc = [gi if k in in_loop else to_host(to_device(a, h) + gi, h)
                for k, (a, gi, h) in enumerate(zip(acc, g, acc_host))]
         return acc, (loss, aux)
 
     acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
-    acc = [_to_device(a, h) for a, h in zip(acc, acc_host)]
+    acc = [to_device(a, h) for a, h in zip(acc, acc_host)]
     return acc, jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
 
 
@@ -511,7 +513,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     acc_host = [h and n > 0 for h, n in zip(select_offload(grad_sizes, stage.offload_grads), grad_sizes)]
 
     def body(p_local: list[jax.Array], r_local: list[jax.Array]) -> Any:
-        mbs = [_split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
+        mbs = [split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
         mb0 = jax.tree.unflatten(r_tree, [x[0] if b else x for x, b in zip(mbs, is_batch)])
         traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)
         execution = stage_execution(traced, specs, acc_host, lambda i: i, stage=stage, grad_accum=G, mesh=mesh,
@@ -519,7 +521,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, execution, mesh)
         acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, execution.in_loop,
                                              bool(execution.synced))
-        grads = [g * jnp.asarray(scale, g.dtype) for g in _finish_grads(acc, specs, plan, mesh, execution.synced)]
+        grads = [g * jnp.asarray(scale, g.dtype) for g in finish_grads(acc, specs, plan, mesh, execution.synced)]
         loss = psum_live(loss_sum, DP_AXES, mesh) * scale
         aux = jax.tree.map(lambda a: psum_live(a, DP_AXES, mesh) * (scale if jnp.issubdtype(a.dtype, jnp.inexact)
                                                                    else 1), aux_sum)
@@ -535,7 +537,7 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
-def _scatter(g: jax.Array, spec: GradSpec, layer_slice: bool = False) -> jax.Array:
+def scatter_grad(g: jax.Array, spec: GradSpec, layer_slice: bool = False) -> jax.Array:
     """Reduce-scatter a gradient (or one layer's slice of it) over the partition group, per tensor shard
     (see `make_fetch`)."""
     off = 1 if layer_slice else 0
@@ -543,7 +545,7 @@ def _scatter(g: jax.Array, spec: GradSpec, layer_slice: bool = False) -> jax.Arr
                             [d - off for d in spec.layout.tensor_dims])(g)
 
 
-def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh,
+def finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh,
                   synced: frozenset[int] = frozenset()) -> list[jax.Array]:
     """End-of-step synchronisation: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter, MiCS hop 2; the `synced`
     leaves did their ZeRO-0 / ZeRO-1 part inside the last backward (`row_sync`) and take hop 2 only."""
@@ -553,7 +555,7 @@ def _finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, m
         if s.zero >= 2 and s.layout.shard_dim is not None:
             hop2.append(i)  # already reduced inside the partition group
         elif s.zero == 1 and s.layout.shard_dim is not None:
-            out[i] = g if i in synced else _scatter(g, s)
+            out[i] = g if i in synced else scatter_grad(g, s)
             hop2.append(i)
         elif i not in synced:
             out[i] = psum_live(g, DP_AXES, mesh)

@@ -22,20 +22,22 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
+from jax.extend.core import Var
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.axes import leaf_axes
+from mistjax.core.axes import Axes, leaf_axes
 from mistjax.core.execution import is_batch_leaf
 from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts, select_offload
 from mistjax.core.pipeline_order import Op, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
+from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
 from mistjax.runtime.grads import regather_updated_params
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
@@ -48,6 +50,7 @@ from mistjax.runtime.mpmd_update import (
     Sink,
     Source,
     StageRows,
+    TracedStep,
     Whole,
     combine,
     contributors,
@@ -58,7 +61,15 @@ from mistjax.runtime.mpmd_update import (
 )
 from mistjax.runtime.report import PipelineReport, StageReport, applied_report, pipeline_report
 from mistjax.runtime.tensor import tensor_parallel_block
-from mistjax.trace.split import NoLayerStackError, checkpoint_names, part_usage, pre_part, trace_loss
+from mistjax.trace.split import (
+    NoLayerStackError,
+    PartUsage,
+    TracedLoss,
+    checkpoint_names,
+    part_usage,
+    pre_part,
+    trace_loss,
+)
 
 
 @dataclass
@@ -85,7 +96,7 @@ class _Round:
     outputs: list[Output]  # what each output is
     program: Callable[..., Any]
     sizes: list[int]  # arrays per input group
-    avals: list[Any]  # one aval per input array (abstract lowering)
+    avals: list[jax.Array]  # one aval per input array (abstract lowering)
 
 
 def configure_cross_host_transfers(address: str) -> None:
@@ -97,10 +108,61 @@ def configure_cross_host_transfers(address: str) -> None:
     jax.config.update("jax_cross_host_transfer_socket_address", address)
 
 
+Pieces = list[dict[int, jax.Array]]  # per state leaf: its piece on each (virtual) stage holding it
+GroupBatches = list[list[jax.Array]]  # per device group: the batch leaves placed on it
+Twins = dict[tuple[int, Var], list[jax.Array]]  # (stage, materialised var) -> the contributions it received
+
+
+class _MicrobatchLoss(NamedTuple):
+    """The step's loss traced at one device's micro-batch (`MpmdStep._microbatch_loss`)."""
+
+    traced: TracedLoss
+    args: tuple[PyTree, ...]  # its arguments: parameters, then the rest at the micro-batch
+    p_avals: list[jax.ShapeDtypeStruct]  # per parameter leaf (global shapes)
+    mb_avals: tuple[jax.ShapeDtypeStruct, ...]  # per rest leaf: one device's micro-batch (non-batch: whole)
+    is_batch: tuple[bool, ...]  # per rest leaf: batch data (`core.execution.is_batch_leaf`)
+
+
+def _check_pipelinable(traced: TracedLoss) -> None:
+    """Raise a `PlanError` naming the fix when the loss's layers cannot be split into stages."""
+    if traced.groups is not None:
+        raise PlanError("the plan pipelines a model whose layers run as a Python loop (an unrolled stack); "
+                        "the pipeline executor needs their parameters stacked: build the layers with "
+                        "nnx.scan / nn.scan / lax.scan, or use a plan with one stage")
+    if traced.stack is None:
+        raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer parameters; "
+                        "build the layers with nnx.scan / nn.scan / lax.scan over stacked params, or use a plan "
+                        "with one stage")
+    stack = traced.stack
+    if any(i is None for i in stack.xs_leaf):
+        raise NoLayerStackError("the layer scan iterates over values that are not parameters; a pipeline can "
+                                "only split scans over stacked parameters")
+    if len(traced.closed.jaxpr.eqns[stack.eqn_index].outvars) > stack.num_carry:
+        raise NoLayerStackError("the layer scan returns per-layer outputs besides its carry, which a pipeline "
+                                "cannot pass between stages; return only the hidden state from the scan")
+
+
+def _param_layouts(num_params: int, stacked: set[int], usage: PartUsage, num_stages: int) -> list[Rows | Whole]:
+    """Which stages hold each parameter: stacked ones by rows; the pre part's on the first stage, the post
+    part's on the last (both for a tied embedding); unused ones on the first."""
+    out: list[Rows | Whole] = []
+    for j in range(num_params):
+        if j in stacked:
+            out.append(Rows(0))
+            continue
+        holders = set()
+        if j in usage.pre or j not in usage.post:
+            holders.add(0)
+        if j in usage.post:
+            holders.add(num_stages - 1)
+        out.append(Whole(frozenset(holders)))
+    return out
+
+
 class MpmdStep:
     """A train step run as an MPMD pipeline (see module docstring); used through `ShardedStep`."""
 
-    def __init__(self, train_step: Callable[[Any, Any], tuple[Any, Any]], mesh: Mesh | Any, plan: Plan) -> None:
+    def __init__(self, train_step: TrainStep, mesh: Mesh | Sequence[jax.Device], plan: Plan) -> None:
         if plan.num_stages < 2:
             raise PlanError("the MPMD executor runs plans with several stages")
         self.train_step, self.plan = train_step, plan
@@ -117,17 +179,17 @@ class MpmdStep:
         self.issue: list[Op] = issue_order(plan.schedule, self.S, plan.grad_accum, plan.virtual_stages)
         self.rows = StageRows(tuple(s.layers[0] for s in plan.stages), tuple(s.layers[1] for s in plan.stages))
         self.stats = DispatchStats()
-        self._avals: dict[Any, jax.ShapeDtypeStruct] = {}
+        self._avals: dict[tuple[Var, int, int], jax.ShapeDtypeStruct] = {}
         self._replicated = [NamedSharding(m, P()) for m in self.meshes]
         self.applied: PipelineReport | None = None  # what each stage's knobs did, once set up
         self._ready = False
 
     # ================================================================== setup
-    def _abstract_state(self, state: Any) -> Any:
+    def _abstract_state(self, state: State) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), np.dtype(x.dtype)), state,
                             is_leaf=is_staged)
 
-    def _setup(self, state: Any, batch: Any) -> None:
+    def _setup(self, state: State, batch: Batch) -> None:
         plan = self.plan
         abstract = self._abstract_state(state)
         abatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype)), batch)
@@ -136,83 +198,60 @@ class MpmdStep:
         s_leaves, self.state_tree = jax.tree.flatten(abstract)
         self.state_avals = s_leaves
         self.param_index = ts.param_state_index()
-        vg = ts.vg
-        n_params = call.num_params
-        p_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vg.invars[:n_params]]
-        rest_vars = vg.invars[n_params:]
-        self.rest_vars = rest_vars
-        gb = plan.global_batch
-        is_batch = tuple(is_batch_leaf(v.aval.shape, gb) for v in rest_vars)
-        if not any(is_batch):
-            raise PlanError(f"no argument of the loss has the global batch ({gb}) as its leading dim; a pipelined "
-                            "plan splits the batch into micro-batches")
-        mb = plan.micro_batch
-        mb_avals = tuple(jax.ShapeDtypeStruct((mb, *v.aval.shape[1:]) if b else v.aval.shape, v.aval.dtype)
-                         for v, b in zip(rest_vars, is_batch))
-        args = jax.tree.unflatten(call.args_tree, [*p_avals, *mb_avals])
-        traced = trace_loss(call.fun, args[0], *args[1:])
-        if traced.groups is not None:
-            raise PlanError("the plan pipelines a model whose layers run as a Python loop (an unrolled stack); "
-                            "the pipeline executor needs their parameters stacked: build the layers with "
-                            "nnx.scan / nn.scan / lax.scan, or use a plan with one stage")
-        if traced.stack is None:
-            raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer parameters; "
-                            "build the layers with nnx.scan / nn.scan / lax.scan over stacked params, or use a plan "
-                            "with one stage")
-        stack = traced.require_stack()
-        plan.check_layers(stack.num_layers)
-        if any(i is None for i in stack.xs_leaf):
-            raise NoLayerStackError("the layer scan iterates over values that are not parameters; a pipeline can "
-                                    "only split scans over stacked parameters")
-        scan = traced.closed.jaxpr.eqns[stack.eqn_index]
-        if len(scan.outvars) > stack.num_carry:
-            raise NoLayerStackError("the layer scan returns per-layer outputs besides its carry, which a pipeline "
-                                    "cannot pass between stages; return only the hidden state from the scan")
+        loss = self._microbatch_loss(ts)
+        traced, stack = loss.traced, loss.traced.require_stack()
+        self.fingerprint = params_fingerprint(loss.args[0])
+        plan.check_model(self.fingerprint)
         usage = part_usage(traced)
-        fingerprint = params_fingerprint(args[0])
-        plan.check_model(fingerprint)
-        self.fingerprint = fingerprint
-        consts, carry = jax.eval_shape(lambda p, r: pre_part(traced, p, r), p_avals, list(mb_avals))
+        consts, carry = jax.eval_shape(lambda p, r: pre_part(traced, p, r), loss.p_avals, list(loss.mb_avals))
         h_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
                         [*(consts[j] for j, dep in enumerate(usage.const_needs_params) if dep), *carry])
         aux_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.out_avals[1:]) \
             if call.has_aux else ()
-        axes = leaf_axes(abstract)
-        self.axes = axes
-        stacked = set(stack.stacked_leaves)
-        self.stacked = stacked
-        # Which stages hold each parameter: stacked ones by rows; the pre part's on the first stage, the
-        # post part's on the last (both for a tied embedding); unused ones on the first.
-        holders = []
-        for j in range(n_params):
-            if j in stacked:
-                holders.append(None)
-                continue
-            h = set()
-            if j in usage.pre or j not in usage.post:
-                h.add(0)
-            if j in usage.post:
-                h.add(self.K - 1)
-            holders.append(frozenset(h))
-        param_layouts = [Rows(0) if h is None else Whole(h) for h in holders]
+        self.axes = leaf_axes(abstract)
+        self.stacked = set(stack.stacked_leaves)
+        param_layouts = _param_layouts(call.num_params, self.stacked, usage, self.K)
         names = state_names(abstract)
         batch_names = ["batch" + (n and "/" + n) for n in state_names(abatch)]
         self.prop = Propagation(ts, num_stages=self.K, param_layouts=param_layouts, names=names,
                                 batch_names=batch_names, num_layers=stack.num_layers)
         self._place_leaves(names)
-        tp_layouts = self._tensor_layouts(p_avals, stacked, [axes[i] for i in self.param_index])
-        info = LossInfo(fun=call.fun, has_aux=call.has_aux, traced=traced, usage=usage, is_batch=is_batch,
-                        mb_avals=mb_avals, h_avals=h_avals, aux_avals=aux_avals, grad_accum=plan.grad_accum,
+        tp_layouts = self._tensor_layouts(loss.p_avals, self.stacked, [self.axes[i] for i in self.param_index])
+        info = LossInfo(fun=call.fun, has_aux=call.has_aux, traced=traced, usage=usage, is_batch=loss.is_batch,
+                        mb_avals=loss.mb_avals, h_avals=h_avals, aux_avals=aux_avals, grad_accum=plan.grad_accum,
                         dp=plan.dp, tp=plan.tp)
-        info.tp_block = tensor_parallel_block(call.fun, traced, layouts=tp_layouts, tp=plan.tp, batch=is_batch)
+        info.tp_block = tensor_parallel_block(call.fun, traced, layouts=tp_layouts, tp=plan.tp,
+                                              batch=loss.is_batch)
         self.info = info
+        self._build_programs(checkpoint_names(stack.body))
+
+    def _microbatch_loss(self, ts: TracedStep) -> _MicrobatchLoss:
+        """The step's loss traced at one device's micro-batch, checked to be pipelinable."""
+        plan, call = self.plan, ts.call
+        n_params = call.num_params
+        p_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ts.vg.invars[:n_params]]
+        self.rest_vars = rest_vars = ts.vg.invars[n_params:]
+        is_batch = tuple(is_batch_leaf(v.aval.shape, plan.global_batch) for v in rest_vars)
+        if not any(is_batch):
+            raise PlanError(f"no argument of the loss has the global batch ({plan.global_batch}) as its leading "
+                            "dim; a pipelined plan splits the batch into micro-batches")
+        mb_avals = tuple(jax.ShapeDtypeStruct((plan.micro_batch, *v.aval.shape[1:]) if b else v.aval.shape,
+                                              v.aval.dtype) for v, b in zip(rest_vars, is_batch))
+        args = jax.tree.unflatten(call.args_tree, [*p_avals, *mb_avals])
+        traced = trace_loss(call.fun, args[0], *args[1:])
+        _check_pipelinable(traced)
+        plan.check_layers(traced.require_stack().num_layers)
+        return _MicrobatchLoss(traced, args, p_avals, mb_avals, is_batch)
+
+    def _build_programs(self, checkpoint_tags: tuple[str, ...]) -> None:
+        """Every stage's programs, update rounds, prologue and metric plan; the applied report."""
         self.programs = [self._stage_programs(k) for k in range(self.K)]
         self.rounds = {(k, r): self._build_round(k, r) for k in range(self.K)
                        for r in range(1, self.prop.num_rounds + 1)}
         self.prologue = {k: self._build_prologue(k) for k in range(self.K) if self._uses_batch(k)}
         self._metric_plan()
         self._accs: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}
-        self.applied = self._applied_report(checkpoint_names(stack.body))
+        self.applied = self._applied_report(checkpoint_tags)
         self._ready = True
 
     def _applied_report(self, tags: tuple[str, ...]) -> PipelineReport:
@@ -231,7 +270,8 @@ class MpmdStep:
             stages.append(StageReport(k, self.plan.stages[k].layers, k % self.S, self.meshes[k].size, one, applied))
         return pipeline_report(stages)
 
-    def _tensor_layouts(self, p_avals: Sequence[Any], stacked: set[int], axes: Sequence[Any]) -> list[LeafLayout]:
+    def _tensor_layouts(self, p_avals: Sequence[jax.ShapeDtypeStruct], stacked: set[int],
+                        axes: Sequence[Axes | None]) -> list[LeafLayout]:
         """Global layouts of the parameters (their tensor-parallel dims, for the Megatron block)."""
         plan = self.plan
         whole = Plan(stages=(dataclasses.replace(plan.stages[0], layers=(0, plan.num_layers)),),
@@ -351,7 +391,7 @@ class MpmdStep:
         lay = self.layouts[k][i]
         return jax.ShapeDtypeStruct(lay.shape, self.state_avals[i].dtype, sharding=self.piece_sharding(i, k))
 
-    def _contrib_aval(self, v: Any, lay: Any, source: int, at: int) -> jax.ShapeDtypeStruct:
+    def _contrib_aval(self, v: Var, lay: Any, source: int, at: int) -> jax.ShapeDtypeStruct:
         """A contribution of `source` to materialised value `v`, as received on stage `at` (replicated)."""
         key = (v, source, at)
         if key not in self._avals:
@@ -380,18 +420,18 @@ class MpmdStep:
                     out.append((Output(Sink.METRIC, m), v))
         return out
 
-    def _metric_sources(self, v: Any) -> list[int]:
+    def _metric_sources(self, v: Var) -> list[int]:
         lay = Whole(self.prop.ALL) if isinstance(v, jex.Literal) else self.prop.layout[v]
         if lay == Whole(self.prop.ALL):
             return list(range(self.S))  # each device group computes its own copy
         return contributors(lay, self.K)
 
     def _make_env_fn(self, k: int, groups: list[InputGroup], sizes: list[int],
-                     targets: list[tuple[Output, Any]]) -> Callable[..., list[Any]]:
+                     targets: list[tuple[Output, Any]]) -> Callable[..., list[jax.Array]]:
         prop = self.prop
 
-        def fn(*flat: Any) -> list[Any]:
-            env: dict[Any, Any] = {}
+        def fn(*flat: Any) -> list[jax.Array]:
+            env: dict[Var | tuple[Source, Var], jax.Array] = {}
             pos = 0
             for g, n in zip(groups, sizes):
                 arrays = list(flat[pos: pos + n])
@@ -410,8 +450,8 @@ class MpmdStep:
 
         return fn
 
-    def _regather(self, k: int, targets: list[tuple[Output, Any]], outs: list[Any],
-                  env: dict[Any, Any]) -> list[Any]:
+    def _regather(self, k: int, targets: list[tuple[Output, Any]], outs: list[jax.Array],
+                  env: dict[Var | tuple[Source, Var], jax.Array]) -> list[jax.Array]:
         """Updated ZeRO-1/2 parameters re-gathered hierarchically when the partition group spans nodes."""
         if self.meshes[k].shape[SHARD_AXES[0]] == 1:
             return outs
@@ -478,10 +518,10 @@ class MpmdStep:
         for v in self.ts.metric_vars:
             lay = None if isinstance(v, jex.Literal) else self.prop.layout[v]
             self.metric_combine.append(isinstance(lay, Rows) or (lay is not None and not isinstance(lay, Whole)))
-        self._combine_programs: dict[int, Any] = {}
+        self._combine_programs: dict[int, jax.Array] = {}
 
     # ================================================================== placement
-    def place(self, state: Any, batch: Any) -> Any:
+    def place(self, state: State, batch: Batch) -> Any:
         """The state as `StagedArray` leaves with each piece on its stage (see `mpmd_state`)."""
         if not self._ready:
             self._setup(state, batch)
@@ -491,13 +531,13 @@ class MpmdStep:
             return state
         return jax.tree.unflatten(self.state_tree, [self._place_leaf(i, x) for i, x in enumerate(leaves)])
 
-    def _check_staged(self, leaves: Sequence[Any]) -> None:
+    def _check_staged(self, leaves: Sequence[jax.Array]) -> None:
         if len(leaves) != len(self.infos) or any(not is_staged(x) or x.info != inf for x, inf in zip(leaves,
                                                                                                       self.infos)):
             raise PlanError("the state was placed for another plan or model; pass the state returned by this "
                             "step's place() or __call__, or an unplaced state")
 
-    def _place_leaf(self, i: int, x: Any) -> StagedArray:
+    def _place_leaf(self, i: int, x: jax.Array) -> StagedArray:
         info = self.infos[i]
         host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) and x.is_fully_addressable else x
         pieces = []
@@ -509,13 +549,13 @@ class MpmdStep:
                                                        dtype=value.dtype))
         return StagedArray(pieces, info)
 
-    def gather(self, state: Any) -> Any:
+    def gather(self, state: State) -> Any:
         """The user's structure with whole host arrays (every piece brought to this process)."""
         if jax.process_count() > 1:
             state = jax.tree.map(self._replicate_piece_everywhere, state, is_leaf=is_staged)
         return gather_state(state)
 
-    def _replicate_piece_everywhere(self, x: Any) -> Any:
+    def _replicate_piece_everywhere(self, x: jax.Array) -> Any:
         if not is_staged(x):
             return x
         pieces = []
@@ -530,11 +570,11 @@ class MpmdStep:
         return StagedArray(pieces, x.info)
 
     # ================================================================== batch
-    def batch_shardings(self, batch: Any) -> Any:
+    def batch_shardings(self, batch: Batch) -> Any:
         """The batch over the whole plan mesh: split over DP, replicated over the stages."""
         return batch_shardings(self.mesh, batch, self.plan.global_batch)
 
-    def _stage_batch(self, batch: Any) -> list[list[jax.Array]]:
+    def _stage_batch(self, batch: Batch) -> list[list[jax.Array]]:
         """Per device group, the batch leaves on its sub-mesh (no copies for a batch placed by
         `batch_shardings`)."""
         leaves = jax.tree.leaves(batch)
@@ -552,8 +592,8 @@ class MpmdStep:
         return out
 
     # ================================================================== transfers
-    def _transfer(self, x: Any, dst: NamedSharding, *, src_stage: int, dst_stage: int,
-                  aval: Any = None) -> Any:
+    def _transfer(self, x: jax.Array, dst: NamedSharding, *, src_stage: int, dst_stage: int,
+                  aval: jax.ShapeDtypeStruct | None = None) -> jax.Array:
         """``jax.device_put`` between stages, by the processes that send or receive it."""
         src_local, dst_local = self.local[src_stage], self.local[dst_stage]
         if self.meshes[src_stage] is self.meshes[dst_stage] or not (src_local or dst_local):
@@ -567,8 +607,8 @@ class MpmdStep:
         self.stats.transfers += 1
         return jax.device_put(x, dst)
 
-    def _send(self, arrays: list[Any], avals: list[Any], dst: list[NamedSharding], src_stage: int,
-              dst_stage: int) -> list[Any]:
+    def _send(self, arrays: list[jax.Array], avals: list[jax.Array], dst: list[NamedSharding], src_stage: int,
+              dst_stage: int) -> list[jax.Array]:
         """Several arrays from one stage to another in one ``device_put`` call."""
         if self.meshes[src_stage] is self.meshes[dst_stage]:
             return arrays
@@ -583,7 +623,7 @@ class MpmdStep:
         self.stats.transfers += 1
         return list(jax.device_put(xs, dst))
 
-    def _run(self, kind: str, k: int, fn: Callable[..., Any], *args: Any) -> Any:
+    def _run(self, kind: str, k: int, fn: Callable[..., Any], *args: jax.Array) -> list[jax.Array] | None:
         if not self.local[k]:
             return None
         self.stats.programs += 1
@@ -591,7 +631,7 @@ class MpmdStep:
         return fn(*args)
 
     # ================================================================== one step
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+    def __call__(self, state: State, batch: Batch) -> tuple[State, Metrics]:
         self.plan.check_batch(_leading_dim(batch))  # the programs are compiled for this batch size
         if not self._ready:
             self._setup(state, batch)
@@ -612,12 +652,12 @@ class MpmdStep:
         self.stats.host_s = time.perf_counter() - t0
         return jax.tree.unflatten(self.state_tree, new_leaves), metrics
 
-    def _rest_leaves(self, k: int, pieces: list[dict[int, Any]], groups_batch: list[list[Any]]) -> list[Any]:
+    def _rest_leaves(self, k: int, pieces: Pieces, groups_batch: GroupBatches) -> list[jax.Array]:
         """The loss's non-parameter arguments on stage `k` (whole batch leaves, before splitting)."""
         batch_pos = {v: b for b, v in enumerate(self.ts.batch_vars)}
         state_pos = {v: i for i, v in enumerate(self.ts.state_vars)}
         prologue = self.prologue.get(k)
-        computed: dict[int, Any] = {}
+        computed: dict[int, jax.Array] = {}
         if prologue is not None:
             args = self._gather_inputs(k, prologue, pieces, {}, None, None, None, groups_batch)
             outs = self._run("prologue", k, prologue.program, *args)
@@ -635,12 +675,12 @@ class MpmdStep:
                 out.append(pieces[state_pos[v]][k])
         return out
 
-    def _microbatches(self, pieces: list[dict[int, Any]], groups_batch: list[list[Any]]) -> list[list[list[Any]]]:
+    def _microbatches(self, pieces: Pieces, groups_batch: GroupBatches) -> list[list[list[jax.Array]]]:
         """Per stage and micro-batch, the loss's rest leaves (batch leaves split; the others whole)."""
         G = self.plan.grad_accum
         is_batch = self.info.is_batch
-        out: list[list[list[Any]]] = []
-        per_group: dict[int, list[list[Any]]] = {}
+        out: list[list[list[jax.Array]]] = []
+        per_group: dict[int, list[list[jax.Array]]] = {}
         for k in range(self.K):
             if not self.programs[k].spec.uses_batch:
                 out.append([[] for _ in range(G)])
@@ -657,16 +697,16 @@ class MpmdStep:
             out.append(per_group[d])
         return out
 
-    def _pipeline(self, pieces: list[dict[int, Any]], mbs: list[list[list[Any]]]) -> tuple[Any, Any, Any]:
+    def _pipeline(self, pieces: Pieces, mbs: list[list[list[jax.Array]]]) -> tuple[Any, Any, Any]:
         """Run the schedule; returns per stage its finished gradients, and the loss and aux sums."""
         K = self.K
         params = [[pieces[self.param_index[j]][k] for j in self.programs[k].spec.params] for k in range(K)]
         for k in range(K):
             if k not in self._accs and self.local[k]:
                 self._accs[k] = self.programs[k].init_accumulators()
-        h_recv: dict[tuple[int, int], Any] = {}
-        ct_recv: dict[tuple[int, int], Any] = {}
-        res: dict[tuple[int, int], Any] = {}
+        h_recv: dict[tuple[int, int], jax.Array] = {}
+        ct_recv: dict[tuple[int, int], jax.Array] = {}
+        res: dict[tuple[int, int], jax.Array] = {}
         progs = self.programs
         live = [0] * K
         self.stats.residuals_in_flight = [0] * K
@@ -705,7 +745,7 @@ class MpmdStep:
                 ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float),
                                                  h_float, progs[k - 1].ct_shardings(), k, k - 1)
         self.stats.residual_bytes = [n * b for n, b in zip(self.stats.residuals_in_flight, self.residual_bytes())]
-        grads: list[list[Any]] = []
+        grads: list[list[jax.Array]] = []
         loss = aux = None
         for k in range(K):
             acc, lacc = self._accs.get(k, (None, None))
@@ -720,9 +760,9 @@ class MpmdStep:
                 loss, aux = sums[0], list(sums[1:])
         return grads, loss, aux
 
-    def _share_tied_grads(self, grads: list[list[Any]]) -> dict[tuple[int, int], list[Any]]:
+    def _share_tied_grads(self, grads: list[list[jax.Array]]) -> dict[tuple[int, int], list[jax.Array]]:
         """Per (stage, parameter): the gradient summands it adds (a tied parameter gets every holder's)."""
-        out: dict[tuple[int, int], list[Any]] = {}
+        out: dict[tuple[int, int], list[jax.Array]] = {}
         for k in range(self.K):
             for jj, j in enumerate(self.programs[k].spec.params):
                 out[(k, j)] = [grads[k][jj]]
@@ -747,10 +787,10 @@ class MpmdStep:
                 out[(t, j)] = parts
         return out
 
-    def _gather_inputs(self, k: int, rnd: _Round, pieces: list[dict[int, Any]], twins: dict[tuple[int, Any], list],
-                       grads: dict[tuple[int, int], list[Any]] | None, loss: Any, aux: Any,
-                       groups_batch: list[list[Any]]) -> list[Any]:
-        args: list[Any] = []
+    def _gather_inputs(self, k: int, rnd: _Round, pieces: Pieces, twins: Twins,
+                       grads: dict[tuple[int, int], list[jax.Array]] | None, loss: jax.Array, aux: list[jax.Array],
+                       groups_batch: GroupBatches) -> list[jax.Array]:
+        args: list[jax.Array] = []
         for g in rnd.groups:
             match g.source:
                 case Source.STATE:
@@ -767,15 +807,15 @@ class MpmdStep:
                     args.extend(twins[(k, g.ref)])
         return args
 
-    def _update(self, pieces: list[dict[int, Any]], grads: dict[tuple[int, int], list[Any]], loss: Any, aux: Any,
-                groups_batch: list[list[Any]]) -> tuple[list[dict[int, Any]], Any]:
+    def _update(self, pieces: Pieces, grads: dict[tuple[int, int], list[jax.Array]], loss: jax.Array,
+                aux: list[jax.Array], groups_batch: GroupBatches) -> tuple[Pieces, Metrics]:
         prop = self.prop
         R = prop.num_rounds
-        twins: dict[tuple[int, Any], list[Any]] = {}
-        new_pieces: list[dict[int, Any]] = [{} for _ in self.infos]
-        metric_parts: dict[tuple[int, int], Any] = {}  # (metric, source stage) -> contribution
+        twins: Twins = {}
+        new_pieces: Pieces = [{} for _ in self.infos]
+        metric_parts: dict[tuple[int, int], jax.Array] = {}  # (metric, source stage) -> contribution
         for r in range(1, R + 1):
-            contribs: dict[tuple[Any, int], Any] = {}
+            contribs: dict[tuple[Var, int], jax.Array] = {}
             for k in range(self.K):
                 rnd = self.rounds[(k, r)]
                 args = self._gather_inputs(k, rnd, pieces, twins, grads, loss, aux, groups_batch)
@@ -801,11 +841,11 @@ class MpmdStep:
                                                         aval=self._contrib_aval(v, lay, s, t)) for s in srcs]
         return new_pieces, self._metrics(metric_parts)
 
-    def _metrics(self, parts: dict[tuple[int, int], Any]) -> Any:
+    def _metrics(self, parts: dict[tuple[int, int], jax.Array]) -> Any:
         """Every metric as an ordinary array replicated over the whole plan mesh."""
         ts, prop = self.ts, self.prop
-        per_group: list[list[Any]] = [[] for _ in range(self.S)]
-        combine_inputs: list[list[list[Any]]] = [[] for _ in range(self.S)]
+        per_group: list[list[jax.Array]] = [[] for _ in range(self.S)]
+        combine_inputs: list[list[list[jax.Array]]] = [[] for _ in range(self.S)]
         for m, v in enumerate(ts.metric_vars):
             srcs = self._metric_sources(v)
             lay = Whole(prop.ALL) if isinstance(v, jex.Literal) else prop.layout[v]
@@ -852,8 +892,8 @@ class MpmdStep:
         """Per stage: bytes per device of one micro-batch's residuals kept in host memory (offloaded)."""
         return [0 if k == self.K - 1 else self.programs[k].classify().host_nbytes for k in range(self.K)]
 
-    def compile_stages(self, state: Any, batch: Any, phases: Sequence[str] | None = None, *,
-                       compile: bool = True) -> dict[tuple[int, str], Any]:
+    def compile_stages(self, state: State, batch: Batch, phases: Sequence[str] | None = None, *,
+                       compile: bool = True) -> dict[tuple[int, str], jax.stages.Compiled | jax.stages.Lowered]:
         """Every program of every local stage: ``{(stage, phase): jax.stages.Compiled}`` (or ``Lowered``
         with ``compile=False``).
 
@@ -864,7 +904,7 @@ class MpmdStep:
         if not self._ready:
             self._setup(state, batch)
         want = set(phases) if phases is not None else None
-        out: dict[tuple[int, str], Any] = {}
+        out: dict[tuple[int, str], jax.stages.Compiled | jax.stages.Lowered] = {}
 
         def add(k: int, phase: str, lower: Callable[[], Any]) -> None:
             if want is None or phase in want:
@@ -921,7 +961,7 @@ class MpmdStep:
         return out
 
 
-def _leading_dim(batch: Any) -> int:
+def _leading_dim(batch: Batch) -> int:
     dims = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
     if not dims:
         raise PlanError("the batch has no array with a leading batch dimension")

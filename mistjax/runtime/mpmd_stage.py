@@ -7,7 +7,7 @@ one ``jax.shard_map`` manual over the data-parallel axes with ``tensor`` left to
 fetched as the stage's layouts say (`grads.make_fetch`: ZeRO-3 all-gathers, host->device copies); the
 plan's layer loop (`remat.make_layer_loop`: checkpointed / activation-offloaded / plain layers, the
 re-fetching custom VJP, the Megatron block of `runtime.tensor`); gradients reduce-scattered per
-micro-batch under ZeRO-2 and synchronised once per step by `finish` (`grads._finish_grads`).
+micro-batch under ZeRO-2 and synchronised once per step by `finish` (`grads.finish_grads`).
 
 The stage function maps ``(held params, (activation in, micro-batch))`` to the activation out (or,
 on the last stage, to the loss): the first stage runs the loss's pre part (embedding, `trace.split`),
@@ -43,22 +43,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from mistjax.core.execution import StageExecution
 from mistjax.core.layout import DP_AXES, PARAM, LeafLayout
 from mistjax.core.plan import Plan
+from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime.grads import (
     MANUAL_AXES,
     GradSpec,
-    _finish_grads,
-    _scatter,
-    _split_microbatches,
-    _to_device,
-    _to_host,
+    finish_grads,
     make_fetch,
     psum_live,
+    scatter_grad,
+    split_microbatches,
     stage_execution,
     stage_layer_loop,
+    to_device,
+    to_host,
 )
 from mistjax.runtime.remat import LayerLoop, LoopSinks
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
@@ -72,14 +74,14 @@ from mistjax.trace.split import (
     scan_operands,
 )
 
-PyTree = Any
+Program = Callable[..., list[jax.Array]]  # a stage program's Python function (jitted by the executor): arrays in, out
 
 
 @dataclass
 class LossInfo:
     """What every stage needs to know about the user's loss (shared by all stages of a plan)."""
 
-    fun: Callable[..., Any]  # the loss ``fun(params, *rest)``
+    fun: LossFn  # the loss ``fun(params, *rest)``
     has_aux: bool  # fun returns (loss, aux)
     traced: TracedLoss  # fun traced at one device's micro-batch (global parameter shapes)
     usage: PartUsage  # which parameters the pre / post parts read
@@ -134,7 +136,7 @@ class StageSpec:
         return self.layers[1] - self.layers[0]
 
 
-def activation_sharding(mesh: Mesh, aval: Any, tp: int) -> NamedSharding:
+def activation_sharding(mesh: Mesh, aval: jax.ShapeDtypeStruct, tp: int) -> NamedSharding:
     """How an activation leaves one stage and enters the next: batch over DP, sequence over tensor (SP)."""
     if not aval.shape:
         return NamedSharding(mesh, P())
@@ -148,11 +150,11 @@ def _local_dp(x: jax.Array) -> jax.Array:
     return x[None] if x.ndim == 0 else x
 
 
-def _acc_dtype(dtype: Any) -> np.dtype:
+def _acc_dtype(dtype: DTypeLike) -> np.dtype:
     return np.dtype(jnp.promote_types(dtype, jnp.float32)) if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(dtype)
 
 
-def _grad_acc_dtype(dtype: Any, plan: Plan) -> np.dtype:
+def _grad_acc_dtype(dtype: DTypeLike, plan: Plan) -> np.dtype:
     """A gradient accumulator's dtype: the plan's gradient dtype, else the parameter's (as `runtime.grads`)."""
     return np.dtype(plan.grad_dtype) if plan.grad_dtype is not None else np.dtype(dtype)
 
@@ -215,7 +217,7 @@ class StagePrograms:
         self._cache["acc_avals"] = out
         return out
 
-    def _param_dtype(self, j: int) -> Any:
+    def _param_dtype(self, j: int) -> np.dtype:
         return self.info.traced.closed.jaxpr.invars[self.spec.params[j]].aval.dtype
 
     def _acc_sharding(self, j: int) -> NamedSharding:
@@ -260,7 +262,7 @@ class StagePrograms:
         (`runtime.accumulate`): stacked weights read by the layer loop only, with device accumulators."""
         return tuple(sorted(self.execution.in_loop))
 
-    def sink_fn(self, p: list[Any]) -> Callable[[tuple[list[Any], list[Any]], Any], Any]:
+    def sink_fn(self, p: list[jax.Array]) -> Callable[[tuple[list[jax.Array], list[jax.Array]], Any], Any]:
         """The stage function differentiated with in-loop accumulation.
 
         ``fn((rest, sink), hx) -> (outs, sink)``: `rest` are the held parameters without the `in_loop`
@@ -270,14 +272,14 @@ class StagePrograms:
         """
         fn, in_loop = self.stage_fn(), self.in_loop
 
-        def run(w: tuple[list[Any], list[Any]], hx: Any) -> Any:
+        def run(w: tuple[list[jax.Array], list[jax.Array]], hx: Any) -> Any:
             rest, sink = w
             full = [p[j] if j in in_loop else v for j, v in enumerate(rest)]
             return fn(full, hx, dict(zip(in_loop, sink)))
 
         return run
 
-    def split_params(self, p: list[Any]) -> list[Any]:
+    def split_params(self, p: list[jax.Array]) -> list[jax.Array]:
         """The held parameters with the `in_loop` ones left out (see `sink_fn`)."""
         return [None if j in self.in_loop else v for j, v in enumerate(p)]
 
@@ -286,7 +288,7 @@ class StagePrograms:
         avals = self.acc_avals()
         return [jnp.zeros(avals[j].shape[1:], avals[j].dtype) for j in self.in_loop]
 
-    def stage_fn(self) -> Callable[[list[Any], tuple[list[Any], list[Any]]], list[Any]]:
+    def stage_fn(self) -> Callable[[list[jax.Array], tuple[list[jax.Array], list[jax.Array]]], list[jax.Array]]:
         """``fn(held params, (activation, micro-batch))`` -> activation out, or ``[loss, *aux]`` (last)."""
         sp, info = self.spec, self.info
         traced, st = info.traced, info.traced.require_stack()
@@ -294,9 +296,10 @@ class StagePrograms:
         pconst, bconst = info.pconst_positions, info.bconst_positions
         nc = st.num_consts
 
-        def fn(p_held: list[Any], hx: tuple[list[Any], list[Any]], sink: dict[int, Any] | None = None) -> Any:
+        def fn(p_held: list[jax.Array], hx: tuple[list[jax.Array], list[jax.Array]],
+               sink: dict[int, jax.Array] | None = None) -> Any:
             h, mb = hx
-            leaves: list[Any] = [None] * info.num_params
+            leaves: list[jax.Array] = [None] * info.num_params
             stacked = set(st.stacked_leaves)
             for j, i in enumerate(sp.params):
                 f = None if i in stacked else make_fetch(self.grad_specs[j], False)
@@ -324,11 +327,11 @@ class StagePrograms:
 
         return fn
 
-    def _zero_hx(self) -> tuple[list[Any], list[Any]]:
+    def _zero_hx(self) -> tuple[list[jax.Array], list[jax.Array]]:
         h = [jnp.zeros(a.shape, a.dtype) for a in self.info.h_avals] if not self.spec.first else []
         return h, [jnp.zeros(a.shape, a.dtype) for a in self.mb_avals]
 
-    def _add_grads(self, acc: list[jax.Array], g: list[Any], g_sink: list[jax.Array]) -> list[jax.Array]:
+    def _add_grads(self, acc: list[jax.Array], g: list[jax.Array], g_sink: list[jax.Array]) -> list[jax.Array]:
         """The accumulators after one micro-batch: the `in_loop` ones are `g_sink` (already summed inside
         the backward), the others take this micro-batch's gradient `g`."""
         out, sunk = [], dict(zip(self.in_loop, g_sink))
@@ -336,18 +339,18 @@ class StagePrograms:
             if j in sunk:
                 out.append(sunk[j].reshape(a.shape))
                 continue
-            gi = _to_device(gi, spec.layout.host)  # a host-streamed weight's gradient arrives in host memory
+            gi = to_device(gi, spec.layout.host)  # a host-streamed weight's gradient arrives in host memory
             if spec.scatter_each_microbatch:
-                gi = _scatter(gi, spec)
-            a = _to_device(a, host)
-            out.append(_to_host(a + gi[None].astype(a.dtype), host))
+                gi = scatter_grad(gi, spec)
+            a = to_device(a, host)
+            out.append(to_host(a + gi[None].astype(a.dtype), host))
         return out
 
     def _sink_seed(self, acc: list[jax.Array]) -> list[jax.Array]:
         """One device's accumulators of the `in_loop` parameters (the DP dim of one dropped: a bitcast)."""
         return [acc[j].reshape(acc[j].shape[1:]) for j in self.in_loop]
 
-    def _shard_map(self, body: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+    def _shard_map(self, body: Callable[..., Any], in_specs: PyTree, out_specs: PyTree) -> Program:
         return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=MANUAL_AXES, check_vma=False)
 
@@ -378,7 +381,7 @@ class StagePrograms:
         if "residuals" not in self._cache:
             box: list[Residuals] = []
 
-            def body(p: list[Any], h: list[Any], mb: list[Any]) -> jax.Array:
+            def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array]) -> jax.Array:
                 box.append(classify(self.sink_fn(p), (self.split_params(p), self.zero_sink()), (h, mb)))
                 return jnp.zeros(())
 
@@ -392,13 +395,13 @@ class StagePrograms:
         return [P(DP_AXES) if a.shape else P() for a in self.info.h_avals] if not self.spec.first else []
 
     # ------------------------------------------------------------------ programs
-    def forward(self) -> Callable[..., Any]:
+    def forward(self) -> Program:
         """``(params, h, mb) -> (h_out, stored residuals)``; the first stage takes no ``h``."""
         if "forward" in self._cache:
             return self._cache["forward"]
         first = self.spec.first
 
-        def body(p: list[Any], h: list[Any], mb: list[Any]) -> Any:
+        def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array]) -> Any:
             # The backward's function (with placeholder accumulators), so the residuals line up.
             fn, w = self.sink_fn(p), (self.split_params(p), self.zero_sink())
             res = classify(fn, w, (h, mb))
@@ -418,13 +421,13 @@ class StagePrograms:
         self._cache["forward"] = prog
         return prog
 
-    def backward(self) -> Callable[..., Any]:
+    def backward(self) -> Program:
         """``(params, stored, ct_out, acc) -> (ct_in, acc)``; the first stage returns only ``acc``."""
         if "backward" in self._cache:
             return self._cache["backward"]
         first, res = self.spec.first, self.classify()
 
-        def body(p: list[Any], stored: list[Any], ct: list[Any], acc: list[Any]) -> Any:
+        def body(p: list[jax.Array], stored: list[jax.Array], ct: list[jax.Array], acc: list[jax.Array]) -> Any:
             stored = [s.reshape(shape) for s, (shape, *_) in zip(stored, res.avals)]
             zero, seed = self._zero_hx(), self._sink_seed(acc)
             fn, w = self.sink_fn(p), (self.split_params(p), seed)
@@ -448,18 +451,19 @@ class StagePrograms:
         self._cache["backward"] = prog
         return prog
 
-    def last(self) -> Callable[..., Any]:
+    def last(self) -> Program:
         """``(params, h, mb, acc, loss_acc) -> (ct_in, acc, loss_acc)`` on the last stage."""
         if "last" in self._cache:
             return self._cache["last"]
         first = self.spec.first
         n_aux = len(self.info.aux_avals)
 
-        def body(p: list[Any], h: list[Any], mb: list[Any], acc: list[Any], lacc: list[Any]) -> Any:
+        def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array],
+                 lacc: list[jax.Array]) -> Any:
             h_int = [x for x, f in zip(h, self.h_float) if not f]
             fn, seed = self.sink_fn(p), self._sink_seed(acc)
 
-            def loss(w: Any, hf: list[Any]) -> Any:
+            def loss(w: Any, hf: list[jax.Array]) -> Any:
                 fi, ii = iter(hf), iter(h_int)
                 full = [next(fi) if f else next(ii) for f in self.h_float]
                 outs, sink = fn(w, (full, mb))
@@ -492,7 +496,7 @@ class StagePrograms:
         self._cache["last"] = prog
         return prog
 
-    def finish(self) -> Callable[..., Any]:
+    def finish(self) -> Program:
         """``(acc, loss_acc) -> (grads, [loss, *aux], zeroed acc, zeroed loss_acc)`` (the sums are None
         on stages other than the last)."""
         if "finish" in self._cache:
@@ -501,15 +505,15 @@ class StagePrograms:
         scale = 1.0 / (info.dp * info.grad_accum)
         n_l = 1 + len(info.aux_avals) if sp.last else 0
 
-        def body(acc: list[Any], lacc: list[Any]) -> Any:
-            local = [_to_device(a, h)[0] for a, h in zip(acc, sp.acc_host)]
-            grads = _finish_grads(local, self.grad_specs, sp.plan, sp.mesh)
+        def body(acc: list[jax.Array], lacc: list[jax.Array]) -> Any:
+            local = [to_device(a, h)[0] for a, h in zip(acc, sp.acc_host)]
+            grads = finish_grads(local, self.grad_specs, sp.plan, sp.mesh)
             grads = [(g * jnp.asarray(scale, g.dtype)).astype(self._param_dtype(j)) for j, g in enumerate(grads)]
             sums = []
             for k, a in enumerate(lacc):
                 total = psum_live(a[0], DP_AXES, sp.mesh)
                 sums.append(total * scale if k == 0 or jnp.issubdtype(a.dtype, jnp.inexact) else total)
-            zeros = [_to_host(jnp.zeros_like(_to_device(a, h)), h) for a, h in zip(acc, sp.acc_host)]
+            zeros = [to_host(jnp.zeros_like(to_device(a, h)), h) for a, h in zip(acc, sp.acc_host)]
             return grads, sums, zeros, [jnp.zeros_like(a) for a in lacc]
 
         acc_specs = [P(DP_AXES)] * len(sp.params)
@@ -532,14 +536,14 @@ class StagePrograms:
                        out_shardings=([a.sharding for a in avals], [a.sharding for a in lavals]))
         return make()
 
-    def split(self) -> Callable[..., Any]:
+    def split(self) -> Program:
         """``(batch leaves) -> [G][batch leaves]``: each device's rows into ``G`` micro-batches."""
         if "split" in self._cache:
             return self._cache["split"]
         G = self.info.grad_accum
 
-        def body(xs: list[Any]) -> Any:
-            parts = [_split_microbatches(x, G) for x in xs]
+        def body(xs: list[jax.Array]) -> Any:
+            parts = [split_microbatches(x, G) for x in xs]
             return [[p[i] for p in parts] for i in range(G)]
 
         n = sum(self.info.is_batch)

@@ -22,7 +22,7 @@ from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import unrolled_loop
 from mistjax.trace.unrolled import LayerSlices
 
-Layer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+Layer = Callable[[list[jax.Array], list[jax.Array], list[jax.Array]], tuple[list[jax.Array], list[jax.Array]]]
 
 
 def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
@@ -42,23 +42,23 @@ def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
     it would be a stacked copy of the accumulators); the backward's fresh forward passes zeros.
     """
 
-    def as_wh(w: Any, h: tuple[list[Any], list[Any]]) -> tuple[list[Any], Any]:
+    def as_wh(w: Any, h: tuple[list[jax.Array], list[jax.Array]]) -> tuple[list[jax.Array], Any]:
         return layer(h[0], h[1], w)  # `residuals.classify`'s (weights, activation) signature
 
     # The classification of the traced fwd, read by the bwd traced after it (same avals each time).
     classified: list[Residuals] = []
 
     @jax.custom_vjp
-    def run(consts: list[Any], c: list[Any], x: Any) -> tuple[list[Any], Any]:
+    def run(consts: list[jax.Array], c: list[jax.Array], x: jax.Array) -> tuple[list[jax.Array], Any]:
         return layer(consts, c, x)
 
-    def fwd(consts: list[Any], c: list[Any], x: Any) -> tuple[Any, tuple[Any, ...]]:
+    def fwd(consts: list[jax.Array], c: list[jax.Array], x: jax.Array) -> tuple[Any, tuple[Any, ...]]:
         res = classify(as_wh, x, (consts, c))
         classified[:] = [res]
         out, vjp = jax.vjp(as_wh, x, (consts, c))
         return out, (res.take(vjp), consts, x[0] if riding else x)
 
-    def bwd(saved: tuple[Any, ...], ct: tuple[list[Any], Any]) -> tuple[list[Any], list[Any], Any]:
+    def bwd(saved: tuple[Any, ...], ct: tuple[list[jax.Array], Any]) -> tuple[list[jax.Array], list[jax.Array], Any]:
         stored, consts, x = saved
         # Like jax.checkpoint's prevent_cse: keep XLA from merging the re-fetch with the forward fetch
         # when both land in one computation (a scan of one trip is no loop), which would keep the
