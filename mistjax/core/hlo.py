@@ -8,6 +8,7 @@ an upper bound), and `collective_bytes` sums them statically (each instruction o
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -18,7 +19,19 @@ if TYPE_CHECKING:  # annotations only: reading HLO text needs no JAX
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
                 "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+class CollectiveOp(enum.StrEnum):
+    """A collective by its HLO opcode. A `str` enum: equal to, hashed and formatted as its HLO spelling."""
+
+    ALL_REDUCE = "all-reduce"
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+    COLLECTIVE_PERMUTE = "collective-permute"
+    ALL_TO_ALL = "all-to-all"
+
+
+OPS: tuple[str, ...] = tuple(op.value for op in CollectiveOp)  # the HLO spellings, in the enum's order
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s+(?P<op>" + "|".join(OPS) +
                     r")(?P<start>-start)?\((?P<rest>.*)$")
 _TOKEN = re.compile(r"\(|\)|(pred|bf16|[subfc]\d+)\[([\d,]*)\](?:\{[^}]*\})?")
@@ -44,7 +57,7 @@ HloType: TypeAlias = "tuple[str, int] | list[HloType]"
 class Collective:
     """One collective instruction of a compiled HLO module."""
 
-    op: str  # all-reduce | all-gather | reduce-scatter | collective-permute | all-to-all
+    op: CollectiveOp
     result_bytes: int  # bytes of its per-device result (a combined collective's results summed)
     dtype: str  # element type of the (last) result
     group_size: int  # devices per replica group (2 for a permute pair)
@@ -86,7 +99,7 @@ def result_arrays(op: str, type_text: str, is_async: bool) -> list[tuple[str, in
     as its results: an all-reduce-start is typed as its result(s); an all-gather / reduce-scatter /
     collective-permute start as ``(operand(s), result(s), ...)``, whose second entry is the result."""
     t = parse_type(type_text)
-    if is_async and op != "all-reduce" and isinstance(t, list) and len(t) > 1:
+    if is_async and op != CollectiveOp.ALL_REDUCE and isinstance(t, list) and len(t) > 1:
         t = t[1]
     return _arrays(t)
 
@@ -172,7 +185,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         if not arrays:
             continue
         g = _GROUPS.search(m["rest"])
-        out.append(Collective(op=m["op"], result_bytes=sum(b for _, b in arrays), dtype=arrays[-1][0],
+        out.append(Collective(op=CollectiveOp(m["op"]), result_bytes=sum(b for _, b in arrays), dtype=arrays[-1][0],
                               group_size=replica_group_size(m["rest"]), groups=g.group(1) if g else "",
                               computation=comp, trips=trips.get(comp, 1), is_async=bool(m["start"])))
     return out
@@ -209,7 +222,7 @@ def _top_level(type_text: str) -> list[str]:
 class AsyncCollective:
     """One async collective of a scheduled (GPU) HLO module: its ``-start`` and what runs before its ``-done``."""
 
-    op: str  # all-reduce | all-gather | reduce-scatter | collective-permute | all-to-all
+    op: CollectiveOp
     name: str  # the -start instruction's name
     computation: str  # the computation holding the pair (a while body runs once per iteration)
     done: bool  # a matching -done was found in the same computation
@@ -259,7 +272,7 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
         if opcode.endswith("-start") and base in OPS:
             open_[name] = (base, len(out))
             starts_at[name] = len(seq)
-            out.append(AsyncCollective(base, name, comp, False, 0))
+            out.append(AsyncCollective(CollectiveOp(base), name, comp, False, 0))
         elif opcode.endswith("-done") and base in OPS:
             d = _DONE_OPERAND.match(rest)
             start = d.group(1) if d else ""
@@ -341,6 +354,7 @@ def host_placed_params(hlo_text: str) -> int:
     return inputs.count("S(5)")
 
 
-__all__ = ["ASYNC_COLLECTIVE_PLATFORMS", "OPS", "AsyncCollective", "Collective", "HloInstruction", "async_collectives",
-           "collective_bytes", "collectives", "computation_trips", "host_placed_params", "instructions", "memory_stats",
-           "parse_type", "replica_group_size", "result_arrays", "shape_bytes", "tuple_element"]
+__all__ = ["ASYNC_COLLECTIVE_PLATFORMS", "OPS", "AsyncCollective", "Collective", "CollectiveOp", "HloInstruction",
+           "async_collectives", "collective_bytes", "collectives", "computation_trips", "host_placed_params",
+           "instructions", "memory_stats", "parse_type", "replica_group_size", "result_arrays", "shape_bytes",
+           "tuple_element"]

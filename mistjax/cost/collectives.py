@@ -11,6 +11,7 @@ from typing import Literal, TypeAlias
 import numpy as np
 from numpy.typing import ArrayLike
 
+from mistjax.core.hlo import CollectiveOp
 from mistjax.hardware.presets import LinkModel
 
 CostForm = Literal["ring", "mist"]
@@ -18,15 +19,15 @@ LinkLike: TypeAlias = LinkModel | tuple[ArrayLike, ArrayLike]
 """A link: one `LinkModel`, or (bandwidth, latency) arrays of one link per strategy
 (`ClusterSpec.collective_link_arrays`)."""
 
-COLLECTIVES: tuple[str, ...] = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
-# HLO opcode spelling. Ring passes over the data: all-reduce = reduce-scatter + all-gather.
-_PASSES: Mapping[str, int] = MappingProxyType(
-    {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all": 1}
-)
+_AG, _RS, _AR, _A2A = (CollectiveOp.ALL_GATHER, CollectiveOp.REDUCE_SCATTER, CollectiveOp.ALL_REDUCE,
+                      CollectiveOp.ALL_TO_ALL)
+# The collectives priced here, by their HLO spelling (a `CollectiveOp` equals its spelling).
+COLLECTIVES: tuple[str, ...] = tuple(op.value for op in (_AG, _RS, _AR, _A2A))
+# Ring passes over the data: all-reduce = reduce-scatter + all-gather. Keyed by `CollectiveOp`, which a
+# caller's HLO spelling finds too.
+_PASSES: Mapping[str, int] = MappingProxyType({_AG: 1, _RS: 1, _AR: 2, _A2A: 1})
 # Mist's fitted per-op multipliers (artifact templates). all-to-all is not in Mist; 1.0 assumed.
-MIST_PHI: Mapping[str, float] = MappingProxyType(
-    {"all-gather": 1.0, "reduce-scatter": 1.1, "all-reduce": 2.1, "all-to-all": 1.0}
-)
+MIST_PHI: Mapping[str, float] = MappingProxyType({_AG: 1.0, _RS: 1.1, _AR: 2.1, _A2A: 1.0})
 
 
 def _f(x: ArrayLike) -> np.ndarray:
@@ -50,7 +51,7 @@ def collective_time(
     """Time of one flat collective (or of ``ops`` collectives moving ``nbytes`` between them).
 
     Args:
-        op: one of ``COLLECTIVES`` (HLO spelling, e.g. ``"all-gather"``).
+        op: one of ``COLLECTIVES``: a `CollectiveOp` or its HLO spelling (e.g. ``"all-gather"``).
         nbytes: full buffer size in bytes.
         group_size: participants P.
         link: the link of this group (bandwidth in bytes/s, latency in s).
@@ -79,28 +80,28 @@ def all_gather_time(
     nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """Ring all-gather producing ``nbytes`` on each of ``group_size`` devices (seconds)."""
-    return collective_time("all-gather", nbytes, group_size, link, model=model, ops=ops)
+    return collective_time(_AG, nbytes, group_size, link, model=model, ops=ops)
 
 
 def reduce_scatter_time(
     nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """Ring reduce-scatter of an ``nbytes`` input (seconds)."""
-    return collective_time("reduce-scatter", nbytes, group_size, link, model=model, ops=ops)
+    return collective_time(_RS, nbytes, group_size, link, model=model, ops=ops)
 
 
 def all_reduce_time(
     nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """Ring all-reduce of ``nbytes`` = reduce-scatter + all-gather (seconds)."""
-    return collective_time("all-reduce", nbytes, group_size, link, model=model, ops=ops)
+    return collective_time(_AR, nbytes, group_size, link, model=model, ops=ops)
 
 
 def all_to_all_time(
     nbytes: ArrayLike, group_size: ArrayLike, link: LinkLike, *, model: CostForm = "ring", ops: ArrayLike = 1
 ) -> np.ndarray:
     """All-to-all of an ``nbytes`` buffer per device (nccl-tests bus factor (P-1)/P)."""
-    return collective_time("all-to-all", nbytes, group_size, link, model=model, ops=ops)
+    return collective_time(_A2A, nbytes, group_size, link, model=model, ops=ops)
 
 
 def hierarchical_all_gather_time(
@@ -247,10 +248,10 @@ def wire_bytes(op: str, nbytes: ArrayLike, group_size: ArrayLike) -> np.ndarray:
     ``"collective-permute"`` (a p2p send): n. A group of one sends nothing.
     """
     n, p = _f(nbytes), _f(group_size)
-    if op == "collective-permute":
+    if op == CollectiveOp.COLLECTIVE_PERMUTE:
         return n + 0.0 * p  # one send of the whole buffer; broadcast to the inputs' shape
     if op not in _PASSES:
-        valid = [*COLLECTIVES, "collective-permute"]
+        valid = [*COLLECTIVES, CollectiveOp.COLLECTIVE_PERMUTE.value]
         raise ValueError(f"unknown collective {op!r}; expected one of {valid}")
     return np.where(p > 1, _PASSES[op] * (p - 1) / np.maximum(p, 1) * n, 0.0)[()]
 
@@ -263,11 +264,11 @@ def collective_buffer_bytes(
     all-gather: (n/P, n); reduce-scatter: (n, n/P); all-reduce and all-to-all: (n, n).
     """
     n, p = _f(nbytes), np.maximum(_f(group_size), 1)
-    if op == "all-gather":
+    if op == _AG:
         return n / p, n
-    if op == "reduce-scatter":
+    if op == _RS:
         return n, n / p
-    if op in ("all-reduce", "all-to-all"):
+    if op in (_AR, _A2A):
         return n, n
     raise ValueError(f"unknown collective {op!r}; expected one of {list(COLLECTIVES)}")
 
@@ -302,8 +303,8 @@ def zero3_node_egress_bytes(
     ``s * [g * (N-1)/N * Pb + (N-1)/N * G]`` when the group spans nodes (MiCS digest section 4).
     """
     nodes = np.ceil(_f(world_size) / _f(devices_per_node))
-    ag = ring_node_egress_bytes("all-gather", param_bytes, world_size, nodes)
-    rs = ring_node_egress_bytes("reduce-scatter", grad_bytes, world_size, nodes)
+    ag = ring_node_egress_bytes(_AG, param_bytes, world_size, nodes)
+    rs = ring_node_egress_bytes(_RS, grad_bytes, world_size, nodes)
     return _f(accum_steps) * (_f(gathers_per_step) * ag + rs)
 
 

@@ -17,7 +17,7 @@ from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
-from mistjax.cost.stage_time import capabilities, layer_times, step_extras, synced_in_loop
+from mistjax.cost.stage_time import KINDS, capabilities, layer_times, step_extras, synced_in_loop
 from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 
@@ -247,7 +247,7 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
                      peak=peak, feasible=(guarded_peak(memory, cluster.device.memory_margin)
                                           <= cluster.memory_budget()) & ok_tp, host=states.host + act_host,
                      host_acts=act_host, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
-                     comm={kd: ext[f"comm.{kd}"] for kd in ("all-gather", "reduce-scatter", "all-reduce")},
+                     comm={kd: ext[f"comm.{kd}"] for kd in KINDS},
                      optimizer_step=ext["update"] + ext["regather"])
 
 

@@ -21,6 +21,7 @@ from numpy.typing import ArrayLike
 
 from mistjax.analysis.compiled import PartValues, ProfileValues
 from mistjax.core.execution import Capabilities, rows_synced_in_loop
+from mistjax.core.hlo import CollectiveOp
 from mistjax.cost.collectives import (
     LinkLike,
     collective_time,
@@ -36,7 +37,8 @@ from mistjax.cost.layout import unique_rows
 from mistjax.cost.workload import OPTIMIZERS, Workload
 from mistjax.hardware.presets import ClusterSpec
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+# The collectives a stage issues (tensor-parallel and ZeRO / DP), as `StageCost.comm` reports them.
+KINDS: tuple[CollectiveOp, ...] = (CollectiveOp.ALL_GATHER, CollectiveOp.REDUCE_SCATTER, CollectiveOp.ALL_REDUCE)
 
 LinkArrays: TypeAlias = tuple[np.ndarray, np.ndarray]
 """(bandwidth, latency) of one link per strategy: a `LinkLike` of `mistjax.cost.collectives`."""
@@ -150,7 +152,7 @@ def _grad_sync_time(cluster: ClusterSpec, k: Knobs, nbytes: np.ndarray, rs_ops: 
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
     ``rs_ops`` collectives (all-reduces are combined on every platform)."""
     gk, gm, intra, inter = _group_link(cluster, k.p, k.t, k.per_node)
-    ar = collective_time("all-reduce", nbytes, k.dp, _dp_link(cluster, k))
+    ar = collective_time(CollectiveOp.ALL_REDUCE, nbytes, k.dp, _dp_link(cluster, k))
     return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter, rs_ops), 0.0))
 
 
@@ -303,7 +305,7 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     sync_bwd = (loops if deferred else nl) * _grad_sync_time(cluster, k, row, ops.stacked)
     sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0),
                            np.where(row > 0, ops.other, ops.total))
-    sync = sync + np.where(z_eff >= 1, collective_time("all-reduce", grad_shard, R, rlink), 0.0)
+    sync = sync + np.where(z_eff >= 1, collective_time(CollectiveOp.ALL_REDUCE, grad_shard, R, rlink), 0.0)
     regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter, ops.total), 0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
     upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
