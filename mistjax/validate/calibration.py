@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import date
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
+from mistjax.core.plan import Plan
 from mistjax.cost.predict import analyze
+from mistjax.cost.workload import Workload
 from mistjax.hardware import ClusterSpec
 from mistjax.validate.published import (
     PublishedRun,
@@ -46,7 +48,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
 }
 FIELDS = tuple(BOUNDS)
 # Cross-validation folds: what one fold holds out.
-FOLDS: dict[str, Callable[[PublishedRun], Any]] = {
+FOLDS: dict[str, Callable[[PublishedRun], Hashable]] = {
     "run": lambda r: r.id,
     "cell": cell_key,
     "model": lambda r: r.model.preset or (r.model.family, r.model.hidden, r.model.layers),
@@ -58,8 +60,8 @@ class Case:
     """One run prepared for fitting: its workload, plan and cluster are built once."""
 
     run: PublishedRun  # the record
-    workload: Any  # `mistjax.cost.Workload` of the run's model (attention as the run ran it)
-    plan: Any  # the equivalent `Plan`
+    workload: Workload  # of the run's model (attention as the run ran it)
+    plan: Plan  # the equivalent plan
     cluster: ClusterSpec  # the run's cluster with the preset's constants
     untimed_optimizer: bool  # the run's time leaves the optimizer step out
     measured: float  # measured seconds per step
@@ -101,6 +103,18 @@ def log_errors(cases: Sequence[Case], values: dict[str, float]) -> np.ndarray:
     return np.array([math.log(predicted(c, values) / c.measured) for c in cases])
 
 
+class FitSummary(TypedDict):
+    """`Fit.summary`: residual statistics (`Fit._stats`; None where not computed)."""
+
+    n: int  # runs fitted
+    folds: str  # what one cross-validation fold holds out
+    n_folds: int
+    before: dict[str, float] | None  # with the preset's constants
+    fitted: dict[str, float] | None  # with the fitted constants, in sample
+    leave_one_out: dict[str, float] | None  # each fold with constants fitted without it
+    constants_over_folds: dict[str, dict[str, float]] | None  # `Fit.spread`
+
+
 @dataclass(frozen=True)
 class Fit:
     """Constants fitted to a set of runs, with their residuals and leave-one-out errors."""
@@ -136,17 +150,17 @@ class Fit:
             out[k] = {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
         return out
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> FitSummary:
         """Residual statistics: before (preset constants), fitted (in sample), leave-one-out (out of sample)."""
-        return {
-            "n": len(self.ids),
-            "folds": self.folds,
-            "n_folds": len(self.fold_values),
-            "before": self._stats(self.start_log_errors),
-            "fitted": self._stats(self.log_errors),
-            "leave_one_out": self._stats(self.loo_log_errors),
-            "constants_over_folds": self.spread(),
-        }
+        return FitSummary(
+            n=len(self.ids),
+            folds=self.folds,
+            n_folds=len(self.fold_values),
+            before=self._stats(self.start_log_errors),
+            fitted=self._stats(self.log_errors),
+            leave_one_out=self._stats(self.loo_log_errors),
+            constants_over_folds=self.spread(),
+        )
 
     def improves(self) -> bool:
         """The out-of-sample error beats the starting constants' (median and max |ln(pred/meas)|): the test a
@@ -181,7 +195,7 @@ def fold_index(cases: Sequence[Case], folds: str) -> tuple[int, ...]:
     """
     if folds not in FOLDS:
         raise ValueError(f"unknown folds {folds!r}; one of {', '.join(FOLDS)}")
-    keys: dict[Any, int] = {}
+    keys: dict[Hashable, int] = {}
     return tuple(keys.setdefault(FOLDS[folds](c.run), len(keys)) for c in cases)
 
 
@@ -278,7 +292,7 @@ def fitted_source(result: Fit, data: str, subset: str) -> str:
     )
 
 
-def update_preset_document(doc: dict[str, Any], result: Fit, source: str) -> dict[str, Any]:
+def update_preset_document(doc: Mapping[str, object], result: Fit, source: str) -> dict[str, object]:
     """A preset document with the fitted constants and the provenance sentence in ``device.source``."""
     out = dict(doc)
     dev = dict(out["device"])
@@ -297,6 +311,7 @@ __all__ = [
     "FOLDS",
     "Case",
     "Fit",
+    "FitSummary",
     "cross_validate",
     "fit",
     "fold_index",

@@ -6,17 +6,58 @@ what: docs/internals.md.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypeAlias, TypedDict
 
 from mistjax.core import hlo
 from mistjax.core.plan import Plan, uniform_plan
+from mistjax.core.types import Batch, State, TrainStep
 from mistjax.cost.predict import analyze
 from mistjax.cost.workload import Workload
+from mistjax.hardware.presets import ClusterSpec
+
+if TYPE_CHECKING:
+    import jax
+
+    from mistjax.train.state import TrainState
+    from models.config import ModelConfig
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 TP_FORMS = ("xla-cpu", "gspmd", "megatron")
 # One predicted tensor-parallel collective: (kind, full-buffer bytes x count, summands).
 TPRecord = tuple[str, float, int]
+# `uniform_plan` keyword arguments of a grid entry (stage fields, micro_batch, tp, stages, ...).
+PlanKwargs: TypeAlias = dict[str, bool | int | float | str]
+# (model preset, sequence length, global batch, `PlanKwargs`): one cell of the grids below.
+GridCell: TypeAlias = tuple[str, int, int, PlanKwargs]
+
+
+class CellMeasurement(TypedDict):
+    """What XLA:CPU compiled for one cell, per device (`measure_cell`)."""
+
+    mem: float  # peak bytes (the largest device group's for a pipeline)
+    flops: float  # FLOPs + transcendentals (NaN for a pipeline)
+    coll: dict[str, int] | None  # executed collective result bytes by kind (None for a pipeline)
+    mem_per_stage: NotRequired[list[float]]  # a pipeline's peak per device group
+
+
+class CellComparison(TypedDict):
+    """Predicted vs compiled memory, FLOPs and collective bytes of one cell (`compare_cell`)."""
+
+    model: str
+    seq: int
+    global_batch: int
+    plan: str  # a short description of the plan
+    mem_pred: float
+    mem_xla: float
+    mem_err: float  # mem_pred / mem_xla - 1
+    flops_pred: float
+    flops_xla: float
+    flops_err: float
+    coll_pred: dict[str, float]  # by kind (`KINDS`), tensor-parallel ones included
+    coll_xla: dict[str, float]
+    coll_err: float  # sum of |pred - xla| over kinds / total xla bytes (NaN for a pipeline)
+    coll_tp_pred: dict[str, float]  # the tensor-parallel part of coll_pred (`tp_collective_bytes`)
+    step_time_pred: float
 
 
 def tp_records(workload: Workload, part: str, policy: str, b: int, s: int, t: int) -> list[TPRecord]:
@@ -87,7 +128,7 @@ def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu") -
 
 
 @functools.cache
-def grid_config(name: str) -> Any:
+def grid_config(name: str) -> ModelConfig:
     """The zoo config of a grid cell: one slice of the fused LM head. XLA's cost analysis counts a loop
     body once, and a one-trip loop is removed, so the compiled program's FLOPs compare one to one (the
     memory of slicing is checked in tests/test_models.py)."""
@@ -96,7 +137,7 @@ def grid_config(name: str) -> Any:
     return models.get_config(name).replace(loss_chunks=1)
 
 
-def _setup(name: str, seq: int, global_batch: int) -> tuple[Any, Any, Any]:
+def _setup(name: str, seq: int, global_batch: int) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct], TrainStep]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -110,7 +151,7 @@ def _setup(name: str, seq: int, global_batch: int) -> tuple[Any, Any, Any]:
     state = nnx.eval_shape(lambda: TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3)))
     loss_fn = models.make_loss_fn(state.graphdef)
 
-    def train_step(state: Any, batch: Any) -> Any:
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
@@ -118,7 +159,7 @@ def _setup(name: str, seq: int, global_batch: int) -> tuple[Any, Any, Any]:
     return state, {"inputs": tok, "targets": tok}, train_step
 
 
-def measure_cell(name: str, seq: int, global_batch: int, plan: Plan) -> dict[str, Any]:
+def measure_cell(name: str, seq: int, global_batch: int, plan: Plan) -> CellMeasurement:
     """Compile the runtime's train step for ``plan`` and read memory, FLOPs and collectives."""
     import jax
 
@@ -134,7 +175,7 @@ def measure_cell(name: str, seq: int, global_batch: int, plan: Plan) -> dict[str
             "coll": hlo.collective_bytes(compiled.as_text(), executed=True)}
 
 
-def _measure_pipelined(step: Any, state: Any, batch: Any, plan: Plan) -> dict[str, Any]:
+def _measure_pipelined(step: TrainStep, state: State, batch: Batch, plan: Plan) -> CellMeasurement:
     """A pipelined plan's programs, compiled per (stage, phase) on this machine's devices: each device
     group's peak as the executor holds its buffers (`mistjax.validate.gpu_aot_pipeline.stage_reports`).
     FLOPs and collectives are not compared for pipelines (NaN): they are spread over many programs."""
@@ -160,8 +201,8 @@ def workload_for(name: str, seq: int, global_batch: int) -> Workload:
     return models.workload(grid_config(name), seq, global_batch, cache=False)
 
 
-def compare_cell(name: str, seq: int, global_batch: int, plan: Plan, cluster: Any,
-                 measured: dict[str, Any] | None = None) -> dict[str, Any]:
+def compare_cell(name: str, seq: int, global_batch: int, plan: Plan, cluster: ClusterSpec,
+                 measured: CellMeasurement | None = None) -> CellComparison:
     """One record: predicted vs compiled memory, FLOPs and collective bytes, with relative errors."""
     wl = workload_for(name, seq, global_batch)
     a = analyze(wl, plan, cluster)
@@ -198,7 +239,7 @@ Z0, Z1 = dict(shard_opt=False), dict(shard_opt=True)
 Z2, Z3 = dict(shard_opt=True, shard_grads=True), dict(shard_opt=True, shard_grads=True, shard_weights=True)
 
 # (model, seq, global batch, uniform_plan kwargs). 8 devices.
-SMALL_GRID: tuple[tuple[str, int, int, dict[str, Any]], ...] = (
+SMALL_GRID: tuple[GridCell, ...] = (
     ("llama-tiny", 16, 16, dict(micro_batch=2, **Z0)),
     ("llama-tiny", 16, 16, dict(micro_batch=2, **Z1)),
     ("gpt3-tiny", 16, 16, dict(micro_batch=2, **Z3)),
@@ -206,7 +247,7 @@ SMALL_GRID: tuple[tuple[str, int, int, dict[str, Any]], ...] = (
     ("llama-tiny", 16, 16, dict(micro_batch=2, shard_group=2, **Z3)),
     ("gpt3-tiny", 32, 16, dict(micro_batch=2, remat_layers=2, remat_policy="dots", **Z0)),
 )
-FULL_GRID: tuple[tuple[str, int, int, dict[str, Any]], ...] = SMALL_GRID + (
+FULL_GRID: tuple[GridCell, ...] = SMALL_GRID + (
     ("llama-tiny", 32, 16, dict(micro_batch=2, **Z0)),
     ("llama-tiny", 16, 32, dict(micro_batch=4, **Z0)),
     ("llama-tiny", 16, 16, dict(micro_batch=2, **Z2)),
@@ -241,12 +282,13 @@ FULL_GRID: tuple[tuple[str, int, int, dict[str, Any]], ...] = SMALL_GRID + (
 )
 
 
-def grid_plan(name: str, kwargs: dict[str, Any], devices: int = 8) -> Plan:
+def grid_plan(name: str, kwargs: PlanKwargs, devices: int = 8) -> Plan:
     """The uniform plan of a grid entry."""
     import models
 
     return uniform_plan(models.get_config(name).num_layers, devices, **kwargs)
 
 
-__all__ = ["FULL_GRID", "KINDS", "SMALL_GRID", "TP_FORMS", "compare_cell", "grid_plan", "measure_cell", "tp_records",
-           "tp_collective_bytes", "workload_for"]
+__all__ = ["FULL_GRID", "KINDS", "SMALL_GRID", "TP_FORMS", "CellComparison", "CellMeasurement", "GridCell",
+           "PlanKwargs", "compare_cell", "grid_plan", "measure_cell", "tp_collective_bytes", "tp_records",
+           "workload_for"]

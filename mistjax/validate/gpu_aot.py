@@ -32,15 +32,28 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from mistjax.core.hlo import AsyncCollective, async_collectives, collective_bytes, collectives, computation_trips
 from mistjax.core.plan import Plan, format_bytes
+from mistjax.core.types import Batch, State, TrainStep
 from mistjax.validate.peak import LiveBuffer, peak_from_dump
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
+
+    from mistjax.cost.predict import Analysis
+    from mistjax.hardware.presets import ClusterSpec
+    from mistjax.runtime.step import ShardedStep
+    from mistjax.train.state import TrainState
+    from mistjax.validate.gpu_aot_pipeline import PipelineAotReport
+    from models.config import ModelConfig
 
 INSTALL_HINT = "pip install 'mistjax[gpu-aot]'"
 # mistjax hardware preset -> XLA GpuTargetConfigProto text spec in mistjax/validate/gpu_targets/.
@@ -85,7 +98,7 @@ def load_target(preset: str) -> GpuTarget:
     return GpuTarget(key, TARGET_SPECS[key], name.group(1) if name else key, int(mem.group(1)) if mem else 0)
 
 
-def target_for(cluster: Any) -> GpuTarget:
+def target_for(cluster: ClusterSpec) -> GpuTarget:
     """The spec for a `ClusterSpec`: by preset name, else by its device name (calibrated profiles)."""
     if cluster.name.lower() in TARGET_SPECS:
         return load_target(cluster.name)
@@ -124,7 +137,7 @@ def _platform_problem() -> str:
             "`JAX_PLATFORMS=cpu python ...`, or use mistjax.validate.gpu_aot.verify_in_subprocess")
 
 
-def compile_only_devices(target: GpuTarget, nodes: int, per_node: int) -> list[Any]:
+def compile_only_devices(target: GpuTarget, nodes: int, per_node: int) -> list[jax.Device]:
     """``nodes * per_node`` compile-only XLA:GPU devices of ``target``, node-major."""
     from jax.experimental import topologies
 
@@ -139,7 +152,7 @@ def compile_only_devices(target: GpuTarget, nodes: int, per_node: int) -> list[A
     return sorted(topo.devices, key=lambda d: d.id)
 
 
-def device_mesh(devices: list[Any], nodes: int) -> Any:
+def device_mesh(devices: Sequence[jax.Device], nodes: int) -> Mesh:
     """The devices as a ``(node, gpu)`` mesh, so the runtime knows the node boundaries (MiCS, TP checks)."""
     from jax.sharding import Mesh
 
@@ -147,6 +160,24 @@ def device_mesh(devices: list[Any], nodes: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- the report
+class MemoryStats(Protocol):
+    """The fields of XLA's ``memory_analysis()`` result (jaxlib's ``CompiledMemoryStats``) read here, in bytes."""
+
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+    host_argument_size_in_bytes: int
+    host_output_size_in_bytes: int
+    host_temp_size_in_bytes: int
+
+
+class MemoryAnalyzed(Protocol):
+    """A compiled program that reports its memory: a `jax.stages.Compiled`, compile-only ones included."""
+
+    def memory_analysis(self) -> MemoryStats: ...
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """XLA's ``memory_analysis()`` of one device's program, in bytes."""
@@ -165,7 +196,8 @@ class DeviceMemory:
         return self.argument + self.output + self.temp - self.alias
 
     @classmethod
-    def of(cls, compiled: Any) -> DeviceMemory:
+    def of(cls, compiled: MemoryAnalyzed) -> DeviceMemory:
+        """The memory analysis of ``compiled``."""
         m = compiled.memory_analysis()
         return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes,
                    m.host_argument_size_in_bytes, m.host_output_size_in_bytes, m.host_temp_size_in_bytes)
@@ -221,7 +253,8 @@ class GpuAotReport:
         """XLA:GPU's per-device peak (offloaded state on host) is within the card's memory."""
         return self.peak_host_kept <= self.capacity
 
-    def to_dict(self, with_hlo: bool = False) -> dict[str, Any]:
+    def to_dict(self, with_hlo: bool = False) -> dict[str, object]:
+        """JSON-ready fields and the derived ``peak``, ``fits``, ``peak_per_stage`` (``hlo_text`` on request)."""
         out = dataclasses.asdict(self)
         if not with_hlo:
             out.pop("hlo_text")
@@ -229,7 +262,8 @@ class GpuAotReport:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GpuAotReport:
+    def from_dict(cls, d: Mapping[str, object]) -> GpuAotReport:
+        """The report `to_dict` wrote (its derived keys ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
         return cls(**{**d, "memory": DeviceMemory(**d["memory"]),
@@ -255,7 +289,7 @@ class Verification(Protocol):
     @property
     def fits(self) -> bool: ...
 
-    def to_dict(self) -> dict[str, Any]: ...
+    def to_dict(self) -> dict[str, object]: ...
 
 
 def group_peaks(report: Verification, groups: int) -> tuple[float, ...]:
@@ -265,12 +299,12 @@ def group_peaks(report: Verification, groups: int) -> tuple[float, ...]:
     return tuple(float(max(peaks[g::groups])) for g in range(groups))
 
 
-def xla_cost_analysis(compiled: Any) -> dict[str, float] | None:
+def xla_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float] | None:
     """XLA's HloCostAnalysis of a compiled (compile-only) executable's optimised module, or None.
 
     PRIVATE API: ``compiled.cost_analysis()`` returns None for compile-only executables, so this calls
     ``jax._src.lib._jax.hlo_module_cost_analysis`` on the CPU client with the optimised GPU module (jax
-    0.10.2). It counts a loop body once and cuBLAS / cuDNN custom calls as 0 FLOPs. Any failure (the
+    0.10.2). It counts a loop body once and cuBLAS / cuDNN custom calls as 0 FLOPs. A failure (the
     private call moved) returns None rather than breaking a verification.
     """
     try:
@@ -309,7 +343,7 @@ def loop_collectives(hlo_text: str, trips: int) -> list[AsyncCollective]:
     return [p for p in async_collectives(hlo_text) if p.done and loops.get(p.computation, 1) == trips]
 
 
-def _offloaded_state_bytes(step: Any, state: Any) -> int:
+def _offloaded_state_bytes(step: ShardedStep, state: State) -> int:
     """Per-device bytes of the state leaves the plan puts in host memory (their device shard shapes)."""
     import jax
     from jax.sharding import NamedSharding
@@ -322,7 +356,7 @@ def _offloaded_state_bytes(step: Any, state: Any) -> int:
     return total
 
 
-def compile_plan(train_step: Any, state: Any, batch: Any, plan: Plan, cluster: Any, *,
+def compile_plan(train_step: TrainStep, state: State, batch: Batch, plan: Plan, cluster: ClusterSpec, *,
                  breakdown: bool = True, keep_dump: str | Path | None = None) -> GpuAotReport:
     """Compile ``train_step`` under ``plan`` for ``cluster``'s GPUs, deviceless, and report it.
 
@@ -369,7 +403,8 @@ def compile_plan(train_step: Any, state: Any, batch: Any, plan: Plan, cluster: A
 
 
 # ---------------------------------------------------------------------------------- the zoo's step
-def zoo_step(config: Any, seq_len: int, global_batch: int, learning_rate: float = 1e-3) -> tuple[Any, Any, Any]:
+def zoo_step(config: ModelConfig, seq_len: int, global_batch: int, learning_rate: float = 1e-3
+             ) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct], TrainStep]:
     """Abstract (state, batch) and the train step of a `models.ModelConfig` with AdamW, as the cost
     model's `models.workload` assumes (``mistjax.value_and_grad`` of the zoo's cross-entropy). 16-bit
     weights (``config.param_dtype``) keep an fp32 master copy (`mistjax.with_master_weights`)."""
@@ -392,7 +427,7 @@ def zoo_step(config: Any, seq_len: int, global_batch: int, learning_rate: float 
                                                      param_dtype=config.param_dtype if low else None))
     loss_fn = make_loss_fn(state.graphdef)
 
-    def train_step(state: Any, batch: Any) -> Any:
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
@@ -400,14 +435,15 @@ def zoo_step(config: Any, seq_len: int, global_batch: int, learning_rate: float 
     return state, {"inputs": tokens, "targets": tokens}, train_step
 
 
-def verify_model(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any,
-                 **options: Any) -> GpuAotReport:
+def verify_model(config: ModelConfig, seq_len: int, global_batch: int, plan: Plan, cluster: ClusterSpec, *,
+                 breakdown: bool = True, keep_dump: str | Path | None = None) -> GpuAotReport:
     """`compile_plan` of the zoo model ``config`` (see `zoo_step`) in this process."""
     state, batch, step = zoo_step(config, seq_len, global_batch)
-    return compile_plan(step, state, batch, plan, cluster, **options)
+    return compile_plan(step, state, batch, plan, cluster, breakdown=breakdown, keep_dump=keep_dump)
 
 
-def verify_any(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any) -> Verification:
+def verify_any(config: ModelConfig, seq_len: int, global_batch: int, plan: Plan, cluster: ClusterSpec
+               ) -> Verification:
     """`verify_model`, or for a pipelined plan every (stage, phase) program of the MPMD executor
     (`mistjax.validate.gpu_aot_pipeline.verify_pipeline`), in this process."""
     if plan.num_stages > 1:
@@ -417,7 +453,7 @@ def verify_any(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster
     return verify_model(config, seq_len, global_batch, plan, cluster)
 
 
-def report_from_dict(d: dict[str, Any]) -> Verification:
+def report_from_dict(d: Mapping[str, object]) -> Verification:
     """A `GpuAotReport` or `PipelineAotReport` from its ``to_dict()``."""
     if d.get("pipelined"):
         from mistjax.validate.gpu_aot_pipeline import PipelineAotReport
@@ -426,7 +462,7 @@ def report_from_dict(d: dict[str, Any]) -> Verification:
     return GpuAotReport.from_dict(d)
 
 
-def verify_in_subprocess(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any, *,
+def verify_in_subprocess(config: ModelConfig, seq_len: int, global_batch: int, plan: Plan, cluster: ClusterSpec, *,
                          timeout: float = 1800.0) -> Verification:
     """`verify_any` in a fresh ``JAX_PLATFORMS=cpu`` Python process (safe whatever this process's JAX
     platform state is): a `GpuAotReport`, or a `PipelineAotReport` for a pipelined plan. Raises
@@ -481,7 +517,7 @@ def _failure(stderr: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- comparison
-def predicted_split(analysis: Any) -> dict[str, float]:
+def predicted_split(analysis: Analysis) -> dict[str, float]:
     """The model's prediction in XLA's terms, for the stage with the largest peak: ``state`` (params +
     optimizer, what XLA counts as arguments), ``rest`` (grads + activations + buffers), ``peak``, and
     ``host`` (bytes the model places on host, which deviceless XLA:GPU counts on the device for state)."""
@@ -504,7 +540,7 @@ def verdict(report: Verification) -> str:
     return f"fits: XLA:GPU needs {need} of {card} per device"
 
 
-def format_verification(report: Verification, analysis: Any | None = None) -> str:
+def format_verification(report: Verification, analysis: Analysis | None = None) -> str:
     """A short table: XLA:GPU's per-device memory next to the prediction, the fit verdict, collectives."""
     if not isinstance(report, GpuAotReport):
         return _format_pipelined(report, analysis)
@@ -536,7 +572,7 @@ def format_verification(report: Verification, analysis: Any | None = None) -> st
     return "\n".join(lines)
 
 
-def _format_pipelined(report: Any, analysis: Any | None) -> str:
+def _format_pipelined(report: PipelineAotReport, analysis: Analysis | None) -> str:
     from mistjax.validate.gpu_aot_pipeline import format_pipeline
 
     groups = len(analysis.stage_memory) if analysis is not None else len(report.stages)
@@ -575,9 +611,10 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["CollectiveStats", "DeviceMemory", "GpuAotReport", "GpuAotUnavailable", "GpuTarget", "INSTALL_HINT",
-           "TARGET_SPECS", "Verification", "collective_stats", "compile_only_devices", "compile_plan", "device_mesh",
-           "format_verification", "load_target", "plugin_problem", "predicted_split", "report_from_dict",
-           "target_for", "verify_any", "verify_in_subprocess", "verify_model", "xla_cost_analysis", "zoo_step"]
+           "MemoryAnalyzed", "MemoryStats", "TARGET_SPECS", "Verification", "collective_stats", "compile_only_devices",
+           "compile_plan", "device_mesh", "format_verification", "load_target", "plugin_problem", "predicted_split",
+           "report_from_dict", "target_for", "verify_any", "verify_in_subprocess", "verify_model", "xla_cost_analysis",
+           "zoo_step"]
 
 if __name__ == "__main__":
     sys.exit(_main())

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mistjax.core.plan import Plan
+from mistjax.core.types import Batch, State, TrainStep
 from mistjax.runtime.mpmd_memory import (
     group_peers,
     most_in_flight,
@@ -42,7 +44,19 @@ from mistjax.runtime.mpmd_memory import (
     shard_bytes,
     takes,
 )
-from mistjax.validate.gpu_aot import DeviceMemory, compile_only_devices, device_mesh, group_peaks, target_for
+from mistjax.validate.gpu_aot import (
+    DeviceMemory,
+    MemoryAnalyzed,
+    compile_only_devices,
+    device_mesh,
+    group_peaks,
+    target_for,
+)
+
+if TYPE_CHECKING:
+    from mistjax.hardware.presets import ClusterSpec
+    from mistjax.runtime.mpmd import MpmdStep
+    from models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -117,20 +131,21 @@ class PipelineAotReport:
         return max(self.peak_per_stage) <= self.capacity
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PipelineAotReport:
+    def from_dict(cls, d: Mapping[str, object]) -> PipelineAotReport:
         """The report `to_dict` wrote (its derived keys ignored)."""
-        def program(p: dict[str, Any]) -> ProgramAot:
+        def program(p: Mapping[str, object]) -> ProgramAot:
             return ProgramAot(p["phase"], DeviceMemory(**p["memory"]), p["resident"], dict(p["resident_parts"]),
                               p.get("host_in_arguments", 0))
 
-        def stage(s: dict[str, Any]) -> StageAot:
+        def stage(s: Mapping[str, object]) -> StageAot:
             return StageAot(s["stage"], tuple(s["layers"]), tuple(program(p) for p in s["programs"]), s["state"],
                             s["offloaded"], s["accumulators"], s["residual_bytes"], s["in_flight"])
 
         return cls(d["cluster"], d["device_kind"], d["num_devices"], tuple(stage(s) for s in d["stages"]),
                    d["capacity"], d["compile_seconds"], d.get("budget", 0.0))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready fields with the derived peaks, ``fits`` and ``pipelined`` (`report_from_dict` reads it)."""
         out = dataclasses.asdict(self)
         for s, d in zip(self.stages, out["stages"]):
             d["peak"], d["peak_phase"], d["peak_host_kept"] = s.peak, s.peak_phase, s.peak_host_kept
@@ -157,7 +172,7 @@ def format_pipeline(report: PipelineAotReport, predicted: list[float], unit: flo
     return lines
 
 
-def stage_reports(ex: Any, compiled: dict[tuple[int, str], Any]) -> tuple[StageAot, ...]:
+def stage_reports(ex: MpmdStep, compiled: Mapping[tuple[int, str], MemoryAnalyzed]) -> tuple[StageAot, ...]:
     """Per stage: each program's memory analysis with its resident bytes, and the stage's peak."""
     flight, most = others_in_flight(ex), most_in_flight(ex)
     pers = [persistent(ex, k, most[k]) for k in range(ex.K)]
@@ -178,7 +193,8 @@ def stage_reports(ex: Any, compiled: dict[tuple[int, str], Any]) -> tuple[StageA
     return tuple(out)
 
 
-def compile_pipeline(train_step: Any, state: Any, batch: Any, plan: Plan, cluster: Any) -> PipelineAotReport:
+def compile_pipeline(train_step: TrainStep, state: State, batch: Batch, plan: Plan, cluster: ClusterSpec
+                     ) -> PipelineAotReport:
     """Compile every (stage, phase) program of a pipelined ``plan`` for ``cluster``'s GPUs, deviceless.
 
     Same arguments as `mistjax.validate.gpu_aot.compile_plan`; the plan must have several stages.
@@ -199,7 +215,8 @@ def compile_pipeline(train_step: Any, state: Any, batch: Any, plan: Plan, cluste
                              compile_seconds=seconds, budget=float(cluster.memory_budget()))
 
 
-def verify_pipeline(config: Any, seq_len: int, global_batch: int, plan: Plan, cluster: Any) -> PipelineAotReport:
+def verify_pipeline(config: ModelConfig, seq_len: int, global_batch: int, plan: Plan, cluster: ClusterSpec
+                    ) -> PipelineAotReport:
     """`compile_pipeline` of the zoo model ``config`` (`mistjax.validate.gpu_aot.zoo_step`)."""
     from mistjax.validate.gpu_aot import zoo_step
 

@@ -17,13 +17,21 @@ moves.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import numpy as np
 
-from mistjax.core.hlo import instructions, shape_bytes
+from mistjax.core.hlo import HloInstruction, instructions, shape_bytes
+from mistjax.core.types import LossFn, PyTree
+
+if TYPE_CHECKING:
+    import jax
+    from jax.extend import core as jex
+
+    from mistjax.analysis.parts import VjpTrace
+    from mistjax.analysis.profile import ModelProfile
 
 # Instructions that move no data of their own.
 _NO_KERNEL = frozenset({"parameter", "bitcast", "get-tuple-element", "tuple", "constant", "after-all",
@@ -70,13 +78,18 @@ def _kind(name: str, opcode: str, attrs: str) -> str:
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _PARAM = re.compile(r"^\s*%?([\w.\-]+)\s*=.*?\sparameter\((\d+)\)", re.M)
 _PARTIAL_READS = frozenset({"slice", "dynamic-slice", "gather"})
+# Where a residual of a traced forward comes from (`_residual_sources`).
+ResidualSource: TypeAlias = int | Literal["const"] | None
+# A traced pass as a function of abstract arguments (`pass_programs`).
+PassFn: TypeAlias = Callable[..., list["jax.Array"]]
 
 
-def _operand_reads(fusion: Any, ins: dict[str, Any], users: dict[str, list[Any]], nbytes: Callable[[str], int],
-                   param_index: dict[str, int]) -> int:
+def _operand_reads(fusion: HloInstruction, ins: Mapping[str, HloInstruction],
+                   users: Mapping[str, list[HloInstruction]], nbytes: Callable[[str], int],
+                   param_index: Mapping[str, int]) -> int:
     """Bytes a fusion reads: an operand used only through slices / gathers is read as much as they keep."""
     m = _CALLS.search(fusion.attrs)
-    params: dict[int, Any] = {}
+    params: dict[int, HloInstruction] = {}
     if m:
         for i in ins.values():
             if i.computation == m.group(1) and i.opcode == "parameter" and i.name in param_index:
@@ -112,7 +125,7 @@ def kernel_table(hlo_text: str, cost: dict[str, float] | None = None) -> KernelT
     m = re.search(r"^ENTRY\s+%?([\w.\-]+)", hlo_text, re.M)
     entry = m.group(1) if m else ""
     param_index = {name: int(k) for name, k in _PARAM.findall(hlo_text)}
-    users: dict[str, list[Any]] = {}
+    users: dict[str, list[HloInstruction]] = {}
     for i in ins.values():
         for o in i.operands:
             users.setdefault(o, []).append(i)
@@ -133,7 +146,7 @@ def kernel_table(hlo_text: str, cost: dict[str, float] | None = None) -> KernelT
     return KernelTable(tuple(out), cost.get("bytes accessed"), cost.get("flops"))
 
 
-def _residual_sources(fwd: Any, num_outputs: int) -> list[Any]:
+def _residual_sources(fwd: jex.ClosedJaxpr, num_outputs: int) -> list[ResidualSource]:
     """Per residual of a traced forward: ``"const"`` (computed from constants only), the index of the
     forward input it is (passed through), or None (computed: a program output)."""
     from mistjax.analysis.graph import build_graph
@@ -142,7 +155,7 @@ def _residual_sources(fwd: Any, num_outputs: int) -> list[Any]:
     g = build_graph(fwd)
     root = alias_roots(g)
     position = {v: i for i, v in enumerate(g.invars)}
-    out: list[Any] = []
+    out: list[ResidualSource] = []
     for v in g.outvars[num_outputs:]:
         if not hasattr(v, "aval") or type(v).__name__ == "Literal" or root.get(v, v) is None:
             out.append("const")
@@ -151,7 +164,7 @@ def _residual_sources(fwd: Any, num_outputs: int) -> list[Any]:
     return out
 
 
-def pass_programs(trace: Any) -> tuple[Callable[..., Any], list[Any], Callable[..., Any], list[Any]]:
+def pass_programs(trace: VjpTrace) -> tuple[PassFn, list[jax.ShapeDtypeStruct], PassFn, list[jax.ShapeDtypeStruct]]:
     """``(fwd, fwd_args, bwd, bwd_args)``: the traced passes as functions of abstract arguments.
 
     The forward returns the part's outputs and its computed residuals. The backward takes the forward's
@@ -171,11 +184,11 @@ def pass_programs(trace: Any) -> tuple[Callable[..., Any], list[Any], Callable[.
     ct_sds = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in fj.jaxpr.outvars[:no]]
     n_in = len(sds)
 
-    def fwd(*args: Any) -> list[Any]:
+    def fwd(*args: jax.Array) -> list[jax.Array]:
         outs = eval_jaxpr(fj.jaxpr, fj.consts, args)
         return list(outs[:no]) + [outs[no + i] for i in keep]
 
-    def bwd(*args: Any) -> list[Any]:
+    def bwd(*args: jax.Array) -> list[jax.Array]:
         inputs, rest = args[:n_in], args[n_in:]
         kept, cts = rest[:len(keep)], rest[len(keep):]
         every = eval_jaxpr(fj.jaxpr, fj.consts, inputs)[no:] if "const" in source else [None] * len(source)
@@ -187,7 +200,7 @@ def pass_programs(trace: Any) -> tuple[Callable[..., Any], list[Any], Callable[.
     return fwd, sds, bwd, [*sds, *[res_sds[i] for i in keep], *ct_sds]
 
 
-def compile_table(fn: Callable[..., Any], args: Sequence[Any], device: Any) -> KernelTable:
+def compile_table(fn: Callable[..., object], args: Sequence[jax.ShapeDtypeStruct], device: jax.Device) -> KernelTable:
     """Compile ``fn(*args)`` (abstract args) for one compile-only device and read its kernels."""
     import jax
     from jax.sharding import Mesh, NamedSharding
@@ -224,8 +237,9 @@ class PassComparison:
         return (self.model_gemm_bytes + self.model_other_bytes) / max(self.xla_gemm_bytes + self.xla_other_bytes, 1)
 
 
-def compare_layer(loss_fn: Any, params: Any, b: int, s: int, target: str = "l4", *, policies: Sequence[str] = ("none",),
-                  parts: Sequence[str] = ("block",), batch_fn: Any = None, profile: Any = None
+def compare_layer(loss_fn: LossFn, params: PyTree, b: int, s: int, target: str = "l4", *,
+                  policies: Sequence[str] = ("none",), parts: Sequence[str] = ("block",),
+                  batch_fn: Callable[[int, int], tuple[PyTree, ...]] | None = None, profile: ModelProfile | None = None
                   ) -> list[PassComparison]:
     """XLA:GPU's kernels of ``parts`` of ``loss_fn`` at ``(b, s)`` next to the analysis's fusion model.
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mistjax.core.hlo import HloInstruction, instructions, shape_bytes, tuple_element
 
@@ -157,7 +156,7 @@ def peak_buffers(live_range_text: str, hlo_text: str, buffer_assignment_text: st
 
 def _one_per_slice(bufs: list[LiveBuffer], slices: dict[str, tuple[int, int]]) -> list[LiveBuffer]:
     rank = {"argument": 0, "loop-carry": 1, "temp": 2}
-    best: dict[Any, LiveBuffer] = {}
+    best: dict[str | tuple[int, int], LiveBuffer] = {}  # by buffer slice, else by value name
     for b in bufs:
         key = slices.get(b.value, b.value)
         if key not in best or (rank[b.kind], not b.op_name) < (rank[best[key].kind], not best[key].op_name):

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -32,7 +33,12 @@ from mistjax.validate.published_format import (
     parse_published,
 )
 
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+
 MiB, GiB = 2**20, 2**30
+# A run's cell (`cell_key`): (model preset or shape, sequence length, preset, nodes, GPUs per node, flash flag).
+Cell: TypeAlias = tuple[str | tuple[str | int | None, ...], int, str, int, int, bool]
 # Resources whose time `time_by_resource` attributes, in print order; "shared" is what no single one removes.
 RESOURCES = ("matmul", "memory_bound", "launch", "collectives", "p2p", "host_copies")
 _FREE = 1e9  # factor that makes a resource free without leaving the validated (finite) range
@@ -88,7 +94,7 @@ class RunFailure:
 
 
 # ---------------------------------------------------------------------------------------------- building
-def zoo_workload(config: Any, seq_len: int, global_batch: int, policies: tuple[str, ...] | None) -> Workload:
+def zoo_workload(config: ModelConfig, seq_len: int, global_batch: int, policies: tuple[str, ...] | None) -> Workload:
     """The cost model's workload of a zoo model (`models.workload`)."""
     import models
 
@@ -112,7 +118,7 @@ def to_plan(run: PublishedRun) -> Plan:
                 schedule=par.schedule)
 
 
-def run_config(run: PublishedRun) -> Any:
+def run_config(run: PublishedRun) -> ModelConfig:
     """The zoo model config a run is priced with: its shape and dtype, the attention it ran (fused for
     ``flash_attention``, else unfused as Megatron-LM runs it), how its runtime runs the elementwise chains
     with no single PyTorch op (`runtime_elementwise`) and the rotary fraction it ran (`runtime_rotary_pct`)."""
@@ -130,7 +136,7 @@ def runtime_rotary_pct(run: PublishedRun, zoo: float) -> float:
     return 1.0
 
 
-def as_megatron_runs_it(config: Any) -> Any:
+def as_megatron_runs_it(config: ModelConfig) -> ModelConfig:
     """A zoo config as the artifact's Megatron-LM runs it when no record says otherwise: elementwise chains
     eager (`runtime_elementwise`), the whole head rotated where the model has rotary embeddings
     (`runtime_rotary_pct`). The evaluation grid prices its Megatron-LM baseline with it."""
@@ -272,7 +278,7 @@ def predict_all(runs: PublishedRuns) -> list[RunPrediction | RunFailure]:
     return out
 
 
-def _priced(preds: list[Any]) -> list[RunPrediction]:
+def _priced(preds: Sequence[RunPrediction | RunFailure]) -> list[RunPrediction]:
     return [p for p in preds if isinstance(p, RunPrediction)]
 
 
@@ -283,7 +289,7 @@ def _log_stats(ratios: list[float]) -> dict[str, float | None]:
             "max_abs_log_ratio": max(logs) if logs else None}
 
 
-def summarize(preds: list[RunPrediction | RunFailure]) -> dict[str, dict[str, Any]]:
+def summarize(preds: list[RunPrediction | RunFailure]) -> dict[str, dict[str, float | None]]:
     """Time and memory accuracy over the priced runs that have the measurement.
 
     ``memory`` compares each run's peak (max over stages); ``n_fit`` counts runs that ran and are
@@ -299,7 +305,7 @@ def summarize(preds: list[RunPrediction | RunFailure]) -> dict[str, dict[str, An
             "memory": {"n": len(m), **_log_stats(m), "n_fit": n_fit, "n_ran": sum(p.run.ran for p in preds)}}
 
 
-def cell_key(run: PublishedRun) -> tuple[Any, ...]:
+def cell_key(run: PublishedRun) -> Cell:
     """The run's cell: (model, sequence length, preset, nodes, GPUs per node, flash flag); the Mist and
     Megatron-LM runs of one cell are compared (`speedup_pairs`)."""
     mdl, hw = run.model, run.hardware
@@ -307,7 +313,7 @@ def cell_key(run: PublishedRun) -> tuple[Any, ...]:
     return (model, mdl.seq_len, hw.preset, hw.nodes, hw.per_node, run.flash_attention)
 
 
-def speedup_pairs(preds: list[RunPrediction | RunFailure]) -> list[dict[str, Any]]:
+def speedup_pairs(preds: list[RunPrediction | RunFailure]) -> list[dict[str, str | float]]:
     """Every (Mist run, Megatron-LM run) of one cell (model, cluster, flash flag): speedup = t_megatron / t_mist."""
     out = []
     priced = [p for p in _priced(preds) if p.run.ran]
@@ -336,7 +342,7 @@ class MeasuredSpeedup(NamedTuple):
 
 def measured_speedups(runs: PublishedRuns) -> list[MeasuredSpeedup]:
     """Per cell (`cell_key`), the fastest Mist run over the fastest Megatron-LM run that ran."""
-    best: dict[tuple[Any, ...], dict[str, PublishedRun]] = {}
+    best: dict[Cell, dict[str, PublishedRun]] = {}
     for r in runs.points:
         if not r.ran or r.framework == "other":
             continue
@@ -355,7 +361,7 @@ def measured_speedups(runs: PublishedRuns) -> list[MeasuredSpeedup]:
     return out
 
 
-def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
+def point_dict(p: RunPrediction | RunFailure) -> dict[str, object]:
     """JSON form of one run and its prediction (``error`` instead of predictions for a `RunFailure`)."""
     r = p.run
     meas = r.measured
@@ -383,7 +389,7 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, Any]:
     }
 
 
-__all__ = ["RESOURCES", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction", "as_megatron_runs_it",
-           "cell_key", "cluster_for", "load_published", "measured_speedups", "parse_published", "point_dict",
-           "predict_all", "predict_run", "run_config", "runtime_elementwise", "runtime_rotary_pct", "speedup_pairs",
-           "summarize", "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]
+__all__ = ["RESOURCES", "Cell", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction",
+           "as_megatron_runs_it", "cell_key", "cluster_for", "load_published", "measured_speedups", "parse_published",
+           "point_dict", "predict_all", "predict_run", "run_config", "runtime_elementwise", "runtime_rotary_pct",
+           "speedup_pairs", "summarize", "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]

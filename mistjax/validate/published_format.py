@@ -9,11 +9,15 @@ layers, remat, ZeRO and offload, and what was measured (step time, per-stage pea
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypeAlias, overload
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
 
 FORMAT, VERSION = "mistjax-published-runs", 1
 KINDS = ("measured", "derived")  # measured by the source / derived from its numbers (see the file's about)
@@ -104,7 +108,7 @@ class PublishedRun:
     flash_attention: bool  # fused attention in the run
     parallel: ParallelRecord
     measured: Measurement
-    source: Any = None  # where the numbers come from (free-form JSON)
+    source: object = None  # where the numbers come from (free-form JSON, kept as read)
     expressible: bool | None = None  # the file's own claim that a mistjax plan expresses the run
     mist_predicted_s: float | None = None  # Mist's own predicted step time, if published
 
@@ -150,13 +154,13 @@ def load_published(path: str | Path) -> PublishedRuns:
     return parse_published(doc)
 
 
-def parse_published(doc: Any) -> PublishedRuns:
+def parse_published(doc: object) -> PublishedRuns:
     """Validate a parsed document (see `load_published`)."""
     top = _Obj(doc, "published-runs", required={"format", "version", "points"}, optional={"about"})
-    if doc["format"] != FORMAT or doc["version"] != VERSION:
+    if top.doc["format"] != FORMAT or top.doc["version"] != VERSION:
         raise PublishedRunsError(f"published-runs.format/version: expected {FORMAT!r} version {VERSION}, "
-                                 f"got {doc['format']!r} version {doc['version']!r}")
-    pts = doc["points"]
+                                 f"got {top.doc['format']!r} version {top.doc['version']!r}")
+    pts = top.doc["points"]
     if not isinstance(pts, list) or not pts:
         raise PublishedRunsError("published-runs.points: expected a non-empty list of runs")
     runs = tuple(_run(p, i) for i, p in enumerate(pts))
@@ -165,13 +169,27 @@ def parse_published(doc: Any) -> PublishedRuns:
         if r.id in seen:
             raise PublishedRunsError(f"points[{i}] ({r.id!r}).id: duplicate id; ids must be unique")
         seen.add(r.id)
-    return PublishedRuns(about=top.str("about", ""), points=runs)
+    return PublishedRuns(about=top.text("about", ""), points=runs)
+
+
+class _Required(enum.Enum):
+    """The default of a `_Obj` read whose field must be present."""
+
+    FIELD = enum.auto()
+
+
+_REQUIRED = _Required.FIELD
+_Need: TypeAlias = Literal[_Required.FIELD]
 
 
 class _Obj:
-    """Typed reads from one JSON object; every error names ``where`` and the field."""
+    """Typed reads from one JSON object; every error names ``where`` and the field.
 
-    def __init__(self, doc: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
+    A read without a default requires its field; with a default, a missing field reads as the default, and
+    with ``None`` as the default the field may also be null.
+    """
+
+    def __init__(self, doc: object, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
         if not isinstance(doc, dict):
             raise PublishedRunsError(f"{where}: expected an object, got {type(doc).__name__}")
         missing, unknown = sorted(required - set(doc)), sorted(set(doc) - required - optional)
@@ -179,12 +197,18 @@ class _Obj:
             raise PublishedRunsError(f"{where}: missing field(s) {missing}")
         if unknown:
             raise PublishedRunsError(f"{where}: unknown field(s) {unknown}; known: {sorted(required | optional)}")
-        self.doc, self.where = doc, where
+        self.doc: dict[str, object] = doc
+        self.where = where
 
     def fail(self, key: str, want: str) -> PublishedRunsError:
         return PublishedRunsError(f"{self.where}.{key}: expected {want}, got {self.doc.get(key)!r}")
 
-    def int(self, key: str, default: Any = ..., lo: int = 1) -> Any:
+    @overload
+    def integer(self, key: str, default: _Need = _REQUIRED, lo: int = 1) -> int: ...
+    @overload
+    def integer(self, key: str, default: None, lo: int = 1) -> int | None: ...
+
+    def integer(self, key: str, default: _Need | None = _REQUIRED, lo: int = 1) -> int | None:
         v = self.doc.get(key, default)
         if v is None and default is None:
             return None
@@ -192,7 +216,15 @@ class _Obj:
             raise self.fail(key, f"an integer >= {lo}")
         return v
 
-    def num(self, key: str, default: Any = ..., lo: float = 0.0, hi: float = math.inf, strict: bool = False) -> Any:
+    @overload
+    def number(self, key: str, default: float, lo: float = 0.0, hi: float = math.inf, strict: bool = False
+               ) -> float: ...
+    @overload
+    def number(self, key: str, default: None, lo: float = 0.0, hi: float = math.inf, strict: bool = False
+               ) -> float | None: ...
+
+    def number(self, key: str, default: float | None, lo: float = 0.0, hi: float = math.inf, strict: bool = False
+               ) -> float | None:
         v = self.doc.get(key, default)
         if v is None and default is None:
             return None
@@ -202,15 +234,26 @@ class _Obj:
             raise self.fail(key, f"a number {'>' if strict else '>='} {lo:g}{cap}")
         return float(v)
 
-    def str(self, key: str, default: Any = ...) -> Any:
+    @overload
+    def text(self, key: str, default: _Need | str = _REQUIRED) -> str: ...
+    @overload
+    def text(self, key: str, default: None) -> str | None: ...
+
+    def text(self, key: str, default: _Need | str | None = _REQUIRED) -> str | None:
+        """A string; a required one must not be empty."""
         v = self.doc.get(key, default)
         if v is None and default is None:
             return None
-        if not isinstance(v, str) or (default is ... and not v):
-            raise self.fail(key, "a non-empty string" if default is ... else "a string")
+        if not isinstance(v, str) or (default is _REQUIRED and not v):
+            raise self.fail(key, "a non-empty string" if default is _REQUIRED else "a string")
         return v
 
-    def bool(self, key: str, default: Any = ...) -> Any:
+    @overload
+    def flag(self, key: str, default: _Need = _REQUIRED) -> bool: ...
+    @overload
+    def flag(self, key: str, default: None) -> bool | None: ...
+
+    def flag(self, key: str, default: _Need | None = _REQUIRED) -> bool | None:
         v = self.doc.get(key, default)
         if v is None and default is None:
             return None
@@ -218,7 +261,7 @@ class _Obj:
             raise self.fail(key, "true or false")
         return v
 
-    def nums(self, key: str, n: int | None = None) -> tuple[float, ...] | None:
+    def numbers(self, key: str, n: int | None = None) -> tuple[float, ...] | None:
         v = self.doc.get(key)
         if v is None:
             return None
@@ -228,38 +271,39 @@ class _Obj:
         return tuple(float(x) for x in v)
 
 
-def _run(doc: Any, i: int) -> PublishedRun:
+def _run(doc: object, i: int) -> PublishedRun:
     head = f"points[{i}]"
     if isinstance(doc, dict) and isinstance(doc.get("id"), str) and doc["id"]:
         head = f"points[{i}] ({doc['id']!r})"
     o = _Obj(doc, head, required={"id", "kind", "system", "hardware", "model", "global_batch", "precision",
                                   "flash_attention", "parallel", "measured"},
              optional={"source", "expressible", "mist_predicted_s"})
-    kind = o.str("kind")
+    kind = o.text("kind")
     if kind not in KINDS:
         raise o.fail("kind", f"one of {list(KINDS)}")
-    precision = o.str("precision")
+    precision = o.text("precision")
     if (precision.split() or [""])[0].lower() not in PRECISIONS:
         raise o.fail("precision", f"a text starting with one of {list(PRECISIONS)} (e.g. 'fp16 params/grads')")
-    model = _model(doc["model"], f"{head}.model")
-    hardware = _hardware(doc["hardware"], f"{head}.hardware")
-    parallel = _parallel(doc["parallel"], f"{head}.parallel")
+    model = _model(o.doc["model"], f"{head}.model")
+    hardware = _hardware(o.doc["hardware"], f"{head}.hardware")
+    parallel = _parallel(o.doc["parallel"], f"{head}.parallel")
     run = PublishedRun(
-        id=o.str("id"), kind=kind, system=o.str("system"), hardware=hardware, model=model,
-        global_batch=o.int("global_batch"), precision=precision, flash_attention=o.bool("flash_attention"),
-        parallel=parallel, measured=_measured(doc["measured"], f"{head}.measured", parallel.pp),
-        source=doc.get("source"), expressible=o.bool("expressible", None),
-        mist_predicted_s=o.num("mist_predicted_s", None, strict=True))
+        id=o.text("id"), kind=kind, system=o.text("system"), hardware=hardware, model=model,
+        global_batch=o.integer("global_batch"), precision=precision, flash_attention=o.flag("flash_attention"),
+        parallel=parallel, measured=_measured(o.doc["measured"], f"{head}.measured", parallel.pp),
+        source=o.doc.get("source"), expressible=o.flag("expressible", None),
+        mist_predicted_s=o.number("mist_predicted_s", None, strict=True))
     _check_consistent(run, head)
     return run
 
 
-def _model(doc: Any, where: str) -> ModelRecord:
+def _model(doc: object, where: str) -> ModelRecord:
     o = _Obj(doc, where, required={"seq_len"}, optional={"preset", *SHAPE_FIELDS, "rotary_pct"})
-    rec = ModelRecord(seq_len=o.int("seq_len"), preset=o.str("preset", None), family=o.str("family", None),
-                      hidden=o.int("hidden", None), layers=o.int("layers", None), heads=o.int("heads", None),
-                      kv_heads=o.int("kv_heads", None), ffn=o.int("ffn", None), vocab=o.int("vocab", None),
-                      rotary_pct=o.num("rotary_pct", None, hi=1.0))
+    rec = ModelRecord(seq_len=o.integer("seq_len"), preset=o.text("preset", None), family=o.text("family", None),
+                      hidden=o.integer("hidden", None), layers=o.integer("layers", None),
+                      heads=o.integer("heads", None), kv_heads=o.integer("kv_heads", None),
+                      ffn=o.integer("ffn", None), vocab=o.integer("vocab", None),
+                      rotary_pct=o.number("rotary_pct", None, hi=1.0))
     if rec.preset is None:
         missing = [f for f in SHAPE_FIELDS if getattr(rec, f) is None]
         if missing:
@@ -267,52 +311,52 @@ def _model(doc: Any, where: str) -> ModelRecord:
     return rec
 
 
-def _hardware(doc: Any, where: str) -> HardwareRecord:
+def _hardware(doc: object, where: str) -> HardwareRecord:
     o = _Obj(doc, where, required={"preset", "nodes", "per_node"}, optional={"card_memory_gib", "gpu"})
-    return HardwareRecord(preset=o.str("preset"), nodes=o.int("nodes"), per_node=o.int("per_node"),
-                          card_memory_gib=o.num("card_memory_gib", None, strict=True), gpu=o.str("gpu", ""))
+    return HardwareRecord(preset=o.text("preset"), nodes=o.integer("nodes"), per_node=o.integer("per_node"),
+                          card_memory_gib=o.number("card_memory_gib", None, strict=True), gpu=o.text("gpu", ""))
 
 
-def _parallel(doc: Any, where: str) -> ParallelRecord:
+def _parallel(doc: object, where: str) -> ParallelRecord:
     o = _Obj(doc, where, required={"dp", "tp", "pp", "micro_batch", "grad_accum", "stages"},
              optional={"schedule", "remat_granularity", "zero"})
-    schedule = o.str("schedule", "1f1b")
+    schedule = o.text("schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise o.fail("schedule", f"one of {list(SCHEDULES)}")
     for key in ("remat_granularity", "zero"):  # descriptions of what the stage numbers mean
-        o.str(key, "")
-    stages = doc["stages"]
+        o.text(key, "")
+    stages = o.doc["stages"]
     if not isinstance(stages, list) or not stages:
         raise o.fail("stages", "a non-empty list of stages")
-    return ParallelRecord(dp=o.int("dp"), tp=o.int("tp"), pp=o.int("pp"), micro_batch=o.int("micro_batch"),
-                          grad_accum=o.int("grad_accum"), schedule=schedule,
+    return ParallelRecord(dp=o.integer("dp"), tp=o.integer("tp"), pp=o.integer("pp"),
+                          micro_batch=o.integer("micro_batch"), grad_accum=o.integer("grad_accum"), schedule=schedule,
                           stages=tuple(_stage(s, f"{where}.stages[{j}]") for j, s in enumerate(stages)))
 
 
-def _stage(doc: Any, where: str) -> StageRecord:
+def _stage(doc: object, where: str) -> StageRecord:
     offloads = ("offload_weights", "offload_grads", "offload_opt", "offload_acts")
     o = _Obj(doc, where, required={"layers", "remat_layers", "zero"}, optional=set(offloads))
-    lay = doc["layers"]
+    lay = o.doc["layers"]
     ints = isinstance(lay, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in lay)
     if not ints or len(lay) != 2 or not 0 <= lay[0] < lay[1]:
         raise o.fail("layers", "[start, end) integers with 0 <= start < end")
-    zero = o.int("zero", lo=0)
+    zero = o.integer("zero", lo=0)
     if zero > 3:
         raise o.fail("zero", "a ZeRO stage 0, 1, 2 or 3")
-    remat = o.int("remat_layers", lo=0)
+    remat = o.integer("remat_layers", lo=0)
     if remat > lay[1] - lay[0]:
         raise o.fail("remat_layers", f"at most the stage's {lay[1] - lay[0]} layers")
     return StageRecord(layers=(lay[0], lay[1]), remat_layers=remat, zero=zero,
-                       **{k: o.num(k, 0.0, hi=1.0) for k in offloads})
+                       **{k: o.number(k, 0.0, hi=1.0) for k in offloads})
 
 
-def _measured(doc: Any, where: str, pp: int) -> Measurement:
+def _measured(doc: object, where: str, pp: int) -> Measurement:
     o = _Obj(doc, where, required={"iter_time_s"},
              optional={"stage_peak_allocated_mib", "stage_peak_reserved_mib", "timing_scope"})
-    return Measurement(iter_time_s=o.num("iter_time_s", None, strict=True),
-                       stage_peak_allocated_mib=o.nums("stage_peak_allocated_mib", pp),
-                       stage_peak_reserved_mib=o.nums("stage_peak_reserved_mib"),
-                       timing_scope=o.str("timing_scope", ""))
+    return Measurement(iter_time_s=o.number("iter_time_s", None, strict=True),
+                       stage_peak_allocated_mib=o.numbers("stage_peak_allocated_mib", pp),
+                       stage_peak_reserved_mib=o.numbers("stage_peak_reserved_mib"),
+                       timing_scope=o.text("timing_scope", ""))
 
 
 def _check_consistent(run: PublishedRun, head: str) -> None:
@@ -343,7 +387,7 @@ def _check_consistent(run: PublishedRun, head: str) -> None:
                                  f"{layers} layers")
 
 
-def model_config(rec: ModelRecord, dtype: str = "float32", where: str = "model") -> Any:
+def model_config(rec: ModelRecord, dtype: str = "float32", where: str = "model") -> ModelConfig:
     """The `models.ModelConfig` of a model record, computing in and storing its weights in ``dtype``.
 
     16-bit runs keep an fp32 master copy in the optimizer state (`models.workload`'s default), as

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mistjax.core.plan import Plan, format_bytes, lowered_budget
 from mistjax.cost.predict import Analysis, analyze
+from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 from mistjax.validate.gpu_aot import Verification, group_peaks, verify_in_subprocess
 
+if TYPE_CHECKING:
+    from models.config import ModelConfig
+
 TuneFn = Callable[[ClusterSpec], Plan]
-VerifyFn = Callable[[Any, int, int, Plan, ClusterSpec], Verification]
+# ``verify(config, seq_len, global_batch, plan, cluster)``: a deviceless compile (`verify_in_subprocess`).
+VerifyFn = Callable[["ModelConfig", int, int, Plan, ClusterSpec], Verification]
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,8 @@ class VerifiedPlan:
         return "\n".join(lines)
 
 
-def tune_verified(config: Any, workload: Any, cluster: ClusterSpec, tune_fn: TuneFn, *, max_rounds: int = 3,
-                  verify: VerifyFn = verify_in_subprocess,
+def tune_verified(config: ModelConfig, workload: Workload, cluster: ClusterSpec, tune_fn: TuneFn, *,
+                  max_rounds: int = 3, verify: VerifyFn = verify_in_subprocess,
                   on_round: Callable[[VerifyRound], None] | None = None) -> VerifiedPlan:
     """Tune with ``tune_fn``, verify on XLA:GPU, and re-tune with the measured gap until the plan fits.
 
