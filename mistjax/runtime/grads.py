@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from mistjax.core.execution import Capabilities, LeafFacts, StageExecution, is_batch_leaf, lower_stage
 from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
 from mistjax.core.plan import Plan, PlanError, StagePlan
-from mistjax.core.types import LossFn
+from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime.accumulate import SliceGrad
 from mistjax.runtime.remat import Body, LayerLoop, LoopSinks
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
@@ -489,14 +489,16 @@ def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Ar
     return acc, jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
 
 
-def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, rest: tuple[Any, ...], *,
-                           plan: Plan, mesh: Mesh, layouts: Sequence[LeafLayout], global_batch: int) -> Any:
+def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tuple[PyTree, ...], *,
+                           plan: Plan, mesh: Mesh, layouts: Sequence[LeafLayout], global_batch: int,
+                           on_execution: Callable[[StageExecution], None] | None = None) -> PyTree:
     """``jax.value_and_grad(fun, has_aux)(params, *rest)`` run the way `plan` says.
 
     Args:
       fun: the user's loss function.
       params: differentiated argument (pytree); `layouts` gives each leaf's layout.
       rest: other arguments; leaves whose leading dim equals `global_batch` are the batch.
+      on_execution: called with the step's `StageExecution` once the loss is traced (the step's report).
     """
     stage = plan.stages[0]
     if plan.num_stages > 1:
@@ -518,6 +520,8 @@ def sharded_value_and_grad(fun: Callable[..., Any], has_aux: bool, params: Any, 
         traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)
         execution = stage_execution(traced, specs, acc_host, lambda i: i, stage=stage, grad_accum=G, mesh=mesh,
                                     pipelined=False)
+        if on_execution is not None:
+            on_execution(execution)
         grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, execution, mesh)
         acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, execution.in_loop,
                                              bool(execution.synced))

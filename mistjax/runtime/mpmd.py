@@ -267,6 +267,7 @@ class MpmdStep:
                                      num_layers=one.stages[0].num_layers, uses_mistjax_grad=True,
                                      checkpoint_tags=tags, warn=False,
                                      grads_on_host=[acc_host.get(param_of.get(i, -1), False) for i in held])
+            applied = dataclasses.replace(applied, execution=pr.execution)
             stages.append(StageReport(k, self.plan.stages[k].layers, k % self.S, self.meshes[k].size, one, applied))
         return pipeline_report(stages)
 

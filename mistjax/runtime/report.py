@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mistjax.core.execution import StageExecution
 from mistjax.core.layout import OPT, PARAM, LeafLayout, select_offload
 from mistjax.core.plan import Plan, StagePlan, format_bytes
 
@@ -44,6 +45,9 @@ class AppliedReport:
 
     knobs: tuple[KnobReport, ...]
     notes: tuple[str, ...] = ()  # warnings raised while placing (no-ops, GSPMD fallbacks)
+    # How the step runs them (`core.execution`): a pipeline stage's from its setup, a one-stage step's once
+    # the step is compiled (its loss is traced inside the step's program).
+    execution: StageExecution | None = None
 
     def summary(self) -> str:
         return "\n".join(["Applied (placed state and step):", *self.lines("  ")])
@@ -55,6 +59,8 @@ class AppliedReport:
             if k.requested or k.applied:
                 mark = "yes" if k.applied else "NO "
                 out.append(f"{indent}[{mark}] {k.knob}: {k.detail}")
+        if self.execution is not None:
+            out += [f"{indent}execution: {line}" for line in self.execution.describe()]
         return out + [f"{indent}note: {n}" for n in self.notes]
 
     def __getitem__(self, knob: str) -> KnobReport:

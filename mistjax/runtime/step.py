@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
@@ -12,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import apply_axis_rules, is_stacked, leaf_axes
+from mistjax.core.execution import StageExecution
 from mistjax.core.layout import (
     OPT,
     OTHER,
@@ -212,6 +214,11 @@ class _Runtime:
         """Map the leaves the step sees to their layouts (and host-resident originals, if offloaded)."""
         self.by_id = {id(x): (lay, orig) for x, lay, orig in zip(leaves, self.layouts, host_originals)}
 
+    def _record(self, execution: StageExecution) -> None:
+        """Keep how the traced step runs its layers (`core.execution`) in the step's applied report."""
+        if self.step.applied is not None:
+            self.step.applied = dataclasses.replace(self.step.applied, execution=execution)
+
     def value_and_grad(self, fun: LossFn, has_aux: bool, args: tuple[PyTree, ...]) -> PyTree:
         params, rest = args[0], args[1:]
         layouts, leaves = [], []
@@ -224,7 +231,8 @@ class _Runtime:
             leaves.append(leaf if orig is None else orig)  # offloaded weights stream in per layer
         params = jax.tree.unflatten(jax.tree.structure(params), leaves)
         return sharded_value_and_grad(fun, has_aux, params, rest, plan=self.step.plan, mesh=self.step.mesh,
-                                      layouts=layouts, global_batch=self.step.plan.global_batch)
+                                      layouts=layouts, global_batch=self.step.plan.global_batch,
+                                      on_execution=self._record)
 
 
 class ShardedStep:
@@ -352,6 +360,14 @@ class ShardedStep:
         """What each knob did, once placed (or first called): an `AppliedReport`, or for a pipelined plan a
         `PipelineReport` with one per stage (`mistjax.runtime.report`)."""
         return self._mpmd.applied if self._mpmd is not None else self._applied
+
+    @applied.setter
+    def applied(self, report: AppliedReport | None) -> None:
+        # A one-stage step's report is completed once its program is traced (the grad handler records how
+        # it runs); a pipeline's is its executor's (`MpmdStep.applied`, per stage).
+        if self._mpmd is not None:
+            raise AttributeError("a pipelined plan's report is its executor's (MpmdStep.applied, per stage)")
+        self._applied = report
 
     def report(self) -> str:
         """What each knob of the plan did to this step (after `place(state, batch)` or the first call); per
