@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from mistjax.core.axes import Axes, leaf_axes
 from mistjax.core.execution import is_batch_leaf
 from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts, select_offload
-from mistjax.core.pipeline_order import Op, issue_order
+from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
 from mistjax.runtime.grads import regather_updated_params
@@ -111,6 +111,15 @@ def configure_cross_host_transfers(address: str) -> None:
 Pieces = list[dict[int, jax.Array]]  # per state leaf: its piece on each (virtual) stage holding it
 GroupBatches = list[list[jax.Array]]  # per device group: the batch leaves placed on it
 Twins = dict[tuple[int, Var], list[jax.Array]]  # (stage, materialised var) -> the contributions it received
+
+
+class TwinRoute(NamedTuple):
+    """The contributions to a value materialised in one update round, sent to a stage that reads it later."""
+
+    stage: int  # the receiving (virtual) stage
+    var: Var  # the materialised value (the step jaxpr's variable)
+    sources: tuple[int, ...]  # the contributing stages, in `combine` order
+    avals: tuple[jax.ShapeDtypeStruct, ...]  # per source: the contribution as received
 
 
 class _MicrobatchLoss(NamedTuple):
@@ -250,6 +259,7 @@ class MpmdStep:
                        for r in range(1, self.prop.num_rounds + 1)}
         self.prologue = {k: self._build_prologue(k) for k in range(self.K) if self._uses_batch(k)}
         self._metric_plan()
+        self.twin_routes = self._twin_routes()
         self._accs: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}
         self.applied = self._applied_report(checkpoint_tags)
         self._ready = True
@@ -496,6 +506,25 @@ class MpmdStep:
         prog = jax.jit(fn, out_shardings=out_sh, donate_argnums=tuple(donated))
         return _Round(keep, [key for key, _ in targets], prog, sizes, avals)
 
+    def _twin_routes(self) -> dict[int, list[TwinRoute]]:
+        """Per update round r, the contributions sent after it: each value materialised in round r that a
+        later round of a stage reads, from every contributing stage to that stage (computed once)."""
+        prop, R = self.prop, self.prop.num_rounds
+        routes: dict[int, list[TwinRoute]] = {r: [] for r in range(1, R + 1)}
+        for r in range(1, R + 1):
+            seen: set[tuple[int, Var]] = set()
+            for t in range(self.K):
+                for r2 in range(r + 1, R + 1):
+                    for g in self.rounds[(t, r2)].groups:
+                        if g.source is not Source.TWIN or prop.level[g.ref] != r - 1 or (t, g.ref) in seen:
+                            continue
+                        seen.add((t, g.ref))
+                        lay = prop.layout[g.ref]
+                        srcs = tuple(contributors(lay, self.K))
+                        routes[r].append(TwinRoute(t, g.ref, srcs, tuple(self._contrib_aval(g.ref, lay, s, t)
+                                                                          for s in srcs)))
+        return routes
+
     def _build_round(self, k: int, r: int) -> _Round:
         final = r == self.prop.num_rounds
         return self._build_program(k, self._inputs_of(k, r), self._targets(k, r),
@@ -717,7 +746,7 @@ class MpmdStep:
             k, i = op.stage, op.mb
             pr = progs[k]
             acc, lacc = self._accs.get(k, (None, None))
-            if op.kind == "F":
+            if op.kind is OpKind.F:
                 args = (params[k], mbs[k][i]) if k == 0 else (params[k], h_recv.pop((k, i)), mbs[k][i])
                 out = self._run("forward", k, pr.forward(), *args)
                 h, r = out if out is not None else (None, None)
@@ -726,7 +755,7 @@ class MpmdStep:
                 self.stats.residuals_in_flight[k] = max(self.stats.residuals_in_flight[k], live[k])
                 h_recv[(k + 1, i)] = self._send(list(h) if h is not None else [None] * len(h_avals), h_avals,
                                                 progs[k + 1].h_shardings(), k, k + 1)
-            elif op.kind == "B":
+            elif op.kind is OpKind.B:
                 ct = ct_recv.pop((k, i))
                 out = self._run("backward", k, pr.backward(), params[k], res.pop((k, i)), ct, acc)
                 live[k] -= 1
@@ -810,8 +839,7 @@ class MpmdStep:
 
     def _update(self, pieces: Pieces, grads: dict[tuple[int, int], list[jax.Array]], loss: jax.Array,
                 aux: list[jax.Array], groups_batch: GroupBatches) -> tuple[Pieces, Metrics]:
-        prop = self.prop
-        R = prop.num_rounds
+        R = self.prop.num_rounds
         twins: Twins = {}
         new_pieces: Pieces = [{} for _ in self.infos]
         metric_parts: dict[tuple[int, int], jax.Array] = {}  # (metric, source stage) -> contribution
@@ -829,17 +857,10 @@ class MpmdStep:
                         new_pieces[key.ref][k] = o
                     else:
                         metric_parts[(key.ref, k)] = o
-            for t in range(self.K):
-                for r2 in range(r + 1, R + 1):
-                    for g in self.rounds[(t, r2)].groups:
-                        if g.source is not Source.TWIN or prop.level[g.ref] != r - 1 or (t, g.ref) in twins:
-                            continue
-                        v = g.ref
-                        lay = prop.layout[v]
-                        srcs = contributors(lay, self.K)
-                        twins[(t, v)] = [self._transfer(contribs[(v, s)], self._replicated[t],
-                                                        src_stage=s, dst_stage=t,
-                                                        aval=self._contrib_aval(v, lay, s, t)) for s in srcs]
+            for route in self.twin_routes[r]:
+                twins[(route.stage, route.var)] = [
+                    self._transfer(contribs[(route.var, s)], self._replicated[route.stage], src_stage=s,
+                                   dst_stage=route.stage, aval=aval) for s, aval in zip(route.sources, route.avals)]
         return new_pieces, self._metrics(metric_parts)
 
     def _metrics(self, parts: dict[tuple[int, int], jax.Array]) -> Any:
