@@ -63,7 +63,12 @@ def _hint(text: str) -> object:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadArgs:
-    """The flags `plan` and `explain` share: the model, the cluster, the batch and what to check."""
+    """The flags `plan` and `explain` share: the model, the cluster, the batch and what to check.
+
+    Each subcommand's dataclass is its flags (tyro: the comment on or above a field is its ``--help``);
+    ``__post_init__`` checks the values (`FlagError`). `PlanArgs` redeclares ``model`` with ``field()``, not
+    a bare annotation, which would inherit this class's ``None`` default and leave ``--model`` optional.
+    """
 
     command: ClassVar[str] = ""
 
