@@ -20,20 +20,35 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import jax
 from jax import lax
 
 # One layer's cotangent of a stored weight slice -> the increment of that layer's accumulator row
 # (to device, the gradient dtype, a ZeRO-2 reduce-scatter over the partition group).
-SliceGrad = Callable[[jax.Array], jax.Array]
+SliceGrad: TypeAlias = Callable[[jax.Array], jax.Array]
+
+Leaves: TypeAlias = list[jax.Array]
+"""A layer's flat operands or results (its carry, its scanned slices, its outputs): one array per leaf."""
+
+Slots: TypeAlias = list[jax.Array | None]
+"""Per accumulated weight (or per scanned operand), its whole-stack buffer, or None where it has none."""
+
+LayerFn: TypeAlias = Callable[[Leaves, Leaves], tuple[Leaves, Leaves]]
+"""``layer_fn(carry, xs) -> (carry, ys)``: one layer, the body of a ``lax.scan`` over the layers."""
+
+RowsIn: TypeAlias = tuple[tuple[Leaves, jax.Array], Leaves]
+"""What a `reading_rows` layer scans: ``((x, layer), accs)``, the whole stacks of `x` read at row `layer`."""
+
+RowLayerFn: TypeAlias = Callable[[Leaves, RowsIn], tuple[Leaves, tuple[Leaves, Leaves]]]
+"""``f(carry, ((x, layer), accs)) -> (carry, (ys, accs))``: a `reading_rows` layer with its consts bound."""
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def accumulate_into(accs: list[jax.Array | None], outs: list[jax.Array | None], xs: list[jax.Array],
                     layer: jax.Array, prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...],
-                    on_host: tuple[bool, ...]) -> tuple[list[Any], list[Any], list[jax.Array]]:
+                    on_host: tuple[bool, ...]) -> tuple[Slots, Slots, Leaves]:
     """Identity on ``(accs, outs, xs)``; the backward turns the cotangent of ``xs[j]`` into row `layer`
     of the cotangent of ``accs[j]`` (or of ``outs[j]``) and gives `xs` a zero cotangent (their gradient
     lives in the accumulators).
@@ -59,8 +74,9 @@ def accumulate_into(accs: list[jax.Array | None], outs: list[jax.Array | None], 
     return accs, outs, xs
 
 
-def _fwd(accs: list[Any], outs: list[Any], xs: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...],
-         finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...]) -> tuple[Any, jax.Array]:
+def _fwd(accs: Slots, outs: Slots, xs: Leaves, layer: jax.Array, prepare: tuple[SliceGrad, ...],
+         finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...]
+         ) -> tuple[tuple[Slots, Slots, Leaves], jax.Array]:
     del prepare, finish, on_host
     return (accs, outs, xs), layer
 
@@ -81,8 +97,7 @@ def _row(acc: jax.Array | None, out: jax.Array | None, g: jax.Array, layer: jax.
 
 
 def _bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
-         layer: jax.Array, ct: tuple[list[Any], list[Any], list[jax.Array]]
-         ) -> tuple[list[Any], list[Any], list[jax.Array], None]:
+         layer: jax.Array, ct: tuple[Slots, Slots, Leaves]) -> tuple[Slots, Slots, Leaves, None]:
     ct_accs, ct_outs, ct_xs = ct
     accs, outs = list(ct_accs), list(ct_outs)
     for j, (g, prep, fin) in enumerate(zip(ct_xs, prepare, finish)):
@@ -182,7 +197,7 @@ def sync_deferred(outs: list[jax.Array], pend: list[jax.Array], xs: list[jax.Arr
 
 def _defer_fwd(outs: list[jax.Array], pend: list[jax.Array], xs: list[jax.Array], layer: jax.Array,
                prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...],
-               last: int) -> tuple[Any, jax.Array]:
+               last: int) -> tuple[tuple[Leaves, Leaves, Leaves], jax.Array]:
     del prepare, finish, on_host, last
     return (outs, pend, xs), layer
 
@@ -209,7 +224,7 @@ def flush_synced(outs: list[jax.Array], pend: list[jax.Array], layer: jax.Array,
 
 
 def _flush_fwd(outs: list[jax.Array], pend: list[jax.Array], layer: jax.Array, finish: tuple[SliceGrad | None, ...]
-               ) -> tuple[Any, jax.Array]:
+               ) -> tuple[tuple[Leaves, Leaves], jax.Array]:
     del finish
     return (outs, pend), layer
 
@@ -224,12 +239,11 @@ def _flush_bwd(finish: tuple[SliceGrad | None, ...], layer: jax.Array, ct: tuple
 flush_synced.defvjp(_flush_fwd, _flush_bwd)
 
 
-def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]],
-                      carry: list[Any], xs: list[Any], accs: Sequence[jax.Array | None],
+def scan_accumulating(layer_fn: LayerFn, carry: Leaves, xs: Leaves, accs: Sequence[jax.Array | None],
                       prepare: Sequence[SliceGrad | None], start: int, unroll: int,
                       outs: Sequence[jax.Array | None] | None = None,
                       finish: Sequence[SliceGrad | None] | None = None, defer: bool = False
-                      ) -> tuple[list[Any], list[jax.Array | None], list[jax.Array | None], list[Any]]:
+                      ) -> tuple[Leaves, Slots, Slots, Leaves]:
     """``lax.scan(layer_fn, carry, xs)`` over layers ``start, start + 1, ...`` with `accs` and `outs`
     (per scanned operand, its whole-stack accumulator / result buffer or None) carried along and fed
     by `accumulate_into` (`finish`: per operand, the collective applied to each summed row), or with
@@ -252,7 +266,8 @@ def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any]
     on_host = tuple(getattr(jax.typeof(xs[j]), "memory_space", None) == jax.memory.Space.Host for j in idx)
     num = int(jax.numpy.shape(xs[0])[0])
 
-    def step(c_a: tuple[list[Any], list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
+    def step(c_a: tuple[Leaves, Slots, Slots], x_i: tuple[Leaves, jax.Array]
+             ) -> tuple[tuple[Leaves, Slots, Slots], Leaves]:
         c, a, o = c_a
         x, i = x_i
         a, o, picked = accumulate_into(a, o, [x[j] for j in idx], i, preps, fins, on_host)
@@ -265,24 +280,26 @@ def scan_accumulating(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any]
     rows = start + jax.numpy.arange(num, dtype=jax.numpy.int32)
     init = (carry, [accs[j] for j in idx], [outs[j] for j in idx])
     (carry, acc_out, out_out), ys = lax.scan(step, init, (xs, rows), unroll=unroll)
-    acc_res: list[jax.Array | None] = list(accs)
-    out_res: list[jax.Array | None] = list(outs)
+    acc_res: Slots = list(accs)
+    out_res: Slots = list(outs)
     for j, a, o in zip(idx, acc_out, out_out):
         acc_res[j], out_res[j] = a, o
     return carry, acc_res, out_res, ys
 
 
-def _put(xs: Sequence[Any], idx: Sequence[int], values: Sequence[Any]) -> list[Any]:
+_T = TypeVar("_T")
+
+
+def _put(xs: Sequence[_T], idx: Sequence[int], values: Sequence[_T]) -> list[_T]:
     out = list(xs)
     for j, v in zip(idx, values):
         out[j] = v
     return out
 
 
-def _scan_deferred(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], list[Any]]], carry: list[Any],
-                   xs: list[Any], outs: list[jax.Array | None], prepare: Sequence[SliceGrad | None],
+def _scan_deferred(layer_fn: LayerFn, carry: Leaves, xs: Leaves, outs: Slots, prepare: Sequence[SliceGrad | None],
                    finish: Sequence[SliceGrad | None], start: int, unroll: int
-                   ) -> tuple[list[Any], list[jax.Array | None], list[Any]]:
+                   ) -> tuple[Leaves, Slots, Leaves]:
     """`scan_accumulating` with result buffers, each layer's row synchronised one backward iteration later
     (`sync_deferred`), the loop's first row after the loop (`flush_synced`)."""
     idx = [j for j, o in enumerate(outs) if o is not None]
@@ -294,7 +311,8 @@ def _scan_deferred(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], l
                             outs[j].dtype) for j, p in zip(idx, preps)]
     bufs, pend = flush_synced([outs[j] for j in idx], pend, jax.numpy.int32(start), fins)
 
-    def step(c_o: tuple[list[Any], list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
+    def step(c_o: tuple[Leaves, Leaves, Leaves], x_i: tuple[Leaves, jax.Array]
+             ) -> tuple[tuple[Leaves, Leaves, Leaves], Leaves]:
         c, o, p = c_o
         x, i = x_i
         o, p, picked = sync_deferred(o, p, [x[j] for j in idx], i, preps, fins, on_host, start + num - 1)
@@ -307,10 +325,11 @@ def _scan_deferred(layer_fn: Callable[[list[Any], list[Any]], tuple[list[Any], l
 
 
 # ``apply(consts, carry, x) -> (carry, y)``: one layer on its operands' rows.
-RowLayer = Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]
+RowLayer: TypeAlias = Callable[[Leaves, Leaves, Leaves], tuple[Leaves, Leaves]]
 
 
-def reading_rows(apply: RowLayer, idx: Sequence[int], prepare: Sequence[SliceGrad]) -> Callable[..., Any]:
+def reading_rows(apply: RowLayer, idx: Sequence[int], prepare: Sequence[SliceGrad]
+                 ) -> Callable[[Leaves, Leaves, RowsIn], tuple[Leaves, tuple[Leaves, Leaves]]]:
     """`apply` as ``f(consts, c, ((x, i), a)) -> (c, (y, a))`` for `scan_rows`: the `idx` entries of `x`
     are whole stacks whose row `i` it picks itself (`pick_rows`, feeding the accumulators `a`).
 
@@ -319,7 +338,7 @@ def reading_rows(apply: RowLayer, idx: Sequence[int], prepare: Sequence[SliceGra
     """
     idx, prepare = tuple(idx), tuple(prepare)
 
-    def f(consts: list[Any], c: list[Any], xin: tuple[tuple[list[Any], jax.Array], list[jax.Array]]) -> Any:
+    def f(consts: Leaves, c: Leaves, xin: RowsIn) -> tuple[Leaves, tuple[Leaves, Leaves]]:
         (x, i), a = xin
         a, rows = pick_rows(a, [x[j] for j in idx], i, prepare)
         x = list(x)
@@ -331,8 +350,8 @@ def reading_rows(apply: RowLayer, idx: Sequence[int], prepare: Sequence[SliceGra
     return f
 
 
-def scan_rows(layer_fn: Callable[..., Any], carry: list[Any], xs: list[Any], accs: Sequence[jax.Array | None],
-              start: int, end: int, unroll: int) -> tuple[list[Any], list[jax.Array | None], list[Any]]:
+def scan_rows(layer_fn: RowLayerFn, carry: Leaves, xs: Leaves, accs: Sequence[jax.Array | None],
+              start: int, end: int, unroll: int) -> tuple[Leaves, Slots, Leaves]:
     """`scan_accumulating` over layers ``start .. end - 1`` of the stacks `xs` without slicing the
     accumulated ones: those go into every iteration whole (a loop-invariant operand) and `layer_fn`
     (built with `reading_rows`) picks its row; the others are scanned as their ``[start:end]`` slice.
@@ -347,7 +366,7 @@ def scan_rows(layer_fn: Callable[..., Any], carry: list[Any], xs: list[Any], acc
     whole = (start, end) == (0, int(jax.numpy.shape(xs[0])[0]))
     scanned = [None if j in idx else (x if whole else x[start:end]) for j, x in enumerate(xs)]
 
-    def step(c_a: tuple[list[Any], list[Any]], x_i: tuple[list[Any], jax.Array]) -> Any:
+    def step(c_a: tuple[Leaves, Leaves], x_i: tuple[Slots, jax.Array]) -> tuple[tuple[Leaves, Leaves], Leaves]:
         c, a = c_a
         part, i = x_i
         x = [xs[j] if j in idx else v for j, v in enumerate(part)]
@@ -356,11 +375,11 @@ def scan_rows(layer_fn: Callable[..., Any], carry: list[Any], xs: list[Any], acc
 
     rows = jax.numpy.arange(start, end, dtype=jax.numpy.int32)
     (carry, acc_out), ys = lax.scan(step, (carry, [accs[j] for j in idx]), (scanned, rows), unroll=unroll)
-    out: list[jax.Array | None] = list(accs)
+    out: Slots = list(accs)
     for j, a in zip(idx, acc_out):
         out[j] = a
     return carry, out, ys
 
 
-__all__ = ["RowLayer", "SliceGrad", "accumulate_into", "flush_synced", "pick_rows", "reading_rows", "scan_accumulating",
-           "scan_rows", "sync_deferred"]
+__all__ = ["LayerFn", "Leaves", "RowLayer", "RowLayerFn", "RowsIn", "SliceGrad", "Slots", "accumulate_into",
+           "flush_synced", "pick_rows", "reading_rows", "scan_accumulating", "scan_rows", "sync_deferred"]

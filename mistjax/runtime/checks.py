@@ -10,12 +10,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
 from jax.extend import core as jex
+from jax.tree_util import PyTreeDef
 
+from mistjax.core.types import Batch, PyTree
 from mistjax.trace.split import TracedLoss
 
 
@@ -23,7 +24,7 @@ class StepError(ValueError):
     """The train step or its batch cannot run as given (the message says why and what to do)."""
 
 
-def describe(tree: Any) -> str:
+def describe(tree: PyTree) -> str:
     """``['inputs'] int32[16,16], ['targets'] int32[16,16]``: a pytree's leaves by path, dtype and shape."""
     parts = []
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -32,7 +33,7 @@ def describe(tree: Any) -> str:
     return ", ".join(parts)
 
 
-def trace_failure(error: Exception, batch: Any) -> StepError:
+def trace_failure(error: Exception, batch: Batch) -> StepError:
     """The error to raise when tracing ``train_step(state, batch)`` fails, with the batch described."""
     floats = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
               if jax.dtypes.issubdtype(x.dtype, np.floating)]
@@ -42,7 +43,7 @@ def trace_failure(error: Exception, batch: Any) -> StepError:
                      f"{type(error).__name__}: {error}{hint}")
 
 
-def check_output(out: Any, state_tree: Any) -> None:
+def check_output(out: object, state_tree: PyTreeDef) -> None:
     """Raise `StepError` unless ``out`` is ``(new_state, metrics)`` with the state's structure."""
     if not (isinstance(out, tuple) and len(out) == 2):
         kind = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
@@ -66,7 +67,7 @@ class TokenRange:
     rows: int  # rows of the embedding it indexes (the vocabulary size)
 
 
-def token_ranges(traced: TracedLoss, rest_to_batch: Sequence[int | None], batch: Any) -> list[TokenRange]:
+def token_ranges(traced: TracedLoss, rest_to_batch: Sequence[int | None], batch: Batch) -> list[TokenRange]:
     """Integer batch leaves the loss uses to index rows of a parameter (an embedding lookup).
 
     Args:
@@ -77,7 +78,7 @@ def token_ranges(traced: TracedLoss, rest_to_batch: Sequence[int | None], batch:
     jaxpr = traced.closed.jaxpr
     n = traced.num_param_leaves
     params = set(jaxpr.invars[:n])
-    deps: dict[Any, set[int]] = {}
+    deps: dict[jex.Var, set[int]] = {}
     for k, v in enumerate(jaxpr.invars[n:]):
         b = rest_to_batch[k] if k < len(rest_to_batch) else None
         if b is not None and jax.dtypes.issubdtype(v.aval.dtype, np.integer):
@@ -97,7 +98,7 @@ def token_ranges(traced: TracedLoss, rest_to_batch: Sequence[int | None], batch:
     return [TokenRange(b, paths[b] if b < len(paths) else str(b), rows) for b, rows in sorted(found.items())]
 
 
-def check_tokens(ranges: Sequence[TokenRange], batch: Any, *, device_arrays: bool) -> None:
+def check_tokens(ranges: Sequence[TokenRange], batch: Batch, *, device_arrays: bool) -> None:
     """Raise `StepError` if a token id is outside ``[0, rows)`` of the embedding it indexes (JAX would fill
     the lookup with NaN); device arrays are read only when ``device_arrays`` (it costs a transfer)."""
     leaves = jax.tree.leaves(batch)
@@ -115,7 +116,7 @@ def check_tokens(ranges: Sequence[TokenRange], batch: Any, *, device_arrays: boo
                             "the tokenizer and the model's vocab_size")
 
 
-def check_shapes(first: Sequence[tuple[int, ...]] | None, batch: Any) -> list[tuple[int, ...]]:
+def check_shapes(first: Sequence[tuple[int, ...]] | None, batch: Batch) -> list[tuple[int, ...]]:
     """Warn when ``batch`` has other shapes than the first batch (the plan was made for those)."""
     shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(batch)]
     if first is not None and list(first) != shapes:

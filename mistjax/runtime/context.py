@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Protocol
+
+from mistjax.core.types import LossFn, PyTree
 
 
 class GradHandler(Protocol):
-    def value_and_grad(self, fun: Callable[..., Any], has_aux: bool, args: tuple[Any, ...]) -> Any: ...
+    """What answers `mistjax.value_and_grad` while a step is traced (the runtime's gradient, a recorder)."""
+
+    def value_and_grad(self, fun: LossFn, has_aux: bool, args: tuple[PyTree, ...]) -> PyTree:
+        """``jax.value_and_grad(fun, has_aux=has_aux)(*args)``, computed (or recorded) the handler's way."""
+        ...
 
 
 _ACTIVE: contextvars.ContextVar[GradHandler | None] = contextvars.ContextVar("mistjax_grad_handler", default=None)

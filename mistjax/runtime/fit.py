@@ -25,47 +25,51 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from mistjax.core.plan import Plan, PlanDoesNotFit, format_bytes
+from mistjax.core.types import PyTree
 from mistjax.runtime.mpmd_memory import program_peak, stage_peaks
+
+if TYPE_CHECKING:  # annotations only: the pipeline imports this module
+    from mistjax.runtime.mpmd import MpmdStep
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-def _stats(device: Any) -> dict[str, Any] | None:
+def _stats(device: jax.Device) -> dict[str, int] | None:
     try:
         return device.memory_stats()
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
 
 
-def device_capacity(device: Any) -> int | None:
+def device_capacity(device: jax.Device) -> int | None:
     """Bytes the device's allocator may hand out (``memory_stats()['bytes_limit']``), or None where the
     device reports no limit (the CPU has no fixed capacity: such devices are not checked)."""
     limit = (_stats(device) or {}).get("bytes_limit")
     return int(limit) if limit else None
 
 
-def device_in_use(device: Any) -> int | None:
+def device_in_use(device: jax.Device) -> int | None:
     """Bytes allocated on the device now (``memory_stats()['bytes_in_use']``), or None if it does not say."""
     used = (_stats(device) or {}).get("bytes_in_use")
     return int(used) if used is not None else None
 
 
-def capacities(devices: Iterable[Any]) -> dict[Any, int]:
+def capacities(devices: Iterable[jax.Device]) -> dict[jax.Device, int]:
     """`device_capacity` of this process's devices among ``devices``, for those that report one."""
     me = jax.process_index()
     caps = {d: device_capacity(d) for d in devices if d.process_index == me}
     return {d: c for d, c in caps.items() if c is not None}
 
 
-def resident_bytes(tree: Any) -> dict[Any, int]:
+def resident_bytes(tree: PyTree) -> dict[jax.Device, int]:
     """Per device: bytes of the device-memory shards of the arrays in ``tree`` (host-placed ones left out)."""
-    out: dict[Any, int] = {}
+    out: dict[jax.Device, int] = {}
     for x in jax.tree.leaves(tree):
         if not isinstance(x, jax.Array) or x.is_deleted() or x.sharding.memory_kind in HOST_KINDS:
             continue
@@ -82,7 +86,7 @@ class StageFit:
     phase: str  # the program at the stage's peak ("step": the one program of a single-stage plan)
     layers: tuple[int, int]
     devices: int  # devices of the stage (this process's)
-    device: Any  # the stage's device with the least room
+    device: jax.Device  # the stage's device with the least room
     need: int  # bytes per device at the stage's peak
     limit: int  # that device's capacity (`device_capacity`)
     other: int  # bytes in use on it by buffers the step does not account for
@@ -125,8 +129,8 @@ class FitReport:
         return "memory check before the first step: " + "; ".join(s.line() for s in self.stages)
 
 
-def stage_fit(stage: int, phase: str, layers: tuple[int, int], need: int, devices: Iterable[Any],
-              caps: dict[Any, int], resident: dict[Any, int]) -> StageFit | None:
+def stage_fit(stage: int, phase: str, layers: tuple[int, int], need: int, devices: Iterable[jax.Device],
+              caps: dict[jax.Device, int], resident: dict[jax.Device, int]) -> StageFit | None:
     """The stage's fit on its device with the least room (None: none of its devices reports a limit)."""
     devices = list(devices)
     best: StageFit | None = None
@@ -141,7 +145,8 @@ def stage_fit(stage: int, phase: str, layers: tuple[int, int], need: int, device
     return best
 
 
-def check_single(plan: Plan, compiled: Any, devices: Iterable[Any], placed: Any) -> FitReport:
+def check_single(plan: Plan, compiled: jax.stages.Compiled, devices: Iterable[jax.Device], placed: PyTree
+                 ) -> FitReport:
     """A one-program plan: its compiled step against every device (``placed``: its placed arguments)."""
     devices = list(devices)
     fit = stage_fit(0, "step", plan.stages[0].layers, program_peak(compiled), devices, capacities(devices),
@@ -149,7 +154,8 @@ def check_single(plan: Plan, compiled: Any, devices: Iterable[Any], placed: Any)
     return FitReport((fit,) if fit is not None else ())
 
 
-def check_pipeline(ex: Any, compiled: dict[tuple[int, str], Any], placed_state: Any) -> FitReport:
+def check_pipeline(ex: MpmdStep, compiled: dict[tuple[int, str], jax.stages.Compiled], placed_state: PyTree
+                   ) -> FitReport:
     """A pipelined plan (``ex``: its `MpmdStep`): every stage's peak against its own devices."""
     caps = capacities(ex.mesh.devices.flat)
     resident = resident_bytes(placed_state)

@@ -18,28 +18,38 @@ leaf without its layer dim.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import jax
 import numpy as np
 
-from mistjax.core.layout import OPT, OTHER, PARAM, LeafLayout, plan_layouts
+from mistjax.core.jaxpr import Shaped
+from mistjax.core.layout import OPT, OTHER, PARAM, LeafLayout, LeafRole, plan_layouts
 from mistjax.core.plan import Plan
 from mistjax.trace.unrolled import ParamGroups
 
-Axes = tuple[str | None, ...] | None
+Axes: TypeAlias = tuple[str | None, ...] | None
+
+Token: TypeAlias = Hashable
+"""One step of a key path as a plain value: a dict key, a sequence index or an attribute name."""
+
+Tokens: TypeAlias = tuple[Token, ...]
+"""A key path as plain tokens (`path_tokens`)."""
+
+GroupKey: TypeAlias = tuple[Hashable, ...]
+"""An unrolled stack's virtual leaf: ``("param", k)``, or ``("opt", k, prefix)`` for an optimizer field of it."""
 
 
-def _token(key: Any) -> Any:
+def _token(key: jax.tree_util.KeyEntry) -> Token:
     for attr in ("key", "idx", "name"):
         if hasattr(key, attr):
             return getattr(key, attr)
     return str(key)
 
 
-def path_tokens(path: Any) -> tuple[Any, ...]:
+def path_tokens(path: jax.tree_util.KeyPath) -> Tokens:
     """A key path as plain tokens, without the trailing ``value`` of NNX variables / linen boxes."""
     toks = tuple(_token(k) for k in path)
     while toks and toks[-1] in ("value", "raw_value"):
@@ -52,11 +62,11 @@ class Mirror:
     """An optimizer-state leaf that mirrors a parameter."""
 
     param: int  # state index of the parameter leaf it mirrors
-    prefix: tuple[Any, ...]  # its path before the parameter's path (e.g. ``("opt", 0, "mu")``): the field
+    prefix: Tokens  # its path before the parameter's path (e.g. ``("opt", 0, "mu")``): the field
 
 
-def match_mirrors(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, ...]],
-                  params: dict[int, tuple[Any, ...]]) -> dict[int, Mirror]:
+def match_mirrors(state_paths: Sequence[jax.tree_util.KeyPath], state_shapes: Sequence[tuple[int, ...]],
+                  params: dict[int, Tokens]) -> dict[int, Mirror]:
     """Optimizer leaves matched to parameters by tree path and shape.
 
     Args:
@@ -67,7 +77,7 @@ def match_mirrors(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, 
       state index -> `Mirror` for every non-parameter leaf whose path ends with a parameter's path and
       whose shape is that parameter's (the longest such path wins; scalars never mirror).
     """
-    by_last: dict[Any, list[tuple[int, tuple[Any, ...]]]] = {}
+    by_last: dict[Token, list[tuple[int, Tokens]]] = {}
     for i, toks in params.items():
         if toks:
             by_last.setdefault(toks[-1], []).append((i, toks))
@@ -78,7 +88,7 @@ def match_mirrors(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, 
         toks = path_tokens(path)
         if not toks:
             continue
-        best: tuple[int, int, tuple[Any, ...]] | None = None
+        best: tuple[int, int, Tokens] | None = None
         for p, ptoks in by_last.get(toks[-1], ()):
             n = len(ptoks)
             fits = n <= len(toks) and toks[-n:] == ptoks and tuple(state_shapes[p]) == tuple(shape)
@@ -93,17 +103,18 @@ def match_mirrors(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, 
 class LeafRoles:
     """What every state leaf is (aligned with ``jax.tree.leaves(state)``)."""
 
-    roles: tuple[str, ...]  # param / opt / other
+    roles: tuple[LeafRole, ...]
     stacked: tuple[bool, ...]  # holds the layer stack on its leading dim
     axes: tuple[Axes, ...]  # logical axes (a mirror has its parameter's)
     mirrors: dict[int, Mirror]  # optimizer leaves mirroring a parameter
     # Unrolled stacks: per state leaf, (virtual group key, layer) for the layer leaves and their mirrors.
-    layer_of: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)
+    layer_of: dict[int, tuple[GroupKey, int]] = dataclasses.field(default_factory=dict)
     num_layers: int = 0  # layers of the unrolled stack (0: none)
 
 
-def state_roles(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, ...]], state_axes: Sequence[Axes],
-                params: dict[int, tuple[Any, ...]], param_order: Sequence[int], *,
+def state_roles(state_paths: Sequence[jax.tree_util.KeyPath], state_shapes: Sequence[tuple[int, ...]],
+                state_axes: Sequence[Axes],
+                params: dict[int, Tokens], param_order: Sequence[int], *,
                 stacked_params: set[int] = frozenset(), param_axes: dict[int, Axes] | None = None,
                 groups: ParamGroups | None = None) -> LeafRoles:
     """Classify every state leaf.
@@ -130,7 +141,7 @@ def state_roles(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, ..
             roles[i], stacked[i], axes[i] = OPT, p in stacked_params, axes[p]
         elif state_axes[i] is not None:
             roles[i] = OPT  # optimizer state carrying its own logical names
-    layer_of: dict[int, tuple[Any, int]] = {}
+    layer_of: dict[int, tuple[GroupKey, int]] = {}
     if groups is not None:
         real_to_state = list(param_order)
         for r, (k, layer) in groups.members().items():
@@ -140,7 +151,7 @@ def state_roles(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, ..
                 (_, k), layer = layer_of[m.param]
                 layer_of[i] = (("opt", k, m.prefix), layer)
         # A mirror field that does not cover every layer is laid out leaf by leaf.
-        counts: dict[Any, int] = {}
+        counts: dict[GroupKey, int] = {}
         for key, _ in layer_of.values():
             counts[key] = counts.get(key, 0) + 1
         L = groups.num_layers
@@ -149,15 +160,19 @@ def state_roles(state_paths: Sequence[Any], state_shapes: Sequence[tuple[int, ..
                      groups.num_layers if groups is not None else 0)
 
 
-def state_layouts(leaves: Sequence[Any], info: LeafRoles, plan: Plan) -> list[LeafLayout]:
+def state_layouts(leaves: Sequence[Shaped], info: LeafRoles, plan: Plan) -> list[LeafLayout]:
     """`plan_layouts` of every state leaf, the L leaves of an unrolled group laid out as one stacked leaf."""
-    firsts: dict[Any, int] = {}
-    members: dict[Any, list[int]] = {}
+    firsts: dict[GroupKey, int] = {}
+    members: dict[GroupKey, list[int]] = {}
     for i, (key, _layer) in sorted(info.layer_of.items(), key=lambda kv: kv[1][1]):
         members.setdefault(key, []).append(i)
         firsts.setdefault(key, i)
     grouped = set(info.layer_of)
-    v_leaves, v_roles, v_stacked, v_axes, v_of = [], [], [], [], []
+    v_leaves: list[Shaped] = []
+    v_roles: list[LeafRole] = []
+    v_stacked: list[bool] = []
+    v_axes: list[Axes] = []
+    v_of: list[int | GroupKey] = []  # per laid-out leaf: the state leaf it is, or the unrolled group
     for i, x in enumerate(leaves):
         key = info.layer_of.get(i, (None,))[0]
         if i in grouped and firsts[key] != i:
@@ -192,4 +207,5 @@ def unstacked(lay: LeafLayout, shape: tuple[int, ...], axes: Axes) -> LeafLayout
                                stage_split=False, layer_slice=True)
 
 
-__all__ = ["LeafRoles", "Mirror", "match_mirrors", "path_tokens", "state_layouts", "state_roles", "unstacked"]
+__all__ = ["GroupKey", "LeafRoles", "Mirror", "Token", "Tokens", "match_mirrors", "path_tokens", "state_layouts",
+           "state_roles", "unstacked"]

@@ -19,23 +19,29 @@ first step (`mistjax.runtime.fit`) both count a stage's peak this way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
 
+from mistjax.runtime.mpmd_update import Source
 
-def shard_bytes(aval: Any) -> int:
+if TYPE_CHECKING:  # annotations only: the pipeline imports this module
+    from mistjax.runtime.mpmd import MpmdStep
+
+
+def shard_bytes(aval: jax.ShapeDtypeStruct) -> int:
     """Bytes per device of an abstract array with a sharding."""
     return int(np.prod(aval.sharding.shard_shape(tuple(aval.shape)))) * np.dtype(aval.dtype).itemsize
 
 
-def program_peak(compiled: Any) -> int:
+def program_peak(compiled: jax.stages.Compiled) -> int:
     """Device bytes one compiled program needs: argument + output + temp - alias (``memory_analysis``)."""
     m = compiled.memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def others_in_flight(ex: Any) -> dict[tuple[int, str], int]:
+def others_in_flight(ex: MpmdStep) -> dict[tuple[int, str], int]:
     """Per (stage, F | B): the most other micro-batches' residuals held while that program runs."""
     live = [0] * ex.K
     out: dict[tuple[int, str], int] = {}
@@ -49,7 +55,7 @@ def others_in_flight(ex: Any) -> dict[tuple[int, str], int]:
     return out
 
 
-def most_in_flight(ex: Any) -> list[int]:
+def most_in_flight(ex: MpmdStep) -> list[int]:
     """Per stage: the most micro-batches whose residuals it holds at once."""
     live, most = [0] * ex.K, [0] * ex.K
     for op in ex.issue:
@@ -70,7 +76,7 @@ class Persistent:
     most_in_flight: int
 
 
-def persistent(ex: Any, k: int, in_flight: int) -> Persistent:
+def persistent(ex: MpmdStep, k: int, in_flight: int) -> Persistent:
     """Stage ``k``'s persistent bytes; host placement from the plan's layouts (not the shardings, which
     compile-only devices drop ``pinned_host`` from)."""
     pr = ex.programs[k]
@@ -82,7 +88,7 @@ def persistent(ex: Any, k: int, in_flight: int) -> Persistent:
                       ex.residual_bytes()[k], in_flight)
 
 
-def takes(ex: Any, k: int, phase: str) -> tuple[set[int], bool]:
+def takes(ex: MpmdStep, k: int, phase: str) -> tuple[set[int], bool]:
     """(state leaves the program takes as arguments, whether it takes the accumulators)."""
     params = {ex.param_index[j] for j in ex.programs[k].spec.params}
     if phase in ("forward",):
@@ -93,11 +99,11 @@ def takes(ex: Any, k: int, phase: str) -> tuple[set[int], bool]:
         return set(), True
     if phase.startswith("update"):
         rnd = ex.rounds[(k, int(phase[len("update"):]))]
-        return {g[1] for g in rnd.groups if g[0] == "state"}, False
+        return {g.ref for g in rnd.groups if g.source is Source.STATE}, False
     return set(), False  # split, metrics
 
 
-def resident_parts(ex: Any, k: int, phase: str, mine: Persistent, others: list[Persistent],
+def resident_parts(ex: MpmdStep, k: int, phase: str, mine: Persistent, others: list[Persistent],
                    flight: dict[tuple[int, str], int]) -> dict[str, int]:
     """Device bytes live on stage ``k``'s devices while ``phase`` runs that are not its arguments."""
     state_in, acc_in = takes(ex, k, phase)
@@ -111,12 +117,12 @@ def resident_parts(ex: Any, k: int, phase: str, mine: Persistent, others: list[P
     return parts
 
 
-def group_peers(ex: Any, k: int, pers: list[Persistent]) -> list[Persistent]:
+def group_peers(ex: MpmdStep, k: int, pers: list[Persistent]) -> list[Persistent]:
     """The persistent bytes of the other chunks on stage ``k``'s device group (virtual stages)."""
     return [pers[j] for j in range(ex.K) if j != k and j % ex.S == k % ex.S]
 
 
-def stage_peaks(ex: Any, compiled: dict[tuple[int, str], Any]) -> dict[int, tuple[int, str]]:
+def stage_peaks(ex: MpmdStep, compiled: dict[tuple[int, str], jax.stages.Compiled]) -> dict[int, tuple[int, str]]:
     """Per stage with compiled programs: (its peak bytes per device, the phase at the peak)."""
     flight, most = others_in_flight(ex), most_in_flight(ex)
     pers = [persistent(ex, k, most[k]) for k in range(ex.K)]

@@ -15,12 +15,18 @@ sharding), and ``np.asarray(leaf)`` or ``step.gather(state)`` rebuilds the whole
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias, TypeGuard
 
 import jax
 import numpy as np
+import numpy.typing as npt
+
+from mistjax.core.types import PyTree, State
+
+LeafFn: TypeAlias = Callable[[list[jax.Array]], jax.Array]
+"""``fn(leaves) -> rows``: one result row per leaf (`per_leaf_on_host`)."""
 
 
 @dataclass(frozen=True)
@@ -38,19 +44,19 @@ class StagedInfo:
 class StagedArray:
     """One state leaf of an MPMD plan as per-stage pieces (see module docstring)."""
 
-    def __init__(self, pieces: Sequence[Any], info: StagedInfo):
+    def __init__(self, pieces: Sequence[PyTree], info: StagedInfo):
         self.pieces = tuple(pieces)
         self.info = info
 
     # pytree protocol
-    def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], StagedInfo]:
+    def tree_flatten_with_keys(self) -> tuple[list[tuple[jax.tree_util.GetAttrKey, PyTree]], StagedInfo]:
         return [(jax.tree_util.GetAttrKey(f"stage{k}"), p) for k, p in zip(self.info.stages, self.pieces)], self.info
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], StagedInfo]:
+    def tree_flatten(self) -> tuple[tuple[PyTree, ...], StagedInfo]:
         return self.pieces, self.info
 
     @classmethod
-    def tree_unflatten(cls, info: StagedInfo, pieces: Sequence[Any]) -> StagedArray:
+    def tree_unflatten(cls, info: StagedInfo, pieces: Sequence[PyTree]) -> StagedArray:
         return cls(pieces, info)
 
     # array-like metadata of the whole leaf
@@ -70,11 +76,11 @@ class StagedArray:
     def size(self) -> int:
         return int(np.prod(self.info.shape))
 
-    def piece(self, stage: int) -> Any:
+    def piece(self, stage: int) -> PyTree:
         """The piece held by `stage` (raises KeyError if it holds none)."""
         return self.pieces[self.info.stages.index(stage)]
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         out = gather_leaf(self)
         return out if dtype is None else out.astype(dtype)
 
@@ -83,11 +89,11 @@ class StagedArray:
         return f"StagedArray(shape={self.shape}, dtype={self.info.dtype}, {where} {list(self.info.stages)})"
 
 
-def is_staged(x: Any) -> bool:
+def is_staged(x: object) -> TypeGuard[StagedArray]:
     return isinstance(x, StagedArray)
 
 
-def _host(piece: Any) -> np.ndarray:
+def _host(piece: jax.Array | np.ndarray) -> np.ndarray:
     if isinstance(piece, jax.Array) and not piece.is_fully_addressable:
         raise ValueError("this process holds only part of a pipelined state leaf; gather it with "
                          "ShardedStep.gather(state), which brings every piece to each process")
@@ -101,17 +107,17 @@ def gather_leaf(x: StagedArray) -> np.ndarray:
     return _host(x.pieces[0])
 
 
-def gather_state(state: Any) -> Any:
+def gather_state(state: State) -> PyTree:
     """The user's structure with every `StagedArray` replaced by its whole host array."""
     return jax.tree.map(lambda x: gather_leaf(x) if is_staged(x) else x, state, is_leaf=is_staged)
 
 
 @functools.cache
-def _jit(fn: Any) -> Any:
+def _jit(fn: LeafFn) -> LeafFn:
     return jax.jit(fn)
 
 
-def per_leaf_on_host(fn: Any, leaves: Sequence[jax.Array]) -> np.ndarray:
+def per_leaf_on_host(fn: LeafFn, leaves: Sequence[jax.Array]) -> np.ndarray:
     """``fn(leaves)`` (jitted; one result row per leaf) for leaves that may live on different sub-meshes.
 
     One jitted call cannot mix arrays of different device sets, so the leaves are grouped by device
@@ -127,7 +133,7 @@ def per_leaf_on_host(fn: Any, leaves: Sequence[jax.Array]) -> np.ndarray:
     if len(groups) == 1:
         return np.asarray(jitted(list(leaves)))
     me = jax.process_index()
-    rows: list[Any] = [None] * len(leaves)
+    rows: list[np.ndarray | None] = [None] * len(leaves)
     meshes = [leaves[idx[0]].sharding.mesh for idx in groups.values()]
     for mesh, idx in zip(meshes, groups.values()):
         part = [leaves[i] for i in idx]

@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.jaxpr import Atom, Params, Value, read
 from mistjax.core.layout import LeafLayout
+from mistjax.core.types import LossFn
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, bind_equation
 
 # `mistjax.analysis` is imported where a tensor-parallel block is built or run, not at import: its package
 # loads the symbolic analysis (sympy), which `import mistjax` must not pay for (issue #30).
 if TYPE_CHECKING:
-    from mistjax.analysis.graph import CallSite, Graph
+    from mistjax.analysis.graph import CallSite, Graph, Node
     from mistjax.analysis.layout import State, TPResult
 
 TENSOR_AXIS = "tensor"
@@ -37,13 +39,13 @@ class TensorParallelBlock:
     def __init__(self, graph: Graph, result: TPResult, stack: LayerStack, axis: str = TENSOR_AXIS):
         self.graph, self.result, self.stack, self.axis = graph, result, stack, axis
 
-    def __call__(self, consts: Sequence[Any], carry: Sequence[Any], xs: Sequence[Any]
-                 ) -> tuple[list[Any], list[Any]]:
+    def __call__(self, consts: Sequence[Value], carry: Sequence[Value], xs: Sequence[Value]
+                 ) -> tuple[list[Value], list[Value]]:
         outs = self.evaluate([*consts, *carry, *xs])
         n = self.stack.num_carry
         return outs[:n], outs[n:]
 
-    def constrain(self, x: Any, state: State, coll: _Collectives | None = None) -> Any:
+    def constrain(self, x: Value, state: State, coll: _Collectives | None = None) -> Value:
         """``x`` constrained to ``state`` (a partial sum is left to GSPMD); through ``coll`` for a
         sequence-split float value, so that its cotangent's gathers can be shared."""
         from mistjax.analysis.layout import Shard, partition_spec
@@ -55,12 +57,12 @@ class TensorParallelBlock:
             return coll.pin(x, spec)
         return jax.lax.with_sharding_constraint(x, spec)
 
-    def evaluate(self, args: Sequence[Any]) -> list[Any]:
+    def evaluate(self, args: Sequence[Value]) -> list[Value]:
         """The layer's outputs from its inputs ``[*consts, *carry, *x_slices]``."""
         from mistjax.analysis.layout import Partial, Shard
 
         g, res = self.graph, self.result
-        env: dict[Any, Any] = dict(g.consts)
+        env: dict[jex.Var, Value] = dict(g.consts)
         env.update(zip(g.invars, args))
         coll = _Collectives(self.axis)
         nodes, i = g.nodes, 0
@@ -79,19 +81,19 @@ class TensorParallelBlock:
         # The outputs in their final layouts (a partial sum resolved, the carry sequence-split).
         outs = []
         for v, st in zip(g.outvars, res.out_states):
-            o = _read(env, v)
+            o = read(env, v)
             if isinstance(v, jex.Var) and isinstance(res.states.get(v), Partial) and isinstance(st, Shard) \
                     and _is_float(o):
                 o = coll.reduce_scatter(o, st.dim)
             outs.append(self.constrain(o, st, coll) if isinstance(v, jex.Var) else o)
         return outs
 
-    def _run_node(self, n: Any, env: dict[Any, Any], coll: _Collectives) -> None:
+    def _run_node(self, n: Node, env: dict[jex.Var, Value], coll: _Collectives) -> None:
         """Evaluate one node under its propagated layouts, writing its results into ``env``."""
         from mistjax.analysis.layout import REP, Partial, Shard, same_layout
 
         res = self.result
-        vals = [_read(env, v) for v in n.ins]
+        vals = [read(env, v) for v in n.ins]
         eff = res.node_states.get(n, ([REP] * len(n.ins), []))[0]
         gather: dict[int, int] = {}  # input index -> split dim it is all-gathered from
         for k, (v, want) in enumerate(zip(n.ins, eff)):
@@ -112,8 +114,8 @@ class TensorParallelBlock:
         for v, o in zip(n.outs, out):
             env[v] = self.constrain(o, res.states.get(v, REP), coll)
 
-    def _run_checkpointed(self, run: Sequence[Any], params: dict[str, Any], env: dict[Any, Any],
-                          coll: _Collectives, later: Sequence[Any], outvars: Sequence[Any]) -> None:
+    def _run_checkpointed(self, run: Sequence[Node], params: Params, env: dict[jex.Var, Value],
+                          coll: _Collectives, later: Sequence[Node], outvars: Sequence[Atom]) -> None:
         """Evaluate the nodes inlined from one ``jax.checkpoint`` equation (its ``params``) under a
         checkpoint of its policy again: the graph is flat, and evaluated node by node autodiff would keep
         every intermediate of the model's recomputed norms and activations (`models.layers.recomputed`)."""
@@ -123,7 +125,7 @@ class TensorParallelBlock:
         used = {v for v in [*outvars, *(v for n in later for v in n.ins)] if isinstance(v, jex.Var)}
         outs = [v for n in run for v in n.outs if v in used]
 
-        def region(*vals: Any) -> list[Any]:
+        def region(*vals: Value) -> list[Value]:
             local = dict(env)
             local.update(zip(ins, vals))
             for n in run:
@@ -133,28 +135,24 @@ class TensorParallelBlock:
         fn = jax.checkpoint(region, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
         env.update(zip(outs, fn(*[env[v] for v in ins])))
 
-    def _run_custom_vjp(self, site: CallSite, env: dict[Any, Any], coll: _Collectives) -> None:
+    def _run_custom_vjp(self, site: CallSite, env: dict[jex.Var, Value], coll: _Collectives) -> None:
         """Bind an inlined ``custom_vjp`` call (the attention kernel, 16-bit probabilities) again on its
         inputs, so its own residuals and backward run. Its inside is per head (no tensor-parallel
         collective): GSPMD carries the inputs' head split through it."""
         from mistjax.analysis.layout import REP
 
-        out = bind_equation(site.eqn, [_read(env, v) for v in site.ins])
+        out = bind_equation(site.eqn, [read(env, v) for v in site.ins])
         for v, o in zip(site.outs, out):
             if isinstance(v, jex.Var) and v not in site.ins:
                 env[v] = self.constrain(o, self.result.states.get(v, REP), coll)
 
 
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    return v.val if isinstance(v, jex.Literal) else env[v]
-
-
-def _is_float(x: Any) -> bool:
+def _is_float(x: Value) -> bool:
     return jax.dtypes.issubdtype(x.dtype, np.inexact)
 
 
 def _split(x: jax.Array, dim: int, axis: str) -> jax.Array:
-    spec: list[Any] = [None] * x.ndim
+    spec: list[str | None] = [None] * x.ndim
     spec[dim] = axis
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
@@ -174,10 +172,10 @@ class _Collectives:
 
     def __init__(self, axis: str):
         self.axis = axis
-        self._gathered: dict[int, tuple[Any, Any]] = {}
-        self._roots: dict[int, tuple[Any, Any]] = {}  # id(constrained cotangent) -> (it, its source)
+        self._gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._roots: dict[int, tuple[jax.Array, jax.Array]] = {}  # id(constrained cotangent) -> (it, its source)
 
-    def _root(self, x: Any) -> Any:
+    def _root(self, x: jax.Array) -> jax.Array:
         while (hit := self._roots.get(id(x))) is not None and hit[0] is x:
             x = hit[1]
         return x
@@ -226,7 +224,8 @@ class _Collectives:
         run.defvjp(fwd, bwd)
         return run(x)
 
-    def gatheredbind_equation(self, eqn: Any, vals: Sequence[Any], gather: dict[int, int]) -> list[Any]:
+    def gatheredbind_equation(self, eqn: jex.JaxprEqn, vals: Sequence[Value], gather: dict[int, int]
+                              ) -> list[Value]:
         """``eqn`` applied to ``vals`` after all-gathering the inputs in ``gather``, Megatron-style.
 
         The custom VJP keeps the split inputs (not the gathered copies: 1/t of the bytes) for the
@@ -236,20 +235,20 @@ class _Collectives:
         """
         diff = [k for k, x in enumerate(vals) if hasattr(x, "shape") and _is_float(x)]
 
-        def apply(gathered: Callable[[jax.Array], jax.Array], *d: Any) -> list[Any]:
+        def apply(gathered: Callable[[jax.Array], jax.Array], *d: jax.Array) -> list[Value]:
             full = list(vals)
             for k, x in zip(diff, d):
                 full[k] = gathered(x) if k in gather else x
             return bind_equation(eqn, full)
 
         @jax.custom_vjp
-        def run(*d: Any) -> list[Any]:
+        def run(*d: jax.Array) -> list[Value]:
             return apply(_all_gather, *d)
 
-        def fwd(*d: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        def fwd(*d: jax.Array) -> tuple[list[Value], tuple[jax.Array, ...]]:
             return apply(_all_gather, *d), d
 
-        def bwd(d: tuple[Any, ...], ct: list[Any]) -> tuple[Any, ...]:
+        def bwd(d: tuple[jax.Array, ...], ct: list[jax.Array]) -> tuple[jax.Array, ...]:
             full = [self.all_gather(x) if k in gather else x for k, x in zip(diff, d)]
             _, vjp = jax.vjp(lambda *f: apply(lambda y: y, *f), *full)
             cts = vjp(ct)
@@ -265,7 +264,7 @@ def _all_gather(x: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------------------------ construction
 
-def tensor_parallel_block(fun: Callable[..., Any], traced: TracedLoss, *, layouts: Sequence[LeafLayout], tp: int,
+def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[LeafLayout], tp: int,
                           batch: Sequence[bool] | None = None) -> BlockFn | None:
     """A `BlockFn` running ``traced``'s layer under Megatron TP + SP layouts, or None for ``tp == 1``.
 
