@@ -130,12 +130,12 @@ def test_zero3_shards_the_state_over_eight_h100s():
 
 @needs_plugin
 def test_a_compile_only_gpu_mesh_defers_the_layer_sync():
-    """`runtime.grads.defers_row_sync` reads the mesh's devices, not ``jax.devices()`` (CPU here): a
-    deviceless H100 mesh defers, as the GPUs' own run would."""
-    from mistjax.runtime.grads import defers_row_sync
+    """`runtime.grads.mesh_capabilities` reads the mesh's devices, not ``jax.devices()`` (CPU here): a
+    deviceless H100 mesh defers the row sync, as the GPUs' own run would."""
+    from mistjax.runtime.grads import mesh_capabilities
 
     mesh = gpu_aot.device_mesh(gpu_aot.compile_only_devices(gpu_aot.load_target("h100"), 1, 8), 1)
-    assert defers_row_sync(mesh)
+    assert mesh_capabilities(mesh).defers_row_sync
 
 
 @needs_plugin
