@@ -24,12 +24,12 @@ __all__ = ["autoshard", "grad", "nnx", "value_and_grad", "with_master_weights", 
 
 
 def __getattr__(name: str) -> Any:
-    # The tuner pulls in cvxpy: import it on first use. `mistjax.tune` is the callable package
-    # (`mistjax.tune(workload, cluster)` tunes; `mistjax.tune.space` etc. stay reachable).
+    # The tuner pulls in cvxpy: import it on first use. `mistjax.tune` is the function; the package is
+    # `mistjax.tuning` (a different name, so that importing a submodule never shadows the function).
     if name in ("tune", "SearchSpace", "TuneResult"):
-        import mistjax.tune as tune_pkg
+        import mistjax.tuning as tuning
 
-        return tune_pkg if name == "tune" else getattr(tune_pkg, name)
+        return getattr(tuning, name)
     # The cost model pulls in sympy (symbolic analysis): also imported on first use.
     if name in ("analyze", "Workload"):
         import mistjax.cost as cost_pkg

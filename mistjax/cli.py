@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from mistjax.cost.predict import Analysis
     from mistjax.cost.workload import Workload
     from mistjax.hardware.presets import ClusterSpec
-    from mistjax.tune.tuner import Progress, TuneResult
+    from mistjax.tuning.tuner import Progress, TuneResult
     from mistjax.validate.verified import TuneFn, VerifiedPlan, VerifyRound
     from models.config import ModelConfig
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import models
     from mistjax.hardware.presets import ClusterSpec
-    from mistjax.tune import tune
+    from mistjax.tuning import tune
 
     warnings.simplefilter("ignore", RuntimeWarning)
     out_dir = Path(a.results)

@@ -29,7 +29,7 @@ import tyro  # noqa: E402
 
 import models  # noqa: E402
 from mistjax.hardware.presets import ClusterSpec  # noqa: E402
-from mistjax.tune import ABLATION_STEPS, SearchSpace, ablation_spaces, baseline_spaces, search  # noqa: E402
+from mistjax.tuning import ABLATION_STEPS, SearchSpace, ablation_spaces, baseline_spaces, search  # noqa: E402
 from mistjax.validate.published import as_megatron_runs_it, load_published, measured_speedups  # noqa: E402
 
 PLATFORMS = {"l4": 2048, "a100-40gb": 4096}  # platform -> sequence length

@@ -133,7 +133,7 @@ def test_pretrain_flags_come_from_the_config_and_offer_plan_auto(tmp_path):
 
 
 def test_highs_banner_is_silenced():
-    code = ("import cvxpy as cp; from mistjax.tune.milp import _run_solver; x = cp.Variable(2, integer=True); "
+    code = ("import cvxpy as cp; from mistjax.tuning.milp import _run_solver; x = cp.Variable(2, integer=True); "
             "print(_run_solver(cp.Problem(cp.Minimize(cp.sum(x)), [x >= 1.5]), {'verbose': False}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "optimal", out.stdout

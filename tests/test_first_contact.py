@@ -77,7 +77,7 @@ def test_import_is_light(tmp_path: Path) -> None:
     code = ("import sys, mistjax, jax; from mistjax.plan import uniform_plan; "
             "step = mistjax.autoshard(lambda s, b: (s, {}), jax.devices()[:1], plan=uniform_plan(1, 1)); "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'sympy', 'cvxpy'}); print(heavy); "
-            "print(sorted(m for m in sys.modules if m.startswith(('mistjax.analysis', 'mistjax.tune', "
+            "print(sorted(m for m in sys.modules if m.startswith(('mistjax.analysis', 'mistjax.tuning', "
             "'mistjax.cost'))))")
     proc = _run([sys.executable, "-c", code], tmp_path)
     assert proc.stdout.split("\n")[:2] == ["[]", "[]"], proc.stdout
@@ -122,7 +122,7 @@ def test_search_progress_reports_every_key_and_changes_nothing() -> None:
 
     import models
     from mistjax.hardware.presets import ClusterSpec
-    from mistjax.tune import SearchSpace, search
+    from mistjax.tuning import SearchSpace, search
 
     w = stub.Workload.from_model(models.get_config("llama-tiny"), 32, 16)
     cl = ClusterSpec.preset("cpu", nodes=1, per_node=8)

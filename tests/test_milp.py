@@ -1,4 +1,4 @@
-"""Tests for mistjax.tune.milp: inter-stage MILP against brute force, cuts, limits and imbalance."""
+"""Tests for mistjax.tuning.milp: inter-stage MILP against brute force, cuts, limits and imbalance."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import cvxpy as cp
 import numpy as np
 import pytest
 
-from mistjax.tune import milp
-from mistjax.tune.milp import (
+from mistjax.tuning import milp
+from mistjax.tuning.milp import (
     InterStageSolution,
     brute_force_inter_stage,
     default_layer_options,
     pipeline_objective,
     solve_inter_stage,
 )
-from mistjax.tune.pareto import sample_pareto
+from mistjax.tuning.pareto import sample_pareto
 
 RTOL = 1e-6
 
@@ -227,3 +227,15 @@ def test_default_layer_options() -> None:
     assert default_layer_options(5, 2, 8) == (1, 2, 3, 4)
     with pytest.raises(ValueError):
         default_layer_options(2, 3, 4)
+
+
+def test_solves_agree_on_highs_threads_in_one_process() -> None:
+    """HiGHS fixes its thread count at a process's first solve; a later solve asking for another fails (cvxpy's
+    SolverError, which reads as a stop without a feasible point). Every solve runs with `HIGHS_DEFAULTS`, so a
+    direct call, the tuner's calls and a call with other HiGHS options all solve in one process."""
+    case = _random_case(4)
+    first = solve_inter_stage(**case)
+    again = solve_inter_stage(**case, highs_options={"random_seed": 0, "mip_rel_gap": 1e-6})
+    assert first is not None and again is not None and again.objective == pytest.approx(first.objective)
+    with pytest.raises(ValueError, match="threads"):
+        solve_inter_stage(**case, highs_options={"threads": 4})

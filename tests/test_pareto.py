@@ -1,11 +1,11 @@
-"""Tests for mistjax.tune.pareto: frontier mask and K-point frontier sampling."""
+"""Tests for mistjax.tuning.pareto: frontier mask and K-point frontier sampling."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mistjax.tune.pareto import pareto_mask, sample_pareto
+from mistjax.tuning.pareto import pareto_mask, sample_pareto
 
 
 def _reference_mask(stable: np.ndarray, delta: np.ndarray) -> np.ndarray:

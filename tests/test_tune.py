@@ -20,11 +20,11 @@ from flax import nnx
 import mistjax
 import models
 from mistjax.hardware.presets import ClusterSpec
-from mistjax.tune import SearchSpace, baseline_spaces, search, tune
-from mistjax.tune.inter import tune_key
-from mistjax.tune.intra import sample_stage_tables
-from mistjax.tune.milp import brute_force_inter_stage
-from mistjax.tune.space import OuterKey, outer_keys, shard_groups, strategy_grid
+from mistjax.tuning import SearchSpace, baseline_spaces, search, tune
+from mistjax.tuning.inter import tune_key
+from mistjax.tuning.intra import sample_stage_tables
+from mistjax.tuning.milp import brute_force_inter_stage
+from mistjax.tuning.space import OuterKey, outer_keys, shard_groups, strategy_grid
 
 warnings.filterwarnings("ignore", message=".*time limit.*", category=RuntimeWarning)
 
@@ -143,7 +143,7 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     stop at the limit (give or take the few calls a key makes before its first check), instead of
     searching the whole space. The count is exact, so nothing here depends on this machine's speed."""
     from mistjax.core.strategies import CostModel
-    from mistjax.tune import inter, tuner
+    from mistjax.tuning import inter, tuner
 
     now = [0.0]
 

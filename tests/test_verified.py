@@ -15,7 +15,7 @@ import models
 from mistjax.core.plan import guarded_peak
 from mistjax.cost.predict import analyze
 from mistjax.hardware import ClusterSpec
-from mistjax.tune import tune
+from mistjax.tuning import tune
 from mistjax.validate.verified import tune_verified
 
 CFG = models.get_config("gpt3-1.3b").replace(dtype="bfloat16")

@@ -18,13 +18,13 @@ from mistjax.runtime.step import AxisRules, PlannedStep, ShardedStep
 if TYPE_CHECKING:  # the tuner imports cvxpy, the cost model sympy; keep `import mistjax` light until a plan is tuned
     from mistjax.cost.workload import Workload
     from mistjax.hardware.presets import ClusterSpec
-    from mistjax.tune.space import SearchSpace
-    from mistjax.tune.tuner import TuneResult
+    from mistjax.tuning.space import SearchSpace
+    from mistjax.tuning.tuner import TuneResult
 
 
 def tune(workload: Workload, cluster: ClusterSpec, **options: Any) -> TuneResult:  # options: see tuner.tune
-    """Tune a plan offline (no devices needed); see `mistjax.tune.tuner.tune` for the options."""
-    from mistjax.tune.tuner import tune as run
+    """Tune a plan offline (no devices needed); see `mistjax.tuning.tuner.tune` for the options."""
+    from mistjax.tuning.tuner import tune as run
 
     return run(workload, cluster, **options)
 

@@ -36,8 +36,8 @@ from mistjax.runtime import fit
 from mistjax.runtime.mpmd_state import is_staged
 from mistjax.runtime.report import AppliedReport, PipelineReport
 from mistjax.runtime.step import AxisRules, CompiledPrograms, LossCall, ShardedStep, StepAnalysis, analyze_step
-from mistjax.tune.space import SearchSpace
-from mistjax.tune.tuner import TunedPlan, TuneResult, default_cost_model, fingerprints, tune
+from mistjax.tuning.space import SearchSpace
+from mistjax.tuning.tuner import TunedPlan, TuneResult, default_cost_model, fingerprints, tune
 
 __all__ = ["AutoShardedStep", "Hardware", "MeshLike", "detect_cluster", "step_workload"]
 

@@ -4,7 +4,7 @@ spaces on the same tuner and cost model (docs/internals.md).
 
 from __future__ import annotations
 
-from mistjax.tune.space import SearchSpace
+from mistjax.tuning.space import SearchSpace
 
 __all__ = ["ABLATION_STEPS", "BASELINES", "ablation_spaces", "baseline_spaces"]
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mistjax.core.strategies import CostModel, WorkloadLike
-from mistjax.tune.intra import ScheduleMemo, StageTables, prepare_key, price, price_pairs, sample_stage_tables
-from mistjax.tune.milp import solve_inter_stage
-from mistjax.tune.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, layer_options, strategy_grid
+from mistjax.tuning.intra import ScheduleMemo, StageTables, prepare_key, price, price_pairs, sample_stage_tables
+from mistjax.tuning.milp import solve_inter_stage
+from mistjax.tuning.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, layer_options, strategy_grid
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -150,8 +150,7 @@ def _solve_groups(tables: StageTables, k: int, shared: bool, best: KeyChoice | N
         optimal &= left > 0
         sol = solve_inter_stage(sampled.stable[g], sampled.delta[g], tables.layer_options, num_layers, G,
                                 time_limit=_FIRST_MILP_S if left <= 0 else max(0.05, _MILP_SHARE * left),
-                                best_cost=cut,
-                                highs_options={"threads": 1, "random_seed": 0})
+                                best_cost=cut)
         milps += 1
         if sol is None:
             continue

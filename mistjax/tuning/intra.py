@@ -13,8 +13,8 @@ import numpy as np
 
 from mistjax.core.schedules import inflight_microbatches
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
-from mistjax.tune.pareto import sample_pareto
-from mistjax.tune.space import (
+from mistjax.tuning.pareto import sample_pareto
+from mistjax.tuning.space import (
     OuterKey,
     RematOptions,
     SearchSpace,

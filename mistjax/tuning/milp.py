@@ -32,7 +32,7 @@ import scipy.sparse as sp
 
 from mistjax.core.pipeline_time import exposed_delta
 from mistjax.core.pipeline_time import pipeline_1f1b_time as pipeline_objective
-from mistjax.tune.pareto import pareto_mask
+from mistjax.tuning.pareto import pareto_mask
 
 __all__ = [
     "InterStageSolution",
@@ -164,6 +164,10 @@ def _cut_allows(s: np.ndarray, G: int, best_cost: float | None) -> np.ndarray:
     with np.errstate(invalid="ignore"):  # 0 * inf for infeasible entries when G == 1
         return (G - 1) * s <= best_cost
 
+
+# Every solve: one thread (HiGHS fixes its thread count at the first solve in a process, and a later solve
+# asking for another fails: cvxpy's SolverError), seed 0 (the same plan whatever the machine).
+HIGHS_DEFAULTS = {"threads": 1, "random_seed": 0}
 
 _BANNER_SILENCED: list[bool] = []
 
@@ -325,8 +329,11 @@ class _InterStageModel:
     def solve(self, time_limit: float, mip_rel_gap: float, verbose: bool,
               highs_options: dict | None) -> tuple[str, float]:
         """Run HiGHS; the cvxpy status and the seconds HiGHS reports it spent."""
-        options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "verbose": verbose}
-        options.update(highs_options or {})
+        options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "verbose": verbose,
+                   **HIGHS_DEFAULTS, **(highs_options or {})}
+        if options["threads"] != HIGHS_DEFAULTS["threads"]:
+            raise ValueError(f"highs_options threads={options['threads']}: HiGHS fixes its thread count at the "
+                             "process's first solve, and mistjax solves with one thread; leave threads out")
         status = _run_solver(self.problem, options)
         stats = self.problem.solver_stats
         return status, (float(stats.solve_time or 0.0) if stats else 0.0)

@@ -1,4 +1,4 @@
-"""`mistjax.tune`: outer loops over TP, stage count and micro-batch, then Plan construction.
+"""`mistjax.tune` (`mistjax.tuning.tuner.tune`): outer loops over TP, stages and micro-batch, then the Plan.
 
 ``search`` runs one search space: for every outer key (`space.outer_keys`) it prices all stage
 strategies (`intra.evaluate_key`), solves the stage assignment (`inter.solve_key`, pruned by the
@@ -21,10 +21,10 @@ import numpy as np
 
 from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
-from mistjax.tune.baselines import ablation_spaces, baseline_spaces
-from mistjax.tune.inter import KeyChoice, key_bound, tune_key
-from mistjax.tune.intra import ScheduleMemo, StageTables, sample_stage_tables
-from mistjax.tune.space import OuterKey, SearchSpace, outer_keys
+from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
+from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
+from mistjax.tuning.intra import ScheduleMemo, StageTables, sample_stage_tables
+from mistjax.tuning.space import OuterKey, SearchSpace, outer_keys
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -160,7 +160,7 @@ def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -
     if tables.key.stages == 1:
         G = tables.key.grad_accum
         s, d = tables.stable[0, 0].ravel(), tables.delta[0, 0].ravel()
-        from mistjax.tune.pareto import sample_pareto  # local: only the S = 1 report needs it here
+        from mistjax.tuning.pareto import sample_pareto  # local: only the S = 1 report needs it here
         pick = sample_pareto(s, d, G, k)
         ok = pick.indices >= 0
         return ({"stage": 0, "layers": choice.layers[0], "stable": pick.stable[ok].tolist(),
@@ -450,7 +450,7 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
         cluster: the `ClusterSpec` to plan for (its memory budget is the limit).
         space: mistjax's space (default: the full space).
         time_limit: seconds for mistjax's search.
-        baselines: baseline names (default: all of `mistjax.tune.baselines.BASELINES`; ``()``: none).
+        baselines: baseline names (default: all of `mistjax.tuning.baselines.BASELINES`; ``()``: none).
         ablations: also search the ablation steps.
         cost: the cost model (default `mistjax.cost.COST_MODEL`).
         baseline_time_limit: seconds for each baseline / ablation search.
