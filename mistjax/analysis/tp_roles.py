@@ -28,13 +28,12 @@ from jax.extend import core as jex
 from mistjax.analysis.graph import Graph, Node, build_graph
 from mistjax.analysis.layout import REP, Shard, State, TPResult
 from mistjax.analysis.tp import propagate
-from mistjax.core.axes import apply_axis_rules, leaf_axes
+from mistjax.core.axes import AxisRules, apply_axis_rules, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
 from mistjax.core.types import PyTree
 from mistjax.trace.split import TracedLoss
 
 Axes = tuple[str | None, ...] | None
-AxisRules: TypeAlias = Sequence[tuple[str, str | Sequence[str] | None]]  # MaxText's [(logical, mesh axes)]
 SPLIT_NAME = "mlp"  # the logical name an inferred split dim gets (any of TENSOR_AXES would do)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from mistjax.core.hlo import ASYNC_COLLECTIVE_PLATFORMS
-from mistjax.core.layout import PARAM, LeafLayout
+from mistjax.core.layout import PARAM, LeafLayout, select_offload
 from mistjax.core.stages import OFFLOAD, SegmentKind, layer_segments
 
 _Flag = TypeVar("_Flag", bool, np.ndarray)
@@ -132,6 +132,16 @@ def rows_synced_in_loop(zero: ArrayLike, dp: ArrayLike, group: ArrayLike, grad_a
     return live & (np.asarray(grad_accum) == 1) & ~np.asarray(pipelined, bool)
 
 
+def host_accumulators(layouts: Sequence[LeafLayout], offload_grads: float) -> list[bool]:
+    """Per parameter leaf of a stage: its gradient accumulator lives in host memory (gradient offload).
+
+    Stacked (or one layer's, of an unrolled stack) weights only, chosen by `core.layout.select_offload` for the
+    stage's ``offload_grads`` ratio, largest first; the embedding and head keep theirs on the device.
+    """
+    sizes = [lay.nbytes_elems if lay.stacked or lay.layer_slice else 0 for lay in layouts]
+    return [h and n > 0 for h, n in zip(select_offload(sizes, offload_grads), sizes)]
+
+
 def is_batch_leaf(shape: Sequence[int], global_batch: int) -> bool:
     """Whether a leaf of the loss's other arguments is batch data: its leading dim is the global batch (split
     over the data-parallel axes and into micro-batches); the others are passed whole to every device."""
@@ -232,5 +242,5 @@ def lower_stage(leaves: Sequence[LeafFacts], *, num_layers: int, remat_layers: i
         double_buffer=double_buffer, defer_sync=bool(synced) and caps.defers_row_sync)
 
 
-__all__ = ["Capabilities", "LayerScan", "LeafFacts", "StageExecution", "is_batch_leaf", "layer_scans",
-           "lower_stage", "rows_synced_in_loop", "scan_bodies", "scan_unroll"]
+__all__ = ["Capabilities", "LayerScan", "LeafFacts", "StageExecution", "host_accumulators", "is_batch_leaf",
+           "layer_scans", "lower_stage", "rows_synced_in_loop", "scan_bodies", "scan_unroll"]

@@ -18,8 +18,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.execution import Capabilities, LeafFacts, StageExecution, is_batch_leaf, lower_stage
-from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout, select_offload
+from mistjax.core.execution import (
+    Capabilities,
+    LeafFacts,
+    StageExecution,
+    host_accumulators,
+    is_batch_leaf,
+    lower_stage,
+)
+from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout
 from mistjax.core.plan import Plan, PlanError, StagePlan
 from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime.accumulate import SliceGrad
@@ -511,8 +518,7 @@ def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tup
     G, scale = plan.grad_accum, 1.0 / (plan.dp * plan.grad_accum)
     full_params = jax.tree.unflatten(p_tree, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves])
     # Gradient accumulators kept in host memory between micro-batches (only worth it when G > 1).
-    grad_sizes = [s.layout.nbytes_elems if s.layout.stacked or s.layout.layer_slice else 0 for s in specs]
-    acc_host = [h and n > 0 for h, n in zip(select_offload(grad_sizes, stage.offload_grads), grad_sizes)]
+    acc_host = host_accumulators([s.layout for s in specs], stage.offload_grads)
 
     def body(p_local: list[jax.Array], r_local: list[jax.Array]) -> Any:
         mbs = [split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]

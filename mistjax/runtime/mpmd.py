@@ -33,8 +33,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import Axes, leaf_axes
-from mistjax.core.execution import is_batch_leaf
-from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts, select_offload
+from mistjax.core.execution import host_accumulators, is_batch_leaf
+from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts
 from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
@@ -336,8 +336,7 @@ class MpmdStep:
         held_params = [j for j, i in enumerate(self.param_index) if i in self.layouts[k]]
         lays = [self.layouts[k][self.param_index[j]] for j in held_params]
         sp = self.plan.stages[k]
-        sizes = [lay.nbytes_elems if lay.stacked else 0 for lay in lays]
-        acc_host = [h and n > 0 for h, n in zip(select_offload(sizes, sp.offload_grads), sizes)]
+        acc_host = host_accumulators(lays, sp.offload_grads)
         spec = StageSpec(index=k, num_stages=self.K, layers=sp.layers, plan=self.one_stage_plans[k],
                          mesh=self.meshes[k], params=tuple(held_params), layouts=tuple(lays),
                          acc_host=tuple(acc_host), uses_batch=self._uses_batch(k))

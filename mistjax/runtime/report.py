@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mistjax.core.execution import StageExecution
-from mistjax.core.layout import OPT, PARAM, LeafLayout, select_offload
+from mistjax.core.execution import StageExecution, host_accumulators
+from mistjax.core.layout import OPT, PARAM, LeafLayout
 from mistjax.core.plan import Plan, StagePlan, format_bytes
 
 
@@ -194,17 +194,15 @@ def applied_report(layouts: Sequence[LeafLayout], itemsizes: Sequence[int], plan
 def grad_accumulators_on_host(layouts: Sequence[LeafLayout], plan: Plan, uses_mistjax_grad: bool) -> list[bool]:
     """Per leaf of a one-program step: its gradient accumulator lives in host memory between micro-batches.
 
-    The rule of `mistjax.runtime.grads.sharded_value_and_grad`: with several micro-batches, stacked (or
-    layer-sliced) parameters chosen by `select_offload` for the stage's ``offload_grads``; with one
-    micro-batch there is no accumulator to keep anywhere.
+    `core.execution.host_accumulators` (the rule `runtime.grads.sharded_value_and_grad` runs) with several
+    micro-batches; with one micro-batch there is no accumulator to keep anywhere.
     """
     out = [False] * len(layouts)
     if plan.grad_accum <= 1 or not uses_mistjax_grad:
         return out
     idx = [i for i, lay in enumerate(layouts) if lay.role == PARAM]
-    sizes = [layouts[i].nbytes_elems if layouts[i].stacked or layouts[i].layer_slice else 0 for i in idx]
-    for i, h, n in zip(idx, select_offload(sizes, plan.stages[0].offload_grads), sizes):
-        out[i] = h and n > 0
+    for i, h in zip(idx, host_accumulators([layouts[i] for i in idx], plan.stages[0].offload_grads)):
+        out[i] = h
     return out
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.axes import apply_axis_rules, is_stacked, leaf_axes
+from mistjax.core.axes import AxisRules, apply_axis_rules, is_stacked, leaf_axes
 from mistjax.core.execution import StageExecution
 from mistjax.core.layout import (
     OPT,
@@ -48,7 +48,6 @@ from mistjax.runtime.report import (
 )
 from mistjax.trace.split import checkpoint_names, trace_loss
 
-AxisRules: TypeAlias = Sequence[tuple[str, str | Sequence[str | None] | None]]
 """MaxText-style logical-axis rules ``[("mlp", "tensor"), ("embed", None), ...]`` (`core.axes.apply_axis_rules`)."""
 
 
