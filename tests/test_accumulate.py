@@ -136,11 +136,11 @@ def test_zoo_models_accumulate_their_stacked_layers_in_the_loop():
     tok = jnp.zeros((2, 9), jnp.int32)
     traced = trace_loss(loss, params, {"inputs": tok[:, :-1], "targets": tok[:, 1:]})
     assert set(runtime_grads.loop_eligible_leaves(traced)) == set(traced.stack.stacked_leaves)
-    from mistjax.core.execution import Capabilities, LeafFacts, lower_stage
+    from mistjax.core.execution import Capabilities, StageLeaf, lower_stage
     from mistjax.core.layout import LeafLayout
 
     eligible = runtime_grads.loop_eligible_leaves(traced)
-    facts = [LeafFacts(LeafLayout("param", (1,), None, (), None, True, False), 0, i in eligible, i in eligible)
+    facts = [StageLeaf(LeafLayout("param", (1,), None, (), None, True, False), 0, i in eligible, i in eligible)
              for i in range(traced.num_param_leaves)]
 
     def in_loop(G: int, dp: int) -> frozenset[int]:

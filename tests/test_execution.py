@@ -21,7 +21,7 @@ import pytest
 import mistjax
 from mistjax.core.execution import (
     Capabilities,
-    LeafFacts,
+    StageLeaf,
     is_batch_leaf,
     layer_scans,
     lower_stage,
@@ -54,9 +54,9 @@ def test_layer_scans_cover_the_layers_with_the_charged_unroll_and_bodies(double_
     assert [(s.num_layers, s.unroll) for s in layer_scans(7, 0, 0, True)] == [(6, 2), (1, 1)]
 
 
-def _facts(zero: int, n: int = 3, **kw) -> list[LeafFacts]:
+def _facts(zero: int, n: int = 3, **kw) -> list[StageLeaf]:
     lay = LeafLayout(PARAM, (4, 8), None, (), 1, True, zero == 3)
-    return [LeafFacts(lay, zero, loop_eligible=True, in_stack=True, **kw) for _ in range(n)]
+    return [StageLeaf(lay, zero, loop_eligible=True, in_stack=True, **kw) for _ in range(n)]
 
 
 def test_lower_stage_matches_the_vectorised_sync_rule():

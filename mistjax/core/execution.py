@@ -3,7 +3,7 @@ the report.
 
 A `Plan` says what to do (ZeRO level, remat layers, offload ratios); how the code carries it out depends on
 the platform (`Capabilities`: may a collective run under the next layer's compute?) and on the model's
-parameter leaves (`LeafFacts`: which are stacked layer weights read only by the layer loop). `lower_stage`
+parameter leaves (`StageLeaf`: which are stacked layer weights read only by the layer loop). `lower_stage`
 combines the three into a `StageExecution`: the layer scans with their unroll, which leaves are fetched per
 layer, which gradients are accumulated or synchronised inside the backward layer loop, and whether those
 collectives are double-buffered or deferred. The runtime builds its layer loops and gradient sinks from it
@@ -149,12 +149,12 @@ def is_batch_leaf(shape: Sequence[int], global_batch: int) -> bool:
 
 
 # -------------------------------------------------------------------------------------- the stage plan
-class LeafFacts(NamedTuple):
-    """What the lowering needs to know of one parameter leaf a stage holds.
+class StageLeaf(NamedTuple):
+    """One parameter leaf as a stage runs it: its layout, the stage's ZeRO level, what the traced loss says of it.
 
     Attributes:
       layout: its storage layout (`core.layout.plan_layouts`).
-      zero: the ZeRO level of the stage holding it.
+      zero: the ZeRO level of the stage holding it (0-3; a non-parameter leaf's is 0).
       loop_eligible: a stacked weight of a scanned layer stack, read by the layer loop only, of a float dtype:
         its gradient can be handled row by row inside the backward layer loop.
       in_stack: the layer loop scans it (a stacked layer weight, or one layer's leaf of an unrolled stack).
@@ -163,8 +163,8 @@ class LeafFacts(NamedTuple):
 
     layout: LeafLayout
     zero: int
-    loop_eligible: bool
-    in_stack: bool
+    loop_eligible: bool = False
+    in_stack: bool = False
     host_accumulator: bool = False
 
     @property
@@ -173,10 +173,25 @@ class LeafFacts(NamedTuple):
         return self.zero if self.layout.shard_dim is not None else 0
 
     @property
+    def weights_sharded(self) -> bool:
+        """ZeRO-3: a parameter stored sharded over its partition group (all-gathered per use)."""
+        return self.layout.sharded and self.layout.role == PARAM
+
+    @property
     def fetched(self) -> bool:
-        """Its stored copy is not its compute copy: a ZeRO-3-sharded weight (all-gathered per use) or a
-        host-resident one (copied in per use)."""
-        return self.layout.host or (self.layout.sharded and self.layout.role == PARAM)
+        """Its stored copy is not its compute copy: ZeRO-3-sharded (all-gathered per use) or host-resident
+        (copied in per use)."""
+        return self.layout.host or self.weights_sharded
+
+    @property
+    def scatter_each_microbatch(self) -> bool:
+        """ZeRO-2 without ZeRO-3: each micro-batch's gradient is reduce-scattered (ZeRO-3's via autodiff)."""
+        return self.zero == 2 and self.layout.shard_dim is not None
+
+    @property
+    def out_sharded(self) -> bool:
+        """ZeRO >= 1: the step's gradient comes out split over the partition group."""
+        return self.zero >= 1 and self.layout.shard_dim is not None
 
 
 @dataclass(frozen=True)
@@ -185,7 +200,7 @@ class StageExecution:
 
     Attributes:
       scans: the layer loop's scans, in layer order.
-      fetched: leaves fetched per use (`LeafFacts.fetched`).
+      fetched: leaves fetched per use (`StageLeaf.fetched`).
       in_loop: leaves whose gradient the backward layer loop adds into its accumulator (several micro-batches
         or a pipeline stage) or synchronises (`synced`).
       synced: leaves whose gradient rows the backward layer loop synchronises (`rows_synced_in_loop`).
@@ -215,7 +230,7 @@ class StageExecution:
                 f"gradient accumulators on host: {len(self.host_accumulators)} leaves"]
 
 
-def lower_stage(leaves: Sequence[LeafFacts], *, num_layers: int, remat_layers: int, offload_layers: int,
+def lower_stage(leaves: Sequence[StageLeaf], *, num_layers: int, remat_layers: int, offload_layers: int,
                 grad_accum: int, dp: int, group: int, pipelined: bool, caps: Capabilities) -> StageExecution:
     """The `StageExecution` of one stage.
 
@@ -242,5 +257,5 @@ def lower_stage(leaves: Sequence[LeafFacts], *, num_layers: int, remat_layers: i
         double_buffer=double_buffer, defer_sync=bool(synced) and caps.defers_row_sync)
 
 
-__all__ = ["Capabilities", "LayerScan", "LeafFacts", "StageExecution", "host_accumulators", "is_batch_leaf",
+__all__ = ["Capabilities", "LayerScan", "StageExecution", "StageLeaf", "host_accumulators", "is_batch_leaf",
            "layer_scans", "lower_stage", "rows_synced_in_loop", "scan_bodies", "scan_unroll"]

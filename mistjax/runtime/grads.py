@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.core.execution import (
     Capabilities,
-    LeafFacts,
     StageExecution,
+    StageLeaf,
     host_accumulators,
     is_batch_leaf,
     lower_stage,
@@ -35,26 +35,6 @@ from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
 from mistjax.trace.split import TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
 
 MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
-
-
-@dataclass(frozen=True)
-class GradSpec:
-    """How one parameter leaf's gradient is reduced."""
-
-    layout: LeafLayout
-    zero: int  # ZeRO stage of the stage owning this leaf (0-3)
-
-    @property
-    def weights_sharded(self) -> bool:
-        return self.layout.sharded and self.layout.role == PARAM
-
-    @property
-    def scatter_each_microbatch(self) -> bool:  # ZeRO-2 without ZeRO-3 (ZeRO-3 scatters via autodiff)
-        return self.zero == 2 and self.layout.shard_dim is not None
-
-    @property
-    def out_sharded(self) -> bool:  # returned gradient is split over the partition group (ZeRO >= 1)
-        return self.zero >= 1 and self.layout.shard_dim is not None
 
 
 def _widen_for_reduction(x: jax.Array) -> Any:
@@ -168,7 +148,7 @@ def regather_updated_params(leaves: Sequence[jax.Array], inputs: Sequence[jax.Ar
     return out
 
 
-def make_fetch(spec: GradSpec, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
+def make_fetch(spec: StageLeaf, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
     """Turn a stored (maybe host-resident, maybe ZeRO-3-sharded) weight into its compute copy."""
     host, sharded = spec.layout.host, spec.weights_sharded
     if not (host or sharded):
@@ -258,13 +238,13 @@ def _sequence_split(tp: int) -> Callable[[Any], Any]:
     return constrain
 
 
-def _slice_grad(spec: GradSpec, plan: Plan) -> SliceGrad:
+def _slice_grad(spec: StageLeaf, plan: Plan) -> SliceGrad:
     """How one layer's cotangent of a stored weight slice enters the accumulator (see `_microbatch_grad`):
     `_finish_one` on a slice (the layer dim dropped)."""
     return lambda ct: _finish_one(ct, spec, plan, layer_slice=True)
 
 
-def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: StagePlan, specs: Sequence[GradSpec],
+def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: StagePlan, specs: Sequence[StageLeaf],
                      index: Callable[[int], int], plan: Plan, *, refetch_plain: bool = True) -> LayerLoop:
     """The layer loop of one stage, as its `StageExecution` says: per-layer fetches, remat and activation
     offload per scan, and how each layer's weight cotangent enters its accumulator; the single-stage step and
@@ -291,7 +271,7 @@ def mesh_capabilities(mesh: Mesh | None) -> Capabilities:
     return Capabilities(True) if mesh is None else Capabilities.of_platform(mesh.devices.flat[0].platform)
 
 
-def stage_execution(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Sequence[bool],
+def stage_execution(traced: TracedLoss, specs: Sequence[StageLeaf], acc_host: Sequence[bool],
                     index: Callable[[int], int | None], *, stage: StagePlan, grad_accum: int, mesh: Mesh,
                     pipelined: bool) -> StageExecution:
     """Lower one stage to its `StageExecution` (`core.execution.lower_stage`) from the traced loss.
@@ -304,8 +284,8 @@ def stage_execution(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Seq
     st = traced.stack
     scanned = set() if st is None else {index(traced.real_index(i)) for i in st.xs_leaf if i is not None}
     held = {index(i): i for i in range(traced.num_param_leaves) if index(i) is not None}
-    facts = [LeafFacts(s.layout, s.zero, held.get(j) in eligible, j in scanned, bool(acc_host[j]))
-             for j, s in enumerate(specs)]
+    facts = [s._replace(loop_eligible=held.get(j) in eligible, in_stack=j in scanned,
+                        host_accumulator=bool(acc_host[j])) for j, s in enumerate(specs)]
     dp = math.prod(mesh.shape[a] for a in DP_AXES)
     return lower_stage(facts, num_layers=stage.num_layers, remat_layers=stage.remat_layers,
                        offload_layers=stage.offloaded_layers, grad_accum=grad_accum, dp=dp,
@@ -314,7 +294,7 @@ def stage_execution(traced: TracedLoss, specs: Sequence[GradSpec], acc_host: Seq
 
 def loop_eligible_leaves(traced: TracedLoss) -> frozenset[int]:
     """The stacked weights of a scanned stack read by the layer loop only, of a float dtype: those whose
-    gradient can be handled per layer inside the backward layer loop (`core.execution.LeafFacts`)."""
+    gradient can be handled per layer inside the backward layer loop (`core.execution.StageLeaf`)."""
     st = traced.stack
     if st is None or traced.groups is not None:
         return frozenset()
@@ -330,7 +310,7 @@ def _shard_group_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in SHARD_AXES)
 
 
-def row_sync(spec: GradSpec, mesh: Mesh) -> SliceGrad:
+def row_sync(spec: StageLeaf, mesh: Mesh) -> SliceGrad:
     """The collective that synchronises one layer's summed gradient row (the layer dim dropped) of a leaf the
     `StageExecution` syncs in the loop: what `finish_grads` does to the whole leaf at the end of the step
     (ZeRO-1 reduce-scatter over the partition group, MiCS hop 1; else the all-reduce over the DP axes)."""
@@ -358,7 +338,7 @@ class _Sinks:
     defer: bool = False
 
 
-def _synced_shape(shape: Sequence[int], spec: GradSpec, mesh: Mesh) -> tuple[int, ...]:
+def _synced_shape(shape: Sequence[int], spec: StageLeaf, mesh: Mesh) -> tuple[int, ...]:
     """The shape of a leaf's synchronised gradient: the partition group's shard under ZeRO-1."""
     out = list(shape)
     if spec.zero == 1 and spec.layout.shard_dim is not None:
@@ -367,7 +347,7 @@ def _synced_shape(shape: Sequence[int], spec: GradSpec, mesh: Mesh) -> tuple[int
 
 
 def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, execution: StageExecution,
-           specs: Sequence[GradSpec], plan: Plan, mesh: Mesh, sync: bool) -> _Sinks:
+           specs: Sequence[StageLeaf], plan: Plan, mesh: Mesh, sync: bool) -> _Sinks:
     """The buffers one micro-batch's layer loop feeds (see `_Sinks`): the accumulators, or on the
     synchronising pass (G == 1, no accumulator) zeros of the synchronised shape, so that ZeRO-1 never
     holds the layers' whole gradient."""
@@ -378,7 +358,7 @@ def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, execution: Sta
     return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in execution.synced}, defer=execution.defer_sync)
 
 
-def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Sequence[GradSpec], plan: Plan
+def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Sequence[StageLeaf], plan: Plan
                        ) -> LayerLoop | None:
     """The step's layer loop, entered through the sequence split under tensor parallelism; None for a loss
     without a layer stack (an error if the plan needs one)."""
@@ -393,7 +373,7 @@ def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Seq
     return dataclasses.replace(loop, enter=_sequence_split(plan.tp)) if plan.tp > 1 else loop
 
 
-def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequence[GradSpec],
+def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequence[StageLeaf],
                      layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool],
                      execution: StageExecution, mesh: Mesh) -> MicrobatchGrad:
     """One micro-batch's loss, aux and gradients, run as the plan says.
@@ -441,7 +421,7 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
 
 
 def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.Array], sinks: _Sinks,
-               specs: Sequence[GradSpec], plan: Plan) -> tuple[jax.Array, Any, list[jax.Array]]:
+               specs: Sequence[StageLeaf], plan: Plan) -> tuple[jax.Array, Any, list[jax.Array]]:
     """`_microbatch_grad`'s gradient with the layer loop feeding `sinks`: the sinks' leaves are not
     differentiated; the sinks are, seeded with their own value, so their cotangents are the results."""
     fed = set(sinks.acc) | set(sinks.out)
@@ -464,7 +444,7 @@ def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.
     return value, aux, g
 
 
-def _finish_one(g: jax.Array, spec: GradSpec, plan: Plan, layer_slice: bool = False) -> jax.Array:
+def _finish_one(g: jax.Array, spec: StageLeaf, plan: Plan, layer_slice: bool = False) -> jax.Array:
     """One micro-batch gradient (of one layer's slice with `layer_slice`) in the plan's dtype, on device (a
     host-streamed weight's arrives in host memory: the transpose of its fetch), reduce-scattered under ZeRO-2."""
     g = grad_dtype_of(plan, to_device(g, spec.layout.host))
@@ -513,7 +493,7 @@ def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tup
                         "not as one program")
     p_leaves, p_tree = jax.tree.flatten(params)
     r_leaves, r_tree = jax.tree.flatten(rest)
-    specs = [GradSpec(lay, stage.zero_stage if lay.role == PARAM else 0) for lay in layouts]
+    specs = [StageLeaf(lay, stage.zero_stage if lay.role == PARAM else 0) for lay in layouts]
     is_batch = [is_batch_leaf(np.shape(x), global_batch) for x in r_leaves]
     G, scale = plan.grad_accum, 1.0 / (plan.dp * plan.grad_accum)
     full_params = jax.tree.unflatten(p_tree, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in p_leaves])
@@ -547,7 +527,7 @@ def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tup
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
-def scatter_grad(g: jax.Array, spec: GradSpec, layer_slice: bool = False) -> jax.Array:
+def scatter_grad(g: jax.Array, spec: StageLeaf, layer_slice: bool = False) -> jax.Array:
     """Reduce-scatter a gradient (or one layer's slice of it) over the partition group, per tensor shard
     (see `make_fetch`)."""
     off = 1 if layer_slice else 0
@@ -555,7 +535,7 @@ def scatter_grad(g: jax.Array, spec: GradSpec, layer_slice: bool = False) -> jax
                             [d - off for d in spec.layout.tensor_dims])(g)
 
 
-def finish_grads(acc: list[jax.Array], specs: Sequence[GradSpec], plan: Plan, mesh: Mesh,
+def finish_grads(acc: list[jax.Array], specs: Sequence[StageLeaf], plan: Plan, mesh: Mesh,
                   synced: frozenset[int] = frozenset()) -> list[jax.Array]:
     """End-of-step synchronisation: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter, MiCS hop 2; the `synced`
     leaves did their ZeRO-0 / ZeRO-1 part inside the last backward (`row_sync`) and take hop 2 only."""

@@ -45,13 +45,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from mistjax.core.execution import StageExecution
+from mistjax.core.execution import StageExecution, StageLeaf
 from mistjax.core.layout import DP_AXES, PARAM, LeafLayout
 from mistjax.core.plan import Plan
 from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime.grads import (
     MANUAL_AXES,
-    GradSpec,
     finish_grads,
     make_fetch,
     psum_live,
@@ -170,7 +169,7 @@ class StagePrograms:
     def __post_init__(self) -> None:
         sp = self.spec
         zero = sp.plan.stages[0].zero_stage
-        self.grad_specs = [GradSpec(lay, zero if lay.role == PARAM else 0) for lay in sp.layouts]
+        self.grad_specs = [StageLeaf(lay, zero if lay.role == PARAM else 0) for lay in sp.layouts]
         self.pos = {i: j for j, i in enumerate(sp.params)}
         self.num_h = len(self.info.h_avals)
         self.h_float = [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in self.info.h_avals]
