@@ -136,3 +136,27 @@ def test_report_prints_the_lowered_execution_of_each_stage():
     text = piped.report()
     assert _count(text, "gradients added inside the backward layer loop") == [1, 1], text
     assert "layer scans: plain 0-1" in text and "layer scans: plain 0-0, remat 1-1" in text, text
+
+
+def test_the_step_exposes_its_execution_plan():
+    """`step.execution`: one stage once its program is traced; a pipeline's per stage with the issue order the
+    executor walks (every stage program of every micro-batch once)."""
+    from mistjax.runtime.step import ShardedStep
+
+    state, batch = _state_and_batch()
+    one = ShardedStep(_train_step, jax.devices(), Plan(stages=(StagePlan((0, L)),), micro_batch=2, dp=8))
+    assert one.execution is None
+    one(state, batch)
+    ex = one.execution
+    assert len(ex.stages) == 1 and ex.batch_mask == (True, True) and not ex.issue
+    assert not ex.capabilities.async_collectives
+    assert ex.stages[0].synced  # ZeRO-1 over 8 devices, one micro-batch: the stacked rows sync in the loop
+
+    piped = ShardedStep(_train_step, jax.devices(), Plan(stages=(StagePlan((0, 2)), StagePlan((2, L))),
+                                                         micro_batch=2, grad_accum=2, dp=4))
+    piped.place(*_state_and_batch())
+    ex = piped.execution
+    assert len(ex.stages) == 2 and all(not st.synced for st in ex.stages)  # pipeline stages sync in `finish`
+    assert sorted((op.kind, op.stage, op.mb) for op in ex.issue) == sorted(
+        [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1), ("FB", 1, 0), ("FB", 1, 1)])
+    assert any(line.startswith("issue order: 6 stage programs") for line in ex.describe())

@@ -25,7 +25,7 @@ from jax.extend import core as jex
 from jax.sharding import Mesh
 
 from mistjax.api.precision import MasterWeightsState
-from mistjax.core.execution import is_batch_leaf
+from mistjax.core.execution import ExecutionPlan, is_batch_leaf
 from mistjax.core.layout import OPT, PARAM
 from mistjax.core.plan import Plan, PlanDoesNotFit, PlanError, Prediction, format_bytes, lowered_budget
 from mistjax.core.strategies import CostModel
@@ -415,6 +415,11 @@ class AutoShardedStep:
         """What each knob did (`mistjax.runtime.report.AppliedReport`, per stage a `PipelineReport`), once
         placed."""
         return self._inner.applied if self._inner is not None else None
+
+    @property
+    def execution(self) -> ExecutionPlan | None:
+        """How the tuned plan runs (`mistjax.core.execution.ExecutionPlan`), once set up / traced."""
+        return self._inner.execution if self._inner is not None else None
 
     @property
     def fit(self) -> fit.FitReport | None:

@@ -23,6 +23,7 @@ from numpy.typing import ArrayLike
 
 from mistjax.core.hlo import ASYNC_COLLECTIVE_PLATFORMS
 from mistjax.core.layout import PARAM, LeafLayout, select_offload
+from mistjax.core.pipeline_order import Op
 from mistjax.core.stages import OFFLOAD, SegmentKind, layer_segments
 
 _Flag = TypeVar("_Flag", bool, np.ndarray)
@@ -230,6 +231,37 @@ class StageExecution:
                 f"gradient accumulators on host: {len(self.host_accumulators)} leaves"]
 
 
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How a whole plan runs: each (virtual) stage's `StageExecution`, the platform, the batch leaves, and for a
+    pipeline the host's issue order of its stage programs (`core.pipeline_order.issue_order`, which the cost
+    model's `predict` prices too).
+
+    Attributes:
+      stages: per (virtual) stage, in chunk order.
+      capabilities: the platform's.
+      batch_mask: per argument leaf of the loss besides the parameters: batch data (`is_batch_leaf`).
+      issue: the pipeline's operations in host issue order (empty for one stage).
+    """
+
+    stages: tuple[StageExecution, ...]
+    capabilities: Capabilities
+    batch_mask: tuple[bool, ...]
+    issue: tuple[Op, ...] = ()
+
+    def describe(self) -> list[str]:
+        """One line per stage decision, then the pipeline's order, for reports."""
+        lines = [f"platform: collectives {'asynchronous' if self.capabilities.async_collectives else 'in line'}; "
+                 f"{sum(self.batch_mask)} of {len(self.batch_mask)} loss arguments are batch data"]
+        for k, st in enumerate(self.stages):
+            lines += [f"stage {k}: {line}" for line in st.describe()]
+        if self.issue:
+            head = " ".join(f"{op.kind}{op.stage}.{op.mb}" for op in self.issue[:8])
+            more = " ..." if len(self.issue) > 8 else ""
+            lines.append(f"issue order: {len(self.issue)} stage programs ({head}{more})")
+        return lines
+
+
 def lower_stage(leaves: Sequence[StageLeaf], *, num_layers: int, remat_layers: int, offload_layers: int,
                 grad_accum: int, dp: int, group: int, pipelined: bool, caps: Capabilities) -> StageExecution:
     """The `StageExecution` of one stage.
@@ -257,5 +289,5 @@ def lower_stage(leaves: Sequence[StageLeaf], *, num_layers: int, remat_layers: i
         double_buffer=double_buffer, defer_sync=bool(synced) and caps.defers_row_sync)
 
 
-__all__ = ["Capabilities", "LayerScan", "StageExecution", "StageLeaf", "host_accumulators", "is_batch_leaf",
-           "layer_scans", "lower_stage", "rows_synced_in_loop", "scan_bodies", "scan_unroll"]
+__all__ = ["Capabilities", "ExecutionPlan", "LayerScan", "StageExecution", "StageLeaf", "host_accumulators",
+           "is_batch_leaf", "layer_scans", "lower_stage", "rows_synced_in_loop", "scan_bodies", "scan_unroll"]

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.core.execution import (
     Capabilities,
+    ExecutionPlan,
     StageExecution,
     StageLeaf,
     host_accumulators,
@@ -478,14 +479,14 @@ def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Ar
 
 def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tuple[PyTree, ...], *,
                            plan: Plan, mesh: Mesh, layouts: Sequence[LeafLayout], global_batch: int,
-                           on_execution: Callable[[StageExecution], None] | None = None) -> PyTree:
+                           on_execution: Callable[[ExecutionPlan], None] | None = None) -> PyTree:
     """``jax.value_and_grad(fun, has_aux)(params, *rest)`` run the way `plan` says.
 
     Args:
       fun: the user's loss function.
       params: differentiated argument (pytree); `layouts` gives each leaf's layout.
       rest: other arguments; leaves whose leading dim equals `global_batch` are the batch.
-      on_execution: called with the step's `StageExecution` once the loss is traced (the step's report).
+      on_execution: called with the step's `ExecutionPlan` once the loss is traced (the step's report).
     """
     stage = plan.stages[0]
     if plan.num_stages > 1:
@@ -507,7 +508,7 @@ def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tup
         execution = stage_execution(traced, specs, acc_host, lambda i: i, stage=stage, grad_accum=G, mesh=mesh,
                                     pipelined=False)
         if on_execution is not None:
-            on_execution(execution)
+            on_execution(ExecutionPlan((execution,), mesh_capabilities(mesh), tuple(is_batch)))
         grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, execution, mesh)
         acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, execution.in_loop,
                                              bool(execution.synced))

@@ -33,12 +33,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import Axes, leaf_axes
-from mistjax.core.execution import host_accumulators, is_batch_leaf
+from mistjax.core.execution import ExecutionPlan, host_accumulators, is_batch_leaf
 from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts
 from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
-from mistjax.runtime.grads import regather_updated_params
+from mistjax.runtime.grads import mesh_capabilities, regather_updated_params
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
@@ -191,6 +191,7 @@ class MpmdStep:
         self._avals: dict[tuple[Var, int, int], jax.ShapeDtypeStruct] = {}
         self._replicated = [NamedSharding(m, P()) for m in self.meshes]
         self.applied: PipelineReport | None = None  # what each stage's knobs did, once set up
+        self.execution: ExecutionPlan | None = None  # how the plan runs (`core.execution`), once set up
         self._ready = False
 
     # ================================================================== setup
@@ -260,6 +261,8 @@ class MpmdStep:
         self.prologue = {k: self._build_prologue(k) for k in range(self.K) if self._uses_batch(k)}
         self._metric_plan()
         self.twin_routes = self._twin_routes()
+        self.execution = ExecutionPlan(tuple(pr.execution for pr in self.programs),
+                                       mesh_capabilities(self.meshes[0]), self.info.is_batch, tuple(self.issue))
         self._accs: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}
         self.applied = self._applied_report(checkpoint_tags)
         self._ready = True

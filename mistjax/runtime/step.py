@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import AxisRules, apply_axis_rules, is_stacked, leaf_axes
-from mistjax.core.execution import StageExecution
+from mistjax.core.execution import ExecutionPlan
 from mistjax.core.layout import (
     OPT,
     OTHER,
@@ -180,6 +180,9 @@ class PlannedStep(Protocol):
     def plan(self) -> Plan: ...
 
     @property
+    def execution(self) -> ExecutionPlan | None: ...
+
+    @property
     def applied(self) -> AppliedReport | PipelineReport | None: ...
 
     def place(self, state: State, batch: Batch | None = None) -> State: ...
@@ -213,10 +216,11 @@ class _Runtime:
         """Map the leaves the step sees to their layouts (and host-resident originals, if offloaded)."""
         self.by_id = {id(x): (lay, orig) for x, lay, orig in zip(leaves, self.layouts, host_originals)}
 
-    def _record(self, execution: StageExecution) -> None:
-        """Keep how the traced step runs its layers (`core.execution`) in the step's applied report."""
+    def _record(self, execution: ExecutionPlan) -> None:
+        """Keep how the traced step runs (`core.execution`) on the step and in its applied report."""
+        self.step.traced_execution = execution
         if self.step.applied is not None:
-            self.step.applied = dataclasses.replace(self.step.applied, execution=execution)
+            self.step.applied = dataclasses.replace(self.step.applied, execution=execution.stages[0])
 
     def value_and_grad(self, fun: LossFn, has_aux: bool, args: tuple[PyTree, ...]) -> PyTree:
         params, rest = args[0], args[1:]
@@ -255,6 +259,7 @@ class ShardedStep:
         self.analysis: StepAnalysis | None = None
         self._applied: AppliedReport | None = None  # what each knob did, once a one-stage step is set up
         self.fit: fit.FitReport | None = None  # the memory check before the first step (`verify_memory`)
+        self.traced_execution: ExecutionPlan | None = None  # a one-stage step's, once its program is traced
         self._jitted: jax.stages.Wrapped | None = None
         self._state_tree: jax.tree_util.PyTreeDef | None = None
 
@@ -353,6 +358,12 @@ class ShardedStep:
                 return jax.device_put(state, state_shardings(layouts, tree, self.mesh))
             self._ensure(state, batch)
         return jax.device_put(state, self._state_shardings)
+
+    @property
+    def execution(self) -> ExecutionPlan | None:
+        """How the plan runs (`core.execution.ExecutionPlan`): a pipeline's once it is set up (placed, called or
+        compiled), a one-stage step's once its program is traced (first call or `lower`); None before."""
+        return self._mpmd.execution if self._mpmd is not None else self.traced_execution
 
     @property
     def applied(self) -> AppliedReport | PipelineReport | None:
