@@ -12,16 +12,17 @@ from mistjax.core.strategies import StageStrategies
 
 @dataclass(frozen=True)
 class Knobs:
-    """`StageStrategies` as float arrays of one broadcast shape (``inflight`` keeps its own axes).
+    """`StageStrategies` as float arrays of one broadcast shape (``inflight`` keeps its own axes), with the same
+    field names.
 
     Only memory depends on the in-flight count, so extra leading axes of it (one per pipeline schedule,
     as the tuner passes) cost no time work.
     """
 
     b: np.ndarray  # micro-batch size per data-parallel rank
-    t: np.ndarray  # tensor-parallel degree
+    tp: np.ndarray  # tensor-parallel degree
     dp: np.ndarray  # data-parallel degree
-    p: np.ndarray  # MiCS partition group (the ZeRO group)
+    shard_group: np.ndarray  # MiCS partition group (the ZeRO group; dp for plain ZeRO)
     zero: np.ndarray  # ZeRO stage 0-3 (int)
     layers: np.ndarray  # layers of the stage
     remat: np.ndarray  # checkpointed layers (at most `layers`)
@@ -54,10 +55,10 @@ class Knobs:
         a = {n: np.broadcast_to(np.asarray(getattr(st, n)), shape) for n in names}
         f = {n: a[n].astype(np.float64) for n in names}
         group = np.where(a["shard_group"] <= 0, a["dp"], a["shard_group"]).astype(np.float64)
-        return cls(b=f["b"], t=f["tp"], dp=f["dp"], p=group, zero=a["zero"].astype(np.int64), layers=f["layers"],
-                   remat=np.minimum(f["remat"], f["layers"]), policy=a["policy"].astype(np.int64), wo=f["wo"],
-                   go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight), G=f["G"], stages=f["stages"],
-                   first=a["first"].astype(bool), last=a["last"].astype(bool), nodes=f["nodes"],
+        return cls(b=f["b"], tp=f["tp"], dp=f["dp"], shard_group=group, zero=a["zero"].astype(np.int64),
+                   layers=f["layers"], remat=np.minimum(f["remat"], f["layers"]), policy=a["policy"].astype(np.int64),
+                   wo=f["wo"], go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight), G=f["G"],
+                   stages=f["stages"], first=a["first"].astype(bool), last=a["last"].astype(bool), nodes=f["nodes"],
                    per_node=f["per_node"])
 
 

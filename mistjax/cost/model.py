@@ -226,10 +226,10 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     """
     k = Knobs.of(st)
     s = float(workload.seq_len)
-    v = workload.compiled.values(k.b, s, k.t)
+    v = workload.compiled.values(k.b, s, k.tp)
     # A single stage holds everything; a pipeline stage its own rows and parts (`cost.layout.held`).
     one = ~k.pipelined
-    lt = totals_over(workload, (k.t, np.where(k.zero >= 1, k.p, 1), k.zero, k.wo, k.oo, k.go, k.first | one,
+    lt = totals_over(workload, (k.tp, np.where(k.zero >= 1, k.shard_group, 1), k.zero, k.wo, k.oo, k.go, k.first | one,
                                 k.last | one, np.where(one, workload.num_layers, k.layers)))
     kinds = layer_kinds(workload, k, v)
     activations, act_host = _activations(k, v, kinds)
@@ -242,7 +242,7 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     lay = layer_times(workload, cluster, k, v, lt, kinds)
     ext = step_extras(workload, cluster, k, v, lt, states, kinds)
     flops, flops_xla = _flops(workload, k, v, lt, kinds, ext, double_buffer)
-    ok_tp = workload.compiled.feasible(k.b, s, k.t)
+    ok_tp = workload.compiled.feasible(k.b, s, k.tp)
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"], memory=memory,
                      peak=peak, feasible=(guarded_peak(memory, cluster.device.memory_margin)
                                           <= cluster.memory_budget()) & ok_tp, host=states.host + act_host,

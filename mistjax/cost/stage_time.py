@@ -117,13 +117,13 @@ def _compute(cluster: ClusterSpec, fp32: bool, flops: np.ndarray, matmul: np.nda
 
 def _tp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
     """The link of a tensor-parallel group: ``t`` consecutive devices."""
-    _, tm, tintra, tinter = _group_link(cluster, k.t, np.ones_like(k.t), k.per_node)
+    _, tm, tintra, tinter = _group_link(cluster, k.tp, np.ones_like(k.tp), k.per_node)
     return np.where(tm > 1, tinter[0], tintra[0]), np.where(tm > 1, tinter[1], tintra[1])
 
 
 def _dp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
     """The link of the whole data-parallel group: ``dp`` devices with stride ``t``."""
-    _, dm, dintra, dinter = _group_link(cluster, k.dp, k.t, k.per_node)
+    _, dm, dintra, dinter = _group_link(cluster, k.dp, k.tp, k.per_node)
     return np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1])
 
 
@@ -132,7 +132,7 @@ def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> n
     (not host-accumulated) where `core.execution.rows_synced_in_loop` holds. The rest (embedding, head, host
     accumulators, G > 1, every pipeline stage: the MPMD executor syncs in its `finish` program) syncs at the end
     of the step."""
-    on = rows_synced_in_loop(k.zero, k.dp, k.p, k.G, k.pipelined) & workload.layer_grads_in_loop
+    on = rows_synced_in_loop(k.zero, k.dp, k.shard_group, k.G, k.pipelined) & workload.layer_grads_in_loop
     return np.where(on, 1.0 - lt["acc_layer_host_frac"], 0.0)
 
 
@@ -151,14 +151,14 @@ def _grad_sync_time(cluster: ClusterSpec, k: Knobs, nbytes: np.ndarray, rs_ops: 
     """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
     ``rs_ops`` collectives (all-reduces are combined on every platform)."""
-    gk, gm, intra, inter = _group_link(cluster, k.p, k.t, k.per_node)
+    gk, gm, intra, inter = _group_link(cluster, k.shard_group, k.tp, k.per_node)
     ar = collective_time(CollectiveOp.ALL_REDUCE, nbytes, k.dp, _dp_link(cluster, k))
     return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter, rs_ops), 0.0))
 
 
 def _tp_time(part: PartValues, phase: str, k: Knobs, link: LinkArrays) -> np.ndarray:
     """Seconds of a part's tensor-parallel collectives in one phase (serial: between matmuls)."""
-    return sum(collective_time(kd, part.tp(kd, phase), k.t, link) for kd in KINDS)
+    return sum(collective_time(kd, part.tp(kd, phase), k.tp, link) for kd in KINDS)
 
 
 def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: LinkArrays
@@ -167,7 +167,7 @@ def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: Lin
     total = 0.0
     for kd in KINDS:
         nb = v.block.pick(lambda q, kd=kd: v.block.tp_recompute(q, kd), workload.policies, k.policy)
-        total = total + collective_time(kd, np.maximum(nb, 0.0), k.t, link)
+        total = total + collective_time(kd, np.maximum(nb, 0.0), k.tp, link)
     return total
 
 
@@ -180,16 +180,16 @@ def _pass_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     """
     if workload.compiled.kernels is None:  # a profile without kernel tables: the FLOP roofline
         return _flop_times(workload, cluster, k, v, kinds)
-    shape = np.broadcast_shapes(np.shape(k.b), np.shape(k.t), np.shape(k.policy))
-    rows, inv = kernel_rows(workload, cluster.device, k.b, k.t)
+    shape = np.broadcast_shapes(np.shape(k.b), np.shape(k.tp), np.shape(k.policy))
+    rows, inv = kernel_rows(workload, cluster.device, k.b, k.tp)
     pols, off = workload.policies, kinds.offload_policy
 
     def get(part: str, key: str) -> np.ndarray:
-        return rows[(part, key)][inv].reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.t)))
+        return rows[(part, key)][inv].reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.tp)))
 
     def pick(phase: str) -> np.ndarray:  # the checkpointed layers' policy, per strategy
         table = np.stack([rows[("block", f"{phase}[{p}]")] for p in pols], axis=1)  # [rows, policies]
-        row = np.broadcast_to(inv.reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.t))), shape)
+        row = np.broadcast_to(inv.reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.tp))), shape)
         return table[row, np.broadcast_to(np.asarray(k.policy, dtype=np.int64), shape)]
 
     out = {"f_plain": get("block", "fwd[none]"), "b_plain": get("block", "bwd[none]"),
@@ -231,9 +231,9 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     tp_rec = _tp_recompute_time(workload, v, k, tlink)
 
     # ZeRO / MiCS group: p devices, stride t.
-    zero, p, G = k.zero, k.p, k.G
+    zero, p, G = k.zero, k.shard_group, k.G
     ops = leaf_ops(workload, cluster)
-    gk, gm, intra, inter = _group_link(cluster, p, k.t, k.per_node)
+    gk, gm, intra, inter = _group_link(cluster, p, k.tp, k.per_node)
     fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], gk, gm, intra, inter, ops.stacked), 0.0)
     h2d_link, d2h_link = cluster.device.host_to_device, cluster.device.device_to_host
     fetch_h2d = np.where(lt["w_layer_host"] > 0, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
@@ -287,7 +287,7 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
                 states: StateBytes, kinds: LayerKinds) -> dict[str, np.ndarray]:
     """Once-per-step work (delta), FLOPs outside the layers, and collective bytes per step."""
     loops = sum((np.asarray(n) > 0).astype(np.float64) for n in (kinds.n_off, kinds.n_plain, kinds.n_remat))
-    zero, G, t, p, dp, nl = k.zero, k.G, k.t, k.p, k.dp, k.layers
+    zero, G, t, p, dp, nl = k.zero, k.G, k.tp, k.shard_group, k.dp, k.layers
     grad_full, grad_shard = states.grad_full, states.grad_shard
     gk, gm, intra, inter = _group_link(cluster, p, t, k.per_node)
     R = dp / p
