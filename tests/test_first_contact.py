@@ -149,3 +149,19 @@ def test_readme_snippet(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_quiet(proc)
     assert "Plan:" in proc.stdout
+
+
+def test_public_names_stay_functions_after_their_packages_load():
+    """`mistjax.tune` and `mistjax.api.autoshard` are functions; no submodule of the same name may replace them
+    when it is imported later (a package attribute is rebound to a submodule on its first import)."""
+    import importlib
+
+    import mistjax
+    import mistjax.api
+
+    importlib.import_module("mistjax.api.tuned_step")  # what autoshard without a plan imports on first use
+    importlib.import_module("mistjax.tuning.space")
+    from mistjax.api import autoshard
+
+    assert callable(autoshard) and callable(mistjax.api.autoshard) and callable(mistjax.autoshard)
+    assert callable(mistjax.tune) and mistjax.tune.__name__ == "tune"

@@ -20,7 +20,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import mistjax
-from mistjax.api.autoshard import AutoShardedStep
+from mistjax.api.tuned_step import AutoShardedStep
 from mistjax.core.plan import format_bytes
 from mistjax.plan import Plan, PlanError, StagePlan
 from mistjax.runtime.mpmd_state import StagedArray

@@ -19,6 +19,7 @@ from mistjax.analysis.graph import Graph, build_graph
 from mistjax.analysis.layout import REP, Shard, State, TPResult
 from mistjax.analysis.poly import PS
 from mistjax.analysis.tp import propagate
+from mistjax.core.execution import is_batch_leaf
 from mistjax.core.jaxpr import Atom, Shaped
 from mistjax.core.types import LossFn
 from mistjax.trace.split import LayerStack, TracedLoss, trace_loss
@@ -107,7 +108,7 @@ def block_graph(fun: LossFn, traced: TracedLoss, batch: Sequence[bool] | None = 
     params = traced.param_structs()
     rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars[n:]]
     if batch is None:
-        batch = [len(x.shape) > 0 and x.shape[0] == b for x in rest]
+        batch = [is_batch_leaf(x.shape, b) for x in rest]
     points = fit_points(b, s)
     others = []
     for b2, s2 in points[1:]:

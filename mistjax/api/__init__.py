@@ -104,7 +104,7 @@ def autoshard(train_step: TrainStep, mesh: Mesh | Sequence[jax.Device] | None = 
       batch)``, ``lower(state, batch)`` (one-stage plans), ``report()``, ``summary()`` and ``plan``.
     """
     if plan is None:
-        from mistjax.api.autoshard import AutoShardedStep  # deferred: pulls in the tuner and cost model
+        from mistjax.api.tuned_step import AutoShardedStep  # deferred: pulls in the tuner and cost model
 
         return AutoShardedStep(train_step, mesh, hardware=hardware, global_batch=global_batch,
                                memory_budget=memory_budget, cache_dir=cache_dir, space=space, time_limit=time_limit,

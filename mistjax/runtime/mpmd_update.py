@@ -46,7 +46,7 @@ from jax.tree_util import PyTreeDef
 from mistjax.core.jaxpr import INLINABLE, Atom, Value, bind_equation, inline_calls, read
 from mistjax.core.plan import PlanError
 from mistjax.core.types import Batch, LossFn, PyTree, State, TrainStep
-from mistjax.runtime.context import use_handler
+from mistjax.runtime.tracing import trace_train_step
 
 # A value of at most this many elements may be sent between stages inside the update (a partial
 # norm, a per-layer statistic, the loss); anything larger must be computed where it lives.
@@ -133,34 +133,17 @@ class TracedStep:
 
 
 def trace_step(train_step: TrainStep, state: State, batch: Batch) -> TracedStep:
-    """Trace `train_step` abstractly with its `mistjax.value_and_grad` call left opaque."""
-    s_leaves, s_tree = jax.tree.flatten(state)
-    b_leaves, b_tree = jax.tree.flatten(batch)
-    n = len(s_leaves)
+    """Trace `train_step` abstractly (`runtime.tracing`) with its `mistjax.value_and_grad` call left opaque."""
     rec = _Recorder()
-    trees: list[PyTreeDef] = []
-
-    def flat(*leaves: jax.Array) -> list[jax.Array]:
-        with use_handler(rec):
-            new_state, metrics = train_step(jax.tree.unflatten(s_tree, leaves[:n]),
-                                            jax.tree.unflatten(b_tree, leaves[n:]))
-        new_leaves, new_tree = jax.tree.flatten(new_state)
-        if new_tree != s_tree:
-            raise PlanError("a pipelined plan needs the train step to return a state with the structure it was "
-                            f"given; got {new_tree} for {s_tree}")
-        m_leaves, m_tree = jax.tree.flatten(metrics)
-        trees.append(m_tree)
-        return [*new_leaves, *m_leaves]
-
-    abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in [*s_leaves, *b_leaves]]
+    trace = trace_train_step(train_step, state, batch, rec)
     # The update is never differentiated, so only the primal computation matters: every call (jit,
     # custom_jvp / custom_vjp, checkpoint) is inlined at any depth.
-    closed = inline_calls(jax.make_jaxpr(flat)(*abstract), INLINABLE)
+    closed = inline_calls(trace.closed, INLINABLE)
     if len(rec.calls) != 1:
         raise PlanError(f"a pipelined plan needs the step to call mistjax.value_and_grad exactly once, it calls "
                         f"it {len(rec.calls)} times")
     vg = [k for k, e in enumerate(closed.jaxpr.eqns) if e.primitive is pipeline_p]
-    return TracedStep(closed, n, s_tree, trees[0], rec.calls[0], vg[0])
+    return TracedStep(closed, trace.state_tree.num_leaves, trace.state_tree, trace.metrics_tree, rec.calls[0], vg[0])
 
 
 # ---------------------------------------------------------------------------------------------- layouts

@@ -26,13 +26,10 @@ from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, LossFn, Metrics, PyTree, State, TrainStep
 from mistjax.runtime import fit
 from mistjax.runtime.checks import (
-    StepError,
     TokenRange,
-    check_output,
     check_shapes,
     check_tokens,
     token_ranges,
-    trace_failure,
 )
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
@@ -46,9 +43,8 @@ from mistjax.runtime.report import (
     grad_accumulators_on_host,
     itemsizes,
 )
+from mistjax.runtime.tracing import trace_train_step
 from mistjax.trace.split import checkpoint_names, trace_loss
-
-"""MaxText-style logical-axis rules ``[("mlp", "tensor"), ("embed", None), ...]`` (`core.axes.apply_axis_rules`)."""
 
 
 @dataclass
@@ -105,29 +101,9 @@ def analyze_step(train_step: TrainStep, state: State, batch: Batch, axis_rules: 
     weight naming a tensor-split axis, Megatron's splits are inferred (`mistjax.analysis.tp_roles`).
     """
     s_paths, s_leaves = zip(*jax.tree_util.tree_flatten_with_path(state)[0]) if jax.tree.leaves(state) else ((), ())
-    s_tree = jax.tree.structure(state)
-    b_leaves, b_tree = jax.tree.flatten(batch)
-    n = len(s_leaves)
     probe = _Probe()
-    inputs: list[jax.Array] = []
-
-    batch_in: list[jax.Array] = []
-
-    def flat(*leaves: jax.Array) -> list[jax.Array]:
-        inputs.extend(leaves[:n])
-        batch_in.extend(leaves[n:])
-        with use_handler(probe):
-            out = train_step(jax.tree.unflatten(s_tree, leaves[:n]), jax.tree.unflatten(b_tree, leaves[n:]))
-        check_output(out, s_tree)
-        return jax.tree.leaves(out)
-
-    abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in [*s_leaves, *b_leaves]]
-    try:
-        jax.make_jaxpr(flat)(*abstract)
-    except (StepError, PlanError):
-        raise
-    except (TypeError, ValueError, IndexError) as e:
-        raise trace_failure(e, batch) from e
+    trace = trace_train_step(train_step, state, batch, probe)
+    inputs, batch_in = trace.state_inputs, trace.batch_inputs
     axes = leaf_axes(state)
     shapes = [tuple(np.shape(x)) for x in s_leaves]
     if not probe.calls:
@@ -172,7 +148,7 @@ CompiledPrograms: TypeAlias = dict[tuple[int, str], jax.stages.Compiled | jax.st
 class PlannedStep(Protocol):
     """The step object `mistjax.autoshard` returns, whatever the plan (one stage or a pipeline).
 
-    `ShardedStep` (a given plan) and `mistjax.api.autoshard.AutoShardedStep` (tuned on first use) both
+    `ShardedStep` (a given plan) and `mistjax.api.tuned_step.AutoShardedStep` (tuned on first use) both
     have this surface; docs/guide.md shows it.
     """
 
