@@ -176,7 +176,7 @@ def test_optional_json_fields_take_defaults():
 
 def test_async_collectives_where_the_runtime_defers_the_layer_sync():
     """`DeviceSpec.async_collectives`: true on the GPU and TPU presets (the runtime defers the in-loop
-    gradient sync there, `runtime.grads.defers_row_sync`), false on the cpu preset (XLA:CPU's collectives
+    gradient sync there, `core.execution.Capabilities.defers_row_sync`), false on the cpu preset (XLA:CPU's collectives
     are synchronous); a profile without it gets true."""
     for name in PRESET_NAMES:
         want = name != "cpu"

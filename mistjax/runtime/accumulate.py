@@ -58,7 +58,7 @@ def accumulate_into(accs: list[jax.Array | None], outs: list[jax.Array | None], 
 
     * ``outs[j]`` None: ``fin(row)`` goes into row `layer` of ``ct(accs[j])`` (at its low corner when
       `fin` returns less, e.g. a reduce-scatter's shard): accumulate, or accumulate and synchronise;
-    * else (no accumulator: the runtime's G == 1 sync, `runtime.grads.synced_leaves`):
+    * else (no accumulator: the runtime's G == 1 sync, `core.execution.StageExecution.synced`):
       ``ct(outs[j])[layer] = fin(row)``.
 
     Args:
@@ -167,7 +167,7 @@ def sync_deferred(outs: list[jax.Array], pend: list[jax.Array], xs: list[jax.Arr
                   last: int) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
     """Identity on ``(outs, pend, xs)``; the backward synchronises the previous backward layer's row
     while this layer's backward computes (the runtime's G == 1 sync where collectives are asynchronous:
-    `runtime.grads.defers_row_sync`; elsewhere `accumulate_into` synchronises each row in its own layer).
+    `core.execution.Capabilities.defers_row_sync`; elsewhere `accumulate_into` synchronises each row in its own layer).
 
     The cotangent of `pend` is a carry of the backward loop: the unsynchronised row of layer
     ``layer + 1``, computed in the previous backward iteration. The backward runs ``finish[j]`` on it,
