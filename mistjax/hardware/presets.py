@@ -89,8 +89,8 @@ class DeviceSpec:
     # XLA runs collectives asynchronously (``-start`` / ``-done`` pairs its scheduler overlaps with compute:
     # GPUs, TPUs): a layer loop's ZeRO-3 gathers and reduce-scatters overlap the layers' compute, and the
     # runtime defers each layer's ZeRO-0/1 in-loop gradient sync by one backward iteration so it overlaps
-    # the next layer's backward (`core.execution.Capabilities.defers_row_sync`). False: collectives run inline, in program
-    # order (XLA:CPU), so each is charged on top of the compute around it.
+    # the next layer's backward (`core.execution.Capabilities.defers_row_sync`). False: collectives run inline,
+    # in program order (XLA:CPU), so each is charged on top of the compute around it.
     async_collectives: bool = True
     # Bytes/s of streaming kernels that overwrite a buffer donated to them (the optimizer update of the
     # donated train state); 0: ``hbm_bandwidth``. XLA:CPU writes every fresh output and temporary into newly
