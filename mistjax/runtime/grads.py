@@ -9,7 +9,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from mistjax.core.execution import (
     Capabilities,
@@ -38,7 +38,7 @@ from mistjax.trace.split import TracedLoss, checkpoint_names, evaluate, part_usa
 MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
 
-def _widen_for_reduction(x: jax.Array) -> Any:
+def _widen_for_reduction(x: jax.Array) -> DTypeLike | None:
     """The dtype a reduction collective of ``x`` runs in: fp32 for a 16-bit float on XLA:CPU (inside a partly
     manual shard_map it fails to compile 16-bit psum / psum_scatter, and it computes them in fp32
     anyway); None elsewhere (GPUs and TPUs reduce 16-bit values natively)."""
@@ -73,7 +73,7 @@ def _all_gather(x: jax.Array, axis: str, dim: int) -> jax.Array:
 def bucketed_psum(values: Sequence[jax.Array], axis: str | tuple[str, ...]) -> list[jax.Array]:
     """All-reduce several arrays as one flat bucket per dtype (one collective, not one per leaf)."""
     out: list[jax.Array | None] = [None] * len(values)
-    by_dtype: dict[Any, list[int]] = {}
+    by_dtype: dict[np.dtype, list[int]] = {}
     for i, v in enumerate(values):
         by_dtype.setdefault(v.dtype, []).append(i)
     for idx in by_dtype.values():
@@ -177,7 +177,7 @@ def to_device(x: jax.Array, host: bool) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device) if host else x
 
 
-def psum_live(x: jax.Array, axes: tuple[str, ...], mesh: Mesh) -> Any:
+def psum_live(x: PyTree, axes: tuple[str, ...], mesh: Mesh) -> PyTree:
     """`lax.psum` over the axes of `axes` that have more than one device (XLA rejects the others
     when every manual axis is trivial)."""
     live = tuple(a for a in axes if mesh.shape[a] > 1)
@@ -207,7 +207,7 @@ def _sp_constraint(tp: int) -> Callable[[jax.Array], jax.Array]:
     return constrain
 
 
-def _sequence_split(tp: int) -> Callable[[Any], Any]:
+def _sequence_split(tp: int) -> Callable[[jax.Array], jax.Array]:
     """The hidden state entering the layer loop split along the sequence, with Megatron's transpose
     (``scatter_to_sequence_parallel_region``): the backward all-gathers the cotangent once, whole for
     every consumer before the layers.
@@ -231,7 +231,7 @@ def _sequence_split(tp: int) -> Callable[[Any], Any]:
 
     enter.defvjp(fwd, bwd)
 
-    def constrain(c: Any) -> Any:
+    def constrain(c: jax.Array) -> jax.Array:
         if jnp.ndim(c) == 3 and c.shape[1] % tp == 0 and jnp.issubdtype(c.dtype, jnp.inexact):
             return enter(c)
         return c
@@ -323,7 +323,9 @@ def row_sync(spec: StageLeaf, mesh: Mesh) -> SliceGrad:
 # ``(params, micro_batch, accumulators or None, sync) -> (loss, aux, grads)``: with accumulators, the
 # entries of the execution's `in_loop` leaves are the updated accumulators, the others this micro-batch's
 # gradients; with ``sync`` (G == 1, no accumulators) the entries of its `synced` leaves are synchronised per layer.
-MicrobatchGrad = Callable[..., tuple[jax.Array, Any, list[jax.Array]]]
+# The layer loop's fed buffers by flat leaf index: (accumulators, synchronised result buffers).
+Box = tuple[dict[int, jax.Array], dict[int, jax.Array]]
+MicrobatchGrad = Callable[..., tuple[jax.Array, PyTree, list[jax.Array]]]
 
 
 @dataclass(frozen=True)
@@ -394,7 +396,7 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
         fetch = make_fetch(specs[i], False)
         return v if fetch is None else fetch(v)
 
-    def loss(pl: list[jax.Array], rl: list[jax.Array], sinks: _Sinks | None = None) -> Any:
+    def loss(pl: list[jax.Array], rl: list[jax.Array], sinks: _Sinks | None = None) -> tuple[jax.Array, PyTree, Box]:
         loop, box = layer_loop, ({}, {})
         if sinks is not None:
             def loop(body: Body, consts: list[jax.Array], carry: list[jax.Array], xs: list[jax.Array]
@@ -411,7 +413,7 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
         return value, aux, box
 
     def grad(p_local: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array] | None = None,
-             sync: bool = False) -> tuple[jax.Array, Any, list[jax.Array]]:
+             sync: bool = False) -> tuple[jax.Array, PyTree, list[jax.Array]]:
         sinks = _sinks(p_local, acc, execution, specs, plan, mesh, sync) if execution.in_loop else None
         if sinks is None or not (sinks.acc or sinks.out):
             (value, aux), g = jax.value_and_grad(lambda p, r: loss(p, r)[:2], has_aux=True)(p_local, mb)
@@ -421,14 +423,14 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
     return grad
 
 
-def _sunk_grad(loss: Callable[..., Any], p_local: list[jax.Array], mb: list[jax.Array], sinks: _Sinks,
-               specs: Sequence[StageLeaf], plan: Plan) -> tuple[jax.Array, Any, list[jax.Array]]:
+def _sunk_grad(loss: Callable[..., tuple[jax.Array, PyTree, Box]], p_local: list[jax.Array], mb: list[jax.Array],
+               sinks: _Sinks, specs: Sequence[StageLeaf], plan: Plan) -> tuple[jax.Array, PyTree, list[jax.Array]]:
     """`_microbatch_grad`'s gradient with the layer loop feeding `sinks`: the sinks' leaves are not
     differentiated; the sinks are, seeded with their own value, so their cotangents are the results."""
     fed = set(sinks.acc) | set(sinks.out)
     diff = [i for i in range(len(p_local)) if i not in fed]
 
-    def f(p_diff: list[jax.Array], acc: dict[int, jax.Array], out: dict[int, jax.Array]) -> Any:
+    def f(p_diff: list[jax.Array], acc: dict[int, jax.Array], out: dict[int, jax.Array]) -> tuple[tuple, PyTree]:
         pl = list(p_local)
         for i, v in zip(diff, p_diff):
             pl[i] = v
@@ -454,7 +456,7 @@ def _finish_one(g: jax.Array, spec: StageLeaf, plan: Plan, layer_slice: bool = F
 
 def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
                 G: int, acc_host: Sequence[bool], in_loop: frozenset[int], sync: bool
-                ) -> tuple[list[jax.Array], jax.Array, Any]:
+                ) -> tuple[list[jax.Array], jax.Array, PyTree]:
     """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host;
     the `in_loop` leaves' accumulators updated inside the backward). With `sync` (G == 1 only, see
     `StageExecution.synced`) the only backward also synchronises the synced leaves."""
@@ -465,7 +467,7 @@ def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Ar
     shapes = jax.eval_shape(grad, p_local, mb0)[2]
     acc0 = [to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
 
-    def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], Any]:
+    def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], tuple[jax.Array, PyTree]]:
         loss, aux, g = grad(p_local, [x[i] if b else x for x, b in zip(mbs, is_batch)], acc)
         # Offloaded accumulators come in, take this micro-batch's gradient and go back out.
         acc = [gi if k in in_loop else to_host(to_device(a, h) + gi, h)
@@ -501,7 +503,7 @@ def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tup
     # Gradient accumulators kept in host memory between micro-batches (only worth it when G > 1).
     acc_host = host_accumulators([s.layout for s in specs], stage.offload_grads)
 
-    def body(p_local: list[jax.Array], r_local: list[jax.Array]) -> Any:
+    def body(p_local: list[jax.Array], r_local: list[jax.Array]) -> tuple[jax.Array, list[jax.Array], PyTree]:
         mbs = [split_microbatches(x, G) if b else x for x, b in zip(r_local, is_batch)]
         mb0 = jax.tree.unflatten(r_tree, [x[0] if b else x for x, b in zip(mbs, is_batch)])
         traced = trace_loss(lambda p, *r: fun(p, *r), full_params, *mb0)

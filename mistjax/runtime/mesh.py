@@ -11,7 +11,6 @@ exactly the flat one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -28,7 +27,7 @@ __all__ = ["NODE_AXIS_NAMES", "RUNTIME_MESH_AXES", "SHARD_AXES", "SHARD_SPEC", "
            "shard_split"]
 
 
-def devices_of(mesh_or_devices: Mesh | Sequence[Any] | None) -> tuple[list[Any], int | None]:
+def devices_of(mesh_or_devices: Mesh | Sequence[jax.Device] | None) -> tuple[list[jax.Device], int | None]:
     """The user's devices in order, and the devices per node if the mesh names a node level."""
     if mesh_or_devices is None:
         return list(jax.devices()), None
@@ -56,7 +55,7 @@ def shard_split(plan: Plan, per_node: int | None) -> tuple[int, int]:
     return nodes, plan.shard_group // nodes
 
 
-def build_plan_mesh(mesh_or_devices: Mesh | Sequence[Any] | None, plan: Plan) -> Mesh:
+def build_plan_mesh(mesh_or_devices: Mesh | Sequence[jax.Device] | None, plan: Plan) -> Mesh:
     """Arrange the user's devices as `RUNTIME_MESH_AXES` for `plan`.
 
     ``tensor`` varies fastest, then the shard axes: with the user's devices grouped by node, TP

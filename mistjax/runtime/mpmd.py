@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,9 @@ from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings,
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
 from mistjax.runtime.mpmd_update import (
+    EnvKey,
     InputGroup,
+    Layout,
     Output,
     Propagation,
     Rows,
@@ -94,7 +96,7 @@ class _Round:
 
     groups: list[InputGroup]  # the input groups it reads, in argument order
     outputs: list[Output]  # what each output is
-    program: Callable[..., Any]
+    program: Callable[..., list[jax.Array]]
     sizes: list[int]  # arrays per input group
     avals: list[jax.Array]  # one aval per input array (abstract lowering)
 
@@ -195,7 +197,7 @@ class MpmdStep:
         self._ready = False
 
     # ================================================================== setup
-    def _abstract_state(self, state: State) -> Any:
+    def _abstract_state(self, state: State) -> State:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), np.dtype(x.dtype)), state,
                             is_leaf=is_staged)
 
@@ -404,7 +406,7 @@ class MpmdStep:
         lay = self.layouts[k][i]
         return jax.ShapeDtypeStruct(lay.shape, self.state_avals[i].dtype, sharding=self.piece_sharding(i, k))
 
-    def _contrib_aval(self, v: Var, lay: Any, source: int, at: int) -> jax.ShapeDtypeStruct:
+    def _contrib_aval(self, v: Var, lay: Layout, source: int, at: int) -> jax.ShapeDtypeStruct:
         """A contribution of `source` to materialised value `v`, as received on stage `at` (replicated)."""
         key = (v, source, at)
         if key not in self._avals:
@@ -415,10 +417,10 @@ class MpmdStep:
                                                     sharding=NamedSharding(self.meshes[at], P()))
         return self._avals[key]
 
-    def _targets(self, k: int, r: int) -> list[tuple[Output, Any]]:
+    def _targets(self, k: int, r: int) -> list[tuple[Output, EnvKey]]:
         """What stage `k` computes in round `r`: each `Output` with the step jaxpr's value it is."""
         prop, ts = self.prop, self.ts
-        out: list[tuple[Output, Any]] = []
+        out: list[tuple[Output, EnvKey]] = []
         for v in prop.mat:
             if prop.level[v] == r - 1 and k in contributors(prop.layout[v], self.K):
                 out.append((Output(Sink.CONTRIB, v), v))
@@ -440,10 +442,10 @@ class MpmdStep:
         return contributors(lay, self.K)
 
     def _make_env_fn(self, k: int, groups: list[InputGroup], sizes: list[int],
-                     targets: list[tuple[Output, Any]]) -> Callable[..., list[jax.Array]]:
+                     targets: list[tuple[Output, EnvKey]]) -> Callable[..., list[jax.Array]]:
         prop = self.prop
 
-        def fn(*flat: Any) -> list[jax.Array]:
+        def fn(*flat: jax.Array) -> list[jax.Array]:
             env: dict[Var | tuple[Source, Var], jax.Array] = {}
             pos = 0
             for g, n in zip(groups, sizes):
@@ -463,7 +465,7 @@ class MpmdStep:
 
         return fn
 
-    def _regather(self, k: int, targets: list[tuple[Output, Any]], outs: list[jax.Array],
+    def _regather(self, k: int, targets: list[tuple[Output, EnvKey]], outs: list[jax.Array],
                   env: dict[Var | tuple[Source, Var], jax.Array]) -> list[jax.Array]:
         """Updated ZeRO-1/2 parameters re-gathered hierarchically when the partition group spans nodes."""
         if self.meshes[k].shape[SHARD_AXES[0]] == 1:
@@ -480,7 +482,7 @@ class MpmdStep:
             outs[j] = x
         return outs
 
-    def _build_program(self, k: int, groups: list[InputGroup], targets: list[tuple[Output, Any]],
+    def _build_program(self, k: int, groups: list[InputGroup], targets: list[tuple[Output, EnvKey]],
                        donate: frozenset[Source]) -> _Round:
         """Jit stage `k`'s evaluation of `targets`, keeping only the input groups it reads."""
         sizes = [len(self._group_avals(k, g)) for g in groups]
@@ -553,7 +555,7 @@ class MpmdStep:
         self._combine_programs: dict[int, jax.Array] = {}
 
     # ================================================================== placement
-    def place(self, state: State, batch: Batch) -> Any:
+    def place(self, state: State, batch: Batch) -> State:
         """The state as `StagedArray` leaves with each piece on its stage (see `mpmd_state`)."""
         if not self._ready:
             self._setup(state, batch)
@@ -581,13 +583,13 @@ class MpmdStep:
                                                        dtype=value.dtype))
         return StagedArray(pieces, info)
 
-    def gather(self, state: State) -> Any:
+    def gather(self, state: State) -> State:
         """The user's structure with whole host arrays (every piece brought to this process)."""
         if jax.process_count() > 1:
             state = jax.tree.map(self._replicate_piece_everywhere, state, is_leaf=is_staged)
         return gather_state(state)
 
-    def _replicate_piece_everywhere(self, x: jax.Array) -> Any:
+    def _replicate_piece_everywhere(self, x: jax.Array) -> jax.Array:
         if not is_staged(x):
             return x
         pieces = []
@@ -602,7 +604,7 @@ class MpmdStep:
         return StagedArray(pieces, x.info)
 
     # ================================================================== batch
-    def batch_shardings(self, batch: Batch) -> Any:
+    def batch_shardings(self, batch: Batch) -> PyTree:
         """The batch over the whole plan mesh: split over DP, replicated over the stages."""
         return batch_shardings(self.mesh, batch, self.plan.global_batch)
 
@@ -655,7 +657,7 @@ class MpmdStep:
         self.stats.transfers += 1
         return list(jax.device_put(xs, dst))
 
-    def _run(self, kind: str, k: int, fn: Callable[..., Any], *args: jax.Array) -> list[jax.Array] | None:
+    def _run(self, kind: str, k: int, fn: Callable[..., list[jax.Array]], *args: jax.Array) -> list[jax.Array] | None:
         if not self.local[k]:
             return None
         self.stats.programs += 1
@@ -729,7 +731,8 @@ class MpmdStep:
             out.append(per_group[d])
         return out
 
-    def _pipeline(self, pieces: Pieces, mbs: list[list[list[jax.Array]]]) -> tuple[Any, Any, Any]:
+    def _pipeline(self, pieces: Pieces, mbs: list[list[list[jax.Array]]]
+                  ) -> tuple[list[list[jax.Array]], jax.Array, list[jax.Array]]:
         """Run the schedule; returns per stage its finished gradients, and the loss and aux sums."""
         K = self.K
         params = [[pieces[self.param_index[j]][k] for j in self.programs[k].spec.params] for k in range(K)]
@@ -865,7 +868,7 @@ class MpmdStep:
                                    dst_stage=route.stage, aval=aval) for s, aval in zip(route.sources, route.avals)]
         return new_pieces, self._metrics(metric_parts)
 
-    def _metrics(self, parts: dict[tuple[int, int], jax.Array]) -> Any:
+    def _metrics(self, parts: dict[tuple[int, int], jax.Array]) -> Metrics:
         """Every metric as an ordinary array replicated over the whole plan mesh."""
         ts, prop = self.ts, self.prop
         per_group: list[list[jax.Array]] = [[] for _ in range(self.S)]
@@ -898,7 +901,7 @@ class MpmdStep:
             out.append(jax.make_array_from_single_device_arrays(aval.shape, full, bufs, dtype=aval.dtype))
         return jax.tree.unflatten(ts.metrics_tree, out)
 
-    def _combine_program(self, d: int) -> Callable[..., Any]:
+    def _combine_program(self, d: int) -> Callable[..., list[jax.Array]]:
         if d not in self._combine_programs:
             lays = [self.prop.layout[v] for v, c in zip(self.ts.metric_vars, self.metric_combine) if c]
             sh = NamedSharding(self.group_meshes[d], P())
@@ -930,7 +933,7 @@ class MpmdStep:
         want = set(phases) if phases is not None else None
         out: dict[tuple[int, str], jax.stages.Compiled | jax.stages.Lowered] = {}
 
-        def add(k: int, phase: str, lower: Callable[[], Any]) -> None:
+        def add(k: int, phase: str, lower: Callable[[], jax.stages.Lowered]) -> None:
             if want is None or phase in want:
                 low = lower()
                 out[(k, phase)] = low.compile() if compile else low
@@ -971,7 +974,7 @@ class MpmdStep:
         return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)
                 for v, b in zip(self.rest_vars, self.info.is_batch) if b]
 
-    def stage_summary(self) -> list[dict[str, Any]]:
+    def stage_summary(self) -> list[dict[str, object]]:
         """Per stage: layers, what it holds (embedding / head), its pieces' memory kinds."""
         out = []
         for k in range(self.K):

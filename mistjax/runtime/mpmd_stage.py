@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -164,7 +163,7 @@ class StagePrograms:
 
     spec: StageSpec
     info: LossInfo
-    _cache: dict[str, Any] = field(default_factory=dict)
+    _cache: dict[str, object] = field(default_factory=dict)  # lazily built values, one per name
 
     def __post_init__(self) -> None:
         sp = self.spec
@@ -261,7 +260,7 @@ class StagePrograms:
         (`runtime.accumulate`): stacked weights read by the layer loop only, with device accumulators."""
         return tuple(sorted(self.execution.in_loop))
 
-    def sink_fn(self, p: list[jax.Array]) -> Callable[[tuple[list[jax.Array], list[jax.Array]], Any], Any]:
+    def sink_fn(self, p: list[jax.Array]) -> Callable[[tuple[list[jax.Array], list[jax.Array]], PyTree], PyTree]:
         """The stage function differentiated with in-loop accumulation.
 
         ``fn((rest, sink), hx) -> (outs, sink)``: `rest` are the held parameters without the `in_loop`
@@ -271,7 +270,7 @@ class StagePrograms:
         """
         fn, in_loop = self.stage_fn(), self.in_loop
 
-        def run(w: tuple[list[jax.Array], list[jax.Array]], hx: Any) -> Any:
+        def run(w: tuple[list[jax.Array], list[jax.Array]], hx: PyTree) -> PyTree:
             rest, sink = w
             full = [p[j] if j in in_loop else v for j, v in enumerate(rest)]
             return fn(full, hx, dict(zip(in_loop, sink)))
@@ -296,7 +295,7 @@ class StagePrograms:
         nc = st.num_consts
 
         def fn(p_held: list[jax.Array], hx: tuple[list[jax.Array], list[jax.Array]],
-               sink: dict[int, jax.Array] | None = None) -> Any:
+               sink: dict[int, jax.Array] | None = None) -> PyTree:
             h, mb = hx
             leaves: list[jax.Array] = [None] * info.num_params
             stacked = set(st.stacked_leaves)
@@ -349,7 +348,7 @@ class StagePrograms:
         """One device's accumulators of the `in_loop` parameters (the DP dim of one dropped: a bitcast)."""
         return [acc[j].reshape(acc[j].shape[1:]) for j in self.in_loop]
 
-    def _shard_map(self, body: Callable[..., Any], in_specs: PyTree, out_specs: PyTree) -> Program:
+    def _shard_map(self, body: Callable[..., PyTree], in_specs: PyTree, out_specs: PyTree) -> Program:
         return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=MANUAL_AXES, check_vma=False)
 
@@ -400,7 +399,7 @@ class StagePrograms:
             return self._cache["forward"]
         first = self.spec.first
 
-        def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array]) -> Any:
+        def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array]) -> PyTree:
             # The backward's function (with placeholder accumulators), so the residuals line up.
             fn, w = self.sink_fn(p), (self.split_params(p), self.zero_sink())
             res = classify(fn, w, (h, mb))
@@ -426,7 +425,7 @@ class StagePrograms:
             return self._cache["backward"]
         first, res = self.spec.first, self.classify()
 
-        def body(p: list[jax.Array], stored: list[jax.Array], ct: list[jax.Array], acc: list[jax.Array]) -> Any:
+        def body(p: list[jax.Array], stored: list[jax.Array], ct: list[jax.Array], acc: list[jax.Array]) -> PyTree:
             stored = [s.reshape(shape) for s, (shape, *_) in zip(stored, res.avals)]
             zero, seed = self._zero_hx(), self._sink_seed(acc)
             fn, w = self.sink_fn(p), (self.split_params(p), seed)
@@ -458,11 +457,11 @@ class StagePrograms:
         n_aux = len(self.info.aux_avals)
 
         def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array],
-                 lacc: list[jax.Array]) -> Any:
+                 lacc: list[jax.Array]) -> PyTree:
             h_int = [x for x, f in zip(h, self.h_float) if not f]
             fn, seed = self.sink_fn(p), self._sink_seed(acc)
 
-            def loss(w: Any, hf: list[jax.Array]) -> Any:
+            def loss(w: PyTree, hf: list[jax.Array]) -> PyTree:
                 fi, ii = iter(hf), iter(h_int)
                 full = [next(fi) if f else next(ii) for f in self.h_float]
                 outs, sink = fn(w, (full, mb))
@@ -504,7 +503,7 @@ class StagePrograms:
         scale = 1.0 / (info.dp * info.grad_accum)
         n_l = 1 + len(info.aux_avals) if sp.last else 0
 
-        def body(acc: list[jax.Array], lacc: list[jax.Array]) -> Any:
+        def body(acc: list[jax.Array], lacc: list[jax.Array]) -> PyTree:
             local = [to_device(a, h)[0] for a, h in zip(acc, sp.acc_host)]
             grads = finish_grads(local, self.grad_specs, sp.plan, sp.mesh)
             grads = [(g * jnp.asarray(scale, g.dtype)).astype(self._param_dtype(j)) for j, g in enumerate(grads)]
@@ -541,7 +540,7 @@ class StagePrograms:
             return self._cache["split"]
         G = self.info.grad_accum
 
-        def body(xs: list[jax.Array]) -> Any:
+        def body(xs: list[jax.Array]) -> PyTree:
             parts = [split_microbatches(x, G) for x in xs]
             return [[p[i] for p in parts] for i in range(G)]
 

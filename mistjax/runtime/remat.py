@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mistjax.core.execution import LayerScan
 from mistjax.core.policies import GATHERED, offload_policy, remat_policy
 from mistjax.core.stages import OFFLOAD, PLAIN, REMAT
+from mistjax.core.types import PyTree
 from mistjax.runtime.accumulate import SliceGrad, reading_rows, scan_accumulating, scan_rows
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import unrolled_loop
@@ -42,23 +43,24 @@ def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
     it would be a stacked copy of the accumulators); the backward's fresh forward passes zeros.
     """
 
-    def as_wh(w: Any, h: tuple[list[jax.Array], list[jax.Array]]) -> tuple[list[jax.Array], Any]:
+    def as_wh(w: PyTree, h: tuple[list[jax.Array], list[jax.Array]]) -> tuple[list[jax.Array], PyTree]:
         return layer(h[0], h[1], w)  # `residuals.classify`'s (weights, activation) signature
 
     # The classification of the traced fwd, read by the bwd traced after it (same avals each time).
     classified: list[Residuals] = []
 
     @jax.custom_vjp
-    def run(consts: list[jax.Array], c: list[jax.Array], x: jax.Array) -> tuple[list[jax.Array], Any]:
+    def run(consts: list[jax.Array], c: list[jax.Array], x: PyTree) -> tuple[list[jax.Array], PyTree]:
         return layer(consts, c, x)
 
-    def fwd(consts: list[jax.Array], c: list[jax.Array], x: jax.Array) -> tuple[Any, tuple[Any, ...]]:
+    def fwd(consts: list[jax.Array], c: list[jax.Array], x: PyTree) -> tuple[PyTree, tuple[PyTree, ...]]:
         res = classify(as_wh, x, (consts, c))
         classified[:] = [res]
         out, vjp = jax.vjp(as_wh, x, (consts, c))
         return out, (res.take(vjp), consts, x[0] if riding else x)
 
-    def bwd(saved: tuple[Any, ...], ct: tuple[list[jax.Array], Any]) -> tuple[list[jax.Array], list[jax.Array], Any]:
+    def bwd(saved: tuple[PyTree, ...], ct: tuple[list[jax.Array], PyTree]
+            ) -> tuple[list[jax.Array], list[jax.Array], PyTree]:
         stored, consts, x = saved
         # Like jax.checkpoint's prevent_cse: keep XLA from merging the re-fetch with the forward fetch
         # when both land in one computation (a scan of one trip is no loop), which would keep the
@@ -75,6 +77,10 @@ def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
 
     run.defvjp(fwd, bwd)
     return run
+
+
+# One layer as a scan body: ``(carry, stored slices) -> (carry, per-layer outputs)``.
+ScanBody = Callable[[list[jax.Array], PyTree], tuple[list[jax.Array], PyTree]]
 
 
 class LoopSinks(NamedTuple):
@@ -159,7 +165,7 @@ class LayerLoop:
 
         return apply
 
-    def _kinds(self, apply: Layer, consts: list[jax.Array], riding: bool) -> dict[str, Callable[..., Any]]:
+    def _kinds(self, apply: Layer, consts: list[jax.Array], riding: bool) -> dict[str, ScanBody]:
         """The per-layer function of each segment kind (see `_refetching_layer` for `riding`)."""
         checkpointed = {REMAT: remat_policy(self.policy), OFFLOAD: offload_policy(self.offload_names)}
         if riding:
