@@ -65,11 +65,17 @@ def test_pipelined_keys_try_every_schedule():
         SearchSpace(schedules=("interleaved",))
 
 
-def test_megatron_keys_are_power_of_two_uniform():
+def test_megatron_keys_are_power_of_two_dp_and_uniform_stages():
     keys = outer_keys(SearchSpace.megatron(), 24, 64, nodes=1, per_node=8)
-    assert keys and all((k.dp & (k.dp - 1)) == 0 and (k.stages & (k.stages - 1)) == 0 for k in keys)
+    assert keys and all((k.dp & (k.dp - 1)) == 0 for k in keys)
     assert all(24 % k.stages == 0 and k.micro_batch in (1, 2, 4) for k in keys)
     assert all(k.micro_batch * k.dp * k.grad_accum == 64 for k in keys)
+    # Megatron-LM takes any pp dividing the layers: its published 530B run (105 layers, tp 8, pp 35, dp 8 on
+    # 280 x 8 A100s, global batch 2240; arXiv 2104.04473 Table 1) is inside its space.
+    big = outer_keys(SearchSpace.megatron(), 105, 2240, nodes=280, per_node=8, supports_tp=lambda t: True)
+    assert any((k.tp, k.stages, k.dp, k.micro_batch) == (8, 35, 8, 1) for k in big)
+    # 2240 = 64 x 35 devices: a power-of-two dp x tp per stage leaves 35 stages as the only layer divisor
+    assert {k.stages for k in big} == {35}
 
 
 # ---------------------------------------------------------------------------------------------- search

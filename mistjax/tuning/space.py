@@ -58,7 +58,8 @@ class SearchSpace:
         max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
             computes gradients with plain ``jax.grad``, which the runtime cannot split).
         max_stages: largest stage count (None: up to the layer count).
-        power_of_two: Megatron's grid: dp, tp and pp powers of two.
+        power_of_two: Megatron's grid: dp and tp powers of two (its pp is any divisor of the layer count:
+          `uniform_layers`, as Megatron-LM requires without its uneven first / last stage option).
         zero_levels: ZeRO levels tried when dp > 1 (1: optimizer state, 2: + gradients, 3: + weights).
             With dp == 1 there is nothing to shard and level 1 is used.
         mics: also try MiCS partition groups smaller than dp (powers of two with group x tp inside a
@@ -137,7 +138,8 @@ class SearchSpace:
 
     @classmethod
     def megatron(cls) -> SearchSpace:
-        """Megatron-LM: power-of-two dp x tp x pp, b in {1,2,4}, full recompute, distributed optimizer."""
+        """Megatron-LM: power-of-two dp x tp, pp any divisor of the layers, b in {1,2,4}, full recompute,
+        distributed optimizer (e.g. the published 530B run: tp 8, pp 35, dp 8, arXiv 2104.04473 Table 1)."""
         return cls(name="megatron", power_of_two=True, zero_levels=(1,), mics=False, remat="all",
                    policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
                    act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",))
@@ -200,8 +202,6 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
         max_s = 1
     keys = []
     for S in range(1, max_s + 1):
-        if space.power_of_two and not _pow2(S):
-            continue
         if space.uniform_layers and num_layers % S:
             continue
         mesh = stage_mesh(num_devices, S, nodes, per_node)
