@@ -219,16 +219,20 @@ class StageExecution:
     defer_sync: bool
 
     def describe(self) -> list[str]:
-        """One line per decision, for `report()`."""
+        """One line per decision, for `report()` (layers numbered within the stage)."""
         scans = ", ".join(f"{s.kind} {s.start}-{s.end - 1}" + (" (2 per iteration)" if s.unroll == 2 else "")
                           for s in self.scans) or "none"
-        return [f"layer scans: {scans}",
-                f"fetched per layer use: {len(self.fetched)} leaves"
+        return [f"layer scans (stage-local layers): {scans}",
+                f"fetched per layer use: {_leaves(self.fetched)}"
                 + (" (double-buffered)" if self.double_buffer and self.fetched else ""),
-                f"gradients added inside the backward layer loop: {len(self.in_loop)} leaves",
-                f"gradients synchronised per layer in the backward: {len(self.synced)} leaves"
+                f"gradients added inside the backward layer loop: {_leaves(self.in_loop)}",
+                f"gradients synchronised per layer in the backward: {_leaves(self.synced)}"
                 + (" (one layer late, under the next layer's backward)" if self.synced and self.defer_sync else ""),
-                f"gradient accumulators on host: {len(self.host_accumulators)} leaves"]
+                f"gradient accumulators on host: {_leaves(self.host_accumulators)}"]
+
+
+def _leaves(indices: frozenset[int]) -> str:
+    return f"{len(indices)} leaf" if len(indices) == 1 else f"{len(indices)} leaves"
 
 
 @dataclass(frozen=True)
