@@ -62,6 +62,7 @@ class StageCost:
     memory: dict[str, np.ndarray]  # bytes by category
     peak: np.ndarray  # sum of `memory`
     feasible: np.ndarray  # fits the budget
+    offload_floor: np.ndarray  # a lower bound of the peak at smaller offload ratios (none claimed: 0)
 
 
 def _coll(nbytes: Any, n: Any, bw: Any, lat: Any, passes: float = 1.0) -> np.ndarray:
@@ -150,7 +151,7 @@ def stage_cost(workload: Workload, cluster: Any, st: StageStrategies) -> StageCo
     feasible = valid & (peak <= cluster.memory_budget())
     # The stub splits a micro-batch evenly between forward and backward (so every schedule's steady
     # micro-batch costs `stable`, as the 1F1B formula of `predict` assumes).
-    return StageCost(stable, delta, stable / 2, stable / 2, memory, peak, feasible)
+    return StageCost(stable, delta, stable / 2, stable / 2, memory, peak, feasible, 0 * peak)
 
 
 def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:

@@ -19,12 +19,14 @@ from flax import nnx
 
 import mistjax
 import models
+from mistjax.core.execution import rows_synced_in_loop
 from mistjax.hardware.presets import ClusterSpec
 from mistjax.tuning import SearchSpace, baseline_spaces, search, tune
 from mistjax.tuning.inter import tune_key
-from mistjax.tuning.intra import sample_stage_tables
+from mistjax.tuning.intra import prepare_key, price_entries, sample_stage_tables
 from mistjax.tuning.milp import brute_force_inter_stage
 from mistjax.tuning.space import OuterKey, outer_keys, shard_groups, strategy_grid
+from mistjax.tuning.sweep import OffloadLattice
 
 warnings.filterwarnings("ignore", message=".*time limit.*", category=RuntimeWarning)
 
@@ -88,6 +90,54 @@ def test_pruned_search_equals_exhaustive(name, seq, batch, budget):
     cl = _cpu(budget)
     fast = search(w, cl, SearchSpace(), cost=stub.COST_MODEL, prune=True)
     full = search(w, cl, SearchSpace(), cost=stub.COST_MODEL, prune=False)
+    assert fast.plan is not None and fast.objective == pytest.approx(full.objective, rel=1e-12)
+    assert fast.evaluated < full.evaluated / 3
+
+
+@pytest.mark.parametrize("budget", [1.2e6, pytest.param(2e6, marks=pytest.mark.slow)])
+def test_offload_lattice_rules_hold_on_whole_grids(real, budget):
+    """What `tuning.sweep` relies on, on every (slot, layers, remat, strategy) of four keys of the project's
+    cost model: times never fall as an offload ratio grows (except the gradient-accumulator ratio where rows
+    sync inside the backward loop: there it does fall); where a family's most-offloaded point's
+    `offload_floor` exceeds the budget, none of the family fits. And the floor is needed: a most-offloaded
+    point that does not fit does not prove its family infeasible (a middle point can fit)."""
+    w, cl = models.workload(models.get_config("gpt3-tiny"), 32, 16), _cpu(budget)
+    proven = top_fails_middle_fits = in_loop_falls = 0
+    keys = (OuterKey(1, 1, 1, 8, 2, 1, 8), OuterKey(2, 1, 4, 4, 1, 1, 8), OuterKey(1, 2, 1, 4, 4, 1, 4),
+            OuterKey(2, 2, 1, 2, 8, 1, 4))
+    for key in keys:
+        tables = prepare_key(w, cl, real, key, SearchSpace())
+        S, J, R, X = key.stages, len(tables.layer_options), tables.remat.count.size, len(tables.grid)
+        slot, option, r, x = (a.ravel() for a in np.meshgrid(*map(np.arange, (S, J, R, X)), indexing="ij"))
+        got = price_entries(w, cl, real, tables, slot, option, r, x)
+        stable, delta, ok, floor = (np.reshape(a, (S, J, R, X)) for a in got)
+        lattice, grid = OffloadLattice.of(tables.grid), tables.grid
+        for f, points in enumerate(lattice.strategy):
+            x0 = points[points >= 0][0]
+            in_loop = rows_synced_in_loop(grid.zero[x0], key.dp, grid.shard_group[x0], key.grad_accum, S > 1)
+            for axis in range(4):
+                pred = lattice.preds[:, axis]
+                has = (points >= 0) & (pred >= 0) & (points[pred] >= 0)  # both in the grid
+                hi, lo = points[has], points[pred[has]]
+                rises = (stable[..., hi] >= stable[..., lo] * (1 - 1e-12)) & (
+                    delta[..., hi] >= delta[..., lo] - 1e-12 * np.abs(delta[..., lo]))
+                if axis == 1 and in_loop:
+                    in_loop_falls += int(np.sum(~rises))
+                else:
+                    assert rises.all()
+            family_fits = ok[..., points[points >= 0]].any(axis=-1)
+            top = lattice.top[f]
+            assert not np.any(family_fits & (floor[..., top] > cl.memory_budget()))
+            proven += int(np.sum(~family_fits & (floor[..., top] > cl.memory_budget())))
+            top_fails_middle_fits += int(np.sum(family_fits & ~ok[..., top]))
+    assert proven > 0 and top_fails_middle_fits > 0 and in_loop_falls > 0
+
+
+@pytest.mark.parametrize("budget", [pytest.param(1.2e6, marks=pytest.mark.slow), 2e6])
+def test_pruned_search_equals_exhaustive_on_the_cost_model(real, budget):
+    w, cl = models.workload(models.get_config("gpt3-tiny"), 32, 16), _cpu(budget)
+    fast = search(w, cl, SearchSpace(), cost=real, time_limit=600)
+    full = search(w, cl, SearchSpace(), cost=real, time_limit=600, prune=False)
     assert fast.plan is not None and fast.objective == pytest.approx(full.objective, rel=1e-12)
     assert fast.evaluated < full.evaluated / 3
 

@@ -65,6 +65,8 @@ class StageCostLike(Protocol):
     memory: dict[str, np.ndarray]  # per-device bytes by category
     peak: np.ndarray  # per-device peak bytes
     feasible: np.ndarray  # fits the memory budget and the tensor-parallel degree divides the model
+    offload_floor: np.ndarray  # a lower bound of the guarded peak at smaller offload ratios (all else equal),
+    # compared with the cluster's memory budget: above it, no strategy that offloads less fits
 
 
 class WorkloadLike(Protocol):
@@ -111,16 +113,33 @@ class PredictFn(Protocol[W_contra, C_contra]):
     def __call__(self, workload: W_contra, plan: Plan, cluster: C_contra) -> Prediction: ...
 
 
+class StageMemoryLike(Protocol):
+    """The part of a `StageCostLike` that says whether strategies fit (no times)."""
+
+    feasible: np.ndarray
+    offload_floor: np.ndarray
+
+
+class StageMemoryFn(Protocol[W_contra, C_contra]):
+    """Says whether every strategy of a `StageStrategies` fits (vectorised; cheaper than pricing it)."""
+
+    def __call__(self, workload: W_contra, cluster: C_contra, strategies: StageStrategies) -> StageMemoryLike: ...
+
+
 class CostModel(NamedTuple, Generic[W, C]):
     """A cost model as the tuner uses it, for workloads of type ``W`` on clusters of type ``C``.
 
     Attributes:
         stage_cost: prices every strategy of a `StageStrategies` on a cluster (vectorised).
         predict: the full prediction of one `Plan` (the runtime's view: what the plan will cost).
+        stage_memory: ``stage_cost``'s ``feasible`` and ``offload_floor`` alone, where a cost model can answer
+            them for less (None: the tuner calls ``stage_cost``).
     """
 
     stage_cost: StageCostFn[W, C]
     predict: PredictFn[W, C]
+    stage_memory: StageMemoryFn[W, C] | None = None
 
 
-__all__ = ["CostModel", "PredictFn", "StageCostFn", "StageCostLike", "StageStrategies", "WorkloadLike"]
+__all__ = ["CostModel", "PredictFn", "StageCostFn", "StageCostLike", "StageMemoryFn", "StageMemoryLike",
+           "StageStrategies", "WorkloadLike"]

@@ -40,7 +40,7 @@ from mistjax.cost.collectives import (
     zero3_step_comm_time,
 )
 from mistjax.cost.interference import overlap_time
-from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
+from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, StageMemory, stage_cost, stage_memory
 from mistjax.cost.ops import (
     DEFAULT_OP_OVERHEAD,
     OpTimeTable,
@@ -55,7 +55,8 @@ from mistjax.hardware.interference import CHANNELS, MASKS, InterferenceParams, m
 from mistjax.hardware.presets import ClusterSpec
 
 # The project's cost model as the tuner sees it (`mistjax.core.strategies.CostModel`).
-COST_MODEL: CostModel[Workload, ClusterSpec] = CostModel(stage_cost=stage_cost, predict=predict)
+COST_MODEL: CostModel[Workload, ClusterSpec] = CostModel(stage_cost=stage_cost, predict=predict,
+                                                         stage_memory=stage_memory)
 
 __all__ = [
     "COST_MODEL",
@@ -65,12 +66,14 @@ __all__ = [
     "OPTIMIZERS",
     "ParamLeaf",
     "StageCost",
+    "StageMemory",
     "StageStrategies",
     "Workload",
     "analyze",
     "plan_strategies",
     "predict",
     "stage_cost",
+    "stage_memory",
     "CHANNELS",
     "COLLECTIVES",
     "DEFAULT_OP_OVERHEAD",

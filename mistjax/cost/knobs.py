@@ -82,6 +82,7 @@ class StateBytes:
     params: np.ndarray  # stored parameters in device memory
     optimizer: np.ndarray  # optimizer state in device memory
     grads: np.ndarray  # gradient buffers (accumulators and one micro-batch's gradients)
+    grads_floor: np.ndarray  # the least `grads` over every host / device placement of the layers' accumulators
     host: np.ndarray  # offloaded parameters, optimizer state and gradient accumulators in host memory
     grad_full: np.ndarray  # the stage's whole gradient (one copy, in the gradient dtype)
     grad_shard: np.ndarray  # the stage's gradient as reduce-scattered over the partition group

@@ -17,7 +17,7 @@ from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
-from mistjax.cost.stage_time import KINDS, capabilities, layer_times, step_extras, synced_in_loop
+from mistjax.cost.stage_time import KINDS, capabilities, layer_times, step_extras, synced_in_loop, syncs_rows_in_loop
 from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 
@@ -40,6 +40,7 @@ class StageCost:
     memory: dict[str, np.ndarray]  # per-device bytes by category (MEMORY_CATEGORIES)
     peak: np.ndarray  # per-device peak bytes (sum of the categories)
     feasible: np.ndarray  # peak within the memory budget and t divides the split sizes
+    offload_floor: np.ndarray  # bytes no smaller offload ratios can bring the guarded peak below (`_offload_floor`)
     host: np.ndarray = field(default_factory=lambda: np.zeros(()))  # host bytes per device (offloaded)
     host_acts: np.ndarray = field(default_factory=lambda: np.zeros(()))  # offloaded activations, part of `host`
     flops: np.ndarray = field(default_factory=lambda: np.zeros(()))  # FLOPs per device per step
@@ -96,8 +97,6 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     grad_full = nl * full_layer + full_other
     grad_shard = nl * lt["g_layer_shard"] + lt["g_other_shard"]
     on_dev = 1 - lt["acc_layer_host_frac"]
-    acc_full = nl * full_layer * on_dev + full_other
-    acc_shard = nl * lt["g_layer_shard"] * on_dev + lt["g_other_shard"]
     # One micro-batch's gradients as autodiff produces them (parameter dtype; ZeRO-3's come reduce-
     # scattered), next to the accumulator of the gradient dtype whenever there is one: several micro-
     # batches, or any pipeline stage (its backward program adds into a donated accumulator). The layers'
@@ -106,21 +105,32 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     mb_layer = np.where(zero >= 3, lt["g_layer_shard"], full_layer) / scale
     mb_other = np.where(zero >= 3, lt["g_other_shard"], full_other) / scale
     mb_grads = nl * mb_layer + mb_other
-    in_loop = nl * mb_layer * on_dev if workload.layer_grads_in_loop else 0.0
-    acc = np.where(zero >= 2, acc_shard, acc_full)
+
+    def accumulated(on_dev: np.ndarray | float) -> np.ndarray:  # with a fraction ``on_dev`` of the layers'
+        acc_full = nl * full_layer * on_dev + full_other  # accumulators on the device
+        acc_shard = nl * lt["g_layer_shard"] * on_dev + lt["g_other_shard"]
+        in_loop = nl * mb_layer * on_dev if workload.layer_grads_in_loop else 0.0
+        return np.where(zero >= 2, acc_shard, acc_full) + mb_grads - in_loop
+
     accumulates = (G > 1) | k.pipelined
     # An in-loop sync (`cost.stage_time.synced_in_loop`, G == 1) writes the synchronised rows into a result
     # buffer instead of the layers' whole micro-batch gradient (ZeRO-0: the whole rows, in the gradient
     # dtype; ZeRO-1: only the shard), plus, deferred, the one row pending its collective
     # (`runtime.accumulate.sync_deferred`).
-    synced = synced_in_loop(workload, k, lt)
-    rest = mb_grads - nl * mb_layer * synced
-    out = nl * synced * np.where(zero == 1, lt["g_layer_shard"], full_layer)
-    if deferred:
-        out = out + synced * full_layer
-    grads = np.where(accumulates, acc + mb_grads - in_loop, np.maximum(rest, rest * scale) + out)
+    def unaccumulated(synced: np.ndarray | float) -> np.ndarray:  # a fraction ``synced`` of the layer rows
+        rest = mb_grads - nl * mb_layer * synced
+        out = nl * synced * np.where(zero == 1, lt["g_layer_shard"], full_layer)
+        if deferred:
+            out = out + synced * full_layer
+        return np.maximum(rest, rest * scale) + out
+
+    grads = np.where(accumulates, accumulated(on_dev), unaccumulated(synced_in_loop(workload, k, lt)))
+    # Both are linear in the accumulators' device fraction (rest >= 0): the least over every fraction is at 0 or 1.
+    in_loop = syncs_rows_in_loop(workload, k).astype(np.float64)
+    grads_floor = np.where(accumulates, np.minimum(accumulated(0.0), accumulated(1.0)),
+                           np.minimum(unaccumulated(0.0), unaccumulated(in_loop)))
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
-    return StateBytes(params=params, optimizer=optimizer, grads=grads,
+    return StateBytes(params=params, optimizer=optimizer, grads=grads, grads_floor=grads_floor,
                       host=host_state + np.where(accumulates, acc_host, 0.0), grad_full=grad_full,
                       grad_shard=grad_shard, param_full=nl * param_layer + param_other, host_state=host_state)
 
@@ -145,12 +155,36 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     unrolled = (scan_unroll(kinds.n_plain, False, double_buffer) == 2) | (scan_unroll(kinds.n_remat, False,
                                                                                        double_buffer) == 2)
     layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
-    tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0  # int32 inputs + targets of the local batch
-    # The optimizer update runs in place on the donated state (no extra copy of it is charged). A pipeline
-    # stage also holds the activation it received and the cotangent waiting for its backward.
-    messages = np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
-    return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + whole_step + tokens + messages
+    return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + whole_step + _batch_and_messages(workload, k, v)
             + _segment_slices(workload, k, kinds, lt))
+
+
+def _batch_and_messages(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
+    """The local batch's int32 inputs and targets, and on a pipeline stage the activation it received and the
+    cotangent waiting for its backward. (The optimizer update runs in place on the donated state: no extra
+    copy of it is charged.)"""
+    tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0
+    return tokens + np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
+
+
+def _offload_floor(workload: Workload, k: Knobs, v: ProfileValues, states: StateBytes, activations: np.ndarray,
+                   margin: float) -> np.ndarray:
+    """A lower bound of the guarded peak (`core.plan.guarded_peak`) of every strategy that differs from this
+    one only in offload ratios no larger than its own.
+
+    The guarded peak is ``state + (1 + margin) * max(activations + transients, update extra)``. Lowering a
+    ratio never shrinks the stored parameters, optimizer state or activations; the gradient buffers are
+    bounded by their least over every accumulator placement (`StateBytes.grads_floor`); parameters +
+    optimizer state on the device plus what the update brings in (`_update_extra`) are the same at every
+    ratio. The transients counted are the ones no ratio changes: a plain layer's liveness peak, the batch and
+    the pipeline messages.
+    """
+    grad_shard = np.where((k.zero >= 1) & (k.zero <= 2), states.grad_shard, 0.0)
+    held = states.params + states.optimizer + states.grads_floor
+    via_update = held + states.host_state + (1.0 + margin) * grad_shard
+    plain_peak = np.maximum(v.block.bwd_peak_bytes("none"), v.block.fwd_peak_bytes("none"))
+    via_layers = held + (1.0 + margin) * (activations + plain_peak + _batch_and_messages(workload, k, v))
+    return np.maximum(via_update, via_layers)
 
 
 def _update_extra(k: Knobs, states: StateBytes) -> np.ndarray:
@@ -217,8 +251,25 @@ def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndar
     return flops, mb_xla + step["flops_xla"] + np.where(in_loop, rows, 0.0)
 
 
-def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) -> StageCost:
-    """Price every strategy of ``st`` on ``cluster`` (vectorised; no Python loop per strategy).
+@dataclass(frozen=True)
+class StageMemory:
+    """The memory side of `StageCost` (what fitting needs), and what pricing time reads next."""
+
+    memory: dict[str, np.ndarray]  # per-device bytes by category (MEMORY_CATEGORIES)
+    peak: np.ndarray  # per-device peak bytes (sum of the categories)
+    feasible: np.ndarray  # the guarded peak within the memory budget and t divides the split sizes
+    offload_floor: np.ndarray  # `_offload_floor`
+    host: np.ndarray  # host bytes per device (offloaded states and activations)
+    host_acts: np.ndarray  # offloaded activations, part of `host`
+    knobs: Knobs
+    values: ProfileValues
+    totals: dict[str, np.ndarray]  # `cost.layout.totals_over` of the strategies
+    kinds: LayerKinds
+    states: StateBytes
+
+
+def stage_memory(workload: Workload, cluster: ClusterSpec, st: StageStrategies) -> StageMemory:
+    """Per-device memory and feasibility of every strategy of ``st`` (`stage_cost` without the times).
 
     Feasibility covers memory (the peak with the device's `memory_margin` on its non-state part,
     `mistjax.core.plan.guarded_peak`, within ``cluster.memory_budget()``) and tensor-parallel divisibility;
@@ -238,17 +289,28 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     buffers = np.maximum(_buffers(workload, k, v, lt, kinds, double_buffer), _update_extra(k, states) - activations)
     memory = {"params": states.params, "optimizer": states.optimizer, "grads": states.grads,
               "activations": activations, "buffers": buffers}
-    peak = sum(memory.values())
-    lay = layer_times(workload, cluster, k, v, lt, kinds)
-    ext = step_extras(workload, cluster, k, v, lt, states, kinds)
-    flops, flops_xla = _flops(workload, k, v, lt, kinds, ext, double_buffer)
+    margin = cluster.device.memory_margin
     ok_tp = workload.compiled.feasible(k.b, s, k.tp)
-    return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"], memory=memory,
-                     peak=peak, feasible=(guarded_peak(memory, cluster.device.memory_margin)
-                                          <= cluster.memory_budget()) & ok_tp, host=states.host + act_host,
-                     host_acts=act_host, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
-                     comm={kd: ext[f"comm.{kd}"] for kd in KINDS},
-                     optimizer_step=ext["update"] + ext["regather"])
+    return StageMemory(memory=memory, peak=sum(memory.values()),
+                       feasible=(guarded_peak(memory, margin) <= cluster.memory_budget()) & ok_tp,
+                       offload_floor=_offload_floor(workload, k, v, states, activations, margin),
+                       host=states.host + act_host, host_acts=act_host, knobs=k, values=v, totals=lt, kinds=kinds,
+                       states=states)
 
 
-__all__ = ["MEMORY_CATEGORIES", "StageCost", "StageStrategies", "layer_kinds", "stage_cost", "state_bytes"]
+def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) -> StageCost:
+    """Price every strategy of ``st`` on ``cluster`` (vectorised; no Python loop per strategy): `stage_memory`
+    and the times."""
+    m = stage_memory(workload, cluster, st)
+    k, v, lt, kinds = m.knobs, m.values, m.totals, m.kinds
+    lay = layer_times(workload, cluster, k, v, lt, kinds)
+    ext = step_extras(workload, cluster, k, v, lt, m.states, kinds)
+    flops, flops_xla = _flops(workload, k, v, lt, kinds, ext, capabilities(cluster).double_buffers_fetches)
+    return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"],
+                     memory=m.memory, peak=m.peak, feasible=m.feasible, offload_floor=m.offload_floor, host=m.host,
+                     host_acts=m.host_acts, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
+                     comm={kd: ext[f"comm.{kd}"] for kd in KINDS}, optimizer_step=ext["update"] + ext["regather"])
+
+
+__all__ = ["MEMORY_CATEGORIES", "StageCost", "StageMemory", "StageStrategies", "layer_kinds", "stage_cost",
+           "stage_memory", "state_bytes"]

@@ -132,8 +132,12 @@ def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> n
     (not host-accumulated) where `core.execution.rows_synced_in_loop` holds. The rest (embedding, head, host
     accumulators, G > 1, every pipeline stage: the MPMD executor syncs in its `finish` program) syncs at the end
     of the step."""
-    on = rows_synced_in_loop(k.zero, k.dp, k.shard_group, k.G, k.pipelined) & workload.layer_grads_in_loop
-    return np.where(on, 1.0 - lt["acc_layer_host_frac"], 0.0)
+    return np.where(syncs_rows_in_loop(workload, k), 1.0 - lt["acc_layer_host_frac"], 0.0)
+
+
+def syncs_rows_in_loop(workload: Workload, k: Knobs) -> np.ndarray:
+    """Whether the stage's device-accumulated layer rows sync inside the backward (see `synced_in_loop`)."""
+    return rows_synced_in_loop(k.zero, k.dp, k.shard_group, k.G, k.pipelined) & workload.layer_grads_in_loop
 
 
 def synced_row_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> np.ndarray:

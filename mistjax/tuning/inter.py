@@ -20,9 +20,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mistjax.core.strategies import CostModel, WorkloadLike
-from mistjax.tuning.intra import ScheduleMemo, StageTables, prepare_key, price, price_pairs, sample_stage_tables
+from mistjax.tuning.intra import (
+    ScheduleMemo,
+    StageTables,
+    prepare_key,
+    price,
+    price_pairs,
+    sample_stage_tables,
+)
 from mistjax.tuning.milp import solve_inter_stage
 from mistjax.tuning.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, layer_options, strategy_grid
+from mistjax.tuning.sweep import Entries, entries_that_may_fit, sweep_offloads
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -177,15 +185,11 @@ def _with_stats(c: KeyChoice, optimal: bool, milps: int) -> KeyChoice:
     return KeyChoice(c.objective, c.layers, c.remat, c.strategy, c.stable, c.delta, optimal, milps)
 
 
-def _base_strategies(grid: StrategyGrid) -> tuple[np.ndarray, np.ndarray]:
-    """Per family: the strategy with the smallest offload ratios, and the one with the largest."""
+def _base_strategies(grid: StrategyGrid) -> np.ndarray:
+    """Per family: the strategy with the smallest offload ratios."""
     F = int(grid.family.max()) + 1
-    ratios = (grid.wo, grid.go, grid.oo, grid.ao)
-    lo = np.logical_and.reduce([r == r.min() for r in ratios])
-    hi = np.logical_and.reduce([r == r.max() for r in ratios])
-    base = np.array([np.flatnonzero(lo & (grid.family == f))[0] for f in range(F)])
-    top = np.array([np.flatnonzero(hi & (grid.family == f))[0] for f in range(F)])
-    return base, top
+    lo = np.logical_and.reduce([r == r.min() for r in (grid.wo, grid.go, grid.oo, grid.ao)])
+    return np.array([np.flatnonzero(lo & (grid.family == f))[0] for f in range(F)])
 
 
 def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
@@ -195,7 +199,7 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     L = int(workload.num_layers)
     opts = layer_options(space, L, key.stages, key.grad_accum)
     grid = strategy_grid(space, key.dp, key.tp, cluster.devices_per_node, pipelined=key.stages > 1)
-    base, _ = _base_strategies(grid)
+    base = _base_strategies(grid)
     none = tuple(workload.policies).index("none") if "none" in tuple(workload.policies) else 0
     probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),
                         grid, np.empty(0), np.empty(0), memo=memo)
@@ -206,43 +210,22 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     return float(lb.min())
 
 
-def _price_children(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
-                    base: np.ndarray, top: np.ndarray, ok0: np.ndarray, bound: np.ndarray | None, best_obj: float,
-                    deadline: float) -> None:
-    """Price the offloaded strategies of (remat option, family) pairs where they can matter.
+def _open_entries(tables: StageTables, s0: np.ndarray, d0: np.ndarray, ok0: np.ndarray) -> Entries:
+    """The (slot, layers, remat, family) entries whose offloaded strategies can matter.
 
-    An offload never makes a strategy faster, so a family's offloaded strategies are priced only for
-    remat options whose zero-offload strategy does not fit somewhere (some stage slot and layer count)
-    while the family's most-offloaded one does. With one stage, ``bound[r, f]`` (the zero-offload
-    objective) orders the pairs, and a pair is skipped once a feasible plan priced so far is better.
+    Where a family's zero-offload strategy fits, it dominates every offloaded one (an offload never makes a
+    strategy faster), so only the entries where it does not fit are swept. The most-offloaded strategy's
+    failing to fit proves nothing (the optimizer update brings offloaded state back onto the device, so a
+    middle point can fit where both ends do not: `tests/test_tune.py` prices whole grids to show it). The
+    bound of an entry is its zero-offload objective with one stage, and ``G * stable`` (one stage's share of
+    the pipeline's) otherwise.
     """
-    grid, G = tables.grid, tables.key.grad_accum
-    children = {f: np.setdiff1d(np.flatnonzero(grid.family == f), [base[f]]) for f in range(len(base))}
-    if not sum(c.size for c in children.values()):
-        return
-    R, F = ok0.shape[2], len(base)
-    rr, ff = np.meshgrid(np.arange(R), np.arange(F), indexing="ij")
-    _, _, okt = price_pairs(workload, cluster, cost, tables, rr.ravel(), top[ff.ravel()])
-    okt = okt.reshape(okt.shape[0], okt.shape[1], R, F)
-    cand = (~ok0 & okt).any(axis=(0, 1))  # [R, F]
-    lb = np.zeros((R, F)) if bound is None else bound
-    order = np.argsort(np.where(cand, lb, np.inf), axis=None, kind="stable")[:int(cand.sum())]
-    per_pair = okt.shape[0] * okt.shape[1] * max(c.size for c in children.values())
-    chunk = int(np.clip(_CHUNK_ELEMENTS // per_pair, 1, _PAIR_CHUNK))
-    for lo in range(0, order.size, chunk):
-        if time.perf_counter() >= deadline:
-            tables.truncated = True
-            return
-        pairs = [(int(r), int(f)) for r, f in zip(*np.unravel_index(order[lo:lo + chunk], (R, F)))
-                 if lb[r, f] < best_obj]
-        if not pairs:
-            return
-        r = np.concatenate([np.full(children[f].size, r) for r, f in pairs])
-        x = np.concatenate([children[f] for _, f in pairs])
-        s, d, ok = price_pairs(workload, cluster, cost, tables, r, x)
-        tables.store(r, x, s, d, ok)
-        if tables.key.stages == 1:
-            best_obj = min(best_obj, float(np.min(np.where(ok[0, 0], G * s[0, 0] + d[0, 0], np.inf))))
+    S, J, R, F = ok0.shape
+    has_children = np.bincount(tables.grid.family, minlength=F) > 1
+    slot, option, r, f = np.nonzero(~ok0 & has_children)
+    G = tables.key.grad_accum
+    bound = G * s0[slot, option, r, f] + (d0[slot, option, r, f] if S == 1 else 0.0)
+    return Entries(slot, option, r, f, bound)
 
 
 def _price_all(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
@@ -280,14 +263,18 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
     if not prune:
         _price_all(workload, cluster, cost, tables, price_deadline if key.stages > 1 else deadline)
         return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
-    base, top = _base_strategies(grid)
+    base = _base_strategies(grid)
     s0, d0, ok0 = price(workload, cluster, cost, tables, base)  # [S, J, R, F]
-    best_obj = np.inf if best_cost is None else best_cost
+    cut = np.inf if best_cost is None else best_cost
     if S == 1:
-        f0 = G * s0[0, 0] + d0[0, 0]  # [R, F]: a bound for every offloaded child of (r, family)
-        best_obj = min(best_obj, float(np.min(np.where(ok0[0, 0], f0, np.inf))))
-        _price_children(workload, cluster, cost, tables, base, top, ok0, f0, best_obj, deadline)
-        choice = _single_stage(tables)
-        return tables, choice if choice is not None and (best_cost is None or choice.objective < best_cost) else None
-    _price_children(workload, cluster, cost, tables, base, top, ok0, None, best_obj, price_deadline)
-    return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
+        cut = min(cut, float(np.min(np.where(ok0[0, 0], G * s0[0, 0] + d0[0, 0], np.inf))))
+    entries = entries_that_may_fit(workload, cluster, cost, tables, _open_entries(tables, s0, d0, ok0))
+    incumbent = None
+    if S > 1:  # a plan from the zero- and most-offloaded points: its objective cuts the sweep
+        incumbent = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
+        cut = min(cut, np.inf if incumbent is None else incumbent.objective)
+    sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline if S == 1 else price_deadline)
+    choice = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
+    if incumbent is not None and (choice is None or incumbent.objective < choice.objective):
+        choice = incumbent  # Pareto sampling of the larger tables can miss it
+    return tables, choice

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,8 @@ from mistjax.tuning.space import (
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-__all__ = ["SampledTables", "ScheduleMemo", "StageTables", "prepare_key", "price", "price_pairs", "sample_stage_tables"]
+__all__ = ["EntryPrices", "SampledTables", "ScheduleMemo", "StageTables", "prepare_key", "price", "price_entries",
+           "entries_fit", "price_pairs", "sample_stage_tables"]
 
 # Elements per cost-model call: big enough to amortise NumPy's per-op overhead, small enough that the
 # model's few dozen float64 temporaries stay in the low hundreds of MB.
@@ -74,6 +75,14 @@ class StageTables:
         self.delta[:, :, r, x] = np.where(ok, np.maximum(delta, 0.0), np.inf)
         self.sampled.clear()
 
+    def store_entries(self, slot: np.ndarray, option: np.ndarray, r: np.ndarray, x: np.ndarray, stable: np.ndarray,
+                      delta: np.ndarray, ok: np.ndarray) -> None:
+        """Write single priced entries (1-D arrays; infeasible ones stay ``inf``)."""
+        at = (slot[ok], option[ok], r[ok], x[ok])
+        self.stable[at] = stable[ok]
+        self.delta[at] = np.maximum(delta[ok], 0.0)
+        self.sampled.clear()
+
 
 class ScheduleMemo:
     """Prices of the last outer key, kept for its siblings that differ only in the pipeline schedule.
@@ -111,7 +120,7 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     them); ``feasible`` says where they fit. Pairs whose checkpointed count exceeds a layer option
     are infeasible.
     """
-    key, grid = tables.key, tables.grid
+    key = tables.key
     S, G = key.stages, key.grad_accum
     r, x = np.asarray(r, np.int64), np.asarray(x, np.int64)
     memo = tables.memo if S > 1 and tables.memo is not None and key.schedule in tables.memo.schedules else None
@@ -124,9 +133,6 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     schedules = memo.schedules if memo is not None else (key.schedule,)
     slot = (np.arange(S) if slots is None else np.asarray(slots)).reshape(-1, 1, 1)
     layers = np.asarray(tables.layer_options, np.int64).reshape(1, -1, 1)
-    count = tables.remat.count[r].reshape(1, 1, -1)
-    c = np.where(count < 0, layers, count)
-    valid = c <= layers
     # Each stage holds its own micro-batches in flight under each schedule (the MPMD executor). One
     # leading axis per schedule.
     inflight = np.stack([inflight_microbatches(slot, S, G, n) for n in schedules]).reshape(-1, slot.shape[0], 1, 1)
@@ -136,29 +142,72 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     step = max(1, _CHUNK_ELEMENTS // max(1, shape[1] * shape[2]))
     for lo in range(0, len(r), step):
         sl = slice(lo, lo + step)
-        xs = x[sl]
-
-        def col(a: np.ndarray, xs: np.ndarray = xs) -> np.ndarray:
-            return a[xs].reshape(1, 1, -1)
-
-        st = StageStrategies(
-            b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
-            shard_group=col(grid.shard_group), zero=col(grid.zero), layers=layers,
-            remat=np.minimum(c[..., sl], layers), policy=tables.remat.policy[r[sl]].reshape(1, 1, -1),
-            wo=col(grid.wo), go=col(grid.go), oo=col(grid.oo), ao=col(grid.ao), inflight=inflight,
-            G=np.asarray(G), first=slot == 0, last=slot == S - 1, stages=np.asarray(S), nodes=np.asarray(key.nodes),
-            per_node=np.asarray(key.per_node))
+        st, valid = _strategies(tables, slot, layers, r[sl].reshape(1, 1, -1), x[sl].reshape(1, 1, -1), inflight)
         out = cost.stage_cost(workload, cluster, st)
-        sub = (shape[0], shape[1], shape[2], xs.size)
+        sub = (shape[0], shape[1], shape[2], r[sl].size)
         stable[..., sl] = np.broadcast_to(out.stable, sub)
         delta[..., sl] = np.broadcast_to(out.delta, sub)
-        ok = np.broadcast_to(np.asarray(out.feasible, bool) & valid[..., sl], sub)
+        ok = np.broadcast_to(np.asarray(out.feasible, bool) & valid, sub)
         feasible[..., sl] = ok & np.isfinite(stable[..., sl]) & np.isfinite(delta[..., sl])
     tables.evaluated += int(np.prod(shape))
     if memo is not None:
         memo.store(what, (stable, delta, feasible))
     i = schedules.index(key.schedule)
     return stable[i], delta[i], feasible[i]
+
+
+def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np.ndarray, x: np.ndarray,
+                inflight: np.ndarray) -> tuple[StageStrategies, np.ndarray]:
+    """The `StageStrategies` of (slot, layer count, remat option r, strategy x), broadcast against each other,
+    and where the option's checkpointed count fits the layer count."""
+    key, grid = tables.key, tables.grid
+    count = tables.remat.count[r]
+    c = np.where(count < 0, layers, count)
+    st = StageStrategies(
+        b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
+        shard_group=grid.shard_group[x], zero=grid.zero[x], layers=layers, remat=np.minimum(c, layers),
+        policy=tables.remat.policy[r], wo=grid.wo[x], go=grid.go[x], oo=grid.oo[x], ao=grid.ao[x],
+        inflight=inflight, G=np.asarray(key.grad_accum), first=slot == 0, last=slot == key.stages - 1,
+        stages=np.asarray(key.stages), nodes=np.asarray(key.nodes), per_node=np.asarray(key.per_node))
+    return st, c <= layers
+
+
+class EntryPrices(NamedTuple):
+    """Raw prices of 1-D entries (see `price_pairs`), with the cost model's `offload_floor`."""
+
+    stable: np.ndarray
+    delta: np.ndarray
+    feasible: np.ndarray
+    offload_floor: np.ndarray
+
+
+def price_entries(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                  slot: np.ndarray, option: np.ndarray, r: np.ndarray, x: np.ndarray) -> EntryPrices:
+    """Raw prices of single (slot, layer option index, remat option, strategy) entries, 1-D, under the key's
+    own schedule."""
+    st, valid = _entry_strategies(tables, slot, option, r, x)
+    out = cost.stage_cost(workload, cluster, st)
+    stable, delta = np.broadcast_to(out.stable, slot.shape), np.broadcast_to(out.delta, slot.shape)
+    ok = np.broadcast_to(np.asarray(out.feasible, bool), slot.shape) & valid & np.isfinite(stable) & np.isfinite(delta)
+    tables.evaluated += int(slot.size)
+    return EntryPrices(stable, delta, ok, np.broadcast_to(out.offload_floor, slot.shape))
+
+
+def entries_fit(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                slot: np.ndarray, option: np.ndarray, r: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Whether single entries (as `price_entries`) fit, from the cost model's ``stage_memory`` where it has one."""
+    if cost.stage_memory is None:
+        return price_entries(workload, cluster, cost, tables, slot, option, r, x).feasible
+    st, valid = _entry_strategies(tables, slot, option, r, x)
+    return np.broadcast_to(np.asarray(cost.stage_memory(workload, cluster, st).feasible, bool), slot.shape) & valid
+
+
+def _entry_strategies(tables: StageTables, slot: np.ndarray, option: np.ndarray, r: np.ndarray, x: np.ndarray
+                      ) -> tuple[StageStrategies, np.ndarray]:
+    key = tables.key
+    layers = np.asarray(tables.layer_options, np.int64)[option]
+    inflight = inflight_microbatches(slot, key.stages, key.grad_accum, key.schedule)
+    return _strategies(tables, slot, layers, r, x, np.asarray(inflight))
 
 
 def price(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables, xs: np.ndarray

@@ -1,0 +1,160 @@
+"""Offloaded strategies priced only where one can be chosen: a rank-ordered sweep of each family's offload lattice.
+
+Within a family (ZeRO level x MiCS group) the strategies differ only in their four offload ratios, a lattice
+``wo x go x oo x ao``. The cost model's times never fall as a ratio grows (`tests/test_tune.py` checks it on
+whole grids), so at one (slot, layers, remat) entry a *feasible* strategy y <= x (no ratio larger) is at
+least as fast as x in stable and delta alike: x cannot be the unique best of any plan there. The exception
+is the gradient-accumulator ratio where layer rows are synchronised inside the backward loop
+(`core.execution.rows_synced_in_loop`): host-accumulated rows sync at the end of the step instead, and with
+none left in the loop its per-layer collectives go, so the sweep orders nothing along that ratio there. Memory is not
+monotone in the ratios (the optimizer update brings offloaded state back onto the device), so the sweep
+never infers feasibility from a neighbour: an entry whose most-offloaded point's `offload_floor` exceeds
+the budget has no point that fits and is dropped; the others are visited rank by rank (the sum of the ratio
+indices), pricing a point only when no point below it was found feasible. What is priced is each entry's
+infeasible points with nothing feasible below, and its minimal feasible ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from mistjax.core.execution import rows_synced_in_loop
+from mistjax.core.strategies import CostModel, WorkloadLike
+from mistjax.tuning.intra import StageTables, entries_fit, price_entries
+from mistjax.tuning.space import StrategyGrid
+
+if TYPE_CHECKING:
+    from mistjax.hardware.presets import ClusterSpec
+
+__all__ = ["Entries", "OffloadLattice", "entries_that_may_fit", "sweep_offloads"]
+
+_RATIOS = ("wo", "go", "oo", "ao")
+_CHUNK = 1 << 16  # (entry, point) pairs priced per call: the deadline is checked that often
+
+
+@dataclass(frozen=True)
+class OffloadLattice:
+    """The offload lattice of a strategy grid's families.
+
+    Attributes:
+        strategy: ``[F, P]`` the strategy index x at each family's flat lattice point (-1: not in the grid,
+            e.g. a weight offload without gradient offload).
+        preds: ``[P, 4]`` the flat point one step lower in each ratio (-1 at the lattice's floor).
+        levels: the flat points of each rank 1, 2, ... (rank 0 is the zero-offload base).
+    """
+
+    strategy: np.ndarray
+    preds: np.ndarray
+    levels: tuple[np.ndarray, ...]
+
+    @property
+    def top(self) -> np.ndarray:
+        """``[F]`` each family's strategy with every ratio at its largest (-1 where the grid lacks it)."""
+        return self.strategy[:, -1]
+
+    @classmethod
+    def of(cls, grid: StrategyGrid) -> OffloadLattice:
+        values = [np.unique(getattr(grid, name)) for name in _RATIOS]
+        shape = tuple(v.size for v in values)
+        coords = np.stack([np.searchsorted(v, getattr(grid, name)) for v, name in zip(values, _RATIOS)])
+        flat = np.ravel_multi_index(tuple(coords), shape)
+        strategy = np.full((int(grid.family.max()) + 1, int(np.prod(shape))), -1, np.int64)
+        strategy[grid.family, flat] = np.arange(len(grid))
+        every = np.indices(shape).reshape(4, -1)
+        preds = np.full((every.shape[1], 4), -1, np.int64)
+        for axis in range(4):
+            lower = every.copy()
+            lower[axis] -= 1
+            ok = lower[axis] >= 0
+            preds[ok, axis] = np.ravel_multi_index(tuple(lower[:, ok]), shape)
+        rank = every.sum(axis=0)
+        levels = tuple(np.flatnonzero(rank == k) for k in range(1, int(rank.max()) + 1))
+        return cls(strategy, preds, levels)
+
+
+class Entries(NamedTuple):
+    """(slot, layer option, remat option, family) entries of a key's tables whose offloaded points are swept;
+    ``bound`` is a lower bound of the objective of any plan using the entry (compared with the cut)."""
+
+    slot: np.ndarray
+    option: np.ndarray
+    remat: np.ndarray
+    family: np.ndarray
+    bound: np.ndarray
+
+
+def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                   entries: Entries, cut: float, deadline: float) -> None:
+    """Price the undominated offloaded points of ``entries`` into ``tables`` (dominated ones stay ``inf``).
+
+    An entry leaves the sweep once its ``bound`` reaches ``cut``; with one stage the cut falls to the best
+    objective priced so far (``G * stable + delta`` of a feasible point), since the entry is the whole plan.
+    Sets ``tables.truncated`` when the deadline stops it.
+    """
+    lattice = OffloadLattice.of(tables.grid)
+    live = entries.bound < cut
+    ordered = _ordered_ratios(tables, entries)  # [E, 4]
+    reached = np.zeros((entries.slot.size, lattice.strategy.shape[1]), bool)  # a feasible point <= here
+    single, G = tables.key.stages == 1, tables.key.grad_accum
+    for points in lattice.levels:
+        if not live.any():
+            return
+        if time.perf_counter() >= deadline:
+            tables.truncated = True
+            return
+        pred = lattice.preds[points]  # [n, 4]
+        below = (reached[:, np.maximum(pred, 0)] & (pred >= 0) & ordered[:, None, :]).any(axis=-1)  # [E, n]
+        xs = lattice.strategy[entries.family[:, None], points[None, :]]
+        e, p = np.nonzero(live[:, None] & (xs >= 0) & ~below)
+        feasible = np.zeros(e.size, bool)
+        for lo in range(0, e.size, _CHUNK):
+            sl = slice(lo, lo + _CHUNK)
+            ee, x = e[sl], xs[e[sl], p[sl]]
+            at = (entries.slot[ee], entries.option[ee], entries.remat[ee], x)
+            fits = np.flatnonzero(entries_fit(workload, cluster, cost, tables, *at))
+            if not fits.size:
+                continue
+            at = tuple(a[fits] for a in at)
+            got = price_entries(workload, cluster, cost, tables, *at)
+            tables.store_entries(*at, got.stable, got.delta, got.feasible)
+            feasible[fits + lo] = got.feasible
+            if single and got.feasible.any():
+                cut = min(cut, float(np.min(np.where(got.feasible, G * got.stable + got.delta, np.inf))))
+        below[e, p] |= feasible
+        reached[:, points] = below
+        live &= entries.bound < cut
+
+
+def _ordered_ratios(tables: StageTables, entries: Entries) -> np.ndarray:
+    """``[E, 4]`` the ratios along which an entry's times never fall (every one but ``go`` where layer rows sync
+    inside the backward loop)."""
+    grid, key = tables.grid, tables.key
+    first = np.array([np.flatnonzero(grid.family == f)[0] for f in range(int(grid.family.max()) + 1)])
+    x = first[entries.family]
+    in_loop = rows_synced_in_loop(grid.zero[x], key.dp, grid.shard_group[x], key.grad_accum, key.stages > 1)
+    ordered = np.ones((entries.family.size, len(_RATIOS)), bool)
+    ordered[:, _RATIOS.index("go")] = ~in_loop
+    return ordered
+
+
+def entries_that_may_fit(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                         entries: Entries) -> Entries:
+    """Price each entry's most-offloaded point into ``tables``; keep the entries whose `offload_floor` there
+    does not prove that no point of the family fits."""
+    x = OffloadLattice.of(tables.grid).top[entries.family]
+    floor = np.zeros(x.size)
+    for lo in range(0, x.size, _CHUNK):
+        at = np.flatnonzero(x[lo:lo + _CHUNK] >= 0) + lo
+        if not at.size:
+            continue
+        got = price_entries(workload, cluster, cost, tables, entries.slot[at], entries.option[at], entries.remat[at],
+                            x[at])
+        tables.store_entries(entries.slot[at], entries.option[at], entries.remat[at], x[at], got.stable, got.delta,
+                             got.feasible)
+        floor[at] = got.offload_floor
+    keep = floor <= cluster.memory_budget()
+    return Entries(*(a[keep] for a in entries))
