@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from mistjax.core.jaxpr import (
     CALLS,
     CHECKPOINTS,
+    CLOSED_CALL,
     CUSTOM_VJP,
     INLINABLE,
     JIT,
@@ -59,7 +60,7 @@ def _shard_mapped(x: jax.Array) -> jax.Array:
 # for the known part of a checkpointed scan's VJP).
 PRODUCERS: dict[str, Callable[[jax.Array], object]] = {
     "jit": jax.jit(jnp.sin),
-    "closed_call": lambda x: jax.vjp(jax.checkpoint(_scan_sum), x),
+    CLOSED_CALL: lambda x: jax.vjp(jax.checkpoint(_scan_sum), x),
     "remat2": jax.checkpoint(jnp.sin),
     "custom_jvp_call": _jvp_sin,
     "custom_vjp_call": _vjp_sin,

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import models
+from mistjax.core.jaxpr import scan_counts
 from models import ModelConfig, falcon, gpt3, llama
 
 TINY = ["gpt3-tiny", "llama-tiny", "falcon-tiny"]
@@ -125,7 +126,7 @@ def test_jaxpr_has_one_top_level_scan_over_stacked_params(tiny_models, name):
     scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scans) == 1
     scan = scans[0]
-    n_consts, n_carry = scan.params["num_consts"], scan.params["num_carry"]
+    n_consts, n_carry = scan_counts(scan.params)
     assert (n_consts, n_carry, scan.params["length"]) == (0, 1, cfg.num_layers)
     # Params are flattened first (sorted State keys), then tokens; pick the stacked ones in that order.
     leaves = jax.tree_util.tree_leaves_with_path(params)

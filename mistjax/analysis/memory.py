@@ -11,7 +11,7 @@ from jax.extend import core as jex
 from mistjax.analysis.fused import per_block
 from mistjax.analysis.graph import Graph, Node, constant_nodes, names
 from mistjax.analysis.poly import ZERO, Poly, prune_dominated
-from mistjax.core.jaxpr import Atom, is_var
+from mistjax.core.jaxpr import Atom, is_var, scan_counts
 
 ALIAS = names(
     "name reduce_precision reshape squeeze expand_dims copy copy_p optimization_barrier stop_gradient"
@@ -154,7 +154,7 @@ def loop_state(node: Node, body: Graph) -> list[Atom]:
     so inside they own no second buffer; a scan's per-iteration ``ys`` are written into the stacked result
     and are left counted."""
     if node.prim == "scan":
-        return list(body.outvars[: int(node.params.get("num_carry", 0))])
+        return list(body.outvars[: scan_counts(node.params)[1]])
     if node.prim == "while":
         return list(body.outvars) if body is node.subs[0] else []
     if node.prim == "cond":

@@ -23,7 +23,7 @@ from mistjax.analysis.layout import (
     same_layout,
 )
 from mistjax.analysis.poly import ONE, PS, Poly, prod
-from mistjax.core.jaxpr import Atom
+from mistjax.core.jaxpr import Atom, scan_counts
 
 __all__ = ["REP", "CollectiveRecord", "Partial", "Propagator", "Shard", "State", "TPResult", "propagate"]
 
@@ -446,7 +446,7 @@ class Propagator:
                 self.res.states[v] = s
             self.run(body, mult * n.length, out_targets=body_in[nc : nc + ncar])
             return ins, body_in[nc:]
-        nc, ncar = n.params["num_consts"], n.params["num_carry"]
+        nc, ncar = scan_counts(n.params)
         ins: list[State] = []
         for k, v in enumerate(n.ins):
             s = self.st(v)
@@ -471,7 +471,7 @@ class Propagator:
 
         Found by trial propagations of the body (nothing recorded) until the carry layouts are stable.
         """
-        nc, ncar = n.params["num_consts"], n.params["num_carry"]
+        nc, ncar = scan_counts(n.params)
         body = n.subs[0]
         carry = list(body_in[nc : nc + ncar])
         for _ in range(ncar + 1):

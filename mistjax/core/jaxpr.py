@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeGuard
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
+from jax.extend.core.primitives import closed_call_p
 
 Atom: TypeAlias = Var | Literal
 """An equation operand: a variable, or a literal constant written into the jaxpr."""
@@ -46,9 +47,12 @@ class Shaped(Protocol):
     def dtype(self) -> np.dtype: ...
 
 
+CLOSED_CALL = closed_call_p.name
+"""Partial evaluation's call: ``closed_call`` (JAX 0.10), ``eval_jaxpr`` (0.11)."""
+
 CALLS: Mapping[str, str] = MappingProxyType({
     "jit": "jaxpr",  # jax.jit; its ``name`` param names the function (fused kernels, eager markers)
-    "closed_call": "call_jaxpr",  # partial evaluation's call (known part of a checkpointed scan, ...)
+    CLOSED_CALL: "call_jaxpr",  # partial evaluation's call (known part of a checkpointed scan, ...)
     "remat2": "jaxpr",  # jax.checkpoint (an open Jaxpr: its constants are operands)
     "custom_jvp_call": "call_jaxpr",  # the primal of a jax.custom_jvp function
     "custom_vjp_call": "call_jaxpr",  # the primal of a jax.custom_vjp function
@@ -71,8 +75,17 @@ PER_DEVICE = frozenset({"shard_map"})
 INLINABLE = frozenset(CALLS) - PER_DEVICE
 """Calls whose body may be evaluated on the call's operands in place of the call."""
 
-PLAIN_CALLS = frozenset({JIT, "closed_call"})
+PLAIN_CALLS = frozenset({JIT, CLOSED_CALL})
 """Calls without a differentiation rule of their own: inlining them changes nothing a transformation sees."""
+
+
+def scan_counts(params: Params) -> tuple[int, int]:
+    """A ``scan`` equation's (number of consts, number of carry operands): JAX 0.10's ``num_consts`` /
+    ``num_carry``, or JAX 0.11's flat trees (``ft_in`` = (consts, carry, xs))."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def is_var(v: object) -> TypeGuard[Var]:
@@ -211,6 +224,6 @@ def inline_calls(closed: ClosedJaxpr, inline: Container[str] = INLINABLE, *, dep
     return jax.make_jaxpr(flat)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
 
 
-__all__ = ["CALLS", "CHECKPOINTS", "CUSTOM_VJP", "INLINABLE", "JIT", "PER_DEVICE", "PLAIN_CALLS", "Atom", "Params",
-           "Shaped", "Step", "Value", "Visit", "bind_equation", "eval_jaxpr", "inline_calls", "inner_jaxpr", "is_var",
-           "iter_eqns", "read", "run_equations", "walk"]
+__all__ = ["CALLS", "CHECKPOINTS", "CLOSED_CALL", "CUSTOM_VJP", "INLINABLE", "JIT", "PER_DEVICE", "PLAIN_CALLS",
+           "Atom", "Params", "Shaped", "Step", "Value", "Visit", "bind_equation", "eval_jaxpr", "inline_calls",
+           "inner_jaxpr", "is_var", "iter_eqns", "read", "run_equations", "scan_counts", "walk"]

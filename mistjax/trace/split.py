@@ -29,6 +29,7 @@ from mistjax.core.jaxpr import (
     iter_eqns,
     read,
     run_equations,
+    scan_counts,
 )
 from mistjax.core.types import LossFn, PyTree
 from mistjax.trace.unrolled import LayerSlices, ParamGroups, find_unrolled
@@ -141,7 +142,7 @@ def find_layer_stack(closed: jex.ClosedJaxpr, num_param_leaves: int) -> LayerSta
     for k, eqn in enumerate(closed.jaxpr.eqns):
         if eqn.primitive.name != "scan" or eqn.params["reverse"]:
             continue
-        nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+        nc, ncar = scan_counts(eqn.params)
         xs = eqn.invars[nc + ncar:]
         xs_leaf = tuple(invar_index.get(v) if isinstance(v, jex.Var) else None for v in xs)
         nbytes = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
