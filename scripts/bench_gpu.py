@@ -34,7 +34,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", required=True, help="directory for bench_gpu.json")
     ap.add_argument("--models", default="gpt3-1.3b,gpt3-2.7b")
-    ap.add_argument("--budgets-gib", default="24,40", help="emulated device memory sizes (GiB)")
+    ap.add_argument("--budgets-gib", default="32,64", help="emulated device memory sizes (GiB); 1.3B needs 25, 2.7B 48")
     ap.add_argument("--hardware", default="h200", help="preset whose compute and links the predictions use")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--global-batch", type=int, default=16)

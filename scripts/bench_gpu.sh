@@ -3,7 +3,7 @@
 #
 #   scripts/bench_gpu.sh RESULTS_DIR
 #
-# GPT-3 1.3B and 2.7B, sequence 2048, global batch 16, memory budgets of 24 and 40 GiB emulated on the
+# GPT-3 1.3B and 2.7B, sequence 2048, global batch 16, memory budgets of 32 and 64 GiB emulated on the
 # big card (the tuner plans for the budget; XLA's and the allocator's peaks show what the plan used).
 # Writes RESULTS_DIR/bench_gpu.json (+ bench_gpu.log); finishes in under 8 minutes (the Python part stops
 # starting new runs after 420 s and the whole script is killed at 470 s). On a machine without a GPU:
