@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -432,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mistjax {e.command}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        return _run(args)
+        with warnings.catch_warnings():  # the library's warnings as one line each, without Python's source line
+            warnings.showwarning = lambda message, *_, **__: print(f"mistjax {args.command}: warning: {message}",
+                                                                   file=sys.stderr)
+            return _run(args)
     except (CliError, PlanError) as e:
         print(f"mistjax {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ feasibility and end-to-end tests use the project's cost model (`mistjax.cost.mod
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import cost_stub as stub
@@ -67,17 +68,18 @@ def test_pipelined_keys_try_every_schedule():
         SearchSpace(schedules=("interleaved",))
 
 
-def test_megatron_keys_are_power_of_two_dp_and_uniform_stages():
+def test_megatron_keys_are_uniform_stages_and_hold_its_published_plans():
     keys = outer_keys(SearchSpace.megatron(), 24, 64, nodes=1, per_node=8)
-    assert keys and all((k.dp & (k.dp - 1)) == 0 for k in keys)
-    assert all(24 % k.stages == 0 and k.micro_batch in (1, 2, 4) for k in keys)
+    assert keys and all(24 % k.stages == 0 and k.micro_batch in (1, 2, 4) for k in keys)
     assert all(k.micro_batch * k.dp * k.grad_accum == 64 for k in keys)
-    # Megatron-LM takes any pp dividing the layers: its published 530B run (105 layers, tp 8, pp 35, dp 8 on
-    # 280 x 8 A100s, global batch 2240; arXiv 2104.04473 Table 1) is inside its space.
-    big = outer_keys(SearchSpace.megatron(), 105, 2240, nodes=280, per_node=8, supports_tp=lambda t: True)
+    # Megatron-LM takes any pp dividing the layers and whatever dp the devices leave: its published runs
+    # (arXiv 2104.04473 Table 1) are inside its space: 530B (105 layers, tp 8, pp 35, dp 8 on 280 x 8 A100s,
+    # global batch 2240) and 1T (128 layers, tp 8, pp 64, dp 6 on 384 x 8, global batch 3072).
+    every_tp = {"supports_tp": lambda t: True}
+    big = outer_keys(SearchSpace.megatron(), 105, 2240, nodes=280, per_node=8, **every_tp)
     assert any((k.tp, k.stages, k.dp, k.micro_batch) == (8, 35, 8, 1) for k in big)
-    # 2240 = 64 x 35 devices: a power-of-two dp x tp per stage leaves 35 stages as the only layer divisor
-    assert {k.stages for k in big} == {35}
+    huge = outer_keys(SearchSpace.megatron(), 128, 3072, nodes=384, per_node=8, **every_tp)
+    assert any((k.tp, k.stages, k.dp, k.micro_batch) == (8, 64, 6, 1) for k in huge)
 
 
 # ---------------------------------------------------------------------------------------------- search
@@ -186,12 +188,13 @@ def test_baselines_never_beat_mistjax():
         assert json.loads(res.plan.to_json())["stages"]  # a tuned plan saves as a plain plan
 
 
-def test_time_limit_returns_best_so_far_with_warning():
+@pytest.mark.parametrize("limit", [0.0, -5.0, float("nan"), float("inf")])
+def test_a_time_limit_that_is_not_positive_is_a_clear_error(limit):
     w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
-    with pytest.warns(RuntimeWarning, match="time limit"):
-        r = search(w, _cpu(2e6), SearchSpace(), cost=stub.COST_MODEL, time_limit=0.0)
-    assert r.timed_out
-    assert r.plan is not None and r.keys_done == 1  # the best-bound key, searched past the limit
+    with pytest.raises(ValueError, match="--time-limit"):
+        search(w, _cpu(2e6), SearchSpace(), cost=stub.COST_MODEL, time_limit=limit)
+    with pytest.raises(ValueError, match="--time-limit"):
+        tune(w, _cpu(2e6), cost=stub.COST_MODEL, time_limit=limit)
 
 
 def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
@@ -199,7 +202,7 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     stop at the limit (give or take the few calls a key makes before its first check), instead of
     searching the whole space. The count is exact, so nothing here depends on this machine's speed."""
     from mistjax.core.strategies import CostModel
-    from mistjax.tuning import inter, tuner
+    from mistjax.tuning import inter, sweep, tuner
 
     now = [0.0]
 
@@ -208,19 +211,27 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
         return stub.COST_MODEL.stage_cost(*args)
 
     clock = type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])})
-    monkeypatch.setattr(tuner, "time", clock)
-    monkeypatch.setattr(inter, "time", clock)
+    for module in (tuner, inter, sweep):
+        monkeypatch.setattr(module, "time", clock)
     cost = CostModel(stage_cost=stage_cost, predict=stub.COST_MODEL.predict)
     w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
     whole = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=1e9)
     unlimited = now[0]
     limit = 10.0
     assert unlimited > 3 * limit and not whole.timed_out  # the whole search needs far more than the limit
+    assert whole.complete and whole.gap == 0.0 and whole.keys_pruned > 0
+    assert whole.keys_pruned + whole.keys_done == whole.keys
     now[0] = 0.0
-    with pytest.warns(RuntimeWarning, match="time limit"):
+    with pytest.warns(RuntimeWarning, match="cut by the time limit") as caught:
         r = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=limit)
     assert now[0] <= limit + 6  # one key's fixed calls (remat probe, peak probe, base, top) past the limit
-    assert r.timed_out and r.keys_done < whole.keys_done
+    assert r.timed_out and r.keys_done < whole.keys_done and r.keys_cut > 0 and not r.complete
+    assert {f["status"] for f in r.frontier} <= {"searched", "partial", "pruned", "cut"}
+    assert sum(f["status"] in ("partial", "cut") for f in r.frontier) == r.keys_cut
+    if r.plan is not None:  # the proven gap covers the complete search's answer
+        assert r.objective <= whole.objective * (1 + r.gap) * (1 + 1e-9) or not math.isfinite(r.gap)
+        assert r.objective >= whole.objective * (1 - 1e-12)
+    assert f"{r.keys_cut} cut" in str(caught[0].message)
 
 
 def test_no_plan_fits_raises():

@@ -45,11 +45,8 @@ _PAIR_CHUNK = 64  # (remat, family) pairs whose offloaded children are priced pe
 # pipelined key's chunk stays a fraction of a second, so the deadline is checked that often.
 _CHUNK_ELEMENTS = 1 << 19
 # When the time is up before any plan is known, one MILP still runs over what is priced, with this many
-# seconds: a search that priced a feasible key returns a plan instead of nothing.
-_FIRST_MILP_S = 2.0
-# Of a key's time, the most its offloaded children's pricing may use: the rest is the MILPs' over what is
-# priced (pricing a big key to its deadline left no time to solve it, and the key returned nothing).
-_PRICE_SHARE = 0.7
+# seconds (inside the search's 1 s of grace): a search that priced a feasible key returns a plan.
+_FIRST_MILP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -256,12 +253,10 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
         memo: prices shared with the key's siblings of other pipeline schedules (`intra.ScheduleMemo`).
     """
     L = int(workload.num_layers)
-    now = time.perf_counter()
-    price_deadline = now + _PRICE_SHARE * max(0.0, deadline - now)
     tables = prepare_key(workload, cluster, cost, key, space, memo)
     grid, G, S = tables.grid, key.grad_accum, key.stages
     if not prune:
-        _price_all(workload, cluster, cost, tables, price_deadline if key.stages > 1 else deadline)
+        _price_all(workload, cluster, cost, tables, deadline)
         return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
     base = _base_strategies(grid)
     s0, d0, ok0 = price(workload, cluster, cost, tables, base)  # [S, J, R, F]
@@ -273,7 +268,7 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
     if S > 1:  # a plan from the zero- and most-offloaded points: its objective cuts the sweep
         incumbent = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
         cut = min(cut, np.inf if incumbent is None else incumbent.objective)
-    sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline if S == 1 else price_deadline)
+    sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline)
     choice = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
     if incumbent is not None and (choice is None or incumbent.objective < choice.objective):
         choice = incumbent  # Pareto sampling of the larger tables can miss it

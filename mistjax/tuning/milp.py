@@ -414,8 +414,8 @@ def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequen
         return None
     sol = _solution(triples, chosen, layer_options, num_layers, G, status, solve_time, t_start)
     if not sol.optimal:
-        warnings.warn(f"inter-stage MILP hit its time limit ({time_limit}s, status {status}); returning the best "
-                      "feasible assignment found, which may not be optimal", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"inter-stage MILP hit its time limit ({time_limit:.2g} s, HiGHS status {status}); returning "
+                      "the best feasible assignment found, which may not be optimal", RuntimeWarning, stacklevel=2)
     return sol
 
 

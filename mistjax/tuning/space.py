@@ -58,8 +58,6 @@ class SearchSpace:
         max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
             computes gradients with plain ``jax.grad``, which the runtime cannot split).
         max_stages: largest stage count (None: up to the layer count).
-        power_of_two: Megatron's grid: dp and tp powers of two (its pp is any divisor of the layer count:
-          `uniform_layers`, as Megatron-LM requires without its uneven first / last stage option).
         zero_levels: ZeRO levels tried when dp > 1 (1: optimizer state, 2: + gradients, 3: + weights).
             With dp == 1 there is nothing to shard and level 1 is used.
         mics: also try MiCS partition groups smaller than dp (powers of two with group x tp inside a
@@ -85,7 +83,6 @@ class SearchSpace:
     pipeline: bool = True
     max_grad_accum: int | None = None
     max_stages: int | None = None
-    power_of_two: bool = False
     zero_levels: tuple[int, ...] = (1, 2, 3)
     mics: bool = True
     remat: str = "tune"
@@ -138,9 +135,11 @@ class SearchSpace:
 
     @classmethod
     def megatron(cls) -> SearchSpace:
-        """Megatron-LM: power-of-two dp x tp, pp any divisor of the layers, b in {1,2,4}, full recompute,
-        distributed optimizer (e.g. the published 530B run: tp 8, pp 35, dp 8, arXiv 2104.04473 Table 1)."""
-        return cls(name="megatron", power_of_two=True, zero_levels=(1,), mics=False, remat="all",
+        """Megatron-LM: pp any divisor of the layers (`uniform_layers`, as Megatron-LM requires without its
+        uneven first / last stage option), dp whatever the devices leave, b in {1,2,4}, full recompute,
+        distributed optimizer (the published runs: 530B tp 8, pp 35, dp 8; 1T tp 8, pp 64, dp 6; arXiv
+        2104.04473 Table 1)."""
+        return cls(name="megatron", zero_levels=(1,), mics=False, remat="all",
                    policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
                    act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",))
 
@@ -211,8 +210,6 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
             if tp > per_node or (num_devices // S) % tp or not supports_tp(tp):
                 continue
             dp = num_devices // S // tp
-            if space.power_of_two and not _pow2(dp):
-                continue
             for b in sorted(set(space.micro_batches)):
                 if global_batch % (b * dp):
                     continue

@@ -29,7 +29,6 @@ from mistjax.tuning.space import OuterKey, SearchSpace, outer_keys
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-_KEY_SHARE = 0.5  # of the search's time left, the most one outer key may use
 # ``progress(space_name, keys_visited, keys_total)``: called as a search starts (0 visited), after each outer key it
 # visits (pruned or searched) and as it ends (all visited, also when its time limit stopped it early).
 Progress = Callable[[str, int, int], None]
@@ -38,8 +37,8 @@ Record: TypeAlias = dict[str, Any]
 # One improvement of a search: its objective, its plan and the Pareto data of its stages.
 _Improvement: TypeAlias = tuple[float, Plan, tuple[Record, ...]]
 
-__all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "default_cost_model", "fingerprints", "search",
-           "tune"]
+__all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "check_time_limit", "default_cost_model",
+           "fingerprints", "search", "tune"]
 
 
 def default_cost_model() -> CostModel:
@@ -87,15 +86,21 @@ class SearchResult:
         space: the space searched.
         plan: the best plan (with prediction and fingerprints), or None if nothing fits.
         objective: the tuner's objective of that plan (seconds per step; inf if none).
-        keys: outer keys in the space; ``keys_done`` of them were searched before the time limit.
+        keys: outer keys in the space; ``keys_done`` of them were searched (wholly or in part).
         evaluated: stage strategies priced by the cost model.
         milps: inter-stage MILPs solved.
         seconds: wall time.
         timed_out: the time limit stopped the search (the plan is the best found until then).
-        frontier: per searched outer key: its parameters and best objective (None: nothing fits or
-            pruned).
+        frontier: per outer key: its parameters, bound, best objective (None: nothing fits, or not
+            searched) and status: ``searched``, ``pruned`` (its bound cannot beat the plan found),
+            ``partial`` (the limit stopped its search) or ``cut`` (the limit came before it).
         pareto: per stage of the chosen plan: the sampled (stable, delta) Pareto points of its layer
             count and the chosen point.
+        keys_pruned: keys whose lower bound proved they cannot beat the plan.
+        keys_cut: keys the time limit left unsearched or searched in part.
+        gap: proven bound on how much faster the space's best plan can be: ``objective / lower bound - 1``
+            over the cut keys' lower bounds (0 when the search is complete; inf when no plan was found
+            or a cut key has no bound).
     """
 
     space: SearchSpace
@@ -109,6 +114,25 @@ class SearchResult:
     timed_out: bool
     frontier: tuple[Record, ...] = ()
     pareto: tuple[Record, ...] = ()
+    keys_pruned: int = 0
+    keys_cut: int = 0
+    gap: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Every key was searched or pruned by a sound bound: the plan is the space's best."""
+        return self.keys_cut == 0
+
+    def completeness(self) -> str:
+        """One line: keys searched / pruned / cut, and the proven gap when cut."""
+        searched = self.keys - self.keys_pruned - self.keys_cut
+        text = (f"{searched} of {self.keys} outer keys searched, {self.keys_pruned} pruned by bound, "
+                f"{self.keys_cut} cut by the time limit")
+        if self.keys_cut:
+            text += ("; no plan found" if self.plan is None else
+                     "; the gap to the space's best is not bounded" if not math.isfinite(self.gap) else
+                     f"; the space's best plan is at most {self.gap:.1%} faster than this one")
+        return text
 
     @property
     def prediction(self) -> Prediction | None:
@@ -195,7 +219,7 @@ def _key_bounds(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     """
     bounds = [math.inf] * len(keys)
     for i, k in enumerate(keys):
-        if i and time.perf_counter() >= deadline:
+        if time.perf_counter() >= deadline:
             break
         bounds[i] = key_bound(workload, cluster, cost, k, space, memo)
     return bounds
@@ -236,17 +260,20 @@ class _Tally:
     milps: int = 0
     done: int = 0  # keys searched (not pruned)
     timed_out: bool = False
+    cut_bounds: list[float] = field(default_factory=list)  # lower bounds of the keys cut by the limit
     fastest_key: float = math.inf  # seconds the quickest key searched so far took
 
     def add(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, bound: float) -> None:
         """Count one searched key and keep its choice when it beats the best so far."""
         self.evaluated += tables.evaluated
         self.done += 1
-        self.timed_out |= tables.truncated
+        partial = tables.truncated or (choice is not None and not choice.optimal)
+        self.timed_out |= partial
         if choice is not None:
             self.milps += choice.milps
-            self.timed_out |= not choice.optimal
-        self.frontier.append(_key_record(tables.key, choice, bound, "searched"))
+        if partial:
+            self.cut_bounds.append(bound)
+        self.frontier.append(_key_record(tables.key, choice, bound, "partial" if partial else "searched"))
         if choice is not None and (self.best is None or choice.objective < self.best[1].objective):
             self.best = (tables, choice)
             plan = build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
@@ -256,14 +283,23 @@ class _Tally:
                winner: _Improvement | None = None) -> SearchResult:
         """The `SearchResult` of this tally with ``winner`` as its plan (None: no plan)."""
         objective, plan, pareto = winner if winner is not None else (math.inf, None, ())
+        pruned = sum(r["status"] == "pruned" for r in self.frontier)
+        lower = min(self.cut_bounds, default=math.inf)
+        gap = 0.0 if not self.cut_bounds else max(0.0, objective / lower - 1.0) if lower > 0 else math.inf
         return SearchResult(space, plan, objective, keys, self.done, self.evaluated, self.milps, seconds,
-                            self.timed_out, tuple(self.frontier), pareto)
+                            self.timed_out, tuple(self.frontier), pareto, keys_pruned=pruned,
+                            keys_cut=len(self.cut_bounds), gap=gap)
 
 
 def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], deadline: float,
                  best_cost: float | None, progress: Progress | None) -> _Tally:
-    """Tune the outer keys in `_visit_order`, skipping those whose bound cannot beat the best so far."""
+    """Tune the outer keys in `_visit_order`, skipping those whose bound cannot beat the best so far.
+
+    Each key may use all the time left; past the deadline the keys not yet visited are cut (or pruned, where
+    their bound already cannot beat the plan found).
+    """
     tally = _Tally()
+    stopped = False
     for visited, i in enumerate(_visit_order(keys, bounds)):
         if progress is not None and visited:
             progress(job.space.name, visited, len(keys))
@@ -273,16 +309,15 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
             tally.frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
         now = time.perf_counter()
-        # The best-bound key is always tried. A later one is not started with less time left than the
-        # quickest key so far took: a key's probes, base prices and MILP set-up run before its first
-        # deadline check, so it would overrun the limit.
-        if tally.done > 0 and deadline - now < tally.fastest_key:
+        # A key is not started with less time left than the quickest key so far took: its probes, base
+        # prices and MILP set-up run before its first deadline check, so it would overrun the limit.
+        stopped = stopped or now >= deadline or (tally.done > 0 and deadline - now < tally.fastest_key)
+        if stopped:
             tally.timed_out = True
-            break
-        # One key may use at most a share of the time left (its offloaded children are priced best-first
-        # and its MILPs get the rest), so a key too large to price whole leaves time for the others.
-        key_deadline = min(deadline, now + _KEY_SHARE * (deadline - now))
-        tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, cut, key_deadline, job.prune,
+            tally.cut_bounds.append(bounds[i])
+            tally.frontier.append(_key_record(key, None, bounds[i], "cut"))
+            continue
+        tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, cut, deadline, job.prune,
                                   job.memo)
         tally.fastest_key = min(tally.fastest_key, time.perf_counter() - now)
         tally.add(job, tables, choice, bounds[i])
@@ -325,9 +360,9 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
         cluster: a `ClusterSpec`; its nodes x devices_per_node are the devices to plan for, and
             ``memory_budget()`` the per-device memory limit.
         space: the space (default: mistjax's full space).
-        time_limit: seconds; when they run out the best plan so far is returned with a warning (the
-            best-bound key is searched even when the limit is reached before it, so a feasible space
-            returns a plan).
+        time_limit: seconds, a hard deadline; when they run out the best plan so far is returned with a
+            warning saying how complete the search was (`SearchResult.completeness`). A search that completes
+            within it returns the same plan whatever the limit.
         cost: the cost model (default `mistjax.cost.COST_MODEL`).
         best_cost: an objective to beat from elsewhere (keys that cannot beat it report None).
         prune: skip strategies that bounds prove useless (see `inter.tune_key`); False prices
@@ -336,6 +371,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
             outer key and as it ends (e.g. a progress bar; it does not change the search).
     """
     space = space or SearchSpace()
+    check_time_limit(time_limit)
     job = _SearchJob(workload, cluster, cost or default_cost_model(), space, ScheduleMemo(space.schedules), prune)
     t0 = time.perf_counter()
     deadline = t0 + time_limit
@@ -348,18 +384,22 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     tally = _search_keys(job, keys, bounds, deadline, best_cost, progress)
     if progress is not None:
         progress(space.name, len(keys), len(keys))
-    seconds = time.perf_counter() - t0
-    if tally.timed_out:
-        warnings.warn(f"tuning space {space.name!r} hit its time limit ({time_limit:g} s) after {tally.done} of "
-                      f"{len(keys)} outer keys; returning the best feasible plan found so far",
-                      RuntimeWarning, stacklevel=2)
-    if tally.best is None:
-        return tally.result(space, len(keys), seconds)
-    winner = _fitting_improvement(job, tally.found)
+    winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
     if winner is not None:
         objective, plan, pareto = winner
         winner = objective, plan.replace(fingerprints=fingerprints(workload, cluster)), pareto
-    return tally.result(space, len(keys), time.perf_counter() - t0, winner)
+    result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
+    if tally.timed_out:
+        warnings.warn(f"space {space.name!r} stopped at its time limit ({time_limit:g} s): "
+                      f"{result.completeness()}", RuntimeWarning, stacklevel=2)
+    return result
+
+
+def check_time_limit(seconds: float) -> None:
+    """Raise a `ValueError` naming the fix unless ``seconds`` is a positive, finite time limit."""
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"time limit {seconds!r}: need a positive number of seconds (--time-limit SECONDS; "
+                         "60 searches every Mist-grid cell completely)")
 
 
 @dataclass(frozen=True)
@@ -398,10 +438,10 @@ class TuneResult:
         return (r.step_time / self.prediction.step_time) if r is not None else math.nan
 
     def summary(self) -> str:
-        lines = [self.plan.summary(), f"  tuned in {self.timing.get('tune', 0):.2f} s "
-                 f"({self.search.keys_done if self.search else 0} outer keys, "
-                 f"{self.search.evaluated if self.search else 0:,} stage strategies, "
-                 f"{self.search.milps if self.search else 0} MILPs)"]
+        lines = [self.plan.summary()]
+        if self.search is not None:
+            lines.append(f"  tuned in {self.timing.get('tune', 0):.2f} s: {self.search.completeness()} "
+                         f"({self.search.evaluated:,} stage strategies priced, {self.search.milps} MILPs)")
         for name, r in {**self.baselines, **self.ablations}.items():
             ratio = r.step_time / self.prediction.step_time if self.prediction.step_time else math.nan
             t = f"{r.step_time:.4g} s/step ({ratio:.2f}x)" if r.plan is not None else "no feasible plan"
@@ -457,9 +497,12 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
         progress: passed to each `search` (mistjax's space, then the baselines and ablations).
 
     Raises:
-        RuntimeError: no plan of the space fits in memory.
+        RuntimeError: no plan of the space fits in memory, or the time limit ran out before one was found.
+        ValueError: a time limit that is not a positive number of seconds.
     """
     cost = cost or default_cost_model()
+    check_time_limit(time_limit)
+    check_time_limit(baseline_time_limit)
     t0 = time.perf_counter()
     main = search(workload, cluster, space, time_limit=time_limit, cost=cost, progress=progress)
     t1 = time.perf_counter()
@@ -475,6 +518,9 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
         name, r = min(contained.items(), key=lambda nr: nr[1].step_time)
         if plan is None or r.step_time < main.step_time:
             plan, note = r.plan, f"adopted the {name} baseline's plan (predicted faster than the search's own)"
+    if plan is None and main.keys_cut:
+        raise RuntimeError(f"no plan found within the time limit ({time_limit:g} s): {main.completeness()}. "
+                           "Raise the limit (--time-limit SECONDS)")
     if plan is None:
         raise RuntimeError(no_plan_message(workload, cluster, cost))
     found = [(n, r) for n, r in base.items() if r.plan is not None]
