@@ -316,3 +316,22 @@ def test_pipelining_an_unrolled_model_is_refused(zoo3p):
     plan = uniform_plan(2, 8, stages=2, micro_batch=2, grad_accum=2)
     with pytest.raises(PlanError, match="pipelines a model whose layers run as a Python loop"):
         mistjax.autoshard(step_fn, jax.devices(), plan=plan).place(state, fam.batch)
+
+
+@pytest.mark.parametrize("field,value", [("micro_batches", ()), ("micro_batches", (0,)), ("tp_degrees", ()),
+                                         ("zero_levels", ()), ("policies", ()), ("act_offload", ()),
+                                         ("schedules", ())])
+def test_a_search_space_with_an_empty_dimension_names_it(field, value):
+    from mistjax.tuning import SearchSpace
+
+    with pytest.raises(ValueError, match=f"SearchSpace.{field}"):
+        SearchSpace(**{field: value})
+
+
+def test_a_cluster_too_small_for_the_model_says_what_would_fit(capsys):
+    from mistjax.cli import main
+
+    code = main(["plan", "--model", "gpt3-22b", "--cluster", "l4:2", "--global-batch", "32", "--seq-len", "2048",
+                 "--no-verify", "--time-limit", "30"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no plan fits" in err and "Use devices with at least" in err and "Traceback" not in err

@@ -100,10 +100,15 @@ class SearchSpace:
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
             raise ValueError(f"SearchSpace.remat={self.remat!r}: use one of {REMAT_MODES}")
-        for name in ("micro_batches", "tp_degrees", "zero_levels"):
+        for name in ("micro_batches", "tp_degrees"):
             vals = getattr(self, name)
-            if not vals or any(int(v) != v or v < 0 for v in vals):
-                raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of non-negative integers")
+            if not vals or any(int(v) != v or v < 1 for v in vals):
+                raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of positive integers")
+        if not self.zero_levels:
+            raise ValueError("SearchSpace.zero_levels=(): need a non-empty tuple of ZeRO levels 0..3")
+        if self.policies is not None and not self.policies:
+            raise ValueError("SearchSpace.policies=(): name at least one remat policy, or None for every policy "
+                             "the model offers (remat='none' turns checkpointing off)")
         if any(z not in (0, 1, 2, 3) for z in self.zero_levels):
             raise ValueError(f"SearchSpace.zero_levels={self.zero_levels!r}: ZeRO levels are 0..3")
         for name in ("weight_offload", "grad_offload", "opt_offload", "act_offload"):
