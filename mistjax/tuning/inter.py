@@ -7,8 +7,8 @@ each shared strategy is its own MILP; strategies are tried in the order of a low
 once the bound reaches the best cost so far, or when an already visited strategy dominates them;
 every MILP carries the cut ``(G-1) T_max <= best`` (Mist's outer-loop pruning).
 
-`tune_key` interleaves pricing (`intra`) and solving: bounds from the zero-offload strategies of a
-family (ZeRO level x MiCS group) decide whether its offloaded strategies are priced at all.
+`tune_key` interleaves pricing (`intra`) and solving: a family's (ZeRO level x MiCS group) offloaded
+strategies are swept (`sweep`) only where its zero-offload strategy does not fit, cut by an incumbent plan.
 """
 
 from __future__ import annotations
@@ -20,14 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mistjax.core.strategies import CostModel, WorkloadLike
-from mistjax.tuning.intra import (
-    ScheduleMemo,
-    StageTables,
-    prepare_key,
-    price,
-    price_pairs,
-    sample_stage_tables,
-)
+from mistjax.tuning.intra import ScheduleMemo, StageTables, prepare_key, price, price_pairs, sample_stage_tables
 from mistjax.tuning.milp import solve_inter_stage
 from mistjax.tuning.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, layer_options, strategy_grid
 from mistjax.tuning.sweep import Entries, entries_that_may_fit, sweep_offloads
@@ -40,8 +33,7 @@ __all__ = ["KeyChoice", "key_bound", "lower_bounds", "solve_key", "tune_key"]
 # A single MILP may use at most this share of the time left, so one slow solve cannot starve the
 # remaining outer keys. HiGHS returns its incumbent when stopped.
 _MILP_SHARE = 0.5
-_PAIR_CHUNK = 64  # (remat, family) pairs whose offloaded children are priced per call, at most
-# ... and at most about this many priced elements (slots x layer options x children) per call: a big
+# Priced elements (slots x layer options x remat options) per call of the exhaustive pricing: a big
 # pipelined key's chunk stays a fraction of a second, so the deadline is checked that often.
 _CHUNK_ELEMENTS = 1 << 19
 # When the time is up before any plan is known, one MILP still runs over what is priced, with this many

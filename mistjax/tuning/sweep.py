@@ -6,9 +6,9 @@ whole grids), so at one (slot, layers, remat) entry a *feasible* strategy y <= x
 least as fast as x in stable and delta alike: x cannot be the unique best of any plan there. The exception
 is the gradient-accumulator ratio where layer rows are synchronised inside the backward loop
 (`core.execution.rows_synced_in_loop`): host-accumulated rows sync at the end of the step instead, and with
-none left in the loop its per-layer collectives go, so the sweep orders nothing along that ratio there. Memory is not
-monotone in the ratios (the optimizer update brings offloaded state back onto the device), so the sweep
-never infers feasibility from a neighbour: an entry whose most-offloaded point's `offload_floor` exceeds
+none left in the loop its per-layer collectives go, so the sweep orders nothing along that ratio there.
+Memory is not monotone in the ratios (the optimizer update brings offloaded state back onto the device), so
+the sweep never infers feasibility from a neighbour: an entry whose most-offloaded point's `offload_floor` exceeds
 the budget has no point that fits and is dropped; the others are visited rank by rank (the sum of the ratio
 indices), pricing a point only when no point below it was found feasible. What is priced is each entry's
 infeasible points with nothing feasible below, and its minimal feasible ones.
