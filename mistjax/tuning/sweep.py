@@ -112,6 +112,9 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
         e, p = np.nonzero(live[:, None] & (xs >= 0) & ~below)
         feasible = np.zeros(e.size, bool)
         for lo in range(0, e.size, _CHUNK):
+            if lo and time.perf_counter() >= deadline:
+                tables.truncated = True
+                return
             sl = slice(lo, lo + _CHUNK)
             ee, x = e[sl], xs[e[sl], p[sl]]
             at = (entries.slot[ee], entries.option[ee], entries.remat[ee], x)
