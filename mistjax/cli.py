@@ -3,6 +3,7 @@
 Examples:
   mistjax plan --model gpt3-22b --cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096
   mistjax plan --model llama-7b --cluster l4:1x8 --global-batch 128 --seq-len 2048 --json plan.json --plot plots/
+  mistjax plan --model Meta-Llama-3-8B/config.json --cluster dgx-h100:1x8 --seq-len 8192   # a Hugging Face config
   mistjax explain plan.json --model llama-7b --cluster l4:1x8 --seq-len 2048 --verify   # XLA:GPU's memory too
   mistjax calibrate --out profile.json          # then: mistjax plan --cluster profile.json ...
 """
@@ -73,7 +74,9 @@ class WorkloadArgs:
 
     command: ClassVar[str] = ""
 
-    model: str | None = None  # model preset (python -m models --list) or a JSON file of models.ModelConfig fields
+    # model preset (python -m models --list), a JSON file of models.ModelConfig fields, or a Hugging Face
+    # config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, Falcon; models.from_hf_config)
+    model: str | None = None
     cluster: str = "a100-40gb:1x8"  # hardware preset NAME:NODESxPER_NODE, or a `mistjax calibrate` profile JSON
     global_batch: int | None = None  # sequences per step
     seq_len: int = 2048  # tokens per sequence
@@ -104,7 +107,9 @@ class PlanArgs(WorkloadArgs):
 
     command: ClassVar[str] = "plan"
 
-    model: str = field()  # model preset (python -m models --list) or a JSON file of models.ModelConfig fields
+    # model preset (python -m models --list), a JSON file of models.ModelConfig fields, or a Hugging Face
+    # config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, Falcon; models.from_hf_config)
+    model: str = field()
     global_batch: int = 64  # sequences per step
     time_limit: float = 60.0  # seconds for the search
     no_baselines: tyro.conf.FlagCreatePairsOff[bool] = False  # skip the baselines
@@ -144,9 +149,10 @@ Args = PlanArgs | ExplainArgs | CalibrateArgs
 
 
 def load_model_config(spec: str) -> ModelConfig:
-    """A preset name (`python -m models --list`) or a JSON file of `models.ModelConfig` fields."""
+    """A preset name (`python -m models --list`), a JSON file of `models.ModelConfig` fields, or a Hugging Face
+    ``config.json`` (it names a ``model_type`` or ``architectures``; mapped by `models.from_hf_config`, whose
+    warnings print as one line each)."""
     import models
-    from models.config import ModelConfig
 
     path = Path(spec)
     if path.suffix == ".json" or path.is_file():
@@ -154,13 +160,46 @@ def load_model_config(spec: str) -> ModelConfig:
             raise CliError(f"model config file {spec!r} does not exist")
         try:
             fields = json.loads(path.read_text())
-            return ModelConfig(**fields)
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            raise CliError(f"model config file {spec!r} is not a valid ModelConfig JSON: {e}") from e
+        except json.JSONDecodeError as e:
+            raise CliError(f"model config file {spec!r} is not valid JSON: {e}") from e
+        if not isinstance(fields, dict):
+            raise CliError(f"model config file {spec!r} holds a JSON {type(fields).__name__}, not an object of "
+                           "models.ModelConfig fields or a Hugging Face config")
+        if "model_type" in fields or "architectures" in fields:
+            return _hf_model_config(spec)
+        return _zoo_model_config(spec, fields)
     try:
         return models.get_config(spec)
     except ValueError as e:
         raise CliError(str(e)) from e
+
+
+def _hf_model_config(spec: str) -> ModelConfig:
+    import models
+
+    try:
+        return models.from_hf_config(spec)
+    except models.HFConfigError as e:
+        raise CliError(f"model config file {spec!r}: {e}") from e
+
+
+def _zoo_model_config(spec: str, fields: dict) -> ModelConfig:
+    from models.config import ModelConfig
+
+    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    required = [f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING]
+    unknown = [k for k in fields if k not in known]
+    if unknown:
+        raise CliError(f"model config file {spec!r}: unknown field {unknown[0]!r} of models.ModelConfig (fields: "
+                       f"{', '.join(known)}); a Hugging Face config.json names its model_type")
+    missing = [k for k in required if k not in fields]
+    if missing:
+        raise CliError(f"model config file {spec!r}: missing field {missing[0]!r} of models.ModelConfig "
+                       f"(required: {', '.join(required)})")
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise CliError(f"model config file {spec!r} is not a valid ModelConfig JSON: {e}") from e
 
 
 def load_cluster(spec: str, memory_gib: float | None = None) -> ClusterSpec:
@@ -187,10 +226,10 @@ def _model_config(args: WorkloadArgs) -> ModelConfig:
     return cfg
 
 
-def _workload(args: WorkloadArgs) -> Workload:
+def _workload(args: WorkloadArgs, config: ModelConfig) -> Workload:
     import models
 
-    return models.workload(_model_config(args), args.seq_len, args.global_batch)
+    return models.workload(config, args.seq_len, args.global_batch)
 
 
 def cmd_plan(args: PlanArgs) -> int:
@@ -202,7 +241,8 @@ def cmd_plan(args: PlanArgs) -> int:
         _verify_ready(cluster)
     # default: verify where the GPU's compiler and a target spec are here
     verify = _can_verify(cluster) if args.verify is None else args.verify
-    workload = _workload(args)
+    config = _model_config(args)  # once: a Hugging Face config's warnings print once
+    workload = _workload(args, config)
     print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
           f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
     print(margin_line(cluster))
@@ -218,7 +258,7 @@ def cmd_plan(args: PlanArgs) -> int:
         plan = results[-1].plan
         return plan.as_plan() if hasattr(plan, "as_plan") else plan
 
-    verified = _tune_verified(_model_config(args), workload, cluster, tune_fn, required) if verify else None
+    verified = _tune_verified(config, workload, cluster, tune_fn, required) if verify else None
     if verified is not None:
         plan = verified.plan
     elif results:  # the verification failed after the search
@@ -318,7 +358,8 @@ def cmd_explain(args: ExplainArgs) -> int:
         _verify_ready(cluster)
     if args.global_batch is None:
         args = dataclasses.replace(args, global_batch=plan.global_batch)
-    workload = _workload(args)
+    config = _model_config(args)
+    workload = _workload(args, config)
     try:
         plan.check_devices(cluster.num_devices)
         plan.check_batch(args.global_batch)
@@ -329,7 +370,7 @@ def cmd_explain(args: ExplainArgs) -> int:
     print(report.summary())  # with its notes
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
-    return _verify(_model_config(args), workload, plan, cluster, report) if args.verify else 0
+    return _verify(config, workload, plan, cluster, report) if args.verify else 0
 
 
 def _can_verify(cluster: ClusterSpec) -> bool:

@@ -8,6 +8,7 @@ Example::
     model = models.build(cfg, rngs=nnx.Rngs(0))
     logits = model(tokens)                      # float32 [B, T, vocab]
     axes = models.logical_axes(model)           # same tree as nnx.state(model, nnx.Param), tuple leaves
+    cfg = models.from_hf_config("Meta-Llama-3-8B/config.json")  # a Hugging Face config (models.hf)
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from models import falcon, gpt3, llama
 from models.config import ModelConfig, human_count
 from models.falcon import Falcon
 from models.gpt3 import GPT3
+from models.hf import HFConfigError, HFConfigWarning, from_hf_config
 from models.llama import Llama
 from models.loss import cross_entropy, make_loss_fn
 from models.transformer import CausalLM
 
-__all__ = ["PRESETS", "CausalLM", "Falcon", "GPT3", "Llama", "ModelConfig", "build", "cross_entropy", "get_config",
-           "human_count", "logical_axes", "make_loss_fn", "workload"]
+__all__ = ["PRESETS", "CausalLM", "Falcon", "GPT3", "HFConfigError", "HFConfigWarning", "Llama", "ModelConfig", "build",
+           "cross_entropy", "from_hf_config", "get_config", "human_count", "logical_axes", "make_loss_fn", "workload"]
 
 PRESETS: dict[str, ModelConfig] = {**gpt3.PRESETS, **llama.PRESETS, **falcon.PRESETS}
 

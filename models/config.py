@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable
 
 from models.attention import DEFAULT_BLOCK_SIZE
 
@@ -20,6 +21,16 @@ ATTENTIONS = ("fused", "blockwise", "cudnn", "xla", "reference")
 # "fused": as XLA (and Mist's CUDA / Triton kernels) does, one kernel per chain; "eager": one kernel per op,
 # each reading its operands and writing its result, as Megatron-LM's PyTorch code runs them (models.layers).
 ELEMENTWISE = ("fused", "eager")
+
+# RoPE's base wavelength (theta) when a config names none; Llama-3 uses 500000 (`ModelConfig.rope_base`).
+DEFAULT_ROPE_BASE = 10000.0
+# `ModelConfig.rope_scaling` kinds -> their parameters after the kind, in order (all only change the rotary
+# frequencies, not the FLOPs or bytes): "linear" divides every frequency by the factor (position
+# interpolation); "llama3" divides the low frequencies by the factor and blends the middle band (Llama 3.1).
+ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 # Mist evaluation sizes (paper section 6.2): size -> (hidden, layers, heads). Vocab is 50304 everywhere.
 MIST_SIZES: dict[str, tuple[int, int, int]] = {
@@ -44,7 +55,7 @@ class ModelConfig:
 
     name: str  # preset name, e.g. "llama-7b"; informational only
     family: str  # "gpt3" | "llama" | "falcon": selects block layout, norm and MLP kind
-    vocab_size: int  # rows of the (untied) embedding and columns of the LM head
+    vocab_size: int  # rows of the embedding and columns of the LM head
     hidden_size: int  # model width h (the "embed" logical axis)
     num_layers: int  # transformer blocks, stacked along the leading "layers" axis
     num_heads: int  # query heads; must divide hidden_size
@@ -59,6 +70,11 @@ class ModelConfig:
     loss_chunks: int = 8  # sequence slices the fused LM head + cross-entropy runs in (models.head_loss)
     attention_block: int = DEFAULT_BLOCK_SIZE  # keys per block of the blockwise kernel ("fused" / "blockwise")
     elementwise: str = "fused"  # one of ELEMENTWISE: "fused" (default) | "eager" (priced one kernel per op)
+    # The LM head is the embedding matrix transposed (one parameter; its gradient sums both uses).
+    tie_embeddings: bool = False
+    rope_base: float = DEFAULT_ROPE_BASE  # RoPE base wavelength theta (Hugging Face's rope_theta)
+    # () for none, else (kind, *parameters) of ROPE_SCALINGS, e.g. ("llama3", 8.0, 1.0, 4.0, 8192)
+    rope_scaling: tuple = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -100,6 +116,35 @@ class ModelConfig:
         if (not isinstance(self.attention_block, numbers.Integral) or isinstance(self.attention_block, bool)
                 or self.attention_block <= 0):
             raise bad("attention_block", f"must be a positive integer (keys per block), got {self.attention_block!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise bad("tie_embeddings", f"must be true or false, got {self.tie_embeddings!r}")
+        if (not isinstance(self.rope_base, numbers.Real) or isinstance(self.rope_base, bool)
+                or not self.rope_base > 1):
+            raise bad("rope_base", f"must be a number above 1 (RoPE's theta, e.g. 10000), got {self.rope_base!r}")
+        self._check_rope_scaling(bad)
+
+    def _check_rope_scaling(self, bad: Callable[[str, str], ValueError]) -> None:
+        # A JSON round trip (asdict -> json -> ModelConfig(**doc)) turns the tuple into a list: take it back,
+        # so that the config stays hashable (profiles are cached by config).
+        scaling = self.rope_scaling
+        if isinstance(scaling, list):
+            scaling = tuple(scaling)
+            object.__setattr__(self, "rope_scaling", scaling)
+        if scaling == ():
+            return
+        if not isinstance(scaling, tuple) or not isinstance(scaling[0], str) or scaling[0] not in ROPE_SCALINGS:
+            raise bad("rope_scaling", f"{scaling!r} is not () or (kind, *parameters) with kind one of "
+                                      f"{tuple(ROPE_SCALINGS)}")
+        names = ROPE_SCALINGS[scaling[0]]
+        if len(scaling) != 1 + len(names):
+            raise bad("rope_scaling", f"{scaling[0]!r} takes ({', '.join(names)}), got {scaling[1:]!r}")
+        for name, value in zip(names, scaling[1:]):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
+                raise bad("rope_scaling", f"{scaling[0]} {name} must be a positive number, got {value!r}")
+        if scaling[0] == "llama3" and not scaling[3] > scaling[2]:
+            raise bad("rope_scaling", f"llama3 high_freq_factor {scaling[3]} must exceed low_freq_factor {scaling[2]}")
+        if self.rotary_dims == 0:
+            raise bad("rope_scaling", f"{scaling!r} has no effect without RoPE (rotary_pct=0); drop it")
 
     @property
     def head_dim(self) -> int:
@@ -142,8 +187,8 @@ class ModelConfig:
         return self.vocab_size * self.hidden_size + positions
 
     def head_params(self) -> int:
-        """Final norm plus the untied LM head."""
-        return self._norm_params() + self.hidden_size * self.vocab_size
+        """Final norm plus the LM head (none of its own when tied to the embedding)."""
+        return self._norm_params() + (0 if self.tie_embeddings else self.hidden_size * self.vocab_size)
 
     def num_params(self) -> int:
         """Total parameter count of the model built from this config."""

@@ -32,10 +32,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mistjax.analysis.graph import EAGER_JIT  # the marker the analysis reads (its protocol)
 from models.attention import blockwise_attention, cudnn_attention, cudnn_unsupported, fused_attention
-from models.config import ModelConfig
+from models.config import DEFAULT_ROPE_BASE, ModelConfig
 
 INIT_STD = 0.02  # Megatron's init_method_std
-ROPE_BASE = 10000.0
+ROPE_BASE = DEFAULT_ROPE_BASE  # the default of ModelConfig.rope_base
 
 _ones = nnx.initializers.ones
 _zeros = nnx.initializers.zeros
@@ -168,19 +168,45 @@ def _rms_norm_eager(eps: float, dtype: Any, x: jax.Array, scale: jax.Array) -> j
     return eager_op(jnp.multiply, y, scale.astype(dtype))
 
 
-def _rotary_tables(seq: int, rotary_dims: int) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of the rotation angles, ``[1, seq, 1, rotary_dims // 2]`` in float32 (constants)."""
+def rotary_frequencies(rotary_dims: int, base: float = ROPE_BASE, scaling: tuple = ()) -> jax.Array:
+    """Angular frequency of each rotated pair, ``[rotary_dims // 2]`` float32.
+
+    Args:
+        rotary_dims: even number of rotated head dims.
+        base: RoPE's base wavelength theta (``ModelConfig.rope_base``).
+        scaling: ``ModelConfig.rope_scaling``: ``()``, ``("linear", factor)`` or
+            ``("llama3", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)``.
+    """
     half = rotary_dims // 2
-    inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / rotary_dims))
+    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / rotary_dims))
+    if not scaling:
+        return inv_freq
+    kind, factor = scaling[0], scaling[1]
+    if kind == "linear":
+        return inv_freq / factor
+    # llama3: wavelengths above original_len / low_freq_factor are stretched by `factor`, those below
+    # original_len / high_freq_factor kept, the band between blended linearly in original_len / wavelength.
+    # The clip is that piecewise rule in one traced expression (no host constant enters the layer scan).
+    low, high, original_len = scaling[2], scaling[3], scaling[4]
+    periods_in_context = original_len * inv_freq / (2 * math.pi)  # original_len / wavelength
+    keep = jnp.clip((periods_in_context - low) / (high - low), 0.0, 1.0)
+    return (1.0 - keep) * inv_freq / factor + keep * inv_freq
+
+
+def _rotary_tables(seq: int, rotary_dims: int, base: float = ROPE_BASE, scaling: tuple = ()
+                   ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotation angles, ``[1, seq, 1, rotary_dims // 2]`` in float32 (constants)."""
+    inv_freq = rotary_frequencies(rotary_dims, base, scaling)
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [seq, half]
     return jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
 
 
-def _rotary_eager(x: jax.Array, rotary_dims: int) -> jax.Array:
+def _rotary_eager(x: jax.Array, rotary_dims: int, base: float = ROPE_BASE, scaling: tuple = ()) -> jax.Array:
     """Rotary op by op as Megatron-LM's ``apply_rotary_pos_emb`` runs it (core_r0.4.0), in the compute dtype:
     ``t * cos``, ``rotate_half`` (``-x2`` and a concatenation; the chunk is a view whose backward is one
     concatenation kernel), ``* sin``, the sum, and the concatenation with the unrotated dims (a copy)."""
-    cos, sin = (jnp.concatenate([c, c], axis=-1).astype(x.dtype) for c in _rotary_tables(x.shape[1], rotary_dims))
+    tables = _rotary_tables(x.shape[1], rotary_dims, base, scaling)
+    cos, sin = (jnp.concatenate([c, c], axis=-1).astype(x.dtype) for c in tables)
     t, t_pass = x[..., :rotary_dims], x[..., rotary_dims:]
     x1, x2 = jnp.split(_grad_written(t), 2, axis=-1)
     rotated = eager_written(jnp.concatenate([eager_op(jnp.negative, x2), x1], axis=-1))
@@ -188,13 +214,16 @@ def _rotary_eager(x: jax.Array, rotary_dims: int) -> jax.Array:
     return eager_written(jnp.concatenate([out, t_pass], axis=-1))
 
 
-def apply_rotary(x: jax.Array, rotary_dims: int, eager: bool = False) -> jax.Array:
+def apply_rotary(x: jax.Array, rotary_dims: int, eager: bool = False, *, base: float = ROPE_BASE,
+                 scaling: tuple = ()) -> jax.Array:
     """Rotates the first ``rotary_dims`` dims of each head (GPT-NeoX / Megatron ``rotary_percent`` style).
 
     Args:
         x: ``[batch, seq, heads, head_dim]``; positions are ``0..seq-1``.
         rotary_dims: even number of leading head dims to rotate; 0 returns ``x`` unchanged.
         eager: Megatron-LM's op-by-op form in the compute dtype (`_rotary_eager`).
+        base: RoPE's base wavelength (``ModelConfig.rope_base``).
+        scaling: frequency scaling (``ModelConfig.rope_scaling``; `rotary_frequencies`).
 
     Returns:
         Array of the same shape and dtype; angles and the rotation are computed in float32.
@@ -202,9 +231,9 @@ def apply_rotary(x: jax.Array, rotary_dims: int, eager: bool = False) -> jax.Arr
     if rotary_dims == 0:
         return x
     if eager:
-        return _rotary_eager(x, rotary_dims)
+        return _rotary_eager(x, rotary_dims, base, scaling)
     half = rotary_dims // 2
-    cos, sin = _rotary_tables(x.shape[1], rotary_dims)
+    cos, sin = _rotary_tables(x.shape[1], rotary_dims, base, scaling)
     rot = x[..., :rotary_dims].astype(jnp.float32)
     x1, x2 = rot[..., :half], rot[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -297,6 +326,7 @@ class Attention(nnx.Module):
         self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (n, d, h),
                              ("heads", "head_dim", "embed"), config)
         self.rotary_dims = config.rotary_dims
+        self.rope_base, self.rope_scaling = config.rope_base, config.rope_scaling
         self.eager_rotary = config.elementwise == "eager"
         self.attention = config.attention
         self.attention_block = config.attention_block
@@ -306,7 +336,8 @@ class Attention(nnx.Module):
         q = checkpoint_name(jnp.einsum("bte,end->btnd", x, self.wq[...].astype(dt)), "qkv_proj")
         k = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt)), "qkv_proj")
         v = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt)), "qkv_proj")
-        q, k = (apply_rotary(u, self.rotary_dims, self.eager_rotary) for u in (q, k))
+        q, k = (apply_rotary(u, self.rotary_dims, self.eager_rotary, base=self.rope_base, scaling=self.rope_scaling)
+                for u in (q, k))
         out = checkpoint_name(self.attend(q, k, v), "attn_out")
         return jnp.einsum("btnd,nde->bte", out, self.wo[...].astype(dt))
 
@@ -391,5 +422,9 @@ class LMHead(nnx.Module):
                                  (config.hidden_size, config.vocab_size), ("embed", "vocab"), config)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("bte,ev->btv", x, self.kernel[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
+        return project_logits(x, self.kernel[...])
+
+
+def project_logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [b, t, embed] @ kernel [embed, vocab]`` in ``x``'s dtype, accumulated and returned in float32."""
+    return jnp.einsum("bte,ev->btv", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -47,7 +47,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, *, fused_head: bool = True) -> Callable
             return cross_entropy(model(batch["inputs"]), batch["targets"], batch.get("mask"))
         hidden = model.final_norm(model.run_layers(model.embed_tokens(batch["inputs"])))
         weights = token_weights(batch["targets"], batch.get("mask"))
-        return linear_cross_entropy(hidden, model.lm_head.kernel[...], batch["targets"], weights,
+        return linear_cross_entropy(hidden, model.head_kernel(), batch["targets"], weights,
                                     model.config.loss_chunks)
 
     return loss_fn

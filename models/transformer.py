@@ -15,7 +15,7 @@ import jax
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import Embed, LMHead, Norm
+from models.layers import Embed, LMHead, Norm, project_logits
 
 BodyFn = Callable[[jax.Array, nnx.Module], jax.Array]
 
@@ -50,7 +50,8 @@ class CausalLM(nnx.Module):
         embed: token embedding.
         layers: the scanned block stack (params ``[num_layers, ...]``).
         final_norm: norm applied before the head.
-        lm_head: untied output projection.
+        lm_head: untied output projection; None with ``config.tie_embeddings`` (the head is
+            ``embed.embedding`` transposed, see `head_kernel`).
     """
 
     norm_kind: str = "layernorm"
@@ -60,7 +61,7 @@ class CausalLM(nnx.Module):
         self.embed = Embed(config, rngs=rngs)
         self.layers = make_layer_stack(lambda r: self.make_block(config, r), config.num_layers, rngs)
         self.final_norm = Norm(config, self.norm_kind, rngs=rngs)
-        self.lm_head = LMHead(config, rngs=rngs)
+        self.lm_head = None if config.tie_embeddings else LMHead(config, rngs=rngs)
 
     @staticmethod
     def make_block(config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -93,9 +94,18 @@ class CausalLM(nnx.Module):
             body = body_transform(body)
         return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(hidden, self.layers)
 
+    def head_kernel(self) -> jax.Array:
+        """The LM head's ``[embed, vocab]`` matrix: its own kernel, or the embedding transposed when tied.
+
+        A tied model has one parameter read twice; autodiff sums the gradients of both uses into it.
+        """
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm + LM head; returns float32 ``[B, T, vocab]``."""
-        return self.lm_head(self.final_norm(hidden))
+        return project_logits(self.final_norm(hidden), self.head_kernel())
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Forward pass: ``int32[B, T]`` -> float32 logits ``[B, T, vocab]``."""

@@ -47,3 +47,18 @@ def family(zoo3p):
 
     return get
 
+
+
+@pytest.fixture
+def hf_config_file(tmp_path):
+    """``hf_config_file(doc, folder="model")``: writes a Hugging Face config dict to ``<tmp>/<folder>/config.json``
+    (the layout of a downloaded checkpoint) and returns the path."""
+    import json
+
+    def write(doc: dict, folder: str = "model"):
+        path = tmp_path / folder / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc))
+        return path
+
+    return write

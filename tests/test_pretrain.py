@@ -125,6 +125,60 @@ def test_missing_and_truncated_token_files(cli, tmp_path: Path) -> None:
     assert code == 1 and "fewer than one sequence" in err
 
 
+def test_token_file_read_with_the_wrong_dtype_is_refused(cli, tmp_path: Path) -> None:
+    """uint32 ids read as uint16 (a 0 after every token), uint16 ids read as uint32, odd sizes: one-line errors
+    naming --token-dtype and the fix, before any model is built."""
+    ids = np.random.default_rng(0).integers(1, 256, 4000)
+    u32 = tmp_path / "tokens_u32.bin"
+    write_token_file(u32, ids, "uint32")
+    for vocab in (256, None):
+        with pytest.raises(DataError, match="little-endian uint32 ids read as --token-dtype uint16.*is 0.*"
+                                            "pass --token-dtype uint32"):
+            MemmapTokens(u32, seq_len=16, batch_size=8, vocab_size=vocab)
+    code, _, err = cli(*SMALL, "--steps", 1, "--data", u32, "--token-dtype", "uint16")
+    assert code == 1 and "pass --token-dtype uint32" in err and "Traceback" not in err
+    assert MemmapTokens(u32, seq_len=16, batch_size=8, dtype="uint32", vocab_size=256).batch(0)["inputs"].max() < 256
+
+    # A vocabulary above 65,536 (Llama-3's 128,256): the high halves are 0 or 1, still not real text.
+    big = tmp_path / "big_u32.bin"
+    write_token_file(big, np.random.default_rng(1).integers(0, 128256, 4000), "uint32")
+    with pytest.raises(DataError, match="is at most 1.*pass --token-dtype uint32"):
+        MemmapTokens(big, seq_len=16, batch_size=8, vocab_size=128256)
+
+    u16 = tmp_path / "tokens_u16.bin"
+    write_token_file(u16, ids, "uint16")  # 8000 bytes: whole uint32 words, each two ids pairing up
+    with pytest.raises(DataError, match=r"contains id \d+ >= vocab size 256 \(read as --token-dtype uint32\).*"
+                                        "try --token-dtype uint16"):
+        MemmapTokens(u16, seq_len=16, batch_size=8, dtype="uint32", vocab_size=256)
+    code, _, err = cli(*SMALL, "--steps", 1, "--data", u16, "--token-dtype", "uint32")
+    assert code == 1 and "try --token-dtype uint16" in err
+    odd = tmp_path / "odd_u16.bin"
+    write_token_file(odd, ids[:-1], "uint16")  # 7998 bytes
+    with pytest.raises(DataError, match="not a multiple of 4 \\(--token-dtype uint32\\).*pass the --token-dtype"):
+        MemmapTokens(odd, seq_len=16, batch_size=8, dtype="uint32")
+    MemmapTokens(u16, seq_len=16, batch_size=8, vocab_size=256)  # the right dtype is accepted
+
+
+def test_token_file_checks_read_a_bounded_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks read the head and a slice of the tail: an out-of-vocabulary id there is caught, one in the
+    unsampled middle is not read at all (large files stay cheap to open)."""
+    from mistjax.train import data
+
+    monkeypatch.setattr(data, "SAMPLE_BYTES", 1024)
+    monkeypatch.setattr(data, "TAIL_BYTES", 1024)
+    ids = np.random.default_rng(0).integers(0, 256, 10_000)
+    for where, caught in ((0, True), (5_000, False), (9_999, True)):
+        bad = ids.copy()
+        bad[where] = 300
+        path = tmp_path / f"bad{where}.bin"
+        write_token_file(path, bad)
+        if caught:
+            with pytest.raises(DataError, match="contains id 300 >= vocab size 256"):
+                MemmapTokens(path, seq_len=16, batch_size=8, vocab_size=256)
+        else:
+            MemmapTokens(path, seq_len=16, batch_size=8, vocab_size=256)
+
+
 def test_flag_mistakes_are_one_line_errors(cli, tmp_path: Path) -> None:
     code, _, err = cli(*SMALL, "--resume")
     assert code == 1 and "--resume needs --ckpt-dir" in err

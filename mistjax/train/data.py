@@ -73,18 +73,14 @@ class MemmapTokens:
         size = path.stat().st_size
         if size % itemsize:
             raise DataError(f"token file {str(path)!r} has {size} bytes, not a multiple of {itemsize} "
-                            f"({dtype}): the file is truncated or has another dtype")
+                            f"(--token-dtype {dtype}): the file is truncated or has another dtype; pass the "
+                            "--token-dtype it was written with")
         if size // itemsize < seq_len + 1:
             raise DataError(f"token file {str(path)!r} holds {size // itemsize} tokens, fewer than one "
                             f"sequence of {seq_len + 1}; use a longer file or a shorter --seq-len")
         self.path, self.seq_len, self.batch_size, self.seed = path, seq_len, batch_size, seed
         self.tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
-        if vocab_size is not None:
-            # A spot check of the head of the file catches a wrong dtype or tokenizer cheaply.
-            head = np.asarray(self.tokens[: min(len(self.tokens), 1 << 20)])
-            if head.max(initial=0) >= vocab_size:
-                raise DataError(f"token file {str(path)!r} contains id {int(head.max())} >= vocab size "
-                                f"{vocab_size}; check --token-dtype and the model's vocabulary")
+        check_token_sample(self.tokens, dtype, vocab_size, str(path))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -95,6 +91,53 @@ class MemmapTokens:
         starts = rng.integers(0, len(self.tokens) - self.seq_len, self.batch_size)
         seqs = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts]).astype(np.int32)
         return {"inputs": seqs[:, :-1], "targets": seqs[:, 1:]}
+
+
+# Bytes of a token file the dtype checks read (`check_token_sample`): its head and a slice of its tail.
+SAMPLE_BYTES = 4 << 20
+TAIL_BYTES = 256 << 10
+# A uint16 file is taken for uint32 ids only when at least this many high words were seen (all zero).
+MIN_WORDS_FOR_UINT32_GUESS = 64
+
+
+def check_token_sample(tokens: np.ndarray, dtype: str, vocab_size: int | None, name: str) -> None:
+    """Refuses a token file read with the wrong ``--token-dtype``, from a bounded sample (cheap on large files).
+
+    Args:
+      tokens: the file's ids as ``dtype`` (a memmap: only the sample is read).
+      dtype: the declared ``--token-dtype``.
+      vocab_size: the model's vocabulary (None: no range check).
+      name: the file, for the message.
+
+    Raises:
+      DataError: a sampled id is outside the vocabulary, or a uint16 file reads as little-endian uint32 ids
+        (every second uint16 word of its head is zero while the others are not).
+    """
+    itemsize = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    head = np.asarray(tokens[: SAMPLE_BYTES // itemsize])
+    if dtype == "uint16":
+        _refuse_uint32_as_uint16(head, vocab_size, name)
+    if vocab_size is None:
+        return
+    tail_start = max(len(head), len(tokens) - TAIL_BYTES // itemsize)
+    top = max(int(head.max(initial=0)), int(np.asarray(tokens[tail_start:]).max(initial=0)))
+    if top >= vocab_size:
+        hint = ("; uint16 ids read as uint32 pair up into ids of 65,536 and more: try --token-dtype uint16"
+                if dtype == "uint32" and top >= 1 << 16 else "")
+        raise DataError(f"token file {name!r} contains id {top} >= vocab size {vocab_size} (read as --token-dtype "
+                        f"{dtype}); check --token-dtype and that the file was tokenized for this model{hint}")
+
+
+def _refuse_uint32_as_uint16(head: np.ndarray, vocab_size: int | None, name: str) -> None:
+    """Little-endian uint32 ids read as uint16 alternate low halves with high halves no larger than those of
+    the largest id, ``(vocab - 1) >> 16`` (0 below 65,537 ids): tokens of real text never do."""
+    high = head[1 : len(head) - len(head) % 2 : 2]  # the high halves, were these uint32 ids
+    bound = (vocab_size - 1) >> 16 if vocab_size else 0
+    if len(high) < MIN_WORDS_FOR_UINT32_GUESS or high.max() > bound or head[::2].max() <= bound:
+        return
+    raise DataError(f"token file {name!r} looks like little-endian uint32 ids read as --token-dtype uint16: every "
+                    f"second 16-bit word of its first {len(head):,} is {'0' if bound == 0 else f'at most {bound}'} "
+                    "(training would see it after every token); pass --token-dtype uint32")
 
 
 def write_token_file(path: str | Path, tokens: np.ndarray, dtype: str = "uint16") -> None:
