@@ -144,29 +144,39 @@ def dependencies(op: Op, num_virtual: int) -> list[Op]:
 def list_schedule(orders: Sequence[Sequence[Op]], cost: Mapping[str, float] | None = None) -> list[Op]:
     """Merge per-group orders into one issue order by simulated start time (see module docstring).
 
+    Each step issues the ready head operation with the earliest simulated start (ties by group). Only the
+    heads an issued operation can change are re-examined: its own group's and those of the neighbouring
+    virtual stages (the only operations that read its outputs).
+
     Raises:
       ScheduleError: if the orders deadlock (an operation waits for one that its group runs later).
     """
     cost = cost or NOMINAL_COST
     num_virtual = 1 + max(op.stage for ops in orders for op in ops)
     group_of = {op: g for g, ops in enumerate(orders) for op in ops}
+    for op in group_of:
+        for dep in dependencies(op, num_virtual):
+            if dep not in group_of:
+                raise ScheduleError(f"{op} depends on {dep}, which no device group runs")
     finish: dict[Op, float] = {}
     free = [0.0] * len(orders)
     pos = [0] * len(orders)
+    heads: list[tuple[float, int, Op] | None] = [None] * len(orders)
+
+    def refresh(g: int) -> None:
+        heads[g] = None
+        if pos[g] < len(orders[g]):
+            op = orders[g][pos[g]]
+            deps = dependencies(op, num_virtual)
+            if all(dep in finish for dep in deps):
+                heads[g] = (max([free[g], *(finish[dep] for dep in deps)]), g, op)
+
+    for g in range(len(orders)):
+        refresh(g)
     issue: list[Op] = []
     total = sum(len(o) for o in orders)
     while len(issue) < total:
-        ready = []
-        for g, ops in enumerate(orders):
-            if pos[g] == len(ops):
-                continue
-            op = ops[pos[g]]
-            deps = dependencies(op, num_virtual)
-            for dep in deps:
-                if dep not in group_of:
-                    raise ScheduleError(f"{op} depends on {dep}, which no device group runs")
-            if all(dep in finish for dep in deps):
-                ready.append((max([free[g], *(finish[dep] for dep in deps)]), g, op))
+        ready = [h for h in heads if h is not None]
         if not ready:
             stuck = [orders[g][pos[g]] for g in range(len(orders)) if pos[g] < len(orders[g])]
             raise ScheduleError(f"the schedule deadlocks: every device group waits ({stuck})")
@@ -175,7 +185,20 @@ def list_schedule(orders: Sequence[Sequence[Op]], cost: Mapping[str, float] | No
         free[g] = finish[op]
         pos[g] += 1
         issue.append(op)
+        for k in {g, *(group_of[o] for o in _readers(op, num_virtual) if o in group_of)}:
+            refresh(k)
     return issue
+
+
+def _readers(op: Op, num_virtual: int) -> list[Op]:
+    """Operations that may read ``op``'s outputs (the inverse of `dependencies`)."""
+    kind, k, i = op
+    if kind == OpKind.B:
+        return [Op(OpKind.B, k - 1, i)] if k > 0 else []
+    nxt = OpKind.FB if k + 2 == num_virtual else OpKind.F
+    ahead = [Op(nxt, k + 1, i)] if k + 1 < num_virtual else []
+    behind = [Op(OpKind.B, k - 1, i)] if kind == OpKind.FB and k > 0 else []
+    return [*ahead, Op(OpKind.B, k, i), *behind]
 
 
 def group_queues(issue: Sequence[Op], num_groups: int) -> list[list[Op]]:

@@ -27,8 +27,8 @@ from mistjax.tuning.space import (
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-__all__ = ["EntryPrices", "SampledTables", "ScheduleMemo", "StageTables", "prepare_key", "price", "price_entries",
-           "entries_fit", "price_pairs", "sample_stage_tables"]
+__all__ = ["EntryPrices", "SampledTables", "ScheduleMemo", "StageTables", "TableArena", "entries_fit", "prepare_key",
+           "price", "price_entries", "price_pairs", "sample_stage_tables"]
 
 # Elements per cost-model call: big enough to amortise NumPy's per-op overhead, small enough that the
 # model's few dozen float64 temporaries stay in the low hundreds of MB.
@@ -275,9 +275,34 @@ def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, p
     return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))
 
 
+class TableArena:
+    """Memory for the (stable, delta) tables of one search's outer keys, reused key after key.
+
+    A search tunes one key at a time and keeps nothing of a key's tables once the key is tuned, so each key
+    can fill the memory of the one before. Tables run to hundreds of MB, and fresh pages cost seconds per key
+    where a page fault is slow (virtual machines); memory touched before does not.
+    """
+
+    def __init__(self) -> None:
+        self._memory = np.empty(0)
+
+    def tables(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Two ``inf``-filled arrays of ``shape``; valid until the next call."""
+        n = int(np.prod(shape))
+        if self._memory.size < 2 * n:
+            self._memory = np.empty(2 * n)
+        stable, delta = self._memory[:n].reshape(shape), self._memory[n:2 * n].reshape(shape)
+        stable.fill(np.inf)
+        delta.fill(np.inf)
+        return stable, delta
+
+
 def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
-                memo: ScheduleMemo | None = None) -> StageTables:
-    """Empty (all ``inf``) tables of one outer key, with dominated remat policies removed."""
+                memo: ScheduleMemo | None = None, arena: TableArena | None = None) -> StageTables:
+    """Empty (all ``inf``) tables of one outer key, with dominated remat policies removed.
+
+    With an ``arena`` the tables live in its memory, valid until it hands out the next key's.
+    """
     L = int(workload.num_layers)
     opts = layer_options(space, L, key.stages, key.grad_accum)
     remat = remat_options(space, max(opts), tuple(workload.policies))
@@ -286,7 +311,7 @@ def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     if space.policies is None:
         tables.remat = _prune_policies(workload, cluster, cost, tables)
     shape = (key.stages, len(opts), tables.remat.count.size, len(grid))
-    tables.stable, tables.delta = np.full(shape, np.inf), np.full(shape, np.inf)
+    tables.stable, tables.delta = (arena or TableArena()).tables(shape)
     tables.memo = memo
     return tables
 
