@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from mistjax.tuning.sweep import Entries, entries_that_may_fit, sweep_offloads
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-__all__ = ["KeyChoice", "key_bound", "lower_bounds", "probe_key", "solve_key", "tune_key"]
+__all__ = ["KeyChoice", "key_bound", "lower_bounds", "solve_key", "tune_key"]
 
 # A single MILP may use at most this share of the time left, so one slow solve cannot starve the
 # remaining outer keys. HiGHS returns its incumbent when stopped.
@@ -237,36 +237,6 @@ def _price_all(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, ta
         price(workload, cluster, cost, tables, np.arange(lo, min(lo + step, X)))
 
 
-class _StartedKey(NamedTuple):
-    """A key's tables with its zero- and most-offloaded points priced, and the plan those points give."""
-
-    tables: StageTables
-    entries: Entries  # the entries whose offloaded points may matter (`_open_entries`, `entries_that_may_fit`)
-    cut: float  # the best objective known: ``best_cost``, or the key's own plan of the priced points
-    incumbent: KeyChoice | None  # that plan, when it beats ``best_cost``
-
-
-def _start_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
-               best_cost: float | None, deadline: float, memo: ScheduleMemo | None, arena: TableArena | None
-               ) -> _StartedKey:
-    """Price a key's zero-offload strategies and each open entry's most-offloaded point, and solve them."""
-    tables = prepare_key(workload, cluster, cost, key, space, memo, arena)
-    s0, d0, ok0 = price(workload, cluster, cost, tables, _base_strategies(tables.grid))  # [S, J, R, F]
-    entries = entries_that_may_fit(workload, cluster, cost, tables, _open_entries(tables, s0, d0, ok0))
-    incumbent = solve_key(tables, space.pareto_k, False, best_cost, deadline, int(workload.num_layers))
-    cut = np.inf if best_cost is None else best_cost
-    return _StartedKey(tables, entries, cut if incumbent is None else min(cut, incumbent.objective), incumbent)
-
-
-def probe_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
-              deadline: float, memo: ScheduleMemo | None = None, arena: TableArena | None = None
-              ) -> tuple[StageTables, KeyChoice | None]:
-    """A key's best plan from its zero- and most-offloaded points only: a plan of the space, found in a
-    fraction of `tune_key`'s time, whose objective can prune other keys before they are searched."""
-    started = _start_key(workload, cluster, cost, key, space, None, deadline, memo, arena)
-    return started.tables, started.incumbent
-
-
 def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
              best_cost: float | None, deadline: float, prune: bool = True, memo: ScheduleMemo | None = None,
              arena: TableArena | None = None) -> tuple[StageTables, KeyChoice | None]:
@@ -284,11 +254,20 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
         arena: memory for the tables (`intra.TableArena`): they are valid until it hands out the next key's.
     """
     L = int(workload.num_layers)
+    tables = prepare_key(workload, cluster, cost, key, space, memo, arena)
+    G, S = key.grad_accum, key.stages
     if not prune:
-        tables = prepare_key(workload, cluster, cost, key, space, memo, arena)
         _price_all(workload, cluster, cost, tables, deadline)
         return tables, solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
-    tables, entries, cut, incumbent = _start_key(workload, cluster, cost, key, space, best_cost, deadline, memo, arena)
+    s0, d0, ok0 = price(workload, cluster, cost, tables, _base_strategies(tables.grid))  # [S, J, R, F]
+    cut = np.inf if best_cost is None else best_cost
+    if S == 1:
+        cut = min(cut, float(np.min(np.where(ok0[0, 0], G * s0[0, 0] + d0[0, 0], np.inf))))
+    entries = entries_that_may_fit(workload, cluster, cost, tables, _open_entries(tables, s0, d0, ok0))
+    incumbent = None
+    if S > 1:  # a plan from the zero- and most-offloaded points: its objective cuts the sweep
+        incumbent = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
+        cut = min(cut, np.inf if incumbent is None else incumbent.objective)
     sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline)
     choice = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
     if incumbent is not None and (choice is None or incumbent.objective < choice.objective):

@@ -22,7 +22,7 @@ import numpy as np
 from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
-from mistjax.tuning.inter import KeyChoice, key_bound, probe_key, tune_key
+from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
 from mistjax.tuning.intra import ScheduleMemo, StageTables, TableArena, sample_stage_tables
 from mistjax.tuning.space import OuterKey, SearchSpace, outer_keys
 
@@ -98,9 +98,6 @@ class SearchResult:
             count and the chosen point.
         keys_pruned: keys whose lower bound proved they cannot beat the plan.
         keys_cut: keys the time limit left unsearched or searched in part.
-        keys_probed: keys whose zero- and most-offloaded points were solved first (`inter.probe_key`), so
-            that the best of their plans prunes the search from the start; a probed key is then searched or
-            pruned like any other (its frontier record keeps the probe's objective when pruned).
         gap: proven bound on how much faster the space's best plan can be: ``objective / lower bound - 1``
             over the cut keys' lower bounds (0 when the search is complete; inf when no plan was found
             or a cut key has no bound).
@@ -120,7 +117,6 @@ class SearchResult:
     keys_pruned: int = 0
     keys_cut: int = 0
     gap: float = 0.0
-    keys_probed: int = 0
 
     @property
     def complete(self) -> bool:
@@ -130,8 +126,8 @@ class SearchResult:
     def completeness(self) -> str:
         """One line: keys searched / pruned / cut, and the proven gap when cut."""
         searched = self.keys - self.keys_pruned - self.keys_cut
-        text = (f"{searched} of {self.keys} outer keys searched, {self.keys_pruned} pruned by bound "
-                f"({self.keys_probed} probed first), {self.keys_cut} cut by the time limit")
+        text = (f"{searched} of {self.keys} outer keys searched, {self.keys_pruned} pruned by bound, "
+                f"{self.keys_cut} cut by the time limit")
         if self.keys_cut:
             text += ("; no plan found" if self.plan is None else
                      "; the gap to the space's best is not bounded" if not math.isfinite(self.gap) else
@@ -267,7 +263,6 @@ class _Tally:
     timed_out: bool = False
     cut_bounds: list[float] = field(default_factory=list)  # lower bounds of the keys cut by the limit
     fastest_key: float = math.inf  # seconds the quickest key searched so far took
-    probed: dict[OuterKey, float | None] = field(default_factory=dict)  # `_probe_keys`: each key's plan's objective
 
     def add(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, bound: float) -> None:
         """Count one searched key and keep its choice when it beats the best so far."""
@@ -299,45 +294,17 @@ class _Tally:
         gap = 0.0 if not self.cut_bounds else max(0.0, objective / lower - 1.0) if lower > 0 else math.inf
         return SearchResult(space, plan, objective, keys, self.done, self.evaluated, self.milps, seconds,
                             self.timed_out, tuple(self.frontier), pareto, keys_pruned=pruned,
-                            keys_probed=len(self.probed),
                             keys_cut=len(self.cut_bounds), gap=gap)
 
 
-def _probe_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], deadline: float,
-                best_cost: float | None, tally: _Tally) -> None:
-    """Seed ``tally`` with the best plan of each key's zero- and most-offloaded points (`inter.probe_key`),
-    keys in `_visit_order` while their bound can beat the best so far.
-
-    Bounds ignore memory, so the best-bound keys are often the ones memory forces into slow offloaded plans;
-    a plan found here, at a fraction of a key's search, lets the search prune such keys' sweeps, and others
-    whole, from the start. Every plan kept is a plan of the space, so the search stays exact.
-    """
-    quickest = math.inf
-    for i in _visit_order(keys, bounds):
-        cut = tally.best.objective if tally.best is not None else best_cost
-        if cut is not None and bounds[i] >= cut:
-            continue
-        now = time.perf_counter()
-        if now >= deadline or deadline - now < quickest:  # a probe checks no deadline: do not start it late
-            return
-        tables, choice = probe_key(job.workload, job.cluster, job.cost, keys[i], job.space, deadline, job.memo,
-                                   job.arena)
-        quickest = min(quickest, time.perf_counter() - now)
-        tally.evaluated += tables.evaluated
-        tally.milps += choice.milps if choice is not None else 0
-        tally.probed[keys[i]] = choice.objective if choice is not None else None
-        if choice is not None and (best_cost is None or choice.objective < best_cost):
-            tally.keep(job, tables, choice)
-
-
 def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], deadline: float,
-                 best_cost: float | None, progress: Progress | None, tally: _Tally) -> _Tally:
-    """Tune the outer keys in `_visit_order` into ``tally``, skipping those whose bound cannot beat the best so
-    far.
+                 best_cost: float | None, progress: Progress | None) -> _Tally:
+    """Tune the outer keys in `_visit_order`, skipping those whose bound cannot beat the best so far.
 
     Each key may use all the time left; past the deadline the keys not yet visited are cut (or pruned, where
     their bound already cannot beat the plan found).
     """
+    tally = _Tally()
     stopped = False
     for visited, i in enumerate(_visit_order(keys, bounds)):
         if progress is not None and visited:
@@ -345,7 +312,7 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
         key = keys[i]
         cut = tally.best.objective if tally.best is not None else best_cost
         if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
-            tally.frontier.append(_key_record(key, tally.probed.get(key), bounds[i], "pruned"))
+            tally.frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
         now = time.perf_counter()
         # A key is not started with less time left than the quickest key so far took: its probes, base
@@ -354,7 +321,7 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
         if stopped:
             tally.timed_out = True
             tally.cut_bounds.append(bounds[i])
-            tally.frontier.append(_key_record(key, tally.probed.get(key), bounds[i], "cut"))
+            tally.frontier.append(_key_record(key, None, bounds[i], "cut"))
             continue
         tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, cut, deadline, job.prune,
                                   job.memo, job.arena)
@@ -420,10 +387,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
         progress(space.name, 0, len(keys))
     bounds = (_key_bounds(workload, cluster, job.cost, keys, space, job.memo, deadline) if prune
               else [0.0] * len(keys))
-    tally = _Tally()
-    if prune:
-        _probe_keys(job, keys, bounds, deadline, best_cost, tally)
-    tally = _search_keys(job, keys, bounds, deadline, best_cost, progress, tally)
+    tally = _search_keys(job, keys, bounds, deadline, best_cost, progress)
     if progress is not None:
         progress(space.name, len(keys), len(keys))
     winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
