@@ -1,7 +1,8 @@
 """Model configuration shared by every family in the zoo, with analytic parameter counts.
 
-The analytic counts mirror the modules in :mod:`models.layers` exactly (the tests check this), so the
-cost model can size parameters, gradients and optimizer states without building a model.
+The analytic counts mirror the modules in :mod:`models.layers` exactly, the vocabulary's pad rows included
+(`ModelConfig.padded_vocab_size`; the tests check this), so the cost model can size parameters, gradients and
+optimizer states without building a model.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ MIST_SIZES: dict[str, tuple[int, int, int]] = {
 MIST_VOCAB = 50304
 # Covers both paper settings (seq 2048 on L4, 4096 on A100); only GPT-3 pays for it (learned positions).
 MIST_MAX_SEQ_LEN = 4096
+# The embedding and LM head hold the vocabulary padded to a multiple of this (`ModelConfig.vocab_multiple`),
+# Megatron-LM's ``make_vocab_size_divisible_by``. Megatron pads to 128 x tp; here the padded size depends on the
+# config only (docs/internals.md, "Awkward shapes"): 128 = 2**7, so every power-of-two tp up to 128 splits it.
+VOCAB_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +60,13 @@ class ModelConfig:
 
     name: str  # preset name, e.g. "llama-7b"; informational only
     family: str  # "gpt3" | "llama" | "falcon": selects block layout, norm and MLP kind
-    vocab_size: int  # rows of the embedding and columns of the LM head
+    vocab_size: int  # real tokens; the embedding and LM head hold `padded_vocab_size` rows / columns
     hidden_size: int  # model width h (the "embed" logical axis)
     num_layers: int  # transformer blocks, stacked along the leading "layers" axis
     num_heads: int  # query heads; must divide hidden_size
-    num_kv_heads: int  # key/value heads (GQA when < num_heads); must divide num_heads
+    # key/value heads (GQA when < num_heads, MQA at 1); must divide num_heads. Tensor parallelism splits them
+    # when tp divides them, else keeps the k / v projections whole on every device (replicated).
+    num_kv_heads: int
     ffn_size: int  # MLP inner width (the "mlp" logical axis)
     max_seq_len: int  # longest sequence accepted; sizes GPT-3's learned position table
     rotary_pct: float = 0.0  # fraction of head_dim rotated by RoPE; 0 for gpt3 (learned positions)
@@ -75,6 +82,8 @@ class ModelConfig:
     rope_base: float = DEFAULT_ROPE_BASE  # RoPE base wavelength theta (Hugging Face's rope_theta)
     # () for none, else (kind, *parameters) of ROPE_SCALINGS, e.g. ("llama3", 8.0, 1.0, 4.0, 8192)
     rope_scaling: tuple = ()
+    # The vocabulary is padded to a multiple of this (1: no padding); pad rows never score (`padded_vocab_size`).
+    vocab_multiple: int = VOCAB_MULTIPLE
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -83,7 +92,7 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise bad("family", f"unknown family {self.family!r}; use one of {FAMILIES}")
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
-                      "max_seq_len"):
+                      "max_seq_len", "vocab_multiple"):
             value = getattr(self, field)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise bad(field, f"must be a positive integer, got {value!r}")
@@ -152,6 +161,15 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and columns of the LM head: ``vocab_size`` rounded up to ``vocab_multiple``.
+
+        The pad rows are never looked up (token ids are below ``vocab_size``) and their logits are masked out
+        of the softmax (`models.layers.mask_pad_logits`), so they change neither the loss nor its gradient.
+        """
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def rotary_dims(self) -> int:
         """Number of leading head dimensions rotated by RoPE (even; 0 disables RoPE)."""
         return round(self.head_dim * self.rotary_pct)
@@ -160,7 +178,29 @@ class ModelConfig:
         """Returns a copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    # ---- analytic parameter counts (must match the modules in models.layers) ----
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuses a tensor-parallel degree that cannot split this model, naming the field and the fix.
+
+        Tensor parallelism splits the query heads, the MLP width and the padded vocabulary ``tp`` ways; the
+        key / value heads are split when ``tp`` divides them and replicated otherwise, so they never refuse.
+
+        Raises:
+            ValueError: ``tp`` does not divide ``num_heads``, ``ffn_size`` or ``padded_vocab_size``.
+        """
+        if not isinstance(tp, numbers.Integral) or isinstance(tp, bool) or tp <= 0:
+            raise ValueError(f"tensor parallelism must be a positive integer, got {tp!r}")
+        # (field to change, the split size it sets, its name, the fix)
+        checks = (("num_heads", self.num_heads, "num_heads", "choose tp among its divisors or change num_heads"),
+                  ("ffn_size", self.ffn_size, "ffn_size", "choose tp among its divisors or change ffn_size"),
+                  ("vocab_multiple", self.padded_vocab_size, "padded_vocab_size",
+                   f"vocab_size={self.vocab_size} is padded to a multiple of vocab_multiple={self.vocab_multiple}; "
+                   f"set vocab_multiple to a multiple of {tp} (Megatron-LM pads to 128 x tp = {128 * tp})"))
+        for field, size, label, fix in checks:
+            if size % tp:
+                raise ValueError(f"ModelConfig({self.name!r}).{field}: tensor parallelism {tp} does not divide "
+                                 f"{label}={size}; {fix}")
+
+    # ---- analytic parameter counts (must match the modules in models.layers; pad rows included) ----
 
     def _norm_params(self) -> int:
         # LayerNorm has scale + bias; Llama's RMSNorm only a scale.
@@ -182,16 +222,22 @@ class ModelConfig:
         return n_norms * self._norm_params() + self.attention_params() + self.mlp_params()
 
     def embedding_params(self) -> int:
-        """Token embedding, plus GPT-3's learned position table."""
+        """Token embedding (its pad rows included: ``padded_vocab_size`` rows), plus GPT-3's position table."""
         positions = self.max_seq_len * self.hidden_size if self.family == "gpt3" else 0
-        return self.vocab_size * self.hidden_size + positions
+        return self.padded_vocab_size * self.hidden_size + positions
 
     def head_params(self) -> int:
-        """Final norm plus the LM head (none of its own when tied to the embedding)."""
-        return self._norm_params() + (0 if self.tie_embeddings else self.hidden_size * self.vocab_size)
+        """Final norm plus the LM head (``padded_vocab_size`` columns; none of its own when tied)."""
+        return self._norm_params() + (0 if self.tie_embeddings else self.hidden_size * self.padded_vocab_size)
+
+    def vocab_pad_params(self) -> int:
+        """Parameters of the vocabulary's pad rows (embedding, and the untied head): ``num_params()`` minus
+        this is the count with the real vocabulary, the figure model cards publish."""
+        tables = 1 if self.tie_embeddings else 2
+        return tables * (self.padded_vocab_size - self.vocab_size) * self.hidden_size
 
     def num_params(self) -> int:
-        """Total parameter count of the model built from this config."""
+        """Total parameter count of the model built from this config (the arrays it holds: pad rows included)."""
         return self.embedding_params() + self.num_layers * self.params_per_layer() + self.head_params()
 
 

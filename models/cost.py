@@ -10,8 +10,9 @@ from models import build
 from models.config import ModelConfig
 from models.loss import make_loss_fn
 
-# Profiles by (config, policies): the analysis traces the loss at seven sizes (seconds per model).
-_PROFILES: dict[tuple[ModelConfig, tuple[str, ...] | None], ModelProfile] = {}
+# Profiles by (config, policies, tensor-split names): the analysis traces the loss at seven sizes (seconds per
+# model). A model whose key / value heads some tensor degrees replicate has a second analysis (`KVRegimes`).
+_PROFILES: dict[tuple[ModelConfig, tuple[str, ...] | None, tuple[str, ...]], ModelProfile] = {}
 
 
 def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: str = "adamw",
@@ -35,13 +36,18 @@ def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: st
     abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     loss_fn = make_loss_fn(graphdef)
-    key = (config, None if policies is None else tuple(policies))
-    if key not in _PROFILES or (not cache and _PROFILES[key].passes is None):
-        _PROFILES[key] = analyze_model(loss_fn, params, policies=policies, cache=cache)  # on disk too
+
+    def analyze(tensor_axes: tuple[str, ...]) -> ModelProfile:
+        key = (config, None if policies is None else tuple(policies), tuple(tensor_axes))
+        if key not in _PROFILES or (not cache and _PROFILES[key].passes is None):
+            _PROFILES[key] = analyze_model(loss_fn, params, policies=policies, cache=cache,  # on disk too
+                                           tensor_axes=tensor_axes)
+        return _PROFILES[key]
+
     master = config.param_dtype != "float32" if master_weights is None else master_weights
     return Workload.from_loss(loss_fn, params, seq_len=seq_len, global_batch=global_batch, optimizer=optimizer,
                               name=config.name, policies=policies, compute_dtype=config.dtype,
-                              master_weights=master, grad_dtype=grad_dtype, profile=_PROFILES[key])
+                              master_weights=master, grad_dtype=grad_dtype, analyze=analyze)
 
 
 __all__ = ["workload"]

@@ -7,7 +7,8 @@ scaled by the token weights), then drops the logits. The backward only scales th
 by the incoming cotangent. Peak memory is one chunk's ``[b, s / chunks, vocab]`` fp32 logits instead of
 the whole step's several copies, and nothing is recomputed (Megatron-LM's fused vocab cross-entropy
 likewise reuses the logits buffer for the gradient). Under tensor parallelism ``w`` is split over the
-vocabulary (``("embed", "vocab")``) and GSPMD reduces the log-sum-exp across the shards.
+vocabulary (``("embed", "vocab")``) and GSPMD reduces the log-sum-exp across the shards. A padded vocabulary
+(`models.config.ModelConfig.padded_vocab_size`) has its pad columns masked out of every slice's softmax.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from models.layers import mask_pad_logits
 
 
 def _chunk_count(seq: int, chunks: int) -> int:
@@ -28,10 +31,17 @@ def _dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int, ...], tuple[int,
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _chunk(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Weighted loss sum of one slice, its ``dx`` (in x's dtype) and its fp32 ``dw``."""
+def _chunk(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array, vocab: int | None
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Weighted loss sum of one slice, its ``dx`` (in x's dtype) and its fp32 ``dw``.
+
+    ``vocab``: real columns of ``w`` (None: all); the others are padding, masked out of the softmax, so
+    their probability, and with it their gradient, is zero.
+    """
     wc = w.astype(x.dtype)
     logits = _dot(x, wc, ((2,), (0,)))  # [b, c, v]
+    if vocab is not None:
+        logits = mask_pad_logits(logits, vocab)
     lse = jax.nn.logsumexp(logits, axis=-1)
     onehot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
     loss = jnp.sum((lse - jnp.sum(logits * onehot, axis=-1)) * wt)
@@ -41,8 +51,8 @@ def _chunk(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array) -> tuple[jax
     return loss, dx, dw
 
 
-def _forward(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, chunks: int
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _forward(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, chunks: int,
+             vocab: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     # A loop over the slices (not a Python loop): XLA merges independent dots sharing an operand, which
     # would rebuild the full logits; the loop carries the loss and dw, so GSPMD keeps dw's vocab split.
     b, s, e = x.shape
@@ -53,7 +63,7 @@ def _forward(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array,
 
     def body(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]) -> tuple[tuple[jax.Array, ...], jax.Array]:
         total, dw = carry
-        loss, dx, dwi = _chunk(*xs[:1], w, *xs[1:])
+        loss, dx, dwi = _chunk(*xs[:1], w, *xs[1:], vocab)
         return (total + loss, dw + dwi), dx
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32))
@@ -61,27 +71,29 @@ def _forward(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array,
     return total, jnp.moveaxis(dxs, 0, 1).reshape(b, s, e), dw
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def linear_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array,
-                         chunks: int = 8) -> jax.Array:
+                         chunks: int = 8, vocab: int | None = None) -> jax.Array:
     """``sum(weights * cross_entropy(x @ w, targets))`` in fp32, without keeping the logits.
 
     Args:
       x: ``[batch, seq, embed]`` final hidden states (the compute dtype).
-      w: ``[embed, vocab]`` head kernel (cast to ``x``'s dtype for the matmul).
-      targets: int ``[batch, seq]`` token ids.
+      w: ``[embed, padded_vocab]`` head kernel (cast to ``x``'s dtype for the matmul).
+      targets: int ``[batch, seq]`` token ids (below ``vocab``).
       weights: ``[batch, seq]`` per-token weights (``1 / tokens`` for a mean, zero for padding).
       chunks: sequence slices the vocabulary matmul runs in (the largest divisor of ``seq`` up to it).
+      vocab: the real vocabulary when ``w`` has pad columns past it (`models.layers.mask_pad_logits`);
+        None or ``w``'s width: no padding.
     """
-    return _forward(x, w, targets, weights, chunks)[0]
+    return _forward(x, w, targets, weights, chunks, vocab)[0]
 
 
-def _fwd(x, w, targets, weights, chunks):  # noqa: ANN001, ANN202 (custom_vjp rule)
-    total, dx, dw = _forward(x, w, targets, weights, chunks)
+def _fwd(x, w, targets, weights, chunks, vocab):  # noqa: ANN001, ANN202 (custom_vjp rule)
+    total, dx, dw = _forward(x, w, targets, weights, chunks, vocab)
     return total, (dx, dw.astype(w.dtype))
 
 
-def _bwd(chunks, res, g):  # noqa: ANN001, ANN202 (custom_vjp rule)
+def _bwd(chunks, vocab, res, g):  # noqa: ANN001, ANN202 (custom_vjp rule)
     dx, dw = res
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
 

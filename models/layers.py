@@ -402,12 +402,34 @@ def _swiglu_eager(gate: jax.Array, up: jax.Array) -> jax.Array:
     return eager_op(jnp.multiply, eager_op(_silu_saving_input, gate), up)
 
 
+def _real_vocab(init: nnx.Initializer, vocab: int, axis: int) -> nnx.Initializer:
+    """``init`` with the vocabulary's pad entries (index ``vocab`` and up along ``axis``) set to zero.
+
+    The pad rows never score (`mask_pad_logits`) and are never looked up, so their values do not matter;
+    zeros keep them inert in checkpoints and under weight decay.
+    """
+
+    def run(key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+        x = init(key, shape, dtype)
+        if shape[axis] == vocab:
+            return x
+        real = jax.lax.broadcasted_iota(jnp.int32, tuple(shape), axis) < vocab
+        return jnp.where(real, x, jnp.zeros((), x.dtype))
+
+    return run
+
+
 class Embed(nnx.Module):
-    """Token embedding table ``[vocab, embed]``; the lookup is cast to the compute dtype."""
+    """Token embedding table ``[padded_vocab, embed]``; the lookup is cast to the compute dtype.
+
+    The table has ``config.padded_vocab_size`` rows (zeros past ``vocab_size``) so that tensor parallelism
+    splits it evenly; token ids are below ``vocab_size``, so the pad rows are never read.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.embedding = make_param(rngs, nnx.initializers.normal(INIT_STD),
-                                    (config.vocab_size, config.hidden_size), ("vocab", "embed"), config)
+        init = _real_vocab(nnx.initializers.normal(INIT_STD), config.vocab_size, 0)
+        self.embedding = make_param(rngs, init, (config.padded_vocab_size, config.hidden_size), ("vocab", "embed"),
+                                    config)
         self.dtype = compute_dtype(config)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -415,11 +437,16 @@ class Embed(nnx.Module):
 
 
 class LMHead(nnx.Module):
-    """Untied output projection ``[embed, vocab]``; matmul in the compute dtype, logits in float32."""
+    """Untied output projection ``[embed, padded_vocab]``; matmul in the compute dtype, logits in float32.
+
+    Calling it gives the raw logits of every column, the pad columns included (`CausalLM.compute_logits`
+    masks them).
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.kernel = make_param(rngs, nnx.initializers.normal(INIT_STD),
-                                 (config.hidden_size, config.vocab_size), ("embed", "vocab"), config)
+        init = _real_vocab(nnx.initializers.normal(INIT_STD), config.vocab_size, 1)
+        self.kernel = make_param(rngs, init, (config.hidden_size, config.padded_vocab_size), ("embed", "vocab"),
+                                 config)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return project_logits(x, self.kernel[...])
@@ -428,3 +455,18 @@ class LMHead(nnx.Module):
 def project_logits(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """``x [b, t, embed] @ kernel [embed, vocab]`` in ``x``'s dtype, accumulated and returned in float32."""
     return jnp.einsum("bte,ev->btv", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def mask_pad_logits(logits: jax.Array, vocab: int) -> jax.Array:
+    """``logits [..., padded_vocab]`` with the columns from ``vocab`` on (the padding) at the dtype's minimum.
+
+    Those columns then get zero probability: the softmax, its log-sum-exp and the loss's gradient are those
+    of the real vocabulary, and sampling never picks a pad token. The mask is an added ``[padded_vocab]``
+    bias, not a select: a select's linearization keeps its boolean mask as a residual of the logits' size.
+    Logits without padding come back unchanged (the traced program is the unpadded model's).
+    """
+    width = logits.shape[-1]
+    if width == vocab:
+        return logits
+    real = jax.lax.iota(jnp.int32, width) < vocab
+    return logits + jnp.where(real, 0.0, jnp.finfo(logits.dtype).min).astype(logits.dtype)

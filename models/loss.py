@@ -48,6 +48,6 @@ def make_loss_fn(graphdef: nnx.GraphDef, *, fused_head: bool = True) -> Callable
         hidden = model.final_norm(model.run_layers(model.embed_tokens(batch["inputs"])))
         weights = token_weights(batch["targets"], batch.get("mask"))
         return linear_cross_entropy(hidden, model.head_kernel(), batch["targets"], weights,
-                                    model.config.loss_chunks)
+                                    model.config.loss_chunks, model.config.vocab_size)
 
     return loss_fn

@@ -15,7 +15,7 @@ import jax
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import Embed, LMHead, Norm, project_logits
+from models.layers import Embed, LMHead, Norm, mask_pad_logits, project_logits
 
 BodyFn = Callable[[jax.Array, nnx.Module], jax.Array]
 
@@ -51,7 +51,8 @@ class CausalLM(nnx.Module):
         layers: the scanned block stack (params ``[num_layers, ...]``).
         final_norm: norm applied before the head.
         lm_head: untied output projection; None with ``config.tie_embeddings`` (the head is
-            ``embed.embedding`` transposed, see `head_kernel`).
+            ``embed.embedding`` transposed, see `head_kernel`). Both hold the padded vocabulary
+            (``config.padded_vocab_size``).
     """
 
     norm_kind: str = "layernorm"
@@ -95,7 +96,7 @@ class CausalLM(nnx.Module):
         return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(hidden, self.layers)
 
     def head_kernel(self) -> jax.Array:
-        """The LM head's ``[embed, vocab]`` matrix: its own kernel, or the embedding transposed when tied.
+        """The LM head's ``[embed, padded_vocab]`` matrix: its own kernel, or the embedding transposed when tied.
 
         A tied model has one parameter read twice; autodiff sums the gradients of both uses into it.
         """
@@ -104,11 +105,18 @@ class CausalLM(nnx.Module):
         return self.lm_head.kernel[...]
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """Final norm + LM head; returns float32 ``[B, T, vocab]``."""
-        return project_logits(self.final_norm(hidden), self.head_kernel())
+        """Final norm + LM head; returns float32 ``[B, T, padded_vocab]``, the pad columns at float32's minimum
+        (zero probability: `models.layers.mask_pad_logits`)."""
+        logits = project_logits(self.final_norm(hidden), self.head_kernel())
+        return mask_pad_logits(logits, self.config.vocab_size)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Forward pass: ``int32[B, T]`` -> float32 logits ``[B, T, vocab]``."""
+        """Forward pass: ``int32[B, T]`` -> float32 logits ``[B, T, padded_vocab]`` (pad columns masked).
+
+        ``padded_vocab`` is ``config.padded_vocab_size``; it equals ``vocab_size`` unless the vocabulary is
+        padded (`ModelConfig.vocab_multiple`). The columns are kept (not sliced off) so that a vocabulary split
+        over ``tensor`` stays evenly split.
+        """
         return self.compute_logits(self.run_layers(self.embed_tokens(tokens)))
 
     def forward_unrolled(self, tokens: jax.Array) -> jax.Array:

@@ -62,3 +62,47 @@ def hf_config_file(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def train_steps():
+    """``train_steps(cfg, steps, devices=None, plan=None) -> (losses, params)``: a zoo model (``models.build(cfg,
+    rngs=nnx.Rngs(0))``) trained ``steps`` SGD-momentum steps on random-token batches (16 x 16, below
+    ``cfg.vocab_size``), on one device with plain ``jax.value_and_grad`` (no plan, cached per config and steps),
+    or with ``mistjax.autoshard`` on ``devices`` under ``plan``; the parameters come back gathered (numpy).
+    The same initial state and batches either way, so a plan's run compares leaf by leaf with the reference."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import mistjax
+    import models
+    from mistjax.train.data import SyntheticTokens
+    from mistjax.train.state import TrainState
+
+    references = {}
+
+    def run(cfg, steps: int, devices=None, plan=None):
+        if plan is None and (cfg, steps) in references:
+            return references[(cfg, steps)]
+        state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1, momentum=0.9))
+        loss_fn = models.make_loss_fn(state.graphdef)
+        grad = jax.value_and_grad if plan is None else mistjax.value_and_grad
+
+        def train_step(state, batch):
+            loss, grads = grad(loss_fn)(state.params, batch)
+            return state.apply_gradients(grads), {"loss": loss}
+
+        step = jax.jit(train_step) if plan is None else mistjax.autoshard(train_step, devices, plan=plan)
+        data = SyntheticTokens(cfg.vocab_size, 16, 16, kind="random")
+        losses = []
+        for i in range(steps):
+            state, metrics = step(state, data.batch(i))
+            losses.append(float(metrics["loss"]))
+        params = jax.device_get(step.gather(state).params if plan is not None else state.params)
+        out = (losses, [np.asarray(x) for x in jax.tree.leaves(params)])
+        if plan is None:
+            references[(cfg, steps)] = out
+        return out
+
+    return run

@@ -273,3 +273,22 @@ def test_segment_slices_are_charged_only_where_the_runtime_slices():
     np.testing.assert_allclose(got, [40.0, 12.0, 12.0, 0.0])  # one kind only: one scan of the whole stack
     unrolled = _segment_slices(SimpleNamespace(layer_grads_in_loop=False), k, kinds, lt)
     np.testing.assert_allclose(unrolled, [40.0, 40.0, 40.0, 0.0])
+
+
+def test_tied_embedding_gradient_swap_is_priced_on_the_end_stages():
+    """A tied embedding is held by the first and the last stage, which swap its gradient summands once per step
+    (`runtime.mpmd`): the cost model charges that send to those stages' once-per-step time and memory only."""
+    import models
+
+    cfg = models.get_config("llama-tiny")
+    tied, untied = (models.workload(cfg.replace(tie_embeddings=t), 16, 16) for t in (True, False))
+    plan = uniform_plan(4, 8, stages=4, grad_accum=8, micro_batch=1)
+    pt, pu = analyze(tied, plan, A100), analyze(untied, plan, A100)
+    swap = np.subtract(pt.prediction.stage_delta, pu.prediction.stage_delta)
+    link = A100.p2p_link(False)
+    embedding = next(x for x in tied.leaves if x.parts >= {"pre", "post"})
+    grad = embedding.size * tied.grad_itemsize(embedding)
+    expected = link.latency + grad / link.bandwidth
+    assert swap[0] == pytest.approx(expected, rel=0.05) and swap[-1] == pytest.approx(expected, rel=0.05)
+    # the middle stages hold no tied leaf; the untied model has an LM head of its own instead (no swap)
+    assert np.allclose(swap[1:-1], 0.0, atol=1e-12)

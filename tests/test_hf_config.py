@@ -167,7 +167,10 @@ def test_gpt2_small_is_124m_with_its_biases():
             cfg.vocab_size, cfg.rotary_pct) == ("gpt3", 768, 12, 12, 3072, 1024, 50257, 0.0)
     assert cfg.tie_embeddings and cfg.name == "gpt2"
     biases = 12 * 9 * 768  # qkv 3h + attention out h + MLP in 4h + out h per layer
-    assert cfg.num_params() == 124_356_864 and cfg.num_params() + biases == 124_439_808  # GPT-2 small
+    # The vocabulary (50257) is padded to 50304 (`ModelConfig.vocab_multiple`): the published figure has no pad rows.
+    assert cfg.padded_vocab_size == 50304 and cfg.vocab_pad_params() == 47 * 768
+    real = cfg.num_params() - cfg.vocab_pad_params()
+    assert real == 124_356_864 and real + biases == 124_439_808  # GPT-2 small
     bias_note, dropout_note = notes
     assert "82,944 parameters, 0.067% of the model" in bias_note
     assert "resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1" in dropout_note

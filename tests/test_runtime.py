@@ -462,10 +462,12 @@ def test_shard_group_must_divide_dp():
         uniform_plan(4, 8, shard_group=3)
 
 
-def test_tp_must_divide_kv_heads():
-    cfg, state, batch, train_step, *_ = setup("llama-tiny")  # 4 kv heads
+def test_tp_must_divide_heads():
+    """Key / value heads the degree does not divide are replicated (tests/test_awkward_shapes.py); the query
+    heads must split."""
+    cfg, state, batch, train_step, *_ = setup("llama-tiny", num_heads=4, num_kv_heads=4)
     step = mistjax.autoshard(train_step, jax.devices(), plan=make_plan(cfg, tp=8))
-    with pytest.raises(PlanError, match="tensor parallelism 8 does not divide"):
+    with pytest.raises(PlanError, match=r"tensor parallelism 8 does not divide dim \d \(heads=4\)"):
         step(state, batch)
 
 

@@ -25,8 +25,28 @@ Lambdified: TypeAlias = Callable[[np.ndarray, np.ndarray, np.ndarray], list[np.n
 """``sympy.lambdify`` of expressions in ``(b, s, t)``: one array (or a constant) per expression."""
 
 
+class ProfileQueries:
+    """`values` and `evaluate` of a profile that maps ``(b, s, t)`` to every quantity it names."""
+
+    names: tuple[str, ...]
+
+    def __call__(self, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> Mapping[str, np.ndarray]:
+        raise NotImplementedError
+
+    def values(self, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> ProfileValues:
+        """All quantities at ``(b, s, t)`` with typed access per part (`ProfileValues`)."""
+        v = self(b, s, t)
+        return ProfileValues(PartValues(v, "pre"), PartValues(v, "block"), PartValues(v, "post"))
+
+    def evaluate(self, name: str, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> np.ndarray:
+        """One quantity (evaluates all of them; cheap, and it keeps one compiled function)."""
+        if name not in self.names:
+            raise KeyError(f"unknown quantity {name!r}; known: {', '.join(self.names[:8])}, ...")
+        return self(b, s, t)[name]
+
+
 @dataclass(frozen=True)
-class CompiledProfile:
+class CompiledProfile(ProfileQueries):
     """Every quantity of a profile as one vectorised NumPy function of ``(b, s, t)``.
 
     Keys are ``"<part>.<quantity>"`` as in `ModelProfile.expressions`, e.g. ``block.fwd_flops``,
@@ -73,17 +93,6 @@ class CompiledProfile:
             return _Gathered(dict(zip(self.names, out)), inverse, shape)
         out = self.fn(b, s, t)
         return {n: np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for n, v in zip(self.names, out)}
-
-    def values(self, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> ProfileValues:
-        """All quantities at ``(b, s, t)`` with typed access per part (`ProfileValues`)."""
-        v = self(b, s, t)
-        return ProfileValues(PartValues(v, "pre"), PartValues(v, "block"), PartValues(v, "post"))
-
-    def evaluate(self, name: str, b: ArrayLike, s: ArrayLike, t: ArrayLike = 1) -> np.ndarray:
-        """One quantity (evaluates all of them; cheap, and it keeps one compiled function)."""
-        if name not in self.names:
-            raise KeyError(f"unknown quantity {name!r}; known: {', '.join(self.names[:8])}, ...")
-        return self(b, s, t)[name]
 
     def feasible(self, b: ArrayLike, s: ArrayLike, t: ArrayLike) -> np.ndarray:
         """True where ``t`` divides every tensor-split size (always true for ``t == 1``)."""

@@ -319,6 +319,7 @@ class Propagator:
             sl = self.convert(lhs, self.default_target(lhs), "dot_general", mult)
         if isinstance(sr, Partial):
             sr = self.convert(rhs, self.default_target(rhs), "dot_general", mult)
+        sl, sr = self._replicated_weight(lhs, sl, rhs, sr), self._replicated_weight(rhs, sr, lhs, sl)
         nl, nr = len(self.g.shape(lhs)), len(self.g.shape(rhs))
         lfree = [d for d in range(nl) if d not in lc and d not in lb]
         rfree = [d for d in range(nr) if d not in rc and d not in rb]
@@ -357,6 +358,20 @@ class Propagator:
                 ins = [s, Shard(other)] if side == 0 else [Shard(other), s]
                 return ins, [Partial("sum", rs_ok=params)]
         return [REP, REP], [REP]
+
+    def _replicated_weight(self, v: Atom, st: State, other: Atom, other_st: State) -> State:
+        """The layout a matmul reads the activation ``v`` in when ``other`` is a replicated weight (a key /
+        value projection kept whole because t does not divide its heads, `tp_roles.kv_replicated_axes`).
+
+        A sequence-split activation whose gathered copy already exists (the column-parallel query
+        projection gathered it) is read whole: the projection then runs whole on every device, as a
+        replicated Megatron layer does, and its output enters attention replicated. Left sequence-split,
+        the output would have to be gathered inside the attention kernel's key-block loop.
+        """
+        if (isinstance(st, Shard) and st.seq and other_st is REP and isinstance(other, jex.Var)
+                and other in self.param and isinstance(v, jex.Var) and (v, REP) in self.done):
+            return REP
+        return st
 
     def _gather(self, n: Node, mult: Poly) -> tuple[list[State], list[State]]:
         dn = n.params["dimension_numbers"]

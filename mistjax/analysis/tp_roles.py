@@ -186,12 +186,44 @@ def model_tensor_axes(traced: TracedLoss, params: PyTree, axis_rules: AxisRules 
     return infer_tensor_axes(traced, apply_axis_rules(leaf_axes(params), axis_rules))
 
 
+# Key / value heads: split over ``tensor`` when the degree divides them, else kept whole on every device
+# (replicated), as inference engines do for multi-query attention. The query heads stay split; each device's
+# query heads read the replicated key / value heads, and the projections' gradients are summed over the
+# tensor group. A replicated dim is renamed `REPLICATED_KV`, a name no layout rule splits.
+KV_AXIS = "kv_heads"
+REPLICATED_KV = "kv_heads_replicated"
+# The tensor-split names of an analysis with every kv head replicated (`mistjax.cost.kv_regimes`).
+TENSOR_AXES_KV_REPLICATED = tuple(n for n in TENSOR_AXES if n != KV_AXIS)
+
+
+def replicates_kv(size: int, tp: int) -> bool:
+    """Whether ``tp``-way tensor parallelism keeps a ``kv_heads`` dim of ``size`` whole (``tp`` does not divide
+    it)."""
+    return tp > 1 and int(size) % tp != 0
+
+
+def kv_replicated_axes(axes: Axes, shape: Sequence[int], tp: int) -> Axes:
+    """``axes`` of a leaf of ``shape`` with each ``kv_heads`` dim that ``tp`` does not divide renamed
+    `REPLICATED_KV` (kept whole); other names, and leaves without names, unchanged."""
+    if axes is None or len(axes) != len(shape) or KV_AXIS not in axes:
+        return axes
+    return tuple(REPLICATED_KV if n == KV_AXIS and replicates_kv(d, tp) else n for n, d in zip(axes, shape))
+
+
+def kv_head_sizes(axes: Sequence[Axes], shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The distinct sizes of the dims named ``kv_heads`` (sorted; empty when no leaf names one)."""
+    return tuple(sorted({int(d) for ax, shape in zip(axes, shapes) if ax is not None and len(ax) == len(shape)
+                         for d, n in zip(shape, ax) if n == KV_AXIS}))
+
+
 def splittable(axes: Sequence[Axes], shapes: Sequence[tuple[int, ...]], tp: int) -> bool:
-    """Whether some leaf has a tensor-split dim and ``tp`` divides every such dim."""
+    """Whether some leaf has a tensor-split dim and ``tp`` divides every such dim (``kv_heads`` dims it does not
+    divide are replicated, `kv_replicated_axes`)."""
     dims = [d for ax, shape in zip(axes, shapes) if ax is not None and len(ax) == len(shape)
-            for d, n in zip(shape, ax) if n in TENSOR_AXES]
+            for d, n in zip(shape, kv_replicated_axes(ax, shape, tp)) if n in TENSOR_AXES]
     return bool(dims) and all(int(d) % tp == 0 for d in dims)
 
 
-__all__ = ["SPLIT_NAME", "has_tensor_names", "infer_layer_splits", "infer_tensor_axes", "model_tensor_axes",
-           "splittable"]
+__all__ = ["KV_AXIS", "REPLICATED_KV", "SPLIT_NAME", "TENSOR_AXES_KV_REPLICATED", "has_tensor_names",
+           "infer_layer_splits", "infer_tensor_axes", "kv_head_sizes", "kv_replicated_axes", "model_tensor_axes",
+           "replicates_kv", "splittable"]

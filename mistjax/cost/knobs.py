@@ -88,6 +88,7 @@ class StateBytes:
     grad_shard: np.ndarray  # the stage's gradient as reduce-scattered over the partition group
     param_full: np.ndarray  # the stage's whole parameters (one copy, in their storage dtype)
     host_state: np.ndarray  # offloaded parameters and optimizer state (what the update brings in and out)
+    grad_tied: np.ndarray | float = 0.0  # the gradient of the leaves the first and last stage both hold
 
 
 __all__ = ["Knobs", "LayerKinds", "StateBytes"]

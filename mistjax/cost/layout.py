@@ -10,19 +10,16 @@ results back over the strategy arrays, so the model charges exactly what the run
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import numpy as np
 
+from mistjax.analysis.tp_roles import kv_replicated_axes
 from mistjax.core.layout import TENSOR_AXES, choose_shard_dim, select_offload
 from mistjax.cost.workload import ParamLeaf, Workload
-
-FIELDS = ("w_layer_dev", "w_layer_host", "w_layer_shard", "w_other_dev", "w_other_shard", "opt_layer_dev",
-          "opt_layer_host", "opt_other_dev", "opt_other_host", "g_layer_shard", "g_other_shard",
-          "acc_layer_host_frac", "w_layer_fetch", "w_other_fetch", "w_pre_fetch", "w_post_fetch",
-          "w_layer_dev_acc_host")
 
 _T = TypeVar("_T")
 _Selected = Literal["w", "opt", "acc"]  # what `_selection` picks: weights, optimizer-state copies, grad accumulators
@@ -50,13 +47,17 @@ class LeafTotals:
     w_pre_fetch: float  # the part of `w_other_fetch` the pre part reads (embedding)
     w_post_fetch: float  # the part of `w_other_fetch` the post part reads (head, final norm)
     w_layer_dev_acc_host: float  # `w_layer_dev` of the leaves whose gradient accumulator is on host
+    g_tied: float  # gradient bytes, as the update reads them, of the leaves both the first and last stage hold
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(LeafTotals))
 
 
 def _local_elements(wl: Workload, tp: int, p: int) -> tuple[np.ndarray, np.ndarray]:
     """Per leaf: elements on one device after the tensor split, and whether ZeRO / MiCS can split it ``p`` ways."""
     elems, shardable = [], []
     for leaf in wl.leaves:
-        shape, ax = leaf.shape, leaf.axes
+        shape, ax = leaf.shape, kv_replicated_axes(leaf.axes, leaf.shape, tp)  # the runtime's kv replication
         tdims: tuple[int, ...] = ()
         if tp > 1 and ax is not None and len(ax) == len(shape):
             tdims = tuple(d for d, n in enumerate(ax) if n in TENSOR_AXES)
@@ -144,7 +145,8 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
         w_layer_fetch=total(nbytes, layer & fetched),
         w_other_fetch=total(nbytes, other_fetched), w_pre_fetch=total(nbytes, other_fetched & by_pre),
         w_post_fetch=total(nbytes, other_fetched & by_post),
-        w_layer_dev_acc_host=total(w_sh, layer & ~w_host & acc_host))
+        w_layer_dev_acc_host=total(w_sh, layer & ~w_host & acc_host),
+        g_tied=total(g_sh if zero >= 2 else g_bytes, other & by_pre & by_post))
 
 
 _DENSE_KEYS = 1 << 22  # mixed-radix key spaces up to this size are deduplicated by a table lookup, not a sort

@@ -132,7 +132,8 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
     acc_host = nl * np.where(zero >= 2, lt["g_layer_shard"], full_layer) * lt["acc_layer_host_frac"]
     return StateBytes(params=params, optimizer=optimizer, grads=grads, grads_floor=grads_floor,
                       host=host_state + np.where(accumulates, acc_host, 0.0), grad_full=grad_full,
-                      grad_shard=grad_shard, param_full=nl * param_layer + param_other, host_state=host_state)
+                      grad_shard=grad_shard, param_full=nl * param_layer + param_other, host_state=host_state,
+                      grad_tied=lt["g_tied"])
 
 
 def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
@@ -192,8 +193,10 @@ def _update_extra(k: Knobs, states: StateBytes) -> np.ndarray:
     the offloaded weights and optimizer state it brings onto the device (XLA copies a host-placed
     argument in before computing on it), and with ZeRO-1/2 the reduce-scattered gradient shard it reads
     next to the accumulators. Measured on XLA:GPU's compile of the pipeline's update programs (an L4
-    falcon-7b stage: 5.0 GiB of temporaries for 4.0 GiB of offloaded optimizer state)."""
-    return states.host_state + np.where((k.zero >= 1) & (k.zero <= 2), states.grad_shard, 0.0)
+    falcon-7b stage: 5.0 GiB of temporaries for 4.0 GiB of offloaded optimizer state). A pipeline's first and
+    last stage also hold the other's summand of a tied leaf's gradient (`LeafTotals.g_tied`)."""
+    tied = np.where(k.pipelined & (k.first | k.last), states.grad_tied, 0.0)
+    return states.host_state + np.where((k.zero >= 1) & (k.zero <= 2), states.grad_shard, 0.0) + tied
 
 
 def _part_peak(k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -319,7 +319,10 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     swap = host_copy_time(states.host_state, dev.host_to_device) + host_copy_time(states.host_state, dev.device_to_host)
     z3 = (zero >= 3) & (p > 1)
     hoisted = np.where(z3 & (G > 1), _ag(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
-    delta = sync + sync_bwd + regather + update + swap + hoisted
+    # A tied leaf (a tied embedding) is held by the first and the last stage: once per step, before the
+    # update, each sends the other its gradient summand (`runtime.mpmd`, tied gradients).
+    tied = np.where(k.pipelined & (k.first | k.last), p2p_time(lt["g_tied"], cluster.p2p_link(False)), 0.0)
+    delta = sync + sync_bwd + regather + update + swap + hoisted + tied
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
     g_item = workload.param_itemsize * workload.grad_scale  # bytes per gradient element
     elems_upd = upd_bytes / g_item
@@ -342,7 +345,7 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
             "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "sync_bwd": sync_bwd,
             "regather": regather,
-            "update": update, "swap": swap}
+            "update": update, "swap": swap, "tied": tied}
 
 
 __all__ = ["capabilities", "compute_time", "layer_times", "step_extras", "synced_in_loop", "synced_row_bytes"]

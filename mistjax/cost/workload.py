@@ -20,11 +20,20 @@ import jax
 import numpy as np
 
 from mistjax.analysis import DEFAULT_POINTS, CompiledProfile, ModelProfile, analyze_model, compile_profile, token_batch
-from mistjax.analysis.tp_roles import model_tensor_axes
+from mistjax.analysis.tp_roles import (
+    TENSOR_AXES_KV_REPLICATED,
+    kv_head_sizes,
+    kv_replicated_axes,
+    model_tensor_axes,
+)
 from mistjax.core.axes import Axes, AxisRules, is_stacked, leaf_axes
 from mistjax.core.layout import TENSOR_AXES
 from mistjax.core.types import LossFn, PyTree
+from mistjax.cost.kv_regimes import KVRegimes
 from mistjax.trace.split import TracedLoss, part_usage, trace_loss
+
+Analyze = Callable[[tuple[str, ...]], ModelProfile]
+"""``analyze(tensor_axes) -> profile``: the loss analysed with those logical names split over ``tensor``."""
 
 # Optimizer state per parameter element: (fp32 state copies, elementwise FLOPs, transcendentals).
 # AdamW: mu and nu; the FLOP count is what XLA:CPU's cost analysis reports for optax.adamw's
@@ -59,8 +68,9 @@ class Workload:
     """One training job: model profile, parameter leaves, sequence length, batch and optimizer."""
 
     name: str  # model name (informational; part of the fingerprint)
-    profile: ModelProfile  # symbolic per-device profile of pre / block / post
-    compiled: CompiledProfile = field(repr=False, compare=False)  # vectorised evaluation of `profile`
+    profile: ModelProfile  # symbolic per-device profile of pre / block / post (kv heads split: `profile_for`)
+    # Vectorised evaluation of `profile`; a `KVRegimes` when some tensor degrees replicate the kv heads.
+    compiled: CompiledProfile | KVRegimes = field(repr=False, compare=False)
     leaves: tuple[ParamLeaf, ...] = field(repr=False)  # every parameter leaf in flat order
     seq_len: int = 1024  # tokens per sequence
     global_batch: int = 1  # sequences per optimizer step
@@ -87,7 +97,7 @@ class Workload:
                   master_weights: bool = False, state_itemsize: int = 4, grad_dtype: str | None = None,
                   batch_fn: Callable[[int, int], tuple[PyTree, ...]] | None = None,
                   profile: ModelProfile | None = None, cache: bool | str | Path = True,
-                  axis_rules: AxisRules | None = None) -> Workload:
+                  axis_rules: AxisRules | None = None, analyze: Analyze | None = None) -> Workload:
         """Analyse ``loss_fn(params, batch)`` over token batches (`mistjax.analysis.analyze_model`).
 
         Args:
@@ -105,21 +115,30 @@ class Workload:
           grad_dtype: dtype gradients are accumulated and reduced in (None: the parameters' own).
           batch_fn: ``(b, s) -> (batch, ...)``, the loss's other arguments at micro-batch ``b`` and sequence
             length ``s`` (default: int32 ``{"inputs", "targets"}`` token batches).
-          profile: an already computed profile of this loss (skips the analysis).
+          profile: an already computed profile of this loss (skips the analysis with the default tensor axes).
           cache: the on-disk profile cache (`mistjax.analysis.cache`): True for the default directory, a
             path, or False.
           axis_rules: MaxText-style logical-axis rules (`mistjax.core.axes.apply_axis_rules`). Without any
             weight naming a tensor-split axis, the Megatron splits are inferred from the dataflow
             (`mistjax.analysis.tp_roles`), as the runtime does.
+          analyze: ``analyze(tensor_axes) -> profile`` (`Analyze`), e.g. a memoised one; default
+            `mistjax.analysis.analyze_model` of this loss. A model naming ``kv_heads`` dims is analysed a second
+            time with them replicated, on first use of a degree that does not divide them (`KVRegimes`).
         """
         extra = {} if batch_fn is None else {"batch_fn": batch_fn}
         b, s = DEFAULT_POINTS[0]
         traced = trace_loss(loss_fn, params, *(batch_fn or token_batch)(b, s))
         axes = model_tensor_axes(traced, params, axis_rules)
-        if profile is None:
-            profile = analyze_model(loss_fn, params, policies=policies, cache=cache, param_axes=axes, **extra)
-        prof = profile
-        return cls(name=name, profile=prof, compiled=compile_profile(prof),
+        if analyze is None:
+            def analyze(tensor_axes: tuple[str, ...]) -> ModelProfile:
+                return analyze_model(loss_fn, params, policies=policies, cache=cache, param_axes=axes,
+                                     tensor_axes=tensor_axes, **extra)
+        prof = profile if profile is not None else analyze(TENSOR_AXES)
+        compiled: CompiledProfile | KVRegimes = compile_profile(prof)
+        kv = kv_head_sizes(axes, [np.shape(x) for x in jax.tree.leaves(params)])
+        if kv:
+            compiled = KVRegimes(compiled, kv, lambda: analyze(TENSOR_AXES_KV_REPLICATED))
+        return cls(name=name, profile=prof, compiled=compiled,
                    leaves=leaf_table(params, traced, axes=axes),
                    seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype,
                    master_weights=master_weights, state_itemsize=state_itemsize, grad_dtype=grad_dtype,
@@ -172,14 +191,22 @@ class Workload:
 
     def supports_tp(self, tp: int) -> bool:
         """Whether tensor parallelism of degree ``tp`` applies: some weight names a tensor-split axis, every
-        such dim divides by ``tp``, and so do the split sizes the analysis found (heads, MLP width, ...)."""
+        such dim divides by ``tp`` (key / value heads it does not divide are replicated instead), and so do the
+        split sizes the analysis of that regime found (heads, MLP width, ...)."""
         if tp == 1:
             return True
         dims = [d for x in self.leaves if x.axes is not None and len(x.axes) == len(x.shape)
-                for d, n in zip(x.shape, x.axes) if n in TENSOR_AXES]
+                for d, n in zip(x.shape, kv_replicated_axes(x.axes, x.shape, tp)) if n in TENSOR_AXES]
         if not dims or any(d % tp for d in dims):
             return False
         return bool(np.all(self.compiled.feasible(1, self.seq_len, tp)))
+
+    def profile_for(self, tp: int) -> ModelProfile:
+        """The symbolic profile that prices ``tp``-way tensor parallelism: `profile`, or the analysis with the
+        key / value heads replicated where ``tp`` does not divide them."""
+        if isinstance(self.compiled, KVRegimes) and bool(self.compiled.replicated_at(tp)):
+            return self.compiled.replicated.profile
+        return self.profile
 
     def fingerprint(self) -> str:
         """Short stable hash of the model, its sizes, the batch and the optimizer."""

@@ -160,8 +160,20 @@ def state_roles(state_paths: Sequence[jax.tree_util.KeyPath], state_shapes: Sequ
                      groups.num_layers if groups is not None else 0)
 
 
+def tensor_split_axes(axes: Sequence[Axes], shapes: Sequence[Sequence[int]], tp: int) -> list[Axes]:
+    """``axes`` as ``tp``-way tensor parallelism lays the leaves out: a ``kv_heads`` dim that ``tp`` does not
+    divide is kept whole, replicated on every device (`mistjax.analysis.tp_roles.kv_replicated_axes`), instead
+    of being refused; every other name unchanged."""
+    if tp <= 1:
+        return list(axes)
+    from mistjax.analysis.tp_roles import kv_replicated_axes  # here, not at import: the package loads sympy
+
+    return [kv_replicated_axes(ax, tuple(shape), tp) for ax, shape in zip(axes, shapes)]
+
+
 def state_layouts(leaves: Sequence[Shaped], info: LeafRoles, plan: Plan) -> list[LeafLayout]:
-    """`plan_layouts` of every state leaf, the L leaves of an unrolled group laid out as one stacked leaf."""
+    """`plan_layouts` of every state leaf, the L leaves of an unrolled group laid out as one stacked leaf
+    (key / value heads the tensor degree does not divide replicated: `tensor_split_axes`)."""
     firsts: dict[GroupKey, int] = {}
     members: dict[GroupKey, list[int]] = {}
     for i, (key, _layer) in sorted(info.layer_of.items(), key=lambda kv: kv[1][1]):
@@ -189,6 +201,7 @@ def state_layouts(leaves: Sequence[Shaped], info: LeafRoles, plan: Plan) -> list
             v_stacked.append(info.stacked[i])
             v_of.append(i)
         v_roles.append(info.roles[i])
+    v_axes = tensor_split_axes(v_axes, [tuple(np.shape(x)) for x in v_leaves], plan.tp)
     v_layouts = plan_layouts(v_leaves, v_roles, v_stacked, plan, v_axes)
     out: list[LeafLayout | None] = [None] * len(leaves)
     for lay, of in zip(v_layouts, v_of):
@@ -208,4 +221,4 @@ def unstacked(lay: LeafLayout, shape: tuple[int, ...], axes: Axes) -> LeafLayout
 
 
 __all__ = ["GroupKey", "LeafRoles", "Mirror", "Token", "Tokens", "match_mirrors", "path_tokens", "state_layouts",
-           "state_roles", "unstacked"]
+           "state_roles", "tensor_split_axes", "unstacked"]

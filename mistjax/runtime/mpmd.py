@@ -39,6 +39,7 @@ from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
 from mistjax.runtime.grads import mesh_capabilities, regather_updated_params
+from mistjax.runtime.leaves import tensor_split_axes
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
@@ -220,7 +221,8 @@ class MpmdStep:
                         [*(consts[j] for j, dep in enumerate(usage.const_needs_params) if dep), *carry])
         aux_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.out_avals[1:]) \
             if call.has_aux else ()
-        self.axes = leaf_axes(abstract)
+        # Key / value heads the tensor degree does not divide are replicated, on every stage alike.
+        self.axes = tensor_split_axes(leaf_axes(abstract), [np.shape(x) for x in s_leaves], plan.tp)
         self.stacked = set(stack.stacked_leaves)
         param_layouts = _param_layouts(call.num_params, self.stacked, usage, self.K)
         names = state_names(abstract)

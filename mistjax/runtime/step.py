@@ -33,7 +33,7 @@ from mistjax.runtime.checks import (
 )
 from mistjax.runtime.context import use_handler
 from mistjax.runtime.grads import regather_updated_params, sharded_value_and_grad
-from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles
+from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles, tensor_split_axes
 from mistjax.runtime.mesh import batch_shardings, build_plan_mesh
 from mistjax.runtime.mpmd import MpmdStep
 from mistjax.runtime.report import (
@@ -329,8 +329,8 @@ class ShardedStep:
             if batch is None:
                 leaves, tree = jax.tree.flatten(state)
                 analysis = StepAnalysis(*_path_roles(state), None, True)
-                layouts = plan_layouts(leaves, list(analysis.roles), list(analysis.stacked), self.plan,
-                                       leaf_axes(state))
+                axes = tensor_split_axes(leaf_axes(state), [np.shape(x) for x in leaves], self.plan.tp)
+                layouts = plan_layouts(leaves, list(analysis.roles), list(analysis.stacked), self.plan, axes)
                 return jax.device_put(state, state_shardings(layouts, tree, self.mesh))
             self._ensure(state, batch)
         return jax.device_put(state, self._state_shardings)

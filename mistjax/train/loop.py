@@ -250,6 +250,11 @@ def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> 
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
     auto = cfg.plan == "auto"  # mistjax.autoshard tunes the plan on the first batch
     plan = None if auto else resolve_plan(cfg, model_cfg.num_layers, len(devices))
+    if plan is not None:
+        try:  # before the model build; the config names the field that refuses the tensor degree, and the fix
+            model_cfg.check_tensor_parallel(plan.tp)
+        except ValueError as e:
+            raise PlanError(f"the plan's tp={plan.tp} cannot split model {cfg.model!r}: {e}") from None
     if plan is not None and ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
         _check_compatible(newest, cfg, plan, ckpt.directory)  # before the (slow) model build
     model = models.build(model_cfg, rngs=nnx.Rngs(cfg.seed))

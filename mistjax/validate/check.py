@@ -29,6 +29,8 @@ TPRecord = tuple[str, float, int]
 PlanKwargs: TypeAlias = dict[str, bool | int | float | str]
 # (model preset, sequence length, global batch, `PlanKwargs`): one cell of the grids below.
 GridCell: TypeAlias = tuple[str, int, int, PlanKwargs]
+# A grid cell's model: a zoo preset name, or a zoo `ModelConfig` (tests/test_awkward_shapes.py's shapes).
+ModelName: TypeAlias = "str | ModelConfig"
 
 
 class CellMeasurement(TypedDict):
@@ -68,7 +70,7 @@ def tp_records(workload: Workload, part: str, policy: str, b: int, s: int, t: in
     ``none``) plus ``tp_recompute[policy]`` per kind, the recomputed collectives counted as single
     summands.
     """
-    prof = workload.profile
+    prof = workload.profile_for(t)  # the kv heads' regime at t (split or replicated)
     passes = prof.passes or {}
     if part in passes and policy in passes[part]:
         return [(c.kind, float(c.nbytes.exact(b, s, t) * c.count.exact(b, s, t)), c.summands)
@@ -128,16 +130,18 @@ def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu") -
 
 
 @functools.cache
-def grid_config(name: str) -> ModelConfig:
-    """The zoo config of a grid cell: one slice of the fused LM head. XLA's cost analysis counts a loop
-    body once, and a one-trip loop is removed, so the compiled program's FLOPs compare one to one (the
-    memory of slicing is checked in tests/test_models.py)."""
+def grid_config(name: ModelName) -> ModelConfig:
+    """The zoo config of a grid cell (a preset name or a config): one slice of the fused LM head. XLA's cost
+    analysis counts a loop body once, and a one-trip loop is removed, so the compiled program's FLOPs compare
+    one to one (the memory of slicing is checked in tests/test_models.py)."""
     import models
 
-    return models.get_config(name).replace(loss_chunks=1)
+    config = models.get_config(name) if isinstance(name, str) else name
+    return config.replace(loss_chunks=1)
 
 
-def _setup(name: str, seq: int, global_batch: int) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct], TrainStep]:
+def _setup(name: ModelName, seq: int, global_batch: int
+           ) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct], TrainStep]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -159,7 +163,7 @@ def _setup(name: str, seq: int, global_batch: int) -> tuple[TrainState, dict[str
     return state, {"inputs": tok, "targets": tok}, train_step
 
 
-def measure_cell(name: str, seq: int, global_batch: int, plan: Plan) -> CellMeasurement:
+def measure_cell(name: ModelName, seq: int, global_batch: int, plan: Plan) -> CellMeasurement:
     """Compile the runtime's train step for ``plan`` and read memory, FLOPs and collectives."""
     import jax
 
@@ -193,15 +197,15 @@ def _measure_pipelined(step: TrainStep, state: State, batch: Batch, plan: Plan) 
 
 
 @functools.cache
-def workload_for(name: str, seq: int, global_batch: int) -> Workload:
-    """The (cached) AdamW workload of a model preset."""
+def workload_for(name: ModelName, seq: int, global_batch: int) -> Workload:
+    """The (cached) AdamW workload of a model preset (or config)."""
     import models
 
     # Uncached: the collective checks read the analysed graphs (summands of recomputed reductions).
     return models.workload(grid_config(name), seq, global_batch, cache=False)
 
 
-def compare_cell(name: str, seq: int, global_batch: int, plan: Plan, cluster: ClusterSpec,
+def compare_cell(name: ModelName, seq: int, global_batch: int, plan: Plan, cluster: ClusterSpec,
                  measured: CellMeasurement | None = None) -> CellComparison:
     """One record: predicted vs compiled memory, FLOPs and collective bytes, with relative errors."""
     wl = workload_for(name, seq, global_batch)
@@ -216,7 +220,7 @@ def compare_cell(name: str, seq: int, global_batch: int, plan: Plan, cluster: Cl
     else:
         xla_coll = {k: float(m["coll"].get(k, 0)) for k in KINDS}
         coll_err = sum(abs(pred_coll[k] - xla_coll[k]) for k in KINDS) / max(sum(xla_coll.values()), 1.0)
-    return {"model": name, "seq": seq, "global_batch": global_batch, "plan": _describe(plan),
+    return {"model": grid_config(name).name, "seq": seq, "global_batch": global_batch, "plan": _describe(plan),
             "mem_pred": mem_pred, "mem_xla": float(m["mem"]), "mem_err": mem_pred / m["mem"] - 1.0,
             "flops_pred": flops_pred, "flops_xla": m["flops"], "flops_err": flops_pred / m["flops"] - 1.0,
             "coll_pred": pred_coll, "coll_xla": xla_coll, "coll_err": coll_err, "coll_tp_pred": tp_coll,
@@ -282,11 +286,9 @@ FULL_GRID: tuple[GridCell, ...] = SMALL_GRID + (
 )
 
 
-def grid_plan(name: str, kwargs: PlanKwargs, devices: int = 8) -> Plan:
+def grid_plan(name: ModelName, kwargs: PlanKwargs, devices: int = 8) -> Plan:
     """The uniform plan of a grid entry."""
-    import models
-
-    return uniform_plan(models.get_config(name).num_layers, devices, **kwargs)
+    return uniform_plan(grid_config(name).num_layers, devices, **kwargs)
 
 
 __all__ = ["FULL_GRID", "KINDS", "SMALL_GRID", "TP_FORMS", "CellComparison", "CellMeasurement", "GridCell",
