@@ -24,7 +24,7 @@ from mistjax.core.execution import rows_synced_in_loop
 from mistjax.hardware.presets import ClusterSpec
 from mistjax.tuning import SearchSpace, baseline_spaces, search, tune
 from mistjax.tuning.inter import tune_key
-from mistjax.tuning.intra import prepare_key, price_entries, sample_stage_tables
+from mistjax.tuning.intra import StageTables, TableArena, prepare_key, price_entries, sample_stage_tables
 from mistjax.tuning.milp import brute_force_inter_stage
 from mistjax.tuning.space import OuterKey, outer_keys, shard_groups, strategy_grid
 from mistjax.tuning.sweep import OffloadLattice
@@ -389,3 +389,18 @@ def test_bench_gpu_dry_run(tmp_path):
     doc = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert doc["summary"]["runs"] >= 1
     assert all("error" not in r or "no plan fits" in r["error"] for r in doc["runs"])
+
+
+def test_table_arena_hands_out_all_inf_tables_after_any_writes():
+    """The arena resets only what the previous key's tables wrote: each new table is all inf, whatever its shape."""
+    arena, rng = TableArena(), np.random.default_rng(0)
+    for shape in [(2, 3, 4, 5), (3, 2, 5, 4), (1, 1, 2, 3), (2, 3, 4, 5)]:
+        stable, delta = arena.tables(shape)
+        assert np.isposinf(stable).all() and np.isposinf(delta).all()
+        tables = StageTables(None, tuple(range(shape[1])), None, None, stable, delta, arena=arena)
+        r, x = rng.integers(0, shape[2], 3), rng.integers(0, shape[3], 3)
+        tables.store(r, x, rng.random((shape[0], shape[1], 3)), rng.random((shape[0], shape[1], 3)),
+                     np.ones((shape[0], shape[1], 3), bool))
+        at = tuple(rng.integers(0, n, 4) for n in shape)
+        tables.store_entries(*at, rng.random(4), rng.random(4), np.ones(4, bool))
+        assert np.isfinite(stable).sum() >= 4

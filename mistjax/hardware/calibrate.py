@@ -107,7 +107,7 @@ def shares_compute(flops_all: float, n: int, dtype: DTypeLike, repeats: int = 3,
 
 def kernel_overhead(repeats: int = 3, devices: list[jax.Device] | None = None) -> float:
     """Seconds each kernel of a program costs beyond its work, every device of ``devices`` running at once:
-    the slope between chains of 16 and 128 dependent 16 x 16 matmuls (about no work; XLA fuses no two)."""
+    the slope between chains of 16 and 512 dependent 16 x 16 matmuls (about no work; XLA fuses no two)."""
     mesh, spec = _spread(devices)
     x = jax.device_put(jnp.ones((mesh.size * 16, 16), jnp.float32), spec)
     w = jnp.eye(16, dtype=jnp.float32) * 0.5
@@ -120,8 +120,9 @@ def kernel_overhead(repeats: int = 3, devices: list[jax.Device] | None = None) -
 
         return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
 
-    short, long = (_median_time(lambda f=f: f(x, w), repeats) for f in (chain(16), chain(128)))
-    return max((long - short) / 112, 0.0)
+    # 496 kernels apart: a slope of ~1 us per kernel stands well above the timing noise of one call.
+    short, long = (_median_time(lambda f=f: f(x, w), repeats) for f in (chain(16), chain(512)))
+    return max((long - short) / 496, 0.0)
 
 
 def dispatch_seconds(calls: int = 200, devices: list[jax.Device] | None = None) -> float:
