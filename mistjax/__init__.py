@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = ["autoshard", "grad", "nnx", "value_and_grad", "with_master_weights", "Plan", "PlanError", "Prediction",
            "StagePlan", "uniform_plan", "StepError", "NoOpWarning", "tune", "SearchSpace", "TuneResult", "analyze",
-           "Workload", "Cluster"]
+           "Workload", "Cluster", "Checkpointer", "CheckpointError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,6 +35,11 @@ def __getattr__(name: str) -> Any:
         import mistjax.cost as cost_pkg
 
         return getattr(cost_pkg, name)
+    # Checkpoints pull in orbax and TensorStore.
+    if name in ("Checkpointer", "CheckpointError"):
+        import mistjax.train.checkpoint as checkpoint
+
+        return getattr(checkpoint, name)
     if name == "Cluster":
         from mistjax.hardware import Cluster
 

@@ -32,7 +32,7 @@ from mistjax.distributed import (  # noqa: E402
     DistributedError,
     initialize,
 )
-from mistjax.train.checkpoint import CheckpointError  # noqa: E402
+from mistjax.train.checkpoint import CheckpointError, SaveCost  # noqa: E402
 from mistjax.train.loop import TrainConfig, TrainingDivergedError, run_training, save_loss_plot  # noqa: E402
 
 # Errors that are the user's to fix: reported as one line, without a traceback.
@@ -85,6 +85,16 @@ def _format_warning(message: warnings.WarningMessage | str, category: type[Warni
     return f"warning: {message}\n"
 
 
+def _save_costs(costs: list[SaveCost]) -> str:
+    """How long saves held up training (host copies) and how long their background writes took."""
+    if not costs:
+        return ""
+    blocked = sum(c.blocking_s for c in costs) / len(costs)
+    written = [c.write_s for c in costs if c.write_s is not None]
+    text = f" (each save held training up {blocked:.2f} s on average"
+    return text + (f"; written in {sum(written) / len(written):.2f} s in the background)" if written else ")")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg, a = args.train, args.launch
@@ -121,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         line += f", MFU {100 * result.mfu[-1]:.3g}% on {cfg.hardware}"
     print(line)
     if result.checkpoints:
-        print(f"checkpoints saved at step(s) {', '.join(map(str, result.checkpoints))} in {cfg.ckpt_dir}")
+        print(f"checkpoints saved at step(s) {', '.join(map(str, result.checkpoints))} in {cfg.ckpt_dir}"
+              + _save_costs(result.checkpoint_costs))
     if a.plot:
         save_loss_plot(result.losses, a.plot, title=cfg.model, first_step=result.start_step)
 

@@ -195,3 +195,26 @@ def test_tp_is_offered_only_where_something_splits(zoo3p):
     w = Workload.from_loss(pairs.loss_fn, pairs.params, seq_len=16, global_batch=16)
     assert w.supports_tp(2) and not w.supports_tp(3)
     assert not Workload.from_loss(none.loss_fn, none.params, seq_len=16, global_batch=16).supports_tp(2)
+
+
+def test_a_users_state_checkpoints_under_one_plan_and_restores_under_another(family, zoo3p, tmp_path):
+    """`mistjax.Checkpointer` on a user's own ``{"params", "opt"}`` state: saved under ZeRO-3, restored under
+    TP 2 + ZeRO-1 with every gathered leaf bit-identical, and the next step's loss equal to continuing
+    under ZeRO-3."""
+    fam = family("nnx-loop")
+    train_step = zoo3p.optax_step(fam.loss_fn, TX)
+    zero3, tp2 = (mistjax.autoshard(train_step, jax.devices(), plan=plan_for(k)) for k in ("zero3", "tp2"))
+    fresh = lambda: zoo3p.optax_state(jax.tree.map(jnp.copy, fam.params), TX)  # noqa: E731
+    state, _ = zero3(zero3.place(fresh(), fam.batch), fam.batch)
+    ckpt = mistjax.Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt.save(1, state, {"data_position": 1})
+    saved = jax.device_get(state)
+    cont = float(zero3(state, fam.batch)[1]["loss"])
+    ckpt.close()
+
+    restored, meta = mistjax.Checkpointer(tmp_path / "ckpt").restore_latest(tp2.place(fresh(), fam.batch))
+    assert meta["data_position"] == 1 and meta["leaves"]
+    assert any("tensor" in str(x.sharding.spec) for x in jax.tree.leaves(restored["params"]))
+    for want, got in zip(jax.tree.leaves(saved), jax.tree.leaves(tp2.gather(restored))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(float(tp2(restored, fam.batch)[1]["loss"]), cont, rtol=1e-6)

@@ -1,9 +1,10 @@
-"""Checkpoints: exact resume after SIGKILL, corrupt-checkpoint fallback, clear errors."""
+"""Checkpoints: exact resume after SIGKILL, resume under another plan, corrupt-checkpoint fallback, clear errors."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,9 +16,11 @@ import jax
 import numpy as np
 import pytest
 
-from mistjax.plan import uniform_plan
+import models
+from mistjax.plan import Plan, StagePlan
+from mistjax.runtime.mpmd_state import gather_state
 from mistjax.train.checkpoint import Checkpointer, CheckpointError, check_writable, checksums
-from mistjax.train.loop import TrainConfig, run_training
+from mistjax.train.loop import TrainConfig, _prepare, run_training
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "scripts" / "pretrain.py"
@@ -175,20 +178,88 @@ def test_metadata_records_the_run(base_run) -> None:
         manager.close()
     assert meta["step"] == 6 and meta["model"] == "gpt3-tiny" and meta["data_seed"] == cfg.seed
     assert meta["plan"]["dp"] == 8 and meta["config"]["global_batch"] == 8
+    assert meta["data_position"] == {"next_batch": 6, "seed": cfg.seed, "source": "synthetic"}
+    assert meta["leaves"]["params/layers/mlp/wi/value"][0][0] == models.get_config(cfg.model).num_layers
+    assert set(meta["leaves"]) == set(meta["checksums"])
+
+
+# ------------------------------------------------------------------------------ another plan
+def pipelined_tp_zero3(num_layers: int) -> Plan:
+    """pp 2 x dp 2 x tp 2, ZeRO-3 on both stages, half of stage 1's optimizer state on host."""
+    half = num_layers // 2
+    return Plan(stages=(StagePlan((0, half), shard_grads=True, shard_weights=True),
+                        StagePlan((half, num_layers), shard_grads=True, shard_weights=True, offload_opt=0.5)),
+                micro_batch=2, grad_accum=2, dp=2, tp=2)
+
+
+def restored_under(cfg: TrainConfig) -> tuple[object, object]:
+    """The state `cfg` resumes from (placed by its plan) and the run's sharded step."""
+    ckpt = Checkpointer(cfg.ckpt_dir)
+    try:
+        setup = _prepare(cfg, None, ckpt)
+    finally:
+        ckpt.close()
+    return setup.state, setup.step
+
+
+@pytest.fixture(scope="module")
+def pipelined_run(tmp_path_factory: pytest.TempPathFactory):
+    """Six steps under `pipelined_tp_zero3`, checkpoints at 4 and 6."""
+    root = tmp_path_factory.mktemp("pipelined")
+    plan_file = root / "plan.json"
+    pipelined_tp_zero3(models.get_config(BASE.model).num_layers).save(plan_file)
+    cfg = TrainConfig(**{**BASE.__dict__, "plan": str(plan_file), "ckpt_every": 4, "ckpt_dir": str(root / "ckpt")})
+    return cfg, run_training(cfg, progress=False)
+
+
+@pytest.mark.parametrize("direction", ["dp8-zero1 to pp2-tp2-zero3", "pp2-tp2-zero3 to dp8-zero1"])
+def test_resume_under_another_plan_continues_the_run(direction, base_run, pipelined_run, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The checkpoint holds logical arrays: a run resumes under any plan. The restored parameters and optimizer
+    state, gathered, are bit-identical to the saved ones, and the next steps' losses equal continuing under
+    the plan that wrote it (within 1e-6: the plans reassociate sums differently)."""
+    forward = direction.startswith("dp8")
+    written_by, other = (base_run, pipelined_run) if forward else (pipelined_run, base_run)
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written_by[0].ckpt_dir, directory)
+    resume = TrainConfig(**{**written_by[0].__dict__, "plan": other[0].plan, "ckpt_dir": str(directory),
+                            "resume": True})
+    state, step = restored_under(resume)
+    assert int(np.asarray(state.step)) == 6
+    saved = jax.tree.leaves(jax.device_get(gather_state(written_by[1].state)))
+    got = jax.tree.leaves(step.gather(state))
+    assert len(saved) == len(got)
+    for want, have in zip(saved, got):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
+    old, new = ("pp 1 x dp 8", "pp 2 x dp 2 x tp 2, ZeRO 3/3") if forward else ("pp 2", "pp 1 x dp 8")
+    assert re.search(f"under another plan \\({re.escape(old)}.* -> {re.escape(new)}", capsys.readouterr().out)
+
+    shutil.rmtree(directory / "6")
+    continued = run_training(resume, progress=False)
+    assert continued.start_step == 4
+    np.testing.assert_allclose(continued.losses, written_by[1].losses[4:], rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ refusals
-def test_resume_with_other_model_or_plan_is_refused(base_run, tmp_path: Path) -> None:
+def test_resume_with_other_model_is_refused(base_run, tmp_path: Path) -> None:
     cfg, _ = base_run
     directory = copy_of(base_run, tmp_path)
     other_model = TrainConfig(**{**cfg.__dict__, "model": "llama-tiny", "ckpt_dir": str(directory), "resume": True})
     with pytest.raises(CheckpointError, match=r"model 'gpt3-tiny'.*this run uses model 'llama-tiny'"):
         run_training(other_model, progress=False)
-    plan_file = tmp_path / "tp2.json"
-    uniform_plan(4, 8, tp=2, micro_batch=2).save(plan_file)
-    other_plan = TrainConfig(**{**cfg.__dict__, "plan": str(plan_file), "ckpt_dir": str(directory), "resume": True})
-    with pytest.raises(CheckpointError, match=r"another plan .*tp: 1 in the checkpoint vs 2 now"):
-        run_training(other_plan, progress=False)
+
+
+def test_restore_into_another_state_names_the_leaves(base_run, tmp_path: Path) -> None:
+    """A state whose leaves differ from the saved ones (here: 16-bit weights with an fp32 master copy) is
+    refused with the differing leaves named, and the checkpoint is left in place (not taken for corrupt)."""
+    directory = copy_of(base_run, tmp_path)
+    cfg = TrainConfig(**{**base_run[0].__dict__, "param_dtype": "bfloat16", "ckpt_dir": str(directory),
+                         "resume": True})
+    with pytest.warns(RuntimeWarning, match="changed settings"), \
+            pytest.raises(CheckpointError, match=r"cannot restore checkpoint step 6 .*(only in|not in) the checkpoint"
+                                                 r".*the plan may differ"):
+        run_training(cfg, progress=False)
+    assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [2, 4, 6]
 
 
 def test_unwritable_directory_fails_before_training(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -167,6 +168,35 @@ def test_dead_peer_stops_the_others_and_the_run_resumes(tmp_path: Path, plan_fil
         codes = finish(procs, timeout=400)
     assert codes == [0, 0], logs(tmp_path)
     np.testing.assert_allclose(losses(metrics), want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_resume_on_fewer_processes_retunes_and_keeps_the_global_batch(tmp_path: Path, plan_file: Path,
+                                                                      compile_cache: Path) -> None:
+    """A run on 2 processes x 4 devices (ZeRO-2 + TP 2) resumes on 1 process x 4 devices with ``--plan auto``:
+    the plan is re-tuned for the devices now present, the global batch stays 16 (more accumulation), and
+    the losses continue those of the run that wrote the checkpoint (up to float reassociation)."""
+    steps = 6
+    procs = launch(tmp_path, plan_file, compile_cache, steps, ckpt_every=4)
+    codes = finish(procs, timeout=600)
+    assert codes == [0, 0], logs(tmp_path)
+    first = losses(tmp_path / "metrics.jsonl")
+    shutil.rmtree(tmp_path / "ckpt" / str(steps))  # as if the run had stopped after step 4
+
+    env = dict(os.environ)
+    env.update(JAX_NUM_CPU_DEVICES="4", XLA_FLAGS=os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=4"),
+               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    args = [sys.executable, str(PRETRAIN), "--model", MODEL, "--plan", "auto", "--steps", str(steps),
+            "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--no-progress", "--resume",
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "metrics.jsonl")]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resumed from step 4" in done.stdout
+    assert "written by 2 process(es) with 8 devices; this run has 1 with 4" in done.stdout
+    assert "global batch 16" in done.stdout and "under another plan" in done.stdout
+    got = losses(tmp_path / "metrics.jsonl")
+    assert got[:4] == first[:4]
+    np.testing.assert_allclose(got[4:], first[4:], rtol=1e-5, atol=1e-5)
 
 
 def test_missing_peer_is_a_clear_error_after_the_join_timeout(tmp_path: Path) -> None:

@@ -284,9 +284,12 @@ def test_each_stage_compiles_only_what_its_plan_holds(uneven):
     assert hlo.host_placed_params(progs[(0, "update2")].as_text()) == 0
 
 
-def test_placed_state_checkpoints_with_orbax(uneven, tmp_path):
-    """Orbax saves each piece with its own sharding and memory kind; restoring onto a placed template
-    gives the same pieces (checksums are computed per sub-mesh)."""
+def test_placed_state_checkpoints_as_logical_arrays(uneven, tmp_path):
+    """Each `StagedArray` is saved as one logical array (the uneven stages' row blocks at their offsets, on-disk
+    shape = the whole leaf's); restoring onto a placed template gives the same pieces, shardings and memory
+    kinds, and the checksums, computed per piece and combined, equal those of the gathered whole arrays."""
+    import tensorstore as ts
+
     from mistjax.train.checkpoint import Checkpointer, checksums
 
     step, new, *_ = uneven
@@ -295,7 +298,11 @@ def test_placed_state_checkpoints_with_orbax(uneven, tmp_path):
     template = step.place(make_state(OPTIMIZERS["clip_adamw"]()), make_batch())
     restored, meta = ckpt.restore_latest(template)
     ckpt.close()
-    assert meta["checksums"] == checksums(new) == checksums(restored)
+    assert meta["checksums"] == checksums(new) == checksums(restored) == checksums(step.gather(new))
+    stacked = "params/layers/w1"  # row blocks of 3 and 1 layers on two stages
+    path = tmp_path / "ckpt" / "1" / "state" / stacked
+    on_disk = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
+    assert tuple(on_disk.shape) == tuple(meta["leaves"][stacked][0])
     assert_close(step.gather(restored), step.gather(new), rtol=0, atol_scale=0)
     assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(new)))
 
@@ -423,40 +430,50 @@ def test_four_stage_1f1b_memory_is_flat_in_g():
 
 
 @pytest.mark.slow
-def test_two_processes_split_a_pipelined_plan(tmp_path):
+def test_two_processes_split_a_pipelined_plan_and_resume_after_kill(tmp_path):
     """2 processes x 4 CPU devices: stage 0 (ZeRO-3, remat) on process 0's devices, stage 1 (ZeRO-1, half
     its optimizer state on host) on process 1's. Activations, cotangents, the global gradient norm of
     the clipped AdamW update and the loss cross processes; the losses equal a single-process run of the
-    same plan. Checkpoints are refused up front (orbax saves only arrays spanning processes)."""
-    import subprocess
-    import sys
+    same plan. Each process writes its own stage's shards into the checkpoint's logical arrays: after
+    kill -9 of both processes the run resumes with losses bit-identical to those the killed run logged."""
+    import re
+    import signal
+    import time
 
-    from test_multihost import MODEL, PRETRAIN, SEQ, finish, free_port, logs, losses, reference
+    from test_multihost import MODEL, finish, launch, logs, losses, reference
 
     import models
 
     plan_file = tmp_path / "plan.json"
     uniform_plan_for(models.get_config(MODEL).num_layers).save(plan_file)
-    steps, port = 3, free_port()
-    flags = __import__("os").environ["XLA_FLAGS"].replace("device_count=8", "device_count=4")  # conftest's
-    env = dict(__import__("os").environ, JAX_NUM_CPU_DEVICES="4", XLA_FLAGS=flags,
-               JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_DEFAULT_MATMUL_PRECISION="highest")
-    common = [sys.executable, str(PRETRAIN), "--model", MODEL, "--plan", str(plan_file), "--steps", str(steps),
-              "--global-batch", "16", "--seq-len", str(SEQ), "--no-progress", "--coordinator", f"127.0.0.1:{port}",
-              "--num-processes", "2", "--local-devices", "4", "--dist-timeout", "120"]
-    procs = []
-    for pid in range(2):
-        extra = ["--metrics", str(tmp_path / "metrics.jsonl")]
-        log = open(tmp_path / f"p{pid}.log", "w")  # noqa: SIM115 - the child owns it
-        procs.append(subprocess.Popen([*common, "--process-id", str(pid), *extra], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
-        log.close()
+    steps, cache = 6, tmp_path / "xla-cache"
+    metrics = tmp_path / "metrics.jsonl"
+    procs = launch(tmp_path, plan_file, cache, steps, ckpt_every=2)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            if metrics.exists() and metrics.read_text().count("\n") >= 3 and (tmp_path / "ckpt" / "2").is_dir():
+                break
+            time.sleep(0.05)
+        assert all(p.poll() is None for p in procs), logs(tmp_path)
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+    finally:
+        finish(procs, timeout=10)
+    before = losses(metrics)
+    assert 3 <= len(before) < steps
+
+    procs = launch(tmp_path, plan_file, cache, steps, "--resume", ckpt_every=2)
     try:
         want = reference(plan_file, steps)
     finally:
         codes = finish(procs, timeout=900)
     assert codes == [0, 0], logs(tmp_path)
-    np.testing.assert_allclose(losses(tmp_path / "metrics.jsonl"), want, rtol=2e-6, atol=2e-6)
+    after = losses(metrics)
+    resumed_from = int(re.search(r"resumed from step (\d+)", (tmp_path / "p0.log").read_text()).group(1))
+    assert resumed_from < len(before), "the resumed run must recompute steps the killed run had logged"
+    assert after[:len(before)] == before, "the resumed steps must repeat the killed run's losses bit for bit"
+    np.testing.assert_allclose(after, want, rtol=2e-6, atol=2e-6)
 
 
 def uniform_plan_for(num_layers: int) -> Plan:

@@ -585,6 +585,16 @@ class MpmdStep:
                                                        dtype=value.dtype))
         return StagedArray(pieces, info)
 
+    def _piece_or_handle(self, i: int, k: int, x: jax.Array | None) -> jax.Array:
+        """`x`, or for a piece another process holds, a handle with no local shards (as `place` makes):
+        every process then sees the same pieces, with their shardings, for checksums and checkpoints."""
+        if x is not None:
+            return x
+        info = self.infos[i]
+        n = info.stages.index(k)
+        shape = (info.bounds[n][1] - info.bounds[n][0], *info.shape[1:]) if info.rows else info.shape
+        return jax.make_array_from_single_device_arrays(shape, self.piece_sharding(i, k), [], dtype=info.dtype)
+
     def gather(self, state: State) -> State:
         """The user's structure with whole host arrays (every piece brought to this process)."""
         if jax.process_count() > 1:
@@ -684,7 +694,8 @@ class MpmdStep:
         new_pieces, metrics = self._update(pieces, grads, loss, aux, groups_batch)
         new_leaves = []
         for i, inf in enumerate(self.infos):
-            new_leaves.append(StagedArray([new_pieces[i].get(k, pieces[i][k]) for k in inf.stages], inf))
+            new_leaves.append(StagedArray([self._piece_or_handle(i, k, new_pieces[i].get(k, pieces[i][k]))
+                                           for k in inf.stages], inf))
         self.stats.host_s = time.perf_counter() - t0
         return jax.tree.unflatten(self.state_tree, new_leaves), metrics
 

@@ -1,24 +1,25 @@
-"""Sharded, atomic, asynchronous checkpoints of a `TrainState` with orbax.
+"""Sharded, atomic, asynchronous, plan-independent checkpoints of a train state (orbax + TensorStore).
 
 A checkpoint directory holds one sub-directory per saved step (orbax's layout)::
 
-    DIR/<step>/state/   the train state's arrays, each saved as sharded on the plan mesh
-    DIR/<step>/meta/    small JSON: step, model, plan, data seed, run config, checksums
+    DIR/<step>/state/<leaf>/   each leaf as its logical (whole) array, a zarr array written shard by shard
+    DIR/<step>/meta/           small JSON: step, model, the plan that wrote it, data position, leaf shapes,
+                               checksums, run config
 
-Saving is orbax's: the arrays are copied to host memory before `save` returns (so the next,
-donating train step may reuse the device buffers), written in the background, and the step
-directory appears under its final name only once complete, so a crash mid-save never replaces
-a good checkpoint. Restoring reads every array straight onto the shardings of a template state
-placed by the plan. Each checkpoint also records a wrap-around checksum of every array; a
-checkpoint that cannot be read or whose checksums differ is skipped with a warning in favour of
-the one before it.
+Every process writes the shards it holds at their logical offsets (`mistjax.train.logical`), so any plan
+saves — a pipeline stage within one process too — and any plan restores: the new placement reads, per
+process, the regions its devices hold. Orbax's manager makes the save asynchronous (host copies before
+`save` returns, writes in the background) and atomic (the step directory appears under its final name
+only once complete). Each checkpoint records a wrap-around checksum of every logical array, which does not
+depend on the placement; a checkpoint that cannot be read or whose checksums differ is skipped with a
+warning in favour of the one before it.
 """
 
 from __future__ import annotations
 
-import gc
+import asyncio
+import dataclasses
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -27,17 +28,16 @@ from pathlib import Path
 from typing import TypedDict
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
-from orbax.checkpoint import type_handlers as ocp_types
+from orbax.checkpoint import future as ocp_future
 
 from mistjax.core.types import PyTree, State
-from mistjax.runtime.mpmd_state import per_leaf_on_host
+from mistjax.train import logical
 
-META_FORMAT = 1  # version of the metadata layout below
-_SEP = "/"
+META_FORMAT = 2  # version of the layout: 2 = logical arrays (1, per-placement pieces, is refused with a message)
 
 
 class CheckpointError(RuntimeError):
@@ -54,8 +54,10 @@ class CheckpointMeta(TypedDict, total=False):
     config: dict[str, object]  # the run's `TrainConfig` fields
     process_count: int
     device_count: int
+    data_position: dict[str, object]  # where the data source continues: {"next_batch": step, "seed": ...}
     format: int  # `META_FORMAT`
     step: int
+    leaves: dict[str, list[object]]  # leaf name -> [logical shape, dtype name]
     checksums: dict[str, list[int]]  # leaf name -> `checksums`
     saved_at: str  # local time, ISO 8601
 
@@ -80,64 +82,58 @@ def check_writable(directory: str | Path) -> Path:
     return path.resolve()
 
 
-# ------------------------------------------------------------------------------ state <-> tree
-def _leaf_names(state: PyTree) -> list[str]:
-    return [jax.tree_util.keystr(p, simple=True, separator=_SEP) for p, _ in
-            jax.tree_util.tree_flatten_with_path(state)[0]]
+# ------------------------------------------------------------------------------ the state item
+class LogicalStateHandler(ocp.AsyncCheckpointHandler):
+    """Orbax handler for the ``state`` item: every leaf as its logical array (`mistjax.train.logical`).
 
-
-def state_to_tree(state: PyTree) -> dict[str, PyTree]:
-    """The state's arrays as nested dicts keyed by field names (``params/layers/mlp/wi/value``).
-
-    Plain nested dicts keep the on-disk layout readable and independent of Flax/optax classes.
+    `async_save` copies this process's shards to host memory before it returns (the next, donating
+    step may then reuse the device buffers) and writes them in orbax's background thread; orbax's
+    manager commits the step directory only once every process has finished.
     """
-    out: dict[str, PyTree] = {}
-    for name, leaf in zip(_leaf_names(state), jax.tree.leaves(state)):
-        node = out
-        *parents, last = name.split(_SEP)
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = leaf
-    return out
+
+    def __init__(self) -> None:
+        self.last_write_s: float | None = None  # seconds the last background write took
+
+    async def async_save(self, directory: epath.Path, args: LogicalSave) -> list[ocp_future.Future]:
+        writes = logical.prepare_writes(Path(directory), args.state)
+
+        async def write() -> None:
+            t0 = time.perf_counter()
+            await logical.write_all(writes)
+            self.last_write_s = time.perf_counter() - t0
+
+        return [ocp_future.CommitFutureAwaitingContractedSignals(write(), name="mistjax_state_save")]
+
+    def save(self, directory: epath.Path, args: LogicalSave) -> None:
+        async def run() -> None:
+            for f in await self.async_save(directory, args):
+                f.result()
+
+        asyncio.run(run())
+
+    def restore(self, directory: epath.Path, args: LogicalRestore) -> PyTree:
+        return asyncio.run(logical.read_all(Path(directory), args.template))
 
 
-def tree_to_state(tree: Mapping[str, PyTree], template: State) -> State:
-    """Inverse of `state_to_tree`: put the arrays of `tree` back into `template`'s structure."""
-    leaves = []
-    for name in _leaf_names(template):
-        node: PyTree = tree
-        for key in name.split(_SEP):
-            node = node[key]
-        leaves.append(node)
-    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+@ocp.args.register_with_handler(LogicalStateHandler, for_save=True)
+@dataclasses.dataclass
+class LogicalSave(ocp.args.CheckpointArgs):
+    """Save `state` (any placement) as logical arrays."""
+
+    state: PyTree
 
 
-def _checksums(leaves: list[jax.Array]) -> jax.Array:
-    """Per leaf: the uint32 wrap-around sum of its bits, plain and position-weighted.
+@ocp.args.register_with_handler(LogicalStateHandler, for_restore=True)
+@dataclasses.dataclass
+class LogicalRestore(ocp.args.CheckpointArgs):
+    """Restore onto `template`'s placement (its values are not read)."""
 
-    Integer addition is associative, so the result does not depend on the sharding or the
-    reduction order: the same array saved under one plan and read back gives the same sums.
-    """
-    sums = []
-    for x in leaves:
-        if jax.typeof(x).memory_space == jax.memory.Space.Host:  # offloaded leaves: read on device
-            x = jax.device_put(x, jax.memory.Space.Device)
-        if x.dtype == jnp.bool_:
-            bits = x.astype(jnp.uint32)
-        else:
-            width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-            bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-        bits = bits.reshape(-1)
-        weight = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-        sums.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)]))
-    return jnp.stack(sums)
+    template: PyTree
 
 
 def checksums(state: PyTree) -> dict[str, list[int]]:
-    """`_checksums` of every leaf of `state`, keyed by leaf name (JSON-ready)."""
-    # A pipelined plan's state lives on several sub-meshes: checksum each mesh's leaves on it.
-    values = per_leaf_on_host(_checksums, jax.tree.leaves(state))
-    return {name: [int(a), int(b)] for name, (a, b) in zip(_leaf_names(state), values)}
+    """Per logical leaf of `state`: two wrap-around sums of its bits, the same under any placement."""
+    return logical.logical_checksums(state)
 
 
 def _agree(ok: bool) -> bool:
@@ -148,23 +144,24 @@ def _agree(ok: bool) -> bool:
 
 
 # ------------------------------------------------------------------------------ manager
-def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
-    """Orbax handlers for the two items of a checkpoint: the state's arrays and the JSON metadata.
-
-    Replica-parallel writing is turned off (orbax already does so on GPU): it splits every
-    replicated array into per-replica slices with one eager XLA op per shape, which on CPU
-    costs seconds of compilation at the first save and buys nothing when one host writes.
-    """
-    arrays = ocp_types.ArrayHandler(use_replica_parallel=False)
-    state = ocp.PyTreeCheckpointHandler(type_handler_registry=ocp_types.create_type_handler_registry(
-        (jax.Array, arrays)))
+def _handler_registry(state: LogicalStateHandler) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Orbax handlers for the two items of a checkpoint: the state's logical arrays and the JSON metadata."""
     meta = ocp.handlers.JsonCheckpointHandler()
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add("state", ocp.args.PyTreeSave, state)
-    registry.add("state", ocp.args.PyTreeRestore, state)
+    registry.add("state", LogicalSave, state)
+    registry.add("state", LogicalRestore, state)
     registry.add("meta", ocp.args.JsonSave, meta)
     registry.add("meta", ocp.args.JsonRestore, meta)
     return registry
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveCost:
+    """What one save cost: the seconds `save` blocked the caller (host copies), then the background write."""
+
+    step: int
+    blocking_s: float
+    write_s: float | None  # None until the write has finished
 
 
 class Checkpointer:
@@ -182,7 +179,11 @@ class Checkpointer:
         self.directory = check_writable(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handler_registry())
+        self._state_handler = LogicalStateHandler()
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              handler_registry=_handler_registry(self._state_handler))
+        self._blocking: dict[int, float] = {}
+        self._written: dict[int, float] = {}
 
     # -------------------------------------------------------------- queries
     def steps(self) -> list[int]:
@@ -196,39 +197,50 @@ class Checkpointer:
     def read_meta(self, step: int) -> CheckpointMeta:
         """The JSON metadata of checkpoint `step` (raises if it is unreadable)."""
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if isinstance(meta, dict) and meta.get("step") == step and meta.get("format") == 1:
+            raise CheckpointError(
+                f"checkpoint step {step} in {str(self.directory)!r} has the per-plan layout of mistjax before "
+                "format 2, which this version does not read; finish that run with the mistjax that wrote it, or "
+                "start over in another --ckpt-dir")
         if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("step") != step:
             raise ValueError(f"metadata of step {step} is malformed")
         return meta
 
     # -------------------------------------------------------------- save / restore
-    @staticmethod
-    def check_savable(state: State) -> None:
-        """Raise `CheckpointError` if orbax cannot save `state` in this run.
+    def save(self, step: int, state: State, meta: Mapping[str, object] | None = None) -> None:
+        """Start saving `state` (under any plan) as checkpoint `step`; returns once the arrays are on the host.
 
-        In a multi-process run orbax saves only global arrays: an array held entirely by one process
-        (a pipeline stage placed on one process's devices by an MPMD plan) is refused as host-local.
-        """
-        if jax.process_count() == 1:
-            return
-        local = [name for name, x in zip(_leaf_names(state), jax.tree.leaves(state))
-                 if isinstance(x, jax.Array) and x.is_fully_addressable]
-        if local:
-            raise CheckpointError(
-                f"cannot checkpoint this state across {jax.process_count()} processes: {len(local)} arrays (e.g. "
-                f"{local[0]}) live on one process's devices only (a pipeline stage placed within one process), "
-                "which orbax refuses to save as global arrays. Run without --ckpt-dir, or use a plan whose "
-                "stages span processes")
-
-    def save(self, step: int, state: State, meta: Mapping[str, object]) -> None:
-        """Start saving `state` as checkpoint `step`; returns once the arrays are on the host.
+        Args:
+          step: the checkpoint's number (the optimizer steps taken, by convention).
+          state: the placed state: `jax.Array` or `StagedArray` leaves (a pipelined plan's), or numpy arrays.
+          meta: JSON-ready facts to keep beside the arrays (`CheckpointMeta` lists what the loop records).
 
         A save still in flight from an earlier call is finished first (orbax does this), so at
         most one checkpoint is being written at a time.
         """
-        meta = dict(meta, format=META_FORMAT, step=int(step), checksums=checksums(state),
+        t0 = time.perf_counter()
+        leaves = {name: [list(spec.shape), spec.dtype] for name, leaf in logical.logical_leaves(state)
+                  for spec in [logical.leaf_spec(leaf)]}
+        meta = dict(meta or {}, format=META_FORMAT, step=int(step), leaves=leaves, checksums=checksums(state),
                     saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state_to_tree(state)),
-                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        self._note_finished_write()
+        self._manager.save(step, args=ocp.args.Composite(state=LogicalSave(state), meta=ocp.args.JsonSave(meta)),
+                           force=True)
+        self._blocking[int(step)] = time.perf_counter() - t0
+
+    def _note_finished_write(self) -> None:
+        """Attribute the background write that has just finished to the step it belongs to."""
+        if self._state_handler.last_write_s is not None and self._blocking:
+            pending = [s for s in self._blocking if s not in self._written]
+            if pending:
+                self._written[max(pending)] = self._state_handler.last_write_s
+            self._state_handler.last_write_s = None
+
+    def costs(self) -> list[SaveCost]:
+        """The cost of each save this `Checkpointer` made, oldest first (waits for a write in flight)."""
+        self.wait()
+        self._note_finished_write()
+        return [SaveCost(s, b, self._written.get(s)) for s, b in sorted(self._blocking.items())]
 
     def newest_meta(self) -> CheckpointMeta | None:
         """Metadata of the newest checkpoint whose metadata is readable (None if there is none).
@@ -239,6 +251,8 @@ class Checkpointer:
         for step in reversed(self.steps()):
             try:
                 return self.read_meta(step)
+            except CheckpointError:
+                raise
             except Exception:  # noqa: BLE001 - corrupt: restore_latest warns and falls back
                 continue
         return None
@@ -257,27 +271,25 @@ class Checkpointer:
         steps = self.steps()
         if not steps:
             return None
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                state_to_tree(template))
         failures: list[str] = []
         for step in reversed(steps):
             error: BaseException | None = None
             try:
                 meta = self.read_meta(step)
+            except CheckpointError:
+                raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for bad files
                 meta, error = None, e
             if not _agree(meta is not None):
                 failures.append(self._bad(step, f"unreadable metadata ({_short(error)})"))
                 continue
             assert meta is not None
+            self._check_layout(step, meta, template)
             state = None
             try:
-                restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                    item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
-                state = tree_to_state(restored, template)
+                state = self._manager.restore(step, args=ocp.args.Composite(state=LogicalRestore(template)))["state"]
             except Exception as e:  # noqa: BLE001
                 error = e
-                _finalize_abandoned_reads()
             if not _agree(state is not None):
                 failures.append(self._bad(step, f"unreadable arrays ({_short(error)})"))
                 continue
@@ -289,6 +301,16 @@ class Checkpointer:
             return state, meta
         raise CheckpointError(f"no usable checkpoint in {str(self.directory)!r}: " + "; ".join(failures)
                               + ". Delete the directory (or pick another --ckpt-dir) to start over")
+
+    def _check_layout(self, step: int, meta: CheckpointMeta, template: State) -> None:
+        """Refuse (without touching the checkpoint) a state whose leaves differ from the saved ones."""
+        saved = {name: logical.LeafSpec(tuple(shape), dtype) for name, (shape, dtype) in meta["leaves"].items()}
+        try:
+            logical.check_layout(saved, template)
+        except logical.CheckpointLayoutError as e:
+            raise CheckpointError(
+                f"cannot restore checkpoint step {step} of {str(self.directory)!r} into this state: {e}. The model "
+                "(and the optimizer and weight dtype) must match the run that wrote it; the plan may differ") from None
 
     def _bad(self, step: int, reason: str) -> str:
         """Warn about corrupt checkpoint `step` and move it aside so later saves can reuse the number."""
@@ -316,31 +338,6 @@ class Checkpointer:
         self._manager.close()
 
 
-def _finalize_abandoned_reads(settle_s: float = 0.5) -> None:
-    """Quietly wind down the reads orbax abandons when one array of a restore fails.
-
-    Orbax stops at the first failed read, closes its event loop and leaves the other reads
-    pending: their tensorstore callbacks later hit the closed loop, and the garbage collector
-    finalises their coroutines, each printing a copy of the error through `sys.unraisablehook`
-    in whatever code runs at that moment. Give the reads `settle_s` to finish and collect them
-    now, hiding only those two kinds of report.
-    """
-    previous = sys.unraisablehook
-
-    def hook(unraisable: sys.UnraisableHookArgs) -> None:
-        leftover = "_read_array_index_and_device_put" in repr(unraisable.object) or (
-            isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value))
-        if not leftover:
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        time.sleep(settle_s)
-        gc.collect()
-    finally:
-        sys.unraisablehook = previous
-
-
 def _short(error: BaseException | None) -> str:
     """The gist of an orbax/tensorstore error: its first sentence, without the tensorstore spec dump."""
     if error is None:
@@ -349,5 +346,5 @@ def _short(error: BaseException | None) -> str:
     return text.split(" See full TensorStore details")[0][:160]
 
 
-__all__ = ["CheckpointError", "CheckpointMeta", "Checkpointer", "check_writable", "checksums", "state_to_tree",
-           "tree_to_state"]
+__all__ = ["CheckpointError", "CheckpointMeta", "Checkpointer", "LogicalRestore", "LogicalSave", "LogicalStateHandler",
+           "SaveCost", "check_writable", "checksums"]

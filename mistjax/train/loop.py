@@ -32,7 +32,7 @@ from mistjax.core.types import Batch, LossFn, PyTree
 from mistjax.distributed import DistributedError, is_primary, peer_failure
 from mistjax.runtime.mpmd_state import is_staged, per_leaf_on_host
 from mistjax.runtime.step import ShardedStep
-from mistjax.train.checkpoint import Checkpointer, CheckpointError, CheckpointMeta
+from mistjax.train.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, SaveCost
 from mistjax.train.data import MemmapTokens, SyntheticTokens
 from mistjax.train.metrics import MetricsLog, mfu, peak_flops
 from mistjax.train.state import TrainState, make_optimizer
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
 # Config fields whose change on resume makes the continuation differ from an uninterrupted run.
-_RESUME_SENSITIVE = ("steps", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",
+_RESUME_SENSITIVE = ("steps", "global_batch", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",
                      "compute_dtype", "param_dtype")
 
 
@@ -113,6 +113,7 @@ class TrainResult:
     start_step: int = 0  # first step run here (> 0 after a resume)
     mfu: list[float] = field(default_factory=list)  # per step, when the hardware is known
     checkpoints: list[int] = field(default_factory=list)  # steps saved by this run
+    checkpoint_costs: list[SaveCost] = field(default_factory=list)  # what each of those saves cost
 
 
 StepMetrics = dict[str, jax.Array]  # what the train step returns besides the state: {"loss": scalar}
@@ -203,19 +204,32 @@ def _plan_layout(plan: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
+def _plan_brief(plan: Mapping[str, object]) -> str:
+    """A plan in one phrase: ``pp 2 x dp 2 x tp 2, ZeRO 3/3, micro-batch 2 x 2``."""
+    stages = plan.get("stages") or [{}]
+    zero = "/".join(str(3 if s.get("shard_weights") else 2 if s.get("shard_grads") else int(bool(s.get("shard_opt"))))
+                    for s in stages)
+    offload = any(float(s.get(f"offload_{k}", 0) or 0) for s in stages for k in ("weights", "grads", "opt", "acts"))
+    return (f"pp {len(stages)} x dp {plan.get('dp')} x tp {plan.get('tp')}, ZeRO {zero}"
+            f"{', offload' if offload else ''}, micro-batch {plan.get('micro_batch')} x {plan.get('grad_accum')}")
+
+
 def _check_compatible(meta: CheckpointMeta, cfg: TrainConfig, plan: Plan, directory: Path) -> None:
-    """Refuse a checkpoint of another model or plan; warn about settings that change the run."""
+    """Refuse a checkpoint of another model; say what a new plan or cluster changes; warn about settings
+    that make the continuation differ from an uninterrupted run."""
     where = f"{str(directory)!r} (step {meta['step']})"
     if meta.get("model") != cfg.model:
         raise CheckpointError(f"cannot resume: the checkpoint in {where} was written by model {meta.get('model')!r}, "
                               f"but this run uses model {cfg.model!r}; pass --model {meta.get('model')} or use "
                               "another --ckpt-dir")
-    old, new = _plan_layout(meta.get("plan") or {}), _plan_layout(plan.to_dict())
-    if old != new:
-        diff = ", ".join(f"{k}: {old.get(k)!r} in the checkpoint vs {new.get(k)!r} now"
-                         for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
-        raise CheckpointError(f"cannot resume: the checkpoint in {where} was written with another plan ({diff}); "
-                              "resume with the checkpoint's --plan and --global-batch, or use another --ckpt-dir")
+    old, new = meta.get("plan") or {}, plan.to_dict()
+    if _plan_layout(old) != _plan_layout(new):
+        _log(f"note: resuming {where} under another plan ({_plan_brief(old)} -> {_plan_brief(new)}); the saved "
+             "arrays are placed as this plan wants, and the loss continues as before up to float reassociation")
+    was = (meta.get("process_count"), meta.get("device_count"))
+    if was != (jax.process_count(), jax.device_count()):
+        _log(f"note: the checkpoint was written by {was[0]} process(es) with {was[1]} devices; this run has "
+             f"{jax.process_count()} with {jax.device_count()}")
     config = meta.get("config", {})
     changed = [f"{k} {config[k]!r} -> {getattr(cfg, k)!r}" for k in _RESUME_SENSITIVE
                if k in config and config[k] != getattr(cfg, k)]
@@ -270,8 +284,6 @@ def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> 
         if ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
             _check_compatible(newest, cfg, plan, ckpt.directory)
     start = 0
-    if ckpt is not None:
-        ckpt.check_savable(state)  # before any training work
     if ckpt is not None and cfg.resume:
         restored = ckpt.restore_latest(state)
         if restored is None:
@@ -323,7 +335,7 @@ def run_training(cfg: TrainConfig, *, mesh: Mesh | None = None, progress: bool =
 def _train_steps(cfg: TrainConfig, setup: _Setup, ckpt: Checkpointer | None, reporter: _Reporter) -> TrainState:
     """Steps ``setup.start`` .. ``cfg.steps - 1``: each reported, the state checkpointed every ``ckpt_every``;
     the reporter and the checkpointer are closed on the way out. Returns the last state."""
-    state, meta = setup.state, _run_meta(cfg, setup.plan)
+    state, run_meta = setup.state, _run_meta(cfg, setup.plan)
     failed_peer = False
     try:
         for i in range(setup.start, cfg.steps):
@@ -335,7 +347,8 @@ def _train_steps(cfg: TrainConfig, setup: _Setup, ckpt: Checkpointer | None, rep
             if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
                 if not bool(_all_finite(state)):  # never let a checkpoint hold NaN/inf
                     raise TrainingDivergedError(_diverged(f"the parameters became NaN/inf in step {i}", cfg, ckpt))
-                ckpt.save(done, state, meta)
+                position = {"next_batch": done, "seed": cfg.seed, "source": cfg.data or "synthetic"}
+                ckpt.save(done, state, {**run_meta, "data_position": position})
                 reporter.result.checkpoints.append(done)
     except DistributedError:  # a lost peer (`_one_step`) or one found by the distributed runtime
         failed_peer = True
@@ -345,6 +358,7 @@ def _train_steps(cfg: TrainConfig, setup: _Setup, ckpt: Checkpointer | None, rep
         # After a lost peer, finishing a save would wait on the dead process: leave it unfinished
         # (orbax never publishes a half-written checkpoint).
         if ckpt is not None and not failed_peer:
+            reporter.result.checkpoint_costs = ckpt.costs()
             ckpt.close()
     return state
 
