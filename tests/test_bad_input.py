@@ -310,11 +310,13 @@ def test_linen_metadata_and_axis_rules(zoo3p):
     assert split([("mlp", ("tensor",)), ("vocab", None)]) == [(2, 32, 64), (2, 64, 32)]
 
 
-def test_pipelining_an_unrolled_model_is_refused(zoo3p):
+def test_pipelining_an_unrolled_model_with_the_wrong_layer_count_names_it(zoo3p):
+    """An unrolled model pipelines like a scanned one (tests/test_pipeline_unrolled.py); a plan whose stages
+    cover another number of layers than the Python loop runs is refused with both counts."""
     fam = zoo3p.nnx_loop()
     state, step_fn = zoo3p.optax_state(fam.params, TX), zoo3p.optax_step(fam.loss_fn, TX)
-    plan = uniform_plan(2, 8, stages=2, micro_batch=2, grad_accum=2)
-    with pytest.raises(PlanError, match="pipelines a model whose layers run as a Python loop"):
+    plan = uniform_plan(4, 8, stages=2, micro_batch=2, grad_accum=2)
+    with pytest.raises(PlanError, match=r"4 layers.*2|2.*4 layers"):
         mistjax.autoshard(step_fn, jax.devices(), plan=plan).place(state, fam.batch)
 
 

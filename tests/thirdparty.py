@@ -56,11 +56,11 @@ def hf_available() -> bool:
     return True
 
 
-def hf_llama() -> Family:
+def hf_llama(layers: int = LAYERS) -> Family:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
                       num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64)
     model = FlaxLlamaForCausalLM(cfg, seed=0, dtype=jnp.float32)
 
@@ -80,11 +80,11 @@ def _hf_loss(model: Any) -> Any:
     return loss_fn
 
 
-def hf_gpt2() -> Family:
+def hf_gpt2(layers: int = LAYERS) -> Family:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=HEADS, n_positions=64,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = FlaxGPT2LMHeadModel(cfg, seed=0, dtype=jnp.float32)
 

@@ -284,10 +284,6 @@ class AutoShardedStep:
         if analysis.num_layers is None:
             # No scan over stacked layers: no pipeline and no per-layer remat.
             space = space.replace(pipeline=False, remat="none")
-        elif analysis.unrolled:
-            # An unrolled stack runs per layer (remat, offload, ZeRO-3 fetches) but its per-layer leaves
-            # cannot be split over pipeline stages by the SPMD executor.
-            space = space.replace(pipeline=False)
         if not analysis.uses_mistjax_grad:
             # jax.grad cannot be split into micro-batches or checkpointed per layer: one micro-batch per
             # step, every per-device batch size that makes it.

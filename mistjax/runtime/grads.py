@@ -284,7 +284,7 @@ def stage_execution(traced: TracedLoss, specs: Sequence[StageLeaf], acc_host: Se
     eligible = loop_eligible_leaves(traced)
     st = traced.stack
     scanned = set() if st is None else {index(traced.real_index(i)) for i in st.xs_leaf if i is not None}
-    held = {index(i): i for i in range(traced.num_param_leaves) if index(i) is not None}
+    held = {index(i): i for i in range(traced.num_real_params) if index(i) is not None}
     facts = [s._replace(loop_eligible=held.get(j) in eligible, in_stack=j in scanned,
                         host_accumulator=bool(acc_host[j])) for j, s in enumerate(specs)]
     dp = math.prod(mesh.shape[a] for a in DP_AXES)

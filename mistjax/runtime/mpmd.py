@@ -32,14 +32,14 @@ from jax.extend.core import Var
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.axes import Axes, leaf_axes
+from mistjax.core.axes import Axes, AxisRules, apply_axis_rules, leaf_axes
 from mistjax.core.execution import ExecutionPlan, host_accumulators, is_batch_leaf
-from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, plan_layouts
+from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, LeafRole, plan_layouts
 from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
 from mistjax.runtime.grads import mesh_capabilities, regather_updated_params
-from mistjax.runtime.leaves import tensor_split_axes
+from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles, tensor_split_axes
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
@@ -69,8 +69,8 @@ from mistjax.trace.split import (
     PartUsage,
     TracedLoss,
     checkpoint_names,
-    part_usage,
     pre_part,
+    real_usage,
     trace_loss,
 )
 
@@ -137,10 +137,6 @@ class _MicrobatchLoss(NamedTuple):
 
 def _check_pipelinable(traced: TracedLoss) -> None:
     """Raise a `PlanError` naming the fix when the loss's layers cannot be split into stages."""
-    if traced.groups is not None:
-        raise PlanError("the plan pipelines a model whose layers run as a Python loop (an unrolled stack); "
-                        "the pipeline executor needs their parameters stacked: build the layers with "
-                        "nnx.scan / nn.scan / lax.scan, or use a plan with one stage")
     if traced.stack is None:
         raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer parameters; "
                         "build the layers with nnx.scan / nn.scan / lax.scan over stacked params, or use a plan "
@@ -154,13 +150,18 @@ def _check_pipelinable(traced: TracedLoss) -> None:
                                 "cannot pass between stages; return only the hidden state from the scan")
 
 
-def _param_layouts(num_params: int, stacked: set[int], usage: PartUsage, num_stages: int) -> list[Rows | Whole]:
-    """Which stages hold each parameter: stacked ones by rows; the pre part's on the first stage, the post
-    part's on the last (both for a tied embedding); unused ones on the first."""
+def _param_layouts(num_params: int, stacked: set[int], usage: PartUsage, num_stages: int,
+                   layer_stage: dict[int, int]) -> list[Rows | Whole]:
+    """Which stages hold each parameter: stacked ones by rows, an unrolled stack's layer leaves on the stage of
+    their layer (`layer_stage`); the pre part's on the first stage, the post part's on the last (both for a
+    tied embedding); unused ones on the first."""
     out: list[Rows | Whole] = []
     for j in range(num_params):
         if j in stacked:
             out.append(Rows(0))
+            continue
+        if j in layer_stage:
+            out.append(Whole(frozenset({layer_stage[j]})))
             continue
         holders = set()
         if j in usage.pre or j not in usage.post:
@@ -174,10 +175,11 @@ def _param_layouts(num_params: int, stacked: set[int], usage: PartUsage, num_sta
 class MpmdStep:
     """A train step run as an MPMD pipeline (see module docstring); used through `ShardedStep`."""
 
-    def __init__(self, train_step: TrainStep, mesh: Mesh | Sequence[jax.Device], plan: Plan) -> None:
+    def __init__(self, train_step: TrainStep, mesh: Mesh | Sequence[jax.Device], plan: Plan,
+                 axis_rules: AxisRules | None = None) -> None:
         if plan.num_stages < 2:
             raise PlanError("the MPMD executor runs plans with several stages")
-        self.train_step, self.plan = train_step, plan
+        self.train_step, self.plan, self.axis_rules = train_step, plan, axis_rules
         self.mesh = build_plan_mesh(mesh, plan)
         self.S, self.K = plan.device_stages, plan.num_stages
         self.group_meshes = [Mesh(self.mesh.devices[d: d + 1], RUNTIME_MESH_AXES, axis_types=self.mesh.axis_types)
@@ -215,16 +217,19 @@ class MpmdStep:
         traced, stack = loss.traced, loss.traced.require_stack()
         self.fingerprint = params_fingerprint(loss.args[0])
         plan.check_model(self.fingerprint)
-        usage = part_usage(traced)
+        usage = real_usage(traced)
         consts, carry = jax.eval_shape(lambda p, r: pre_part(traced, p, r), loss.p_avals, list(loss.mb_avals))
         h_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
                         [*(consts[j] for j, dep in enumerate(usage.const_needs_params) if dep), *carry])
         aux_avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in traced.closed.out_avals[1:]) \
             if call.has_aux else ()
+        # A scanned stack's leaves are split by rows; an unrolled stack's per-layer leaves go whole to their stage.
+        self.stacked = set() if traced.groups is not None else set(stack.stacked_leaves)
+        roles = self._leaf_roles(traced, abstract, loss.args[0])
         # Key / value heads the tensor degree does not divide are replicated, on every stage alike.
-        self.axes = tensor_split_axes(leaf_axes(abstract), [np.shape(x) for x in s_leaves], plan.tp)
-        self.stacked = set(stack.stacked_leaves)
-        param_layouts = _param_layouts(call.num_params, self.stacked, usage, self.K)
+        self.axes = tensor_split_axes(list(roles.axes), [np.shape(x) for x in s_leaves], plan.tp)
+        self.leaf_roles = roles if traced.groups is not None else None
+        param_layouts = _param_layouts(call.num_params, self.stacked, usage, self.K, self._layer_stages(traced))
         names = state_names(abstract)
         batch_names = ["batch" + (n and "/" + n) for n in state_names(abatch)]
         self.prop = Propagation(ts, num_stages=self.K, param_layouts=param_layouts, names=names,
@@ -238,6 +243,13 @@ class MpmdStep:
                                               batch=loss.is_batch)
         self.info = info
         self._build_programs(checkpoint_names(stack.body))
+
+    def _layer_stages(self, traced: TracedLoss) -> dict[int, int]:
+        """Real parameter index -> the (virtual) stage holding its layer, for an unrolled stack's leaves."""
+        if traced.groups is None:
+            return {}
+        stage_of = [k for k, sp in enumerate(self.plan.stages) for _ in range(*sp.layers)]
+        return {r: stage_of[layer] for r, (_, layer) in traced.groups.members().items()}
 
     def _microbatch_loss(self, ts: TracedStep) -> _MicrobatchLoss:
         """The step's loss traced at one device's micro-batch, checked to be pipelinable."""
@@ -329,10 +341,36 @@ class MpmdStep:
             one = Plan(stages=(dataclasses.replace(sp, layers=(0, n)),), micro_batch=plan.micro_batch,
                        grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, shard_group=plan.shard_group)
             # An offload ratio that moves nothing on this stage warns with the stage's report (`_applied_report`).
-            lays = plan_layouts(local, roles, [infos[i].rows for i in held], one, [self.axes[i] for i in held])
+            if self.leaf_roles is None:
+                lays = plan_layouts(local, roles, [infos[i].rows for i in held], one, [self.axes[i] for i in held])
+            else:  # an unrolled stack: the stage's layer leaves laid out as one stacked leaf per place
+                lays = state_layouts(local, self._stage_roles(held, roles, sp.layers), one)
             self.held.append(held)
             self.layouts.append(dict(zip(held, lays)))
             self.one_stage_plans.append(one)
+
+    def _stage_roles(self, held: list[int], roles: list[LeafRole], layers: tuple[int, int]) -> LeafRoles:
+        """`LeafRoles` of the leaves a stage holds, its layers of an unrolled stack renumbered from 0."""
+        full = self.leaf_roles
+        layer_of = {pos: (key, layer - layers[0]) for pos, i in enumerate(held)
+                    for key, layer in [full.layer_of.get(i, (None, -1))] if key is not None}
+        return LeafRoles(tuple(roles), (False,) * len(held), tuple(self.axes[i] for i in held), {}, layer_of,
+                         layers[1] - layers[0])
+
+    def _leaf_roles(self, traced: TracedLoss, abstract: State, params: PyTree) -> LeafRoles:
+        """Every state leaf's logical axes, as the one-stage runtime reads them (`runtime.leaves.state_roles`):
+        the model's names (renamed by ``axis_rules``) or, without any, the tensor splits inferred from the layer
+        (`analysis.tp_roles`), optimizer mirrors taking their parameter's; and, for an unrolled stack, which
+        layer each leaf belongs to."""
+        from mistjax.analysis.tp_roles import model_tensor_axes  # here, not at import: the package loads sympy
+
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+        tokens = [path_tokens(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        p_axes = model_tensor_axes(traced, params, self.axis_rules)
+        return state_roles(paths, [tuple(x.shape) for x in self.state_avals],
+                           apply_axis_rules(leaf_axes(abstract), self.axis_rules), dict(zip(self.param_index, tokens)),
+                           self.param_index, stacked_params={self.param_index[j] for j in self.stacked},
+                           param_axes=dict(zip(self.param_index, p_axes)), groups=traced.groups)
 
     def piece_sharding(self, i: int, k: int) -> NamedSharding:
         """Storage sharding of state leaf `i`'s piece on stage `k`."""
@@ -347,7 +385,8 @@ class MpmdStep:
         spec = StageSpec(index=k, num_stages=self.K, layers=sp.layers, plan=self.one_stage_plans[k],
                          mesh=self.meshes[k], params=tuple(held_params), layouts=tuple(lays),
                          acc_host=tuple(acc_host), uses_batch=self._uses_batch(k))
-        return StagePrograms(spec, self.info)
+        # An unrolled stack's stage runs its own layers' leaves (`TracedLoss.for_layers`).
+        return StagePrograms(spec, dataclasses.replace(self.info, traced=self.info.traced.for_layers(*sp.layers)))
 
     def _uses_batch(self, k: int) -> bool:
         """The first stage (pre part), the last (post part), and any stage recomputing batch-only consts."""

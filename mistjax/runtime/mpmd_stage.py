@@ -94,7 +94,8 @@ class LossInfo:
 
     @property
     def num_params(self) -> int:
-        return self.traced.num_param_leaves
+        """Parameter leaves of the loss as the step passes them (an unrolled stack's real ones)."""
+        return self.traced.num_real_params
 
     @property
     def pconst_positions(self) -> list[int]:
@@ -216,7 +217,7 @@ class StagePrograms:
         return out
 
     def _param_dtype(self, j: int) -> np.dtype:
-        return self.info.traced.closed.jaxpr.invars[self.spec.params[j]].aval.dtype
+        return np.dtype(self.info.traced.param_aval(self.spec.params[j]).dtype)
 
     def _acc_sharding(self, j: int) -> NamedSharding:
         lay = self.grad_specs[j].layout
@@ -251,8 +252,9 @@ class StagePrograms:
         return self._cache["execution"]
 
     def _layer_loop(self) -> LayerLoop:
-        return stage_layer_loop(self.info.traced, self.execution, self.spec.plan.stages[0], self.grad_specs,
-                                self.pos.__getitem__, self.spec.plan)
+        traced = self.info.traced
+        return stage_layer_loop(traced, self.execution, self.spec.plan.stages[0], self.grad_specs,
+                                lambda i: self.pos[traced.real_index(i)], self.spec.plan)
 
     @property
     def in_loop(self) -> tuple[int, ...]:
@@ -293,14 +295,14 @@ class StagePrograms:
         loop = self._layer_loop()
         pconst, bconst = info.pconst_positions, info.bconst_positions
         nc = st.num_consts
+        in_stack = traced.layer_leaves()
 
         def fn(p_held: list[jax.Array], hx: tuple[list[jax.Array], list[jax.Array]],
                sink: dict[int, jax.Array] | None = None) -> PyTree:
             h, mb = hx
             leaves: list[jax.Array] = [None] * info.num_params
-            stacked = set(st.stacked_leaves)
             for j, i in enumerate(sp.params):
-                f = None if i in stacked else make_fetch(self.grad_specs[j], False)
+                f = None if i in in_stack else make_fetch(self.grad_specs[j], False)
                 leaves[i] = p_held[j] if f is None else f(p_held[j])
             if sp.first:
                 consts, carry = pre_part(traced, leaves, mb)
@@ -311,9 +313,16 @@ class StagePrograms:
                     consts[j] = v
                 for j, v in zip(bconst, scan_operands(traced, leaves, mb, bconst)):
                     consts[j] = v
-            xs = [p_held[self.pos[i]] for i in st.xs_leaf]
+            # The layer loop's operands: a scanned stack's row pieces, or LayerSlices of an unrolled stack's
+            # per-layer leaves (this stage's layers: `TracedLoss.for_layers`), fetched per layer by the loop.
+            held = [None] * info.num_params
+            for j, i in enumerate(sp.params):
+                held[i] = p_held[j]
+            virtual = traced.virtual(held)
+            xs = [virtual[i] for i in st.xs_leaf]
             body = lambda c, car, x: run_block(st, c, car, x, info.tp_block)  # noqa: E731
-            if sink is None:
+            by_pos: dict[int, jax.Array] = {}
+            if not sink:  # no in-loop accumulation (always so for an unrolled stack)
                 carry, _ = loop(body, list(consts), list(carry), xs)
             else:
                 out = loop.run(body, list(consts), list(carry), xs, LoopSinks([sink.get(self.pos[i])

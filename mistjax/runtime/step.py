@@ -230,7 +230,7 @@ class ShardedStep:
         self.plan = plan
         self.axis_rules = axis_rules
         self.mesh = build_plan_mesh(mesh, plan)
-        self._mpmd: MpmdStep | None = MpmdStep(train_step, mesh, plan) if plan.num_stages > 1 else None
+        self._mpmd: MpmdStep | None = MpmdStep(train_step, mesh, plan, axis_rules) if plan.num_stages > 1 else None
         self.layouts: list[LeafLayout] | None = None
         self.analysis: StepAnalysis | None = None
         self._applied: AppliedReport | None = None  # what each knob did, once a one-stage step is set up
@@ -249,10 +249,6 @@ class ShardedStep:
         elif self.plan.num_stages > 1:
             raise PlanError("the plan pipelines the model, but its loss has no scan over stacked layer "
                             "parameters; use a plan with one stage")
-        if self.analysis.unrolled and self.plan.num_stages > 1:
-            raise PlanError("the plan pipelines a model whose layers run as a Python loop (an unrolled stack); "
-                            "the pipeline executor needs their parameters stacked: build the layers with "
-                            "nnx.scan / nn.scan / lax.scan, or use a plan with one stage")
         needs_grad_hook = (self.plan.grad_accum > 1 or self.plan.num_stages > 1 or
                            any(s.remat_layers for s in self.plan.stages))
         if needs_grad_hook and not self.analysis.uses_mistjax_grad:

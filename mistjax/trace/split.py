@@ -10,6 +10,7 @@ offload per layer), and the pipeline runs pre / blocks / post on different stage
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -93,6 +94,32 @@ class TracedLoss:
     def real_index(self, i: int) -> int:
         """The real leaf of the jaxpr's parameter input ``i`` (not stacked)."""
         return i if self.groups is None else self.groups.real_index(i)
+
+    @property
+    def num_real_params(self) -> int:
+        """How many parameter leaves the callers pass (the real ones of an unrolled stack)."""
+        return self.num_param_leaves if self.groups is None else self.groups.num_real
+
+    def param_aval(self, i: int) -> jax.ShapeDtypeStruct:
+        """Shape and dtype of real parameter leaf ``i``."""
+        if self.groups is not None:
+            return self.real_params[i]
+        aval = self.closed.jaxpr.invars[i].aval
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+    def layer_leaves(self) -> frozenset[int]:
+        """The real parameter leaves of the layer stack: stacked ones, or every layer's of an unrolled stack."""
+        if self.groups is not None:
+            return frozenset(self.groups.members())
+        return frozenset(self.stack.stacked_leaves) if self.stack is not None else frozenset()
+
+    def for_layers(self, start: int, stop: int) -> TracedLoss:
+        """This loss with an unrolled stack's groups cut to layers ``[start, stop)`` (a pipeline stage's):
+        `virtual` then gives LayerSlices of those layers only. A scanned stack is returned unchanged."""
+        if self.groups is None:
+            return self
+        virtual = tuple(v if isinstance(v, int) else v[start:stop] for v in self.groups.virtual)
+        return dataclasses.replace(self, groups=ParamGroups(self.groups.num_real, virtual))
 
     def require_stack(self) -> LayerStack:
         if self.stack is None:
@@ -298,6 +325,16 @@ class PartUsage:
     const_needs_params: tuple[bool, ...]  # per scan const operand: computed from parameters
 
 
+def real_usage(traced: TracedLoss) -> PartUsage:
+    """`part_usage` with real parameter indices (an unrolled stack's jaxpr reads virtual ones)."""
+    usage = part_usage(traced)
+    if traced.groups is None:
+        return usage
+    real = traced.real_index
+    return PartUsage(frozenset(real(i) for i in usage.pre), frozenset(real(i) for i in usage.post),
+                     usage.const_needs_params)
+
+
 def part_usage(traced: TracedLoss) -> PartUsage:
     """Classify the parameters by the part of the loss that reads them (`pre_part` / `post_part`)."""
     stack = traced.require_stack()
@@ -369,6 +406,6 @@ def _run_needed(jaxpr: jex.Jaxpr, indices: Sequence[int], targets: Sequence[Atom
 __all__ = [  # bind_equation, eval_jaxpr and run_equations: the interpreter of `mistjax.core.jaxpr`, re-exported
     "BlockFn", "Layer", "LayerLoop", "LayerStack", "NoLayerStackError", "Operand", "PartUsage", "TracedLoss",
     "bind_equation", "checkpoint_names", "default_layer_loop", "eval_jaxpr", "evaluate", "find_layer_stack",
-    "free_vars", "needed_equations", "part_usage", "post_part", "pre_part", "run_block", "run_equations",
+    "free_vars", "needed_equations", "part_usage", "post_part", "pre_part", "real_usage", "run_block", "run_equations",
     "scan_operands", "trace_loss", "unrolled_loop",
 ]
