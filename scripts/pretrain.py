@@ -5,11 +5,14 @@ Examples (with the project's venv: make .venv/.installed, then .venv/bin/python)
   python scripts/pretrain.py --model llama-tiny --plan auto     # tune a plan on the first batch
   python scripts/pretrain.py --model llama-small --data tokens.bin --token-dtype uint16 --plan plan.json \\
       --metrics metrics.jsonl --ckpt-dir ckpt --ckpt-every 50 --resume --hardware h100
+  # text (.txt/.jsonl/.parquet files, a folder or a glob), tokenized once with a local tokenizer.json and cached:
+  python scripts/pretrain.py --model gpt3-1.3b --data corpus/ --tokenizer gpt2/tokenizer.json --seq-len 1024 \\
+      --plan auto --ckpt-dir ckpt --resume
   # two processes (run one per host; process 0's address is the coordinator):
   python scripts/pretrain.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0 --plan plan.json
   python scripts/pretrain.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1 --plan plan.json
 
-See docs/pretraining.md for token files, plans, checkpoints and MFU.
+See docs/pretraining.md for token files, text corpora, plans, checkpoints and MFU.
 """
 
 

@@ -106,3 +106,39 @@ def train_steps():
         return out
 
     return run
+
+
+@pytest.fixture(scope="session")
+def pretrain():
+    """scripts/pretrain.py imported as a module (its `main(argv)` runs the script in this process)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
+    spec = importlib.util.spec_from_file_location("mistjax_pretrain_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the importlib recipe: tyro reads the config classes' source for --help
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def cli(pretrain, capsys):
+    """``cli(*args) -> (exit code, stdout, stderr)``: scripts/pretrain.py's main() run in this process."""
+    import warnings
+
+    saved = warnings.formatwarning
+
+    def run(*args):
+        try:
+            pretrain.main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = int(e.code) if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    yield run
+    warnings.formatwarning = saved

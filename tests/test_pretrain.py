@@ -1,13 +1,9 @@
-"""scripts/pretrain.py as a user runs it: metrics, MFU, divergence and data errors."""
+"""scripts/pretrain.py as a user runs it: metrics, MFU, divergence and data errors (`cli`: tests/conftest.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-import warnings
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -17,36 +13,7 @@ from mistjax.hardware import ClusterSpec
 from mistjax.train.data import DataError, MemmapTokens, write_token_file
 from mistjax.train.metrics import MetricsLog, mfu, peak_flops
 
-PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
 SMALL = ["--model", "gpt3-tiny", "--global-batch", "8", "--seq-len", "16", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def pretrain() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mistjax_pretrain_script", PRETRAIN)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the importlib recipe: tyro reads the config classes' source for --help
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def cli(pretrain: ModuleType, capsys: pytest.CaptureFixture[str]):
-    """Run the script's main() in this process; returns (exit code, stdout, stderr)."""
-    saved = warnings.formatwarning
-
-    def run(*args: str) -> tuple[int, str, str]:
-        try:
-            pretrain.main([str(a) for a in args])
-            code = 0
-        except SystemExit as e:
-            code = int(e.code) if isinstance(e.code, int) else 1
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield run
-    warnings.formatwarning = saved
 
 
 def records(path: Path) -> list[dict]:

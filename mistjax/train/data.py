@@ -1,6 +1,7 @@
-"""Token data sources: a memory-mapped token file and a synthetic source.
+"""Token data sources: a memory-mapped token file and a synthetic source (text corpora:
+`mistjax.train.text_data`).
 
-Both are indexed by step: ``source.batch(step)`` always returns the same batch for the same
+All are indexed by step: ``source.batch(step)`` always returns the same batch for the same
 step, so a resumed run sees exactly the data an uninterrupted run would have seen.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -16,6 +18,14 @@ TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 class DataError(ValueError):
     """A token file or data setting cannot be used."""
+
+
+class TokenSource(Protocol):
+    """What the training loop reads: the global batch of a step, a pure function of the source, seed and step."""
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """``inputs`` and ``targets``: int32 ``[batch, seq_len]``, targets shifted by one token."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,10 @@ from mistjax.distributed import DistributedError, is_primary, peer_failure
 from mistjax.runtime.mpmd_state import is_staged, per_leaf_on_host
 from mistjax.runtime.step import ShardedStep
 from mistjax.train.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, SaveCost
-from mistjax.train.data import MemmapTokens, SyntheticTokens
+from mistjax.train.data import MemmapTokens, SyntheticTokens, TokenSource
 from mistjax.train.metrics import MetricsLog, mfu, peak_flops
 from mistjax.train.state import TrainState, make_optimizer
+from mistjax.train.text_data import TextTokens, is_token_file
 from models.loss import make_loss_fn
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 # Config fields whose change on resume makes the continuation differ from an uninterrupted run.
 _RESUME_SENSITIVE = ("steps", "global_batch", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",
-                     "compute_dtype", "param_dtype")
+                     "tokenizer", "text_field", "eos_id", "compute_dtype", "param_dtype")
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -63,8 +64,15 @@ class TrainConfig:
     learning_rate: Annotated[float, tyro.conf.arg(aliases=("--lr",))] = 3e-3  # peak AdamW learning rate
     warmup_steps: Annotated[int, tyro.conf.arg(aliases=("--warmup",))] = 5  # linear warm-up steps before cosine decay
     seed: int = 0  # parameter init and data order
-    data: str | None = None  # flat binary token file (default: synthetic tokens)
-    token_dtype: Literal["uint16", "uint32"] = "uint16"  # dtype of the token file
+    data: Annotated[str | None, tyro.conf.arg(help=(
+        "training data (default: synthetic tokens): a flat binary token file ending in .bin, or text: a .txt, "
+        ".jsonl or .parquet file, a folder or a quoted glob of them, or a Hugging Face datasets save_to_disk "
+        "folder; text needs --tokenizer"))] = None
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # dtype of a .bin token file
+    tokenizer: str | None = None  # tokenizer.json (Hugging Face tokenizers), or a folder holding one, for text --data
+    text_field: str = "text"  # the .jsonl field / .parquet or dataset column that holds each document's text
+    eos_id: int | None = None  # id appended after every document; unset: the tokenizer's end-of-text token
+    data_cache: str | None = None  # where text --data is tokenized to; unset: ~/.cache/mistjax/tokens
     plan: Annotated[str | None, tyro.conf.arg(help=(
         'plan JSON file, or "auto" to tune a plan on the first batch (mistjax.autoshard); default: data '
         "parallelism over all devices"))] = None
@@ -96,6 +104,10 @@ class TrainConfig:
             raise ValueError(f"--lr {self.learning_rate!r}: the learning rate must be a positive number, e.g. 3e-4")
         if self.token_dtype not in ("uint16", "uint32"):
             raise ValueError(f"--token-dtype {self.token_dtype!r}: use uint16 or uint32")
+        if not self.text_field:
+            raise ValueError("--text-field '': name the field that holds the text, e.g. --text-field text")
+        if self.eos_id is not None and (isinstance(self.eos_id, bool) or self.eos_id < 0):
+            raise ValueError(f"--eos-id {self.eos_id!r}: must be a token id (a non-negative integer)")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype {self.compute_dtype!r}: use float32 or bfloat16")
         if self.param_dtype not in ("float32", "bfloat16"):
@@ -139,11 +151,23 @@ def make_train_step(loss_fn: LossFn) -> Callable[[TrainState, Batch], tuple[Trai
     return train_step
 
 
-def build_data(cfg: TrainConfig, vocab_size: int) -> SyntheticTokens | MemmapTokens:
+def build_data(cfg: TrainConfig, vocab_size: int) -> TokenSource:
+    """The run's data: synthetic tokens, a ``.bin`` token file, or a text corpus (tokenized once, cached).
+
+    Raises:
+      DataError: unusable data or data flags; the message names the flag and the fix.
+    """
     if cfg.data is None:
         return SyntheticTokens(vocab_size, cfg.seq_len, cfg.global_batch, seed=cfg.seed)
-    return MemmapTokens(cfg.data, seq_len=cfg.seq_len, batch_size=cfg.global_batch, dtype=cfg.token_dtype,
-                        vocab_size=vocab_size, seed=cfg.seed)
+    if is_token_file(cfg.data):
+        if cfg.tokenizer is not None:
+            warnings.warn(f"--tokenizer is ignored: --data {cfg.data!r} is a token file (already tokenized)",
+                          RuntimeWarning, stacklevel=2)
+        return MemmapTokens(cfg.data, seq_len=cfg.seq_len, batch_size=cfg.global_batch, dtype=cfg.token_dtype,
+                            vocab_size=vocab_size, seed=cfg.seed)
+    return TextTokens(cfg.data, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len, batch_size=cfg.global_batch,
+                      vocab_size=vocab_size, seed=cfg.seed, text_field=cfg.text_field, eos_id=cfg.eos_id,
+                      cache_dir=cfg.data_cache, log=_log)
 
 
 def resolve_plan(cfg: TrainConfig, num_layers: int, num_devices: int) -> Plan:
@@ -214,7 +238,8 @@ def _plan_brief(plan: Mapping[str, object]) -> str:
             f"{', offload' if offload else ''}, micro-batch {plan.get('micro_batch')} x {plan.get('grad_accum')}")
 
 
-def _check_compatible(meta: CheckpointMeta, cfg: TrainConfig, plan: Plan, directory: Path) -> None:
+def _check_compatible(meta: CheckpointMeta, cfg: TrainConfig, plan: Plan, directory: Path, data: TokenSource
+                      ) -> None:
     """Refuse a checkpoint of another model; say what a new plan or cluster changes; warn about settings
     that make the continuation differ from an uninterrupted run."""
     where = f"{str(directory)!r} (step {meta['step']})"
@@ -233,9 +258,20 @@ def _check_compatible(meta: CheckpointMeta, cfg: TrainConfig, plan: Plan, direct
     config = meta.get("config", {})
     changed = [f"{k} {config[k]!r} -> {getattr(cfg, k)!r}" for k in _RESUME_SENSITIVE
                if k in config and config[k] != getattr(cfg, k)]
+    saved = (meta.get("data_position") or {}).get("tokens_sha256")
+    now = _data_fingerprint(data).get("tokens_sha256")
+    if saved is not None and now is not None and saved != now:
+        changed.append(f"the tokenized --data {cfg.data!r} differs from the checkpoint's (tokens sha256 "
+                       f"{saved[:12]} -> {now[:12]}: files, tokenizer or --eos-id changed)")
     if changed:
         warnings.warn(f"resuming with changed settings ({'; '.join(changed)}): the continuation will differ "
                       "from an uninterrupted run", RuntimeWarning, stacklevel=3)
+
+
+def _data_fingerprint(data: TokenSource) -> dict[str, str]:
+    """What a checkpoint records of a tokenized text corpus: the token stream's hash (nothing for other sources,
+    whose batches the config alone determines)."""
+    return {"tokens_sha256": data.fingerprint} if isinstance(data, TextTokens) else {}
 
 
 def _log(message: str) -> None:
@@ -250,7 +286,7 @@ class _Setup:
     plan: Plan
     step: ShardedStep
     state: TrainState
-    data: SyntheticTokens | MemmapTokens
+    data: TokenSource
     num_devices: int
     start: int
 
@@ -270,7 +306,7 @@ def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> 
         except ValueError as e:
             raise PlanError(f"the plan's tp={plan.tp} cannot split model {cfg.model!r}: {e}") from None
     if plan is not None and ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
-        _check_compatible(newest, cfg, plan, ckpt.directory)  # before the (slow) model build
+        _check_compatible(newest, cfg, plan, ckpt.directory, data)  # before the (slow) model build
     model = models.build(model_cfg, rngs=nnx.Rngs(cfg.seed))
     tx = make_optimizer(cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     low = cfg.param_dtype != "float32"  # 16-bit weights: the optimizer updates an fp32 master copy
@@ -282,7 +318,7 @@ def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> 
     if auto:
         plan = step.plan
         if ckpt is not None and cfg.resume and (newest := ckpt.newest_meta()) is not None:
-            _check_compatible(newest, cfg, plan, ckpt.directory)
+            _check_compatible(newest, cfg, plan, ckpt.directory, data)
     start = 0
     if ckpt is not None and cfg.resume:
         restored = ckpt.restore_latest(state)
@@ -347,7 +383,8 @@ def _train_steps(cfg: TrainConfig, setup: _Setup, ckpt: Checkpointer | None, rep
             if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
                 if not bool(_all_finite(state)):  # never let a checkpoint hold NaN/inf
                     raise TrainingDivergedError(_diverged(f"the parameters became NaN/inf in step {i}", cfg, ckpt))
-                position = {"next_batch": done, "seed": cfg.seed, "source": cfg.data or "synthetic"}
+                position = {"next_batch": done, "seed": cfg.seed, "source": cfg.data or "synthetic",
+                            **_data_fingerprint(setup.data)}
                 ckpt.save(done, state, {**run_meta, "data_position": position})
                 reporter.result.checkpoints.append(done)
     except DistributedError:  # a lost peer (`_one_step`) or one found by the distributed runtime
@@ -426,7 +463,7 @@ def _diverged(what: str, cfg: TrainConfig, ckpt: Checkpointer | None) -> str:
     if cfg.compute_dtype != "float32":
         fixes.append("use --dtype float32")
     if cfg.data is not None:
-        fixes.append("check the token file")
+        fixes.append("check the data")
     return (f"training diverged: {what}; {kept}. To fix: {', '.join(fixes)}, then restart"
             + (" (with --resume to continue from the checkpoint)" if ckpt is not None else ""))
 
