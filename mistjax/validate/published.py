@@ -115,7 +115,7 @@ def to_plan(run: PublishedRun) -> Plan:
                              offload_weights=s.offload_weights, offload_grads=s.offload_grads,
                              offload_opt=s.offload_opt, offload_acts=s.offload_acts) for s in par.stages)
     return Plan(stages=stages, micro_batch=par.micro_batch, grad_accum=par.grad_accum, dp=par.dp, tp=par.tp,
-                schedule=par.schedule)
+                schedule=par.schedule, virtual_stages=par.virtual_stages, shard_group=par.shard_group)
 
 
 def run_config(run: PublishedRun) -> ModelConfig:

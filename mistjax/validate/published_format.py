@@ -81,7 +81,9 @@ class ParallelRecord:
     micro_batch: int  # sequences per data-parallel rank per micro-batch
     grad_accum: int  # micro-batches per step
     schedule: str  # pipeline schedule (`SCHEDULES`)
-    stages: tuple[StageRecord, ...]  # one per pipeline stage
+    stages: tuple[StageRecord, ...]  # one per (virtual) pipeline stage, in layer order
+    virtual_stages: int = 1  # chunks per device group (Megatron's interleaved 1F1B when > 1): pp x v stages
+    shard_group: int = 0  # ZeRO / FSDP partition group (MiCS; e.g. FSDP within a node); 0: all of dp
 
 
 @dataclass(frozen=True)
@@ -319,7 +321,7 @@ def _hardware(doc: object, where: str) -> HardwareRecord:
 
 def _parallel(doc: object, where: str) -> ParallelRecord:
     o = _Obj(doc, where, required={"dp", "tp", "pp", "micro_batch", "grad_accum", "stages"},
-             optional={"schedule", "remat_granularity", "zero"})
+             optional={"schedule", "remat_granularity", "zero", "virtual_stages", "shard_group"})
     schedule = o.text("schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise o.fail("schedule", f"one of {list(SCHEDULES)}")
@@ -330,7 +332,8 @@ def _parallel(doc: object, where: str) -> ParallelRecord:
         raise o.fail("stages", "a non-empty list of stages")
     return ParallelRecord(dp=o.integer("dp"), tp=o.integer("tp"), pp=o.integer("pp"),
                           micro_batch=o.integer("micro_batch"), grad_accum=o.integer("grad_accum"), schedule=schedule,
-                          stages=tuple(_stage(s, f"{where}.stages[{j}]") for j, s in enumerate(stages)))
+                          stages=tuple(_stage(s, f"{where}.stages[{j}]") for j, s in enumerate(stages)),
+                          virtual_stages=o.integer("virtual_stages", 1), shard_group=o.integer("shard_group", 0, lo=0))
 
 
 def _stage(doc: object, where: str) -> StageRecord:
@@ -362,8 +365,9 @@ def _measured(doc: object, where: str, pp: int) -> Measurement:
 def _check_consistent(run: PublishedRun, head: str) -> None:
     """Cross-field checks: stage count, devices, batch, and the stages tiling the model's layers."""
     par, hw = run.parallel, run.hardware
-    if len(par.stages) != par.pp:
-        raise PublishedRunsError(f"{head}.parallel.stages: {len(par.stages)} stages but pp = {par.pp}")
+    if len(par.stages) != par.pp * par.virtual_stages:
+        per = f"pp {par.pp} x virtual_stages {par.virtual_stages}" if par.virtual_stages > 1 else f"pp = {par.pp}"
+        raise PublishedRunsError(f"{head}.parallel.stages: {len(par.stages)} stages but {per}")
     if par.dp * par.tp * par.pp != hw.nodes * hw.per_node:
         raise PublishedRunsError(f"{head}.parallel: dp {par.dp} x tp {par.tp} x pp {par.pp} = "
                                  f"{par.dp * par.tp * par.pp} devices but hardware has {hw.nodes} x {hw.per_node}")
