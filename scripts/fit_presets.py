@@ -41,6 +41,7 @@ class Args:
     leave_one_out: bool = True  # also refit once per fold without it (the honest error of a small fit)
     folds: str = "cell"  # what a fold holds out: cell (model, cluster, attention) | run | model
     max_evaluations: int = 60  # residual evaluations per least-squares fit
+    exclude: tuple[str, ...] = ()  # leave out runs whose id contains one of these (e.g. fp8: priced as bf16)
     write: bool = False  # store the fitted constants in the preset's catalog JSON (if out of sample improves)
     force: bool = False  # with --write: write even if the out-of-sample error does not improve
     catalog: str | None = None  # directory of the preset JSON to write (default: mistjax/hardware/catalog)
@@ -79,7 +80,8 @@ def _write(args: Args, result: Any) -> bool:
         return False
     folder = Path(args.catalog) if args.catalog else Path(__file__).resolve().parents[1] / "mistjax/hardware/catalog"
     path = folder / f"{args.preset}.json"
-    subset = f"{args.preset} runs with a measured step time"
+    subset = f"{args.preset} runs with a measured step time" + (
+        f", leaving out the ids containing {' / '.join(args.exclude)}" if args.exclude else "")
     doc = update_preset_document(preset_document(args.preset), result, fitted_source(result, args.data, subset))
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote the fitted constants into {path}\n{doc['device']['source'].split(' | ')[-1]}")
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"fit_presets: {e}") from None
     if args.preset not in PRESET_NAMES:
         raise SystemExit(f"fit_presets: --preset {args.preset!r} is not a preset; one of {', '.join(PRESET_NAMES)}")
-    chosen = [r for r in runs if r.hardware.preset == args.preset]
+    chosen = [r for r in runs if r.hardware.preset == args.preset and not any(x in r.id for x in args.exclude)]
     if not chosen:
         presets = sorted({r.hardware.preset for r in runs})
         raise SystemExit(f"fit_presets: no run of {args.data} is on preset {args.preset!r}; --preset one of {presets}")
