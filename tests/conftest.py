@@ -142,3 +142,66 @@ def cli(pretrain, capsys):
 
     yield run
     warnings.formatwarning = saved
+
+
+@pytest.fixture(scope="session")
+def killed_and_resumed(tmp_path_factory):
+    """``killed_and_resumed(args, after=5) -> KilledRun``: scripts/pretrain.py run three times on 8 CPU devices
+    with a shared XLA cache: once through as the reference, once killed with SIGKILL when a checkpoint exists
+    and ``after`` steps are logged (so the resume redoes logged steps), and once with ``--resume``. ``args``
+    are the script and its flags without ``--ckpt-dir`` / ``--metrics``, which this adds."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+    from dataclasses import dataclass
+    from pathlib import Path
+
+    cache = tmp_path_factory.mktemp("xla-cache")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+    def complete_lines(path: Path) -> list[str]:
+        try:
+            return [line for line in path.read_text().split("\n")[:-1] if line]
+        except FileNotFoundError:
+            return []
+
+    @dataclass
+    class KilledRun:
+        want: list[dict]  # the reference's metrics records
+        got: list[dict]  # the killed-then-resumed run's
+        killed_at: int  # steps logged when it was killed
+        killed_output: str  # the killed run's stdout
+        resumed: subprocess.CompletedProcess
+        ckpt: Path
+
+    def run(args: list[str], after: int = 5) -> KilledRun:
+        root = tmp_path_factory.mktemp("killed")
+        ref = subprocess.run([*args, "--ckpt-dir", str(root / "ref"), "--metrics", str(root / "ref.jsonl")],
+                             env=env, capture_output=True, text=True, timeout=240)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        ckpt, metrics = root / "ckpt", root / "run.jsonl"
+        run_args = [*args, "--ckpt-dir", str(ckpt), "--metrics", str(metrics)]
+        proc = subprocess.Popen(run_args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                if len(complete_lines(metrics)) >= after and any(p.name.isdigit() for p in ckpt.glob("*")):
+                    break
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGKILL)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -signal.SIGKILL, f"the run ended on its own before the kill: {err[-2000:]}"
+        killed_at = len(complete_lines(metrics))
+        resumed = subprocess.run([*run_args, "--resume"], env=env, capture_output=True, text=True, timeout=240)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        records = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+        return KilledRun(records(root / "ref.jsonl"), records(metrics), killed_at, out, resumed, ckpt)
+
+    return run

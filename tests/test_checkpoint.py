@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,29 +25,6 @@ BASE = TrainConfig(model="gpt3-tiny", steps=6, global_batch=8, seq_len=16, warmu
 
 
 # ------------------------------------------------------------------------------ helpers
-@pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A persistent XLA compilation cache shared by the subprocesses of this session.
-
-    The first subprocess compiles; the later ones (the killed run, the resumed run) load the
-    same executables, which keeps the test fast.
-    """
-    return tmp_path_factory.mktemp("xla-cache")
-
-
-def pretrain_env(cache: Path, devices: int = 8) -> dict[str, str]:
-    env = dict(os.environ)
-    flags = os.environ["XLA_FLAGS"].replace("device_count=8", f"device_count={devices}")  # conftest's, resized
-    env.update(XLA_FLAGS=flags, JAX_NUM_CPU_DEVICES=str(devices),
-               JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return env
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def garble(path: Path) -> None:
     """Flip bytes in the middle of `path` and cut its tail off (a torn, corrupted write)."""
     data = bytearray(path.read_bytes())
@@ -78,52 +52,16 @@ def copy_of(base_run, tmp_path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------ exact resume
-def test_resume_after_sigkill_matches_uninterrupted(tmp_path: Path, compile_cache: Path) -> None:
+def test_resume_after_sigkill_matches_uninterrupted(killed_and_resumed) -> None:
     steps = 12
-    args = [sys.executable, str(PRETRAIN), "--model", "gpt3-tiny", "--steps", str(steps), "--global-batch", "8",
-            "--seq-len", "16", "--warmup", "3", "--ckpt-every", "2", "--keep", "2", "--no-progress"]
-    env = pretrain_env(compile_cache)
-    ref = subprocess.run(args + ["--ckpt-dir", str(tmp_path / "ref"), "--metrics", str(tmp_path / "ref.jsonl")],
-                         env=env, capture_output=True, text=True, timeout=240)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
-    run_args = args + ["--ckpt-dir", str(ckpt), "--metrics", str(metrics)]
-    proc = subprocess.Popen(run_args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        # Kill once a checkpoint exists and training has moved past it: the metrics file then
-        # holds steps the resumed run must redo (and must not duplicate).
-        while time.monotonic() < deadline and proc.poll() is None:
-            done = len(read_metrics_safe(metrics))
-            if done >= 5 and any(p.name.isdigit() for p in ckpt.glob("*")):
-                break
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"the run ended on its own before the kill: {proc.stderr.read()}"
-    killed_at = len(read_metrics_safe(metrics))
-    assert 5 <= killed_at < steps
-
-    resumed = subprocess.run(run_args + ["--resume"], env=env, capture_output=True, text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from step" in resumed.stdout
-    got, want = read_metrics(metrics), read_metrics(tmp_path / "ref.jsonl")
-    assert [r["step"] for r in got] == list(range(steps))  # every step exactly once, in order
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=0, atol=1e-6)
-    assert [r["loss"] for r in got] == [r["loss"] for r in want], "resume is close but not bit-identical"
-
-
-def read_metrics_safe(path: Path) -> list[str]:
-    """Complete lines of a metrics file being written by another process."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [line for line in text.split("\n")[:-1] if line]
+    run = killed_and_resumed([sys.executable, str(PRETRAIN), "--model", "gpt3-tiny", "--steps", str(steps),
+                              "--global-batch", "8", "--seq-len", "16", "--warmup", "3", "--ckpt-every", "2",
+                              "--keep", "2", "--no-progress"])
+    assert 5 <= run.killed_at < steps
+    assert "resumed from step" in run.resumed.stdout
+    assert [r["step"] for r in run.got] == list(range(steps))  # every step exactly once, in order
+    np.testing.assert_allclose([r["loss"] for r in run.got], [r["loss"] for r in run.want], rtol=0, atol=1e-6)
+    assert [r["loss"] for r in run.got] == [r["loss"] for r in run.want], "resume is close but not bit-identical"
 
 
 # ------------------------------------------------------------------------------ corruption

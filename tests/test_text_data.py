@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_checkpoint import PRETRAIN, pretrain_env, read_metrics, read_metrics_safe
 
 from mistjax.train import text_data
 from mistjax.train.data import DataError
@@ -22,6 +17,7 @@ from mistjax.train.text_data import TextTokens, permute
 
 tokenizers = pytest.importorskip("tokenizers", reason="text data needs tokenizers (pip install -e '.[dev]')")
 Tokenizer, models, pre_tokenizers = tokenizers.Tokenizer, tokenizers.models, tokenizers.pre_tokenizers
+PRETRAIN = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 WORDS = ("the", "a", "model", "trains", "on", "text", "and", "tokens", "flow", "through", "layers", "while",
          "gradients", "descend", "slowly", "toward", "small", "losses", "every", "step", "shuffles", "packed",
@@ -31,12 +27,6 @@ SEQ, BATCH = 16, 8
 
 
 # ------------------------------------------------------------------------------ helpers
-@pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An XLA compilation cache for the subprocesses: the killed and the resumed run load the first's programs."""
-    return tmp_path_factory.mktemp("xla-cache")
-
-
 def write_tokenizer(path: Path, words: tuple[str, ...] | list[str] = WORDS, eos: str | None = EOS) -> Path:
     """A word-level tokenizer.json: [UNK] 0, then the end-of-text token (if any), then the words."""
     specials = ["[UNK]"] + ([eos] if eos else [])
@@ -300,40 +290,17 @@ def test_resume_warns_when_the_tokenized_data_changed(corpus, tmp_path: Path) ->
 
 
 # ------------------------------------------------------------------------------ end to end
-def test_pretrain_on_text_resumes_exactly_after_sigkill(corpus, tmp_path: Path, compile_cache: Path) -> None:
+def test_pretrain_on_text_resumes_exactly_after_sigkill(corpus, tmp_path: Path, killed_and_resumed) -> None:
     folder, tok, _ = corpus
     steps = 12  # the corpus holds about 20 sequences: the run wraps around several epochs
-    args = [sys.executable, str(PRETRAIN), "--model", "gpt3-tiny", "--steps", str(steps), "--global-batch", "8",
-            "--seq-len", "16", "--warmup", "3", "--ckpt-every", "2", "--keep", "2", "--no-progress",
-            "--data", str(folder), "--tokenizer", str(tok), "--data-cache", str(tmp_path / "tokens")]
-    env = pretrain_env(compile_cache)
-    ref = subprocess.run(args + ["--ckpt-dir", str(tmp_path / "ref"), "--metrics", str(tmp_path / "ref.jsonl")],
-                         env=env, capture_output=True, text=True, timeout=240)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    assert "tokenized" in ref.stdout
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "run.jsonl"
-    run_args = args + ["--ckpt-dir", str(ckpt), "--metrics", str(metrics)]
-    proc = subprocess.Popen(run_args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if len(read_metrics_safe(metrics)) >= 5 and any(p.name.isdigit() for p in ckpt.glob("*")):
-                break
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended on its own before the kill"
-    assert "tokenizing" not in out, "the second run reuses the token cache"
-    assert 5 <= len(read_metrics_safe(metrics)) < steps
-    resumed = subprocess.run(run_args + ["--resume"], env=env, capture_output=True, text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from step" in resumed.stdout and "warning" not in resumed.stderr
-    got, want = read_metrics(metrics), read_metrics(tmp_path / "ref.jsonl")
-    assert [r["step"] for r in got] == list(range(steps))
-    assert [r["loss"] for r in got] == [r["loss"] for r in want], "resume on text data is not bit-identical"
-    meta = json.loads(next(ckpt.glob(f"{steps}/meta/metadata")).read_text())
+    run = killed_and_resumed([sys.executable, str(PRETRAIN), "--model", "gpt3-tiny", "--steps", str(steps),
+                              "--global-batch", "8", "--seq-len", "16", "--warmup", "3", "--ckpt-every", "2",
+                              "--keep", "2", "--no-progress", "--data", str(folder), "--tokenizer", str(tok),
+                              "--data-cache", str(tmp_path / "tokens")])
+    assert "tokenizing" not in run.killed_output, "the second run reuses the token cache"
+    assert 5 <= run.killed_at < steps
+    assert "resumed from step" in run.resumed.stdout and "warning" not in run.resumed.stderr
+    assert [r["step"] for r in run.got] == list(range(steps))
+    assert [r["loss"] for r in run.got] == [r["loss"] for r in run.want], "resume on text data is not bit-identical"
+    meta = json.loads(next(run.ckpt.glob(f"{steps}/meta/metadata")).read_text())
     assert meta["data_position"]["tokens_sha256"] and meta["data_position"]["source"] == str(folder)
