@@ -26,7 +26,47 @@ from mistjax.trace.unrolled import LayerSlices
 Layer = Callable[[list[jax.Array], list[jax.Array], list[jax.Array]], tuple[list[jax.Array], list[jax.Array]]]
 
 
-def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
+def _schedules_weight_grads_late() -> bool:
+    """Whether the platform being traced for (the abstract mesh's; a deviceless XLA:GPU compile traces in a CPU
+    process) defers a flat program's weight-gradient matmuls to the end of the backward when nothing orders
+    them: XLA:GPU does (the recomputed activations then stay live: remat on 16 unrolled layers, deviceless H100
+    compile, took the peak from 76 to 109 MiB; with the order, to 58 MiB), XLA:CPU does not (with the order its
+    remat'd peak is 64 MiB, without 48 MiB). Without a mesh: assumed."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device is None or device.platform != "cpu"
+
+
+def _after(x: PyTree, ct: PyTree, every: bool = False) -> PyTree:
+    """`x`, its values unchanged, made to depend on `ct` (a cotangent): every device-resident float leaf plus a
+    zero computed from one element of `ct`'s first float leaf, or of each (`every`) (``min(|e|, 0)``, which
+    XLA does not fold).
+
+    An optimization barrier is not enough in one flat program (an unrolled layer loop): XLA:CPU expands it
+    before its last CSE, which then merged each layer's backward re-fetch with the forward's, and it ran the
+    recomputation in the forward (their results live from forward to backward: remat and ZeRO-3 lowered no
+    peak, docs/benchmarks.md, "Remat and ZeRO-3 on unrolled stacks"); on XLA:GPU, which keeps the barrier
+    until after scheduling, ZeRO-3 with the barrier alone saved nothing either (deviceless H100 compile: 48 ->
+    49 MiB; tied, 47 -> 30 MiB). The dependency holds on every platform, for one elementwise pass over `x`;
+    the price is that a fetch cannot start before its layer's cotangent (no overlap with the layer after it in
+    the backward). The carry's cotangent comes first in `ct` (a per-layer output's may be an instantiated
+    zero, which XLA folds).
+    """
+    probes = [c for c in jax.tree.leaves(ct) if jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
+    if not probes:
+        return jax.lax.optimization_barrier(x)
+    zero = sum(jnp.minimum(jnp.abs(jnp.ravel(p)[0]), 0) for p in probes[:None if every else 1])
+
+    def tie(v: jax.Array) -> jax.Array:
+        on_host = getattr(jax.typeof(v), "memory_space", None) == jax.memory.Space.Host
+        if on_host or not jnp.issubdtype(v.dtype, jnp.inexact):
+            return v
+        return v + zero.astype(v.dtype)
+
+    return jax.tree.map(tie, x)
+
+
+def _refetching_layer(layer: Layer, riding: bool = False, tied: bool = False, recomputes: bool = False
+                      ) -> Layer:
     """``layer(consts, carry, x)`` (x: stored weight slices, fetched inside) with a VJP that re-fetches.
 
     The forward keeps the residuals of ``jax.vjp(layer)`` that depend on `consts` or `carry`, plus
@@ -41,6 +81,13 @@ def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
     With `riding`, `x` is ``(x, a)`` and the layer passes `a` (the gradient accumulators of
     `accumulate.reading_rows`) on to its output ``(y, a)``: `a` is not kept (a per-layer residual of
     it would be a stacked copy of the accumulators); the backward's fresh forward passes zeros.
+
+    With `tied` (an unrolled stack's layers, all in one flat program), the backward's inputs (the stored
+    residuals, `consts`, `x`) are made to depend on the cotangent (`_after`), so that XLA neither merges the
+    re-fetch and the recomputation with the forward's nor issues them before the backward reaches the layer.
+    With `recomputes` too (a checkpointed `layer`), on platforms that defer weight-gradient matmuls
+    (`_schedules_weight_grads_late`) the carry cotangent it passes on is made to depend on its weight
+    gradients, so that each layer's recomputed activations die in its own backward step.
     """
 
     def as_wh(w: PyTree, h: tuple[list[jax.Array], list[jax.Array]]) -> tuple[list[jax.Array], PyTree]:
@@ -62,17 +109,22 @@ def _refetching_layer(layer: Layer, riding: bool = False) -> Layer:
     def bwd(saved: tuple[PyTree, ...], ct: tuple[list[jax.Array], PyTree]
             ) -> tuple[list[jax.Array], list[jax.Array], PyTree]:
         stored, consts, x = saved
-        # Like jax.checkpoint's prevent_cse: keep XLA from merging the re-fetch with the forward fetch
-        # when both land in one computation (a scan of one trip is no loop), which would keep the
-        # fetched weights alive from forward to backward. XLA:CPU expands the barrier before CSE, so
-        # there such short segments still fetch once (docs/cost_model.md); in loops it is a no-op.
-        x = jax.lax.optimization_barrier(x)
+        if tied:
+            stored, consts, x = _after((stored, consts, x), ct)
+        else:
+            # Like jax.checkpoint's prevent_cse: keep XLA from merging the re-fetch with the forward fetch
+            # when both land in one computation (a scan of one trip is no loop), which would keep the
+            # fetched weights alive from forward to backward. XLA:CPU expands the barrier before CSE, so
+            # there such short segments still fetch once (docs/cost_model.md); in loops it is a no-op.
+            x = jax.lax.optimization_barrier(x)
         if riding:  # zeros passed straight to the output: dead code
             x = (x, jax.tree.map(jnp.zeros_like, ct[1][1]))
         # zeros_like of the carry cotangent: the carry's shape, dtype and (with check_vma) varying axes.
         zero_c = [jnp.zeros_like(ci) for ci in ct[0]]
         fresh = jax.vjp(as_wh, x, (consts, zero_c))[1]
         g_x, (g_consts, g_c) = restore_vjp(fresh, classified[0], stored)(ct)
+        if tied and recomputes and _schedules_weight_grads_late():
+            g_c = _after(g_c, g_x, every=True)  # this layer's weight gradients before the next layer's backward
         return g_consts, g_c, g_x
 
     run.defvjp(fwd, bwd)
@@ -165,9 +217,18 @@ class LayerLoop:
 
         return apply
 
-    def _kinds(self, apply: Layer, consts: list[jax.Array], riding: bool) -> dict[str, ScanBody]:
-        """The per-layer function of each segment kind (see `_refetching_layer` for `riding`)."""
+    def _kinds(self, apply: Layer, consts: list[jax.Array], riding: bool, unrolled: bool = False
+               ) -> dict[str, ScanBody]:
+        """The per-layer function of each segment kind (see `_refetching_layer` for `riding`; `unrolled`: the
+        layers run as a Python loop, in one flat program)."""
         checkpointed = {REMAT: remat_policy(self.policy), OFFLOAD: offload_policy(self.offload_names)}
+        if unrolled:
+            # Every kind under the re-fetching VJP with its backward tied to its cotangent (`_after`): in one
+            # flat program XLA otherwise merges a jax.checkpoint's recomputation and a plain layer's re-fetch
+            # with the forward's, or issues them in the forward, and remat / ZeRO-3 lower no peak.
+            fns = {PLAIN: apply, **{k: jax.checkpoint(apply, policy=p) for k, p in checkpointed.items()}}
+            return {k: functools.partial(_refetching_layer(f, tied=True, recomputes=k != PLAIN), consts)
+                    for k, f in fns.items()}
         if riding:
             # Every kind under the re-fetching VJP: a jax.checkpoint alone keeps the whole stacks it
             # reads its rows from as a per-layer residual, which the scan stacks (a copy per layer).
@@ -198,7 +259,8 @@ class LayerLoop:
         # (`accumulate.scan_rows`), so no scan reads a copied slice of them.
         # (Not with `finish`: the G == 1 in-loop sync scans slices; the cost model charges them there.)
         by_rows = (accs is not None and finish is None and len(self.scans) > 1 and any(a is not None for a in accs))
-        fns = self._kinds(apply, consts, riding=False)
+        unrolled = any(isinstance(x, LayerSlices) for x in xs)  # an unrolled stack: its own leaves per layer
+        fns = self._kinds(apply, consts, riding=False, unrolled=unrolled)
         if by_rows:
             fns_rows = self._kinds(reading_rows(apply, [j for j, a in enumerate(accs) if a is not None],
                                                 [p for p, a in zip(self.prepare, accs) if a is not None]),
@@ -208,7 +270,7 @@ class LayerLoop:
             start, end, fn = scan.start, scan.end, fns[scan.kind]
             # (Not used on the row-reading path: there only `scan_rows` slices, the other operands.)
             seg = xs if by_rows or (start, end) == (0, self.num_layers) else [x[start:end] for x in xs]
-            if any(isinstance(x, LayerSlices) for x in xs):  # an unrolled stack: its own leaves per layer
+            if unrolled:
                 if accs is not None:
                     raise ValueError("in-loop gradient accumulation needs a stacked layer scan")
                 carry, ys = unrolled_loop(fn, carry, seg)
