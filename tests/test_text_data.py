@@ -272,6 +272,10 @@ def test_script_reports_data_mistakes_in_one_line(cli, corpus, tmp_path: Path) -
     big = write_tokenizer(tmp_path / "big" / "tokenizer.json", words=[f"w{i}" for i in range(300)])
     code, _, err = cli(*small, "--data", folder, "--tokenizer", big)
     assert code == 1 and "more than the model's vocab_size 256" in err and "Traceback" not in err
+    # The folder is read recursively: a metrics log written into it would become training text.
+    code, _, err = cli(*small, "--data", folder, "--tokenizer", tok, "--metrics", folder / "run" / "m.jsonl")
+    assert code == 1 and "--metrics" in err and "inside the --data folder" in err and "Traceback" not in err
+    assert not (folder / "run").exists()
 
 
 def test_resume_warns_when_the_tokenized_data_changed(corpus, tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from mistjax.distributed import DistributedError, is_primary, peer_failure
 from mistjax.runtime.mpmd_state import is_staged, per_leaf_on_host
 from mistjax.runtime.step import ShardedStep
 from mistjax.train.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, SaveCost
-from mistjax.train.data import MemmapTokens, SyntheticTokens, TokenSource
+from mistjax.train.data import DataError, MemmapTokens, SyntheticTokens, TokenSource
 from mistjax.train.metrics import MetricsLog, mfu, peak_flops
 from mistjax.train.state import TrainState, make_optimizer
 from mistjax.train.text_data import TextTokens, is_token_file
@@ -165,9 +165,21 @@ def build_data(cfg: TrainConfig, vocab_size: int) -> TokenSource:
                           RuntimeWarning, stacklevel=2)
         return MemmapTokens(cfg.data, seq_len=cfg.seq_len, batch_size=cfg.global_batch, dtype=cfg.token_dtype,
                             vocab_size=vocab_size, seed=cfg.seed)
+    _check_metrics_outside(cfg.data, cfg.metrics)
     return TextTokens(cfg.data, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len, batch_size=cfg.global_batch,
                       vocab_size=vocab_size, seed=cfg.seed, text_field=cfg.text_field, eos_id=cfg.eos_id,
                       cache_dir=cfg.data_cache, log=_log)
+
+
+def _check_metrics_outside(data: str, metrics: str | None) -> None:
+    """Refuse a JSON-lines metrics file inside a --data folder: the folder is read recursively, so the run
+    would train on its own log, and the corpus (and its token cache) would change with every step."""
+    folder = Path(data).expanduser()
+    if metrics is None or not folder.is_dir():
+        return
+    if Path(metrics).expanduser().resolve().is_relative_to(folder.resolve()):
+        raise DataError(f"--metrics {metrics!r} lies inside the --data folder {data!r}, which is read recursively "
+                        "as training text: write the metrics file outside the data folder")
 
 
 def resolve_plan(cfg: TrainConfig, num_layers: int, num_devices: int) -> Plan:
