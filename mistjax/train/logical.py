@@ -214,20 +214,22 @@ def check_layout(saved: dict[str, LeafSpec], template: PyTree) -> None:
 
 
 async def _read_array(t: ts.TensorStore, piece: Piece) -> jax.Array:
-    """`piece`'s placement filled from the logical array `t` (only this process's devices are read)."""
+    """`piece`'s placement filled from the logical array `t` (only this process's devices are read; a region
+    several of its devices hold, a replicated one, is read once)."""
     arr = piece.array
     index_of = arr.sharding.devices_indices_map(arr.shape)
     devices = [d for d in arr.sharding._addressable_device_assignment]  # noqa: SLF001 - jax's own order
+    regions = {d: logical_region(index_of[d], arr.shape, piece.row) for d in devices}
+    unique = {_region_key(r): r for r in regions.values()}
+    data = dict(zip(unique, await _gather(*(t[r].read() for r in unique.values()))))
     kind = arr.sharding.memory_kind
+    buffers = [jax.device_put(np.asarray(data[_region_key(regions[d])]).astype(arr.dtype, copy=False),
+                              jax.sharding.SingleDeviceSharding(d, memory_kind=kind)) for d in devices]
+    return jax.make_array_from_single_device_arrays(arr.shape, arr.sharding, buffers, dtype=arr.dtype)
 
-    async def shard(device: jax.Device) -> jax.Array:
-        region = logical_region(index_of[device], arr.shape, piece.row)
-        data = await t[region].read()
-        return jax.device_put(np.asarray(data).astype(arr.dtype, copy=False),
-                              jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
-    buffers = await _gather(*(shard(d) for d in devices))
-    return jax.make_array_from_single_device_arrays(arr.shape, arr.sharding, list(buffers), dtype=arr.dtype)
+def _region_key(region: Index) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start, s.stop) for s in region)
 
 
 async def read_leaf(path: Path, leaf: jax.Array | StagedArray | np.ndarray) -> jax.Array | StagedArray | np.ndarray:
