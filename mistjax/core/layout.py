@@ -37,7 +37,10 @@ SHARD_AXES = ("shard_node", "shard_local")
 # parallelism) with an extra `tensor` all-gather per phase. With one node both orders are the same.
 SHARD_SPEC = ("shard_local", "shard_node")
 # The runtime mesh: the plan mesh axes with `shard` split in two (`mistjax.runtime.mesh`).
-RUNTIME_MESH_AXES = ("stage", "replica", *SHARD_AXES, "tensor")
+# `context` (context parallelism: the sequence split) sits between the data-parallel axes and `tensor`, so a
+# CP x TP group is consecutive devices (inside a node when it fits).
+CONTEXT_AXIS = "context"
+RUNTIME_MESH_AXES = ("stage", "replica", *SHARD_AXES, CONTEXT_AXIS, "tensor")
 
 # Logical axis names split over the `tensor` mesh axis (Megatron: attention heads, MLP hidden,
 # vocabulary); everything else (embed, head_dim, layers, ...) stays whole under TP.

@@ -5,9 +5,9 @@ parallel degrees, the MiCS partition group, and per stage the ZeRO flags, remat 
 choices. It is a frozen dataclass with a JSON form carrying a schema version, so a plan made by
 `mistjax.tune` (or by hand) can be saved, inspected with `mistjax explain`, and re-applied.
 
-The plan mesh has axes ``("stage", "replica", "shard", "tensor")`` with extents
-``(S, dp // shard_group, shard_group, tp)``; ``tensor`` varies fastest over the user's devices,
-so TP and MiCS groups land inside a node when the node holds ``shard_group * tp`` devices.
+The plan mesh has axes ``("stage", "replica", "shard", "context", "tensor")`` with extents
+``(S, dp // shard_group, shard_group, cp, tp)``; ``tensor`` varies fastest over the user's devices,
+then ``context``, so TP and CP groups land inside a node when the node holds ``cp * tp`` devices.
 (The runtime splits ``shard`` into inter- and intra-node parts, `mistjax.runtime.mesh`; the plan
 and its JSON keep the single axis.)
 """
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
 
 SCHEMA_VERSION = 1
-PLAN_MESH_AXES = ("stage", "replica", "shard", "tensor")
+PLAN_MESH_AXES = ("stage", "replica", "shard", "context", "tensor")
 # Remat policies a stage may name; "names:a,b" saves only the listed checkpoint_name tags.
 REMAT_POLICIES = ("full", "dots")
 OFFLOAD_FIELDS = ("offload_weights", "offload_grads", "offload_opt", "offload_acts")
@@ -205,6 +205,9 @@ class Plan:
     dp: int = 1  # data-parallel degree per stage (= replica * shard extents)
     tp: int = 1  # tensor-parallel degree (Megatron column/row split + sequence parallel)
     shard_group: int = 0  # MiCS partition group p (divides dp); 0 means dp (plain ZeRO)
+    # Context-parallel degree: every sequence split over `cp` devices along its length (ring attention over
+    # the `context` mesh axis; docs/context-parallel.md). Weights are replicated over it, gradients summed.
+    cp: int = 1
     schedule: str = "1f1b"  # pipeline schedule when there are several stages
     # Chunks of layers per pipeline device group (Megatron's interleaved 1F1B when > 1): `stages` then
     # lists len(stages) virtual stages in layer order, and virtual stage k runs on device group
@@ -235,7 +238,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return self.device_stages * self.dp * self.tp
+        return self.device_stages * self.dp * self.cp * self.tp
 
     @property
     def replicas(self) -> int:
@@ -251,7 +254,7 @@ class Plan:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return dict(zip(PLAN_MESH_AXES, (self.device_stages, self.replicas, self.shard_group, self.tp)))
+        return dict(zip(PLAN_MESH_AXES, (self.device_stages, self.replicas, self.shard_group, self.cp, self.tp)))
 
     def stage_kind(self, index: int) -> StageKind:
         """What makes stage ``index``'s code differ from the others' (`mistjax.core.stages`)."""
@@ -266,7 +269,7 @@ class Plan:
                             f"(this mistjax reads version {SCHEMA_VERSION}); re-run the tuner")
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
-        for name in ("micro_batch", "grad_accum", "dp", "tp", "shard_group", "virtual_stages"):
+        for name in ("micro_batch", "grad_accum", "dp", "tp", "cp", "shard_group", "virtual_stages"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer (a JSON number, not a string)")
@@ -289,6 +292,9 @@ class Plan:
             if self.schedule == "1f1b" and self.grad_accum % groups:
                 raise PlanError(f"interleaved 1F1B runs micro-batches in groups of the {groups} device groups: "
                                 f"grad_accum={self.grad_accum} must be a multiple of {groups}")
+        if self.cp > 1 and self.num_stages > 1:
+            raise PlanError(f"cp={self.cp} with {self.num_stages} pipeline stages: the pipeline executor does not run "
+                            "context parallelism yet; use one stage with cp > 1, or cp=1 with stages")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype={self.grad_dtype!r} is not supported: use one of {GRAD_DTYPES} or null "
                             "(each parameter's own dtype)")
@@ -306,7 +312,8 @@ class Plan:
         if num_devices != self.num_devices:
             raise PlanError(
                 f"the plan needs {self.num_devices} devices (stages {self.device_stages} x dp {self.dp} x "
-                f"tp {self.tp}) but the mesh has {num_devices}; tune for this mesh or pass a plan made "
+                f"{f'cp {self.cp} x ' if self.cp > 1 else ''}tp {self.tp}) but the mesh has {num_devices}; "
+                "tune for this mesh or pass a plan made "
                 "for it")
 
     def check_batch(self, global_batch: int) -> None:
@@ -395,7 +402,8 @@ class Plan:
         groups = (f"{self.device_stages} stage(s) of {self.virtual_stages} interleaved chunks"
                   if self.virtual_stages > 1 else f"{self.num_stages} stage(s)")
         lines = [
-            f"Plan: {groups} x dp {self.dp} x tp {self.tp} = {self.num_devices} devices, "
+            f"Plan: {groups} x dp {self.dp} x {f'cp {self.cp} x ' if self.cp > 1 else ''}tp {self.tp} = "
+            f"{self.num_devices} devices, "
             f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batch(es)/step "
             f"(global batch {self.global_batch}), schedule {self.schedule if self.num_stages > 1 else '-'}",
         ]
@@ -404,6 +412,8 @@ class Plan:
                          f"{self.replicas} replicas (2-hop gradient sync)")
         if self.tp > 1:
             lines.append("  tensor parallel: Megatron column/row split with sequence parallelism")
+        if self.cp > 1:
+            lines.append(f"  context parallel: each sequence split over {self.cp} devices, ring attention")
         if self.virtual_stages > 1:
             lines.append(f"  interleaved: stage k below is chunk k // {self.device_stages} of device group "
                          f"k % {self.device_stages}")
@@ -520,7 +530,7 @@ def params_fingerprint(params: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int = 1, micro_batch: int = 1,
+def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int = 1, cp: int = 1, micro_batch: int = 1,
                  grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b", grad_dtype: str | None = None,
                  **stage_fields: Any) -> Plan:
     """A plan with evenly split stages that all share `stage_fields` (handy for tests and baselines)."""
@@ -529,14 +539,14 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
         if name not in known:
             import difflib
 
-            close = difflib.get_close_matches(name, sorted(known) + ["stages", "tp", "micro_batch", "grad_accum",
+            close = difflib.get_close_matches(name, sorted(known) + ["stages", "tp", "cp", "micro_batch", "grad_accum",
                                                                      "shard_group", "schedule"], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise PlanError(f"uniform_plan got an unknown keyword {name!r}{hint}; stage fields are "
                             f"{', '.join(sorted(known))}")
-    if num_devices % (stages * tp):
-        raise PlanError(f"{num_devices} devices do not split into {stages} stages x tp {tp}")
-    dp = num_devices // (stages * tp)
+    if num_devices % (stages * tp * cp):
+        raise PlanError(f"{num_devices} devices do not split into {stages} stages x cp {cp} x tp {tp}")
+    dp = num_devices // (stages * tp * cp)
     bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
     if len(set(bounds)) != len(bounds):
         raise PlanError(f"cannot split {num_layers} layers into {stages} non-empty stages")
@@ -546,7 +556,7 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
         if "remat_layers" in fields:
             fields["remat_layers"] = min(fields["remat_layers"], b - a)
         stage_plans.append(StagePlan(layers=(a, b), **fields))
-    return Plan(stages=tuple(stage_plans), micro_batch=micro_batch, grad_accum=grad_accum, dp=dp, tp=tp,
+    return Plan(stages=tuple(stage_plans), micro_batch=micro_batch, grad_accum=grad_accum, dp=dp, tp=tp, cp=cp,
                 shard_group=shard_group, schedule=schedule, grad_dtype=grad_dtype)
 
 

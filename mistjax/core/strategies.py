@@ -38,6 +38,7 @@ class StageStrategies:
     stages: np.ndarray  # S: pipeline stages of the plan
     nodes: np.ndarray  # nodes of the stage's device mesh
     per_node: np.ndarray  # devices per node of the stage's mesh
+    cp: np.ndarray | int = 1  # context-parallel degree: each sequence split over cp devices (single stage)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -46,12 +47,12 @@ class StageStrategies:
     @classmethod
     def make(cls, **kw: object) -> StageStrategies:
         """Build with defaults for omitted fields (single stage, no offload, no remat)."""
-        d = dict(b=1, dp=1, tp=1, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0, go=0.0, oo=0.0,
+        d = dict(b=1, dp=1, tp=1, cp=1, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0, go=0.0, oo=0.0,
                  ao=0.0, inflight=1, G=1, first=True, last=True, stages=1, nodes=1, per_node=0)
         d.update(kw)
         arr = {k: np.asarray(v) for k, v in d.items()}
         arr["shard_group"] = np.where(arr["shard_group"] <= 0, arr["dp"], arr["shard_group"])
-        arr["per_node"] = np.where(arr["per_node"] <= 0, arr["dp"] * arr["tp"], arr["per_node"])
+        arr["per_node"] = np.where(arr["per_node"] <= 0, arr["dp"] * arr["cp"] * arr["tp"], arr["per_node"])
         return cls(**arr)
 
 
@@ -90,6 +91,8 @@ class WorkloadLike(Protocol):
     def fingerprint(self) -> str: ...  # short stable hash of model, sizes, batch and optimizer
 
     def supports_tp(self, tp: int) -> bool: ...  # whether tensor parallelism of degree tp applies
+
+    def supports_cp(self, cp: int) -> bool: ...  # whether context parallelism of degree cp applies
 
 
 # A cost model is written for its own workload and cluster types (the project's: `mistjax.cost.Workload` and

@@ -70,23 +70,30 @@ def pass_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     return gemm_seconds(ka, dev, fp32) + fusions + unit_seconds(ka, dev, fp32)
 
 
-def _tables(workload: Workload, dev: DeviceSpec, b: np.ndarray, s: float, t: np.ndarray) -> PassTimes:
-    """Seconds of every (part, pass) at the points ``(b, s, t)`` (1-D arrays)."""
+def _tables(workload: Workload, dev: DeviceSpec, b: np.ndarray, s: float, t: np.ndarray, cp: np.ndarray
+            ) -> PassTimes:
+    """Seconds of every (part, pass) at the points ``(b, s / cp, t)`` (1-D arrays).
+
+    Under context parallelism (``cp`` > 1) a device runs the model on ``s / cp`` tokens of each sequence, but
+    its queries attend to the whole sequence: the ring's balanced causal split gives every device ``1 / cp`` of
+    the attention work, ``cp`` times the attention of an ``s / cp`` sequence. So the fused-attention calls are
+    charged ``cp`` times (docs/context-parallel.md)."""
     fp32 = workload.compute_dtype == "float32"
-    arrays = workload.compiled.kernels(b, np.full_like(b, s), t)
+    arrays = workload.compiled.kernels(b, s / cp, t)
     plain = not dev.fused_attention_kernels
     out = {}
     for (part, key), ka in arrays.items():
         if key.endswith("|plain"):
             continue
         chosen = arrays.get((part, f"{key}|plain"), ka) if plain else ka
-        out[(part, key)] = pass_seconds(chosen, dev, fp32)
+        out[(part, key)] = pass_seconds(chosen, dev, fp32) + (cp - 1.0) * unit_seconds(ka, dev, fp32)
     return out
 
 
-def kernel_rows(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike) -> tuple[PassTimes, np.ndarray]:
+def kernel_rows(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike, cp: ArrayLike = 1.0
+                ) -> tuple[PassTimes, np.ndarray]:
     """Seconds of every ``(part, "fwd[policy]" | "bwd[policy]")`` of one micro-batch at the distinct
-    ``(b, t)`` of the strategies: ``(name -> [rows] seconds, row index of every strategy (flat))``.
+    ``(b, t, cp)`` of the strategies: ``(name -> [rows] seconds, row index of every strategy (flat))``.
 
     Raises:
       ValueError: the workload's profile has no kernel tables (a profile built without `analyze_model`).
@@ -94,25 +101,26 @@ def kernel_rows(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike)
     if workload.compiled.kernels is None:
         raise ValueError(f"the profile of {workload.name!r} has no kernel tables; rebuild the workload with "
                          "mistjax.analysis.analyze_model (Workload.from_loss / models.workload)")
-    b, t = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(t, dtype=np.float64))
+    b, t, cp = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (b, t, cp)))
     s = float(workload.seq_len)
     cache = workload.layout_cache.setdefault((_CACHE, _device_key(dev, workload.compute_dtype == "float32"), s), {})
-    rows, inv = unique_rows([b.ravel(), t.ravel()])
+    rows, inv = unique_rows([b.ravel(), t.ravel(), cp.ravel()])
     keys = [tuple(float(x) for x in r) for r in rows]
     missing = [r for r in keys if r not in cache]
     if missing:
-        mb, mt = (np.array(c, dtype=np.float64) for c in zip(*missing))
-        tables = _tables(workload, dev, mb, s, mt)
+        mb, mt, mc = (np.array(c, dtype=np.float64) for c in zip(*missing))
+        tables = _tables(workload, dev, mb, s, mt, mc)
         for i, key in enumerate(missing):
             cache[key] = {name: float(v[i]) for name, v in tables.items()}
     names = list(cache[keys[0]])
     return {n: np.array([cache[r][n] for r in keys]) for n in names}, inv
 
 
-def kernel_times(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike) -> PassTimes:
-    """`kernel_rows` broadcast to the strategies: ``(part, pass) -> seconds`` shaped like ``b`` and ``t``."""
-    shape = np.broadcast_shapes(np.shape(b), np.shape(t))
-    table, inv = kernel_rows(workload, dev, b, t)
+def kernel_times(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike, cp: ArrayLike = 1.0
+                 ) -> PassTimes:
+    """`kernel_rows` broadcast to the strategies: ``(part, pass) -> seconds`` shaped like ``b``, ``t``, ``cp``."""
+    shape = np.broadcast_shapes(np.shape(b), np.shape(t), np.shape(cp))
+    table, inv = kernel_rows(workload, dev, b, t, cp)
     return {n: v[inv].reshape(shape) for n, v in table.items()}
 
 

@@ -17,7 +17,15 @@ from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
-from mistjax.cost.stage_time import KINDS, capabilities, layer_times, step_extras, synced_in_loop, syncs_rows_in_loop
+from mistjax.cost.stage_time import (
+    KINDS,
+    capabilities,
+    context_kv_bytes,
+    layer_times,
+    step_extras,
+    synced_in_loop,
+    syncs_rows_in_loop,
+)
 from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import ClusterSpec
 
@@ -156,15 +164,17 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     unrolled = (scan_unroll(kinds.n_plain, False, double_buffer) == 2) | (scan_unroll(kinds.n_remat, False,
                                                                                        double_buffer) == 2)
     layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
-    return (np.maximum(blk_peak + recompute + layer_fetch, part_peak) + whole_step + _batch_and_messages(workload, k, v)
-            + _segment_slices(workload, k, kinds, lt))
+    # Context parallelism: one layer's keys and values gathered whole, and their gradients before the scatter.
+    gathered_kv = np.where(k.cp > 1, 2.0 * context_kv_bytes(workload, v) * k.cp, 0.0)
+    return (np.maximum(blk_peak + recompute + layer_fetch + gathered_kv, part_peak) + whole_step
+            + _batch_and_messages(workload, k, v) + _segment_slices(workload, k, kinds, lt))
 
 
 def _batch_and_messages(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
     """The local batch's int32 inputs and targets, and on a pipeline stage the activation it received and the
     cotangent waiting for its backward. (The optimizer update runs in place on the donated state: no extra
     copy of it is charged.)"""
-    tokens = k.b * k.G * float(workload.seq_len) * 4.0 * 2.0
+    tokens = k.b * k.G * float(workload.seq_len) / k.cp * 4.0 * 2.0
     return tokens + np.where(k.pipelined, 2.0 * v.block.output_bytes, 0.0)
 
 
@@ -279,7 +289,7 @@ def stage_memory(workload: Workload, cluster: ClusterSpec, st: StageStrategies) 
     ``b * dp * G`` matching the global batch is the tuner's job.
     """
     k = Knobs.of(st)
-    s = float(workload.seq_len)
+    s = float(workload.seq_len) / k.cp  # each device's part of a sequence (context parallelism)
     v = workload.compiled.values(k.b, s, k.tp)
     # A single stage holds everything; a pipeline stage its own rows and parts (`cost.layout.held`).
     one = ~k.pipelined

@@ -70,13 +70,14 @@ def _inflight(plan: Plan) -> np.ndarray:
 def plan_strategies(workload: Workload, plan: Plan, cluster: ClusterSpec) -> StageStrategies:
     """One strategy row per (virtual) stage of ``plan`` (the runtime's view of the plan)."""
     S, G = plan.num_stages, plan.grad_accum
-    n_dev = plan.dp * plan.tp
+    n_dev = plan.dp * plan.cp * plan.tp
     per_node = min(int(cluster.devices_per_node), n_dev)
     nodes = max(math.ceil(n_dev / per_node), 1)
     st = plan.stages
     return StageStrategies.make(
-        b=plan.micro_batch, dp=plan.dp, tp=plan.tp, shard_group=plan.shard_group, stages=S, G=G, nodes=nodes,
-        per_node=per_node, zero=np.array([s.zero_stage for s in st]), layers=np.array([s.num_layers for s in st]),
+        b=plan.micro_batch, dp=plan.dp, tp=plan.tp, cp=plan.cp, shard_group=plan.shard_group, stages=S, G=G,
+        nodes=nodes, per_node=per_node, zero=np.array([s.zero_stage for s in st]),
+        layers=np.array([s.num_layers for s in st]),
         remat=np.array([s.remat_layers for s in st]),
         policy=np.array([workload.policy_index(s.remat_policy) if s.remat_layers else 0 for s in st]),
         wo=np.array([s.offload_weights for s in st]), go=np.array([s.offload_grads for s in st]),

@@ -122,9 +122,43 @@ def _tp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
 
 
 def _dp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
-    """The link of the whole data-parallel group: ``dp`` devices with stride ``t``."""
-    _, dm, dintra, dinter = _group_link(cluster, k.dp, k.tp, k.per_node)
+    """The link of the whole data-parallel group: ``dp`` devices with stride ``cp x tp``."""
+    _, dm, dintra, dinter = _group_link(cluster, k.dp, k.tp * k.cp, k.per_node)
     return np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1])
+
+
+def _cp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
+    """The link of a context-parallel group: ``cp`` devices ``tp`` apart."""
+    _, m, intra, inter = _group_link(cluster, k.cp, k.tp, k.per_node)
+    return np.where(m > 1, inter[0], intra[0]), np.where(m > 1, inter[1], intra[1])
+
+
+def context_kv_bytes(workload: Workload, v: ProfileValues) -> np.ndarray:
+    """Per device, the key and value shards of one layer and micro-batch under context parallelism: K and V are
+    ``kv_share`` of the layer's hidden-state output each (`Workload.kv_share`), at the local sequence."""
+    return 2.0 * workload.kv_share() * v.block.output_bytes
+
+
+def _cp_layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of one layer's context-parallel collectives, forward and backward: the keys and values gathered
+    over the ``cp`` group for the attention (again in the backward, which also reduce-scatters their
+    gradients). Serial, as GSPMD issues them before the attention that reads them."""
+    full = context_kv_bytes(workload, v) * k.cp
+    link = _cp_link(cluster, k)
+    ag = collective_time(CollectiveOp.ALL_GATHER, full, k.cp, link)
+    rs = collective_time(CollectiveOp.REDUCE_SCATTER, full, k.cp, link)
+    on = k.cp > 1
+    return np.where(on, ag, 0.0), np.where(on, ag + rs, 0.0)
+
+
+def _cp_grad_sync(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues) -> np.ndarray:
+    """Seconds of the all-reduce over the ``cp`` group of one micro-batch's gradients: the weights are
+    replicated over it and each device's gradient is a partial sum over its part of the sequence (GSPMD
+    reduces it where the gradient is formed, once per micro-batch)."""
+    nbytes = (v.block.weight_bytes * k.layers + np.where(k.first, v.pre.weight_bytes, 0.0)
+              + np.where(k.last, v.post.weight_bytes, 0.0)) * workload.grad_scale
+    return np.where(k.cp > 1, collective_time(CollectiveOp.ALL_REDUCE, nbytes, k.cp, _cp_link(cluster, k)), 0.0)
 
 
 def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> np.ndarray:
@@ -155,7 +189,7 @@ def _grad_sync_time(cluster: ClusterSpec, k: Knobs, nbytes: np.ndarray, rs_ops: 
     """Seconds of the ZeRO-0 all-reduce over DP / ZeRO-1 reduce-scatter over the partition group (hop 1) of
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
     ``rs_ops`` collectives (all-reduces are combined on every platform)."""
-    gk, gm, intra, inter = _group_link(cluster, k.shard_group, k.tp, k.per_node)
+    gk, gm, intra, inter = _group_link(cluster, k.shard_group, k.tp * k.cp, k.per_node)
     ar = collective_time(CollectiveOp.ALL_REDUCE, nbytes, k.dp, _dp_link(cluster, k))
     return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter, rs_ops), 0.0))
 
@@ -184,16 +218,17 @@ def _pass_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     """
     if workload.compiled.kernels is None:  # a profile without kernel tables: the FLOP roofline
         return _flop_times(workload, cluster, k, v, kinds)
-    shape = np.broadcast_shapes(np.shape(k.b), np.shape(k.tp), np.shape(k.policy))
-    rows, inv = kernel_rows(workload, cluster.device, k.b, k.tp)
+    point = np.broadcast_shapes(np.shape(k.b), np.shape(k.tp), np.shape(k.cp))
+    shape = np.broadcast_shapes(point, np.shape(k.policy))
+    rows, inv = kernel_rows(workload, cluster.device, k.b, k.tp, k.cp)
     pols, off = workload.policies, kinds.offload_policy
 
     def get(part: str, key: str) -> np.ndarray:
-        return rows[(part, key)][inv].reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.tp)))
+        return rows[(part, key)][inv].reshape(point)
 
     def pick(phase: str) -> np.ndarray:  # the checkpointed layers' policy, per strategy
         table = np.stack([rows[("block", f"{phase}[{p}]")] for p in pols], axis=1)  # [rows, policies]
-        row = np.broadcast_to(inv.reshape(np.broadcast_shapes(np.shape(k.b), np.shape(k.tp))), shape)
+        row = np.broadcast_to(inv.reshape(point), shape)
         return table[row, np.broadcast_to(np.asarray(k.policy, dtype=np.int64), shape)]
 
     out = {"f_plain": get("block", "fwd[none]"), "b_plain": get("block", "bwd[none]"),
@@ -233,11 +268,13 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     tlink = _tp_link(cluster, k)
     tp_f, tp_b = _tp_time(blk, "fwd", k, tlink), _tp_time(blk, "bwd", k, tlink)
     tp_rec = _tp_recompute_time(workload, v, k, tlink)
+    cp_f, cp_b = _cp_layer_times(workload, cluster, k, v)
+    tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
 
-    # ZeRO / MiCS group: p devices, stride t.
+    # ZeRO / MiCS group: p devices, stride cp x t.
     zero, p, G = k.zero, k.shard_group, k.G
     ops = leaf_ops(workload, cluster)
-    gk, gm, intra, inter = _group_link(cluster, p, k.tp, k.per_node)
+    gk, gm, intra, inter = _group_link(cluster, p, k.tp * k.cp, k.per_node)
     fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], gk, gm, intra, inter, ops.stacked), 0.0)
     h2d_link, d2h_link = cluster.device.host_to_device, cluster.device.device_to_host
     fetch_h2d = np.where(lt["w_layer_host"] > 0, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
@@ -284,14 +321,14 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     bwd = bwd + np.where(z3, _rs(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
     # Pipeline sends: the activation forward, its cotangent backward (ppermute each tick).
     send = np.where(k.pipelined, p2p_time(blk.output_bytes, cluster.p2p_link(False)), 0.0)
-    return {"fwd": fwd + send, "bwd": bwd + send}
+    return {"fwd": fwd + send, "bwd": bwd + send + _cp_grad_sync(workload, cluster, k, v)}
 
 
 def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
                 states: StateBytes, kinds: LayerKinds) -> dict[str, np.ndarray]:
     """Once-per-step work (delta), FLOPs outside the layers, and collective bytes per step."""
     loops = sum((np.asarray(n) > 0).astype(np.float64) for n in (kinds.n_off, kinds.n_plain, kinds.n_remat))
-    zero, G, t, p, dp, nl = k.zero, k.G, k.tp, k.shard_group, k.dp, k.layers
+    zero, G, t, p, dp, nl = k.zero, k.G, k.tp * k.cp, k.shard_group, k.dp, k.layers  # t: the DP groups' stride
     grad_full, grad_shard = states.grad_full, states.grad_shard
     gk, gm, intra, inter = _group_link(cluster, p, t, k.per_node)
     R = dp / p
@@ -348,4 +385,5 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
             "update": update, "swap": swap, "tied": tied}
 
 
-__all__ = ["capabilities", "compute_time", "layer_times", "step_extras", "synced_in_loop", "synced_row_bytes"]
+__all__ = ["capabilities", "compute_time", "context_kv_bytes", "layer_times", "step_extras", "synced_in_loop",
+           "synced_row_bytes"]

@@ -201,6 +201,22 @@ class Workload:
             return False
         return bool(np.all(self.compiled.feasible(1, self.seq_len, tp)))
 
+    def supports_cp(self, cp: int) -> bool:
+        """Whether context parallelism of degree ``cp`` applies: the sequence splits into ``2 cp`` chunks (the
+        ring's balanced causal split, docs/context-parallel.md)."""
+        return cp == 1 or self.seq_len % (2 * cp) == 0
+
+    def kv_share(self) -> float:
+        """Key / value heads per query head, from the leaves' logical names (``kv_heads`` and ``heads`` dims;
+        1.0, multi-head attention, when the model names neither): the size of K and V relative to Q, which
+        context parallelism moves between devices."""
+        def largest(name: str) -> int:
+            return max((d for x in self.leaves if x.axes is not None and len(x.axes) == len(x.shape)
+                        for d, n in zip(x.shape, x.axes) if n == name), default=0)
+
+        kv, heads = largest("kv_heads"), largest("heads")
+        return kv / heads if kv and heads else 1.0
+
     def profile_for(self, tp: int) -> ModelProfile:
         """The symbolic profile that prices ``tp``-way tensor parallelism: `profile`, or the analysis with the
         key / value heads replicated where ``tp`` does not divide them."""

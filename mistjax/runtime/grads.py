@@ -27,7 +27,7 @@ from mistjax.core.execution import (
     is_batch_leaf,
     lower_stage,
 )
-from mistjax.core.layout import DP_AXES, PARAM, SHARD_AXES, LeafLayout
+from mistjax.core.layout import CONTEXT_AXIS, DP_AXES, PARAM, SHARD_AXES, LeafLayout
 from mistjax.core.plan import Plan, PlanError, StagePlan
 from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime.accumulate import SliceGrad
@@ -196,28 +196,38 @@ def split_microbatches(x: jax.Array, g: int) -> jax.Array:
     return x.reshape((x.shape[0] // g, g) + x.shape[1:]).swapaxes(0, 1)
 
 
-def _sp_constraint(tp: int) -> Callable[[jax.Array], jax.Array]:
-    """Sequence parallelism between layers: the hidden state split along the sequence over ``tensor``."""
+def _seq_axes(tp: int, cp: int) -> tuple[str, ...]:
+    """The mesh axes the hidden state's sequence dim is split over between layers: ``context`` (context
+    parallelism) major, then ``tensor`` (Megatron's sequence parallelism)."""
+    return tuple(a for a, n in ((CONTEXT_AXIS, cp), ("tensor", tp)) if n > 1)
+
+
+def _sp_constraint(tp: int, cp: int = 1) -> Callable[[jax.Array], jax.Array]:
+    """Sequence parallelism between layers: the hidden state split along the sequence over ``context`` and
+    ``tensor``."""
+    axes = _seq_axes(tp, cp)
 
     def constrain(c: jax.Array) -> jax.Array:
-        if tp > 1 and c.ndim == 3 and c.shape[1] % tp == 0:
-            return lax.with_sharding_constraint(c, P(None, "tensor", None))
+        if axes and c.ndim == 3 and c.shape[1] % (tp * cp) == 0:
+            return lax.with_sharding_constraint(c, P(None, axes, None))
         return c
 
     return constrain
 
 
-def _sequence_split(tp: int) -> Callable[[jax.Array], jax.Array]:
+def _sequence_split(tp: int, cp: int = 1) -> Callable[[jax.Array], jax.Array]:
     """The hidden state entering the layer loop split along the sequence, with Megatron's transpose
-    (``scatter_to_sequence_parallel_region``): the backward all-gathers the cotangent once, whole for
-    every consumer before the layers.
+    (``scatter_to_sequence_parallel_region``): the backward all-gathers the cotangent once over ``tensor``,
+    whole for every consumer before the layers (still split over ``context``, where the whole model runs
+    on its part of the sequence).
 
     A plain constraint's transpose leaves the cotangent split, and GSPMD reshards it per consumer: a
     learned position table's gradient is padded from the split rows, so its accumulator and Adam update
     end up split over ``tensor`` along the table's rows (collective-permutes every micro-batch, all-gathers
     of the gradient and the moments after the loop), besides the gather the embedding's scatter-add needs.
     """
-    split = _sp_constraint(tp)
+    split = _sp_constraint(tp, cp)
+    outside = _sp_constraint(1, cp)
 
     @jax.custom_vjp
     def enter(c: jax.Array) -> jax.Array:
@@ -227,12 +237,14 @@ def _sequence_split(tp: int) -> Callable[[jax.Array], jax.Array]:
         return split(c), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
+        if cp > 1:
+            return (outside(ct),)
         return (lax.with_sharding_constraint(ct, P(*([None] * ct.ndim))),)
 
     enter.defvjp(fwd, bwd)
 
     def constrain(c: jax.Array) -> jax.Array:
-        if jnp.ndim(c) == 3 and c.shape[1] % tp == 0 and jnp.issubdtype(c.dtype, jnp.inexact):
+        if jnp.ndim(c) == 3 and c.shape[1] % (tp * cp) == 0 and jnp.issubdtype(c.dtype, jnp.inexact):
             return enter(c)
         return c
 
@@ -260,7 +272,7 @@ def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: Stage
     return LayerLoop(
         scans=execution.scans, policy=stage.remat_policy,
         gather=tuple(None if i is None else make_fetch(specs[index(i)], stacked) for i in st.xs_leaf),
-        carry_constraint=_sp_constraint(plan.tp), offload_names=tuple(checkpoint_names(st.body)),
+        carry_constraint=_sp_constraint(plan.tp, plan.cp), offload_names=tuple(checkpoint_names(st.body)),
         refetch_plain=refetch_plain,
         prepare=tuple(None if i is None or not stacked else _slice_grad(specs[index(i)], plan) for i in st.xs_leaf))
 
@@ -373,7 +385,7 @@ def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Seq
         return None
     plan.check_layers(traced.stack.num_layers)
     loop = stage_layer_loop(traced, execution, stage, specs, traced.real_index, plan)
-    return dataclasses.replace(loop, enter=_sequence_split(plan.tp)) if plan.tp > 1 else loop
+    return dataclasses.replace(loop, enter=_sequence_split(plan.tp, plan.cp)) if plan.tp * plan.cp > 1 else loop
 
 
 def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequence[StageLeaf],

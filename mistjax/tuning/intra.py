@@ -169,7 +169,7 @@ def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np
     count = tables.remat.count[r]
     c = np.where(count < 0, layers, count)
     st = StageStrategies(
-        b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
+        b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp), cp=np.asarray(key.cp),
         shard_group=grid.shard_group[x], zero=grid.zero[x], layers=layers, remat=np.minimum(c, layers),
         policy=tables.remat.policy[r], wo=grid.wo[x], go=grid.go[x], oo=grid.oo[x], ao=grid.ao[x],
         inflight=inflight, G=np.asarray(key.grad_accum), first=slot == 0, last=slot == key.stages - 1,
@@ -270,7 +270,7 @@ def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, p
     key = probe.key
     layers = probe.layer_options[0]
     st = StageStrategies(
-        b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp),
+        b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp), cp=np.asarray(key.cp),
         shard_group=np.asarray(probe.grid.shard_group[0]), zero=np.asarray(probe.grid.zero[0]),
         layers=np.asarray(layers), remat=np.full(len(r), layers), policy=probe.remat.policy[r],
         wo=np.asarray(0.0), go=np.asarray(0.0), oo=np.asarray(0.0), ao=np.asarray(0.0),
@@ -322,7 +322,7 @@ def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     L = int(workload.num_layers)
     opts = layer_options(space, L, key.stages, key.grad_accum)
     remat = remat_options(space, max(opts), tuple(workload.policies))
-    grid = strategy_grid(space, key.dp, key.tp, cluster.devices_per_node, pipelined=key.stages > 1)
+    grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1)
     tables = StageTables(key, opts, remat, grid, np.empty(0), np.empty(0))
     if space.policies is None:
         tables.remat = _prune_policies(workload, cluster, cost, tables)

@@ -54,6 +54,8 @@ class SearchSpace:
         name: label used in reports.
         micro_batches: per-device micro-batch sizes b.
         tp_degrees: tensor-parallel degrees (capped at the devices of one node; must divide the heads).
+        cp_degrees: context-parallel degrees (each sequence split over cp devices; one-stage plans only, as the
+            runtime runs them; the sequence must split into 2 cp chunks).
         pipeline: allow more than one pipeline stage.
         max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
             computes gradients with plain ``jax.grad``, which the runtime cannot split).
@@ -80,6 +82,7 @@ class SearchSpace:
     name: str = "mistjax"
     micro_batches: tuple[int, ...] = (1, 2, 4)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    cp_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     pipeline: bool = True
     max_grad_accum: int | None = None
     max_stages: int | None = None
@@ -100,7 +103,7 @@ class SearchSpace:
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
             raise ValueError(f"SearchSpace.remat={self.remat!r}: use one of {REMAT_MODES}")
-        for name in ("micro_batches", "tp_degrees"):
+        for name in ("micro_batches", "tp_degrees", "cp_degrees"):
             vals = getattr(self, name)
             if not vals or any(int(v) != v or v < 1 for v in vals):
                 raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of positive integers")
@@ -136,7 +139,7 @@ class SearchSpace:
     @classmethod
     def mist(cls) -> SearchSpace:
         """Mist's own space, without our additions (no MiCS groups, full-layer recompute only)."""
-        return cls(name="mist", mics=False, policies=("full",), schedules=("1f1b",))
+        return cls(name="mist", cp_degrees=(1,), mics=False, policies=("full",), schedules=("1f1b",))
 
     @classmethod
     def megatron(cls) -> SearchSpace:
@@ -144,14 +147,14 @@ class SearchSpace:
         uneven first / last stage option), dp whatever the devices leave, b in {1,2,4}, full recompute,
         distributed optimizer (the published runs: 530B tp 8, pp 35, dp 8; 1T tp 8, pp 64, dp 6; arXiv
         2104.04473 Table 1)."""
-        return cls(name="megatron", zero_levels=(1,), mics=False, remat="all",
+        return cls(name="megatron", cp_degrees=(1,), zero_levels=(1,), mics=False, remat="all",
                    policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
                    act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",))
 
     @classmethod
     def fsdp(cls) -> SearchSpace:
         """ZeRO-3 / FSDP over all devices with (or without) full activation checkpointing."""
-        return cls(name="zero3-fsdp", tp_degrees=(1,), pipeline=False, zero_levels=(3,), mics=False,
+        return cls(name="zero3-fsdp", tp_degrees=(1,), cp_degrees=(1,), pipeline=False, zero_levels=(3,), mics=False,
                    remat="all_or_none", policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,),
                    opt_offload=(0.0,), act_offload=(0.0,), pareto_k=1)
 
@@ -173,6 +176,7 @@ class OuterKey:
     nodes: int  # nodes of one stage's mesh
     per_node: int  # devices of one stage on each of its nodes
     schedule: str = "1f1b"  # pipeline schedule (`core.schedules.SCHEDULE_NAMES`); "1f1b" when S == 1
+    cp: int = 1  # context-parallel degree (one stage only)
 
 
 def _pow2(n: int) -> bool:
@@ -191,11 +195,19 @@ def stage_mesh(num_devices: int, stages: int, nodes: int, per_node: int) -> tupl
     return (k // per_node, per_node)
 
 
-def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: int, per_node: int,
-               supports_tp: Callable[[int], bool] = lambda tp: tp == 1) -> list[OuterKey]:
-    """Every (tp, stages, micro-batch) point of the space on ``nodes x per_node`` devices.
+def _cp_fits(cp: int, tp: int, per_node: int) -> bool:
+    """A CP x TP group is part of a node or whole nodes (`runtime.mesh.build_plan_mesh`)."""
+    ring = cp * tp
+    return per_node % ring == 0 if ring <= per_node else ring % per_node == 0
 
-    ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`).
+
+def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: int, per_node: int,
+               supports_tp: Callable[[int], bool] = lambda tp: tp == 1,
+               supports_cp: Callable[[int], bool] = lambda cp: cp == 1) -> list[OuterKey]:
+    """Every (tp, cp, stages, micro-batch) point of the space on ``nodes x per_node`` devices.
+
+    ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`), ``supports_cp(c)``
+    whether its sequence does (`WorkloadLike.supports_cp`); context parallelism is tried on one stage only.
 
     Ordered by stage count first (one stage is evaluated without a MILP and gives an early incumbent
     for pruning), then TP, then micro-batch size.
@@ -214,14 +226,18 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
         for tp in sorted(set(space.tp_degrees)):
             if tp > per_node or (num_devices // S) % tp or not supports_tp(tp):
                 continue
-            dp = num_devices // S // tp
-            for b in sorted(set(space.micro_batches)):
-                if global_batch % (b * dp):
+            for cp in sorted(set(space.cp_degrees)) if S == 1 else (1,):
+                if (num_devices // S) % (tp * cp) or not supports_cp(cp) or (cp > 1 and not _cp_fits(cp, tp, per_node)):
                     continue
-                if space.max_grad_accum is not None and global_batch // (b * dp) > space.max_grad_accum:
-                    continue
-                for schedule in space.schedules if S > 1 else ("1f1b",):
-                    keys.append(OuterKey(tp, S, b, dp, global_batch // (b * dp), *mesh, schedule=schedule))
+                dp = num_devices // S // tp // cp
+                for b in sorted(set(space.micro_batches)):
+                    if global_batch % (b * dp):
+                        continue
+                    if space.max_grad_accum is not None and global_batch // (b * dp) > space.max_grad_accum:
+                        continue
+                    for schedule in space.schedules if S > 1 else ("1f1b",):
+                        keys.append(OuterKey(tp, S, b, dp, global_batch // (b * dp), *mesh, schedule=schedule,
+                                             cp=cp))
     return keys
 
 

@@ -177,6 +177,7 @@ def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
             offload_opt=float(tables.grid.oo[x]), offload_acts=float(tables.grid.ao[x])))
         start += n
     return Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
+                cp=key.cp,
                 shard_group=group, schedule=key.schedule)
 
 
@@ -352,6 +353,11 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     return objective, plan.replace(prediction=pred), pareto
 
 
+def _supports_cp(workload: WorkloadLike) -> Callable[[int], bool]:
+    """`WorkloadLike.supports_cp`, or one-way only for a workload that predates context parallelism."""
+    return getattr(workload, "supports_cp", lambda cp: cp == 1)
+
+
 def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | None = None, *,
            time_limit: float = 60.0, cost: CostModel | None = None, best_cost: float | None = None,
            prune: bool = True, progress: Progress | None = None) -> SearchResult:
@@ -382,7 +388,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     keys = outer_keys(space, int(workload.num_layers), int(workload.global_batch), cluster.nodes,
-                      cluster.devices_per_node, workload.supports_tp)
+                      cluster.devices_per_node, workload.supports_tp, _supports_cp(workload))
     if progress is not None:
         progress(space.name, 0, len(keys))
     bounds = (_key_bounds(workload, cluster, job.cost, keys, space, job.memo, deadline) if prune

@@ -1,0 +1,153 @@
+"""Context parallelism (`Plan.cp`): the sequence split over the `context` mesh axis, priced and tuned.
+
+Numerics against the single-device `jax.jit` step, the split verified on the placed batch and in the compiled
+program (the keys and values gathered over `context`, the per-device temporaries falling with cp), the cost
+model's view of it, and the tuner choosing it where only it fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mistjax
+import models
+from mistjax.cost import predict
+from mistjax.cost.knobs import Knobs
+from mistjax.cost.predict import plan_strategies
+from mistjax.cost.stage_time import context_kv_bytes
+from mistjax.hardware.presets import ClusterSpec
+from mistjax.plan import PlanError, uniform_plan
+from mistjax.train.data import SyntheticTokens
+from mistjax.train.state import TrainState
+from mistjax.tuning import SearchSpace, search
+from models import make_loss_fn
+
+BATCH, SEQ = 8, 32
+
+
+@functools.cache
+def _setup(name: str, seq: int = SEQ, batch: int = BATCH, layers: int = 4):
+    cfg = models.get_config(name).replace(max_seq_len=seq, num_layers=layers)
+    state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1, momentum=0.9))
+    loss_fn = make_loss_fn(state.graphdef)
+    data = SyntheticTokens(cfg.vocab_size, seq, batch, kind="random").batch(0)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(state.params, data)
+
+    def train_step(state, batch):
+        loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss, "grads": grads}
+
+    return cfg, state, data, train_step, float(ref_loss), ref_grads
+
+
+def _run(name: str, *, cp: int, tp: int = 1, grad_accum: int = 1, **stage):
+    cfg, state, data, train_step, ref_loss, ref_grads = _setup(name)
+    devices = jax.devices()
+    dp = len(devices) // (cp * tp)
+    plan = uniform_plan(cfg.num_layers, len(devices), cp=cp, tp=tp, grad_accum=grad_accum,
+                        micro_batch=BATCH // (dp * grad_accum), **stage)
+    step = mistjax.autoshard(train_step, devices, plan=plan)
+    _, metrics = step(jax.tree.map(jnp.copy, state), data)
+    return step, metrics, ref_loss, ref_grads
+
+
+def _assert_matches(metrics, ref_loss, ref_grads):
+    np.testing.assert_allclose(float(metrics["loss"]), ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(metrics["grads"]), jax.tree.leaves(ref_grads)):
+        scale = float(jnp.max(jnp.abs(r)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("name, knobs", [
+    ("gpt3-tiny", dict(cp=2)),
+    ("llama-tiny", dict(cp=4)),
+    ("llama-tiny", dict(cp=2, tp=2)),
+    ("gpt3-tiny", dict(cp=2, grad_accum=2, shard_opt=True, shard_grads=True, shard_weights=True,
+                       remat_layers=2)),
+])
+def test_context_parallel_plans_match_the_reference(name, knobs):
+    _, metrics, ref_loss, ref_grads = _run(name, **knobs)
+    _assert_matches(metrics, ref_loss, ref_grads)
+
+
+def test_the_sequence_is_split_over_context_and_the_keys_gathered():
+    step, _, _, _ = _run("llama-tiny", cp=4)
+    _, state, data, *_ = _setup("llama-tiny")
+    placed = step.place_batch(data)
+    leaf = jax.tree.leaves(placed)[0]
+    assert leaf.sharding.spec[1] == "context"
+    assert {s.data.shape[1] for s in leaf.addressable_shards} == {SEQ // 4}
+    text = step.lower(state, data).compile().as_text()
+    # The keys and values gathered whole over the 4 context devices, forward and backward (in the layer scan's body).
+    cfg = _setup("llama-tiny")[0]
+    whole = [line for line in text.splitlines()
+             if "all-gather(" in line and f",{SEQ},{cfg.num_kv_heads}," in line.split("all-gather(")[0]]
+    assert len(whole) >= 4, whole
+
+
+def test_per_device_temporaries_fall_with_cp():
+    seq = 512
+    cfg, state, data, train_step, *_ = _setup("llama-tiny", seq=seq, batch=2, layers=2)
+    temps = {}
+    for cp in (1, 4):
+        plan = uniform_plan(cfg.num_layers, cp, cp=cp, micro_batch=2)
+        step = mistjax.autoshard(train_step, jax.devices()[:cp], plan=plan)
+        temps[cp] = step.lower(state, data).compile().memory_analysis().temp_size_in_bytes
+    assert temps[4] < 0.4 * temps[1], temps
+
+
+def test_bad_context_parallel_plans_are_refused_with_the_fix():
+    with pytest.raises(PlanError, match="pipeline executor does not run context parallelism"):
+        uniform_plan(4, 8, stages=2, cp=2)
+    cfg, state, data, train_step, *_ = _setup("gpt3-tiny")
+    plan = uniform_plan(cfg.num_layers, 8, cp=8, micro_batch=8)
+    step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
+    odd = jax.tree.map(lambda x: x[:, :SEQ - 4], data)  # 28 tokens: not 8 parts
+    with pytest.raises(PlanError, match="cp=8"):
+        step(state, odd)
+
+
+def _llama3_8b(seq: int, batch: int):
+    cfg = dataclasses.replace(models.get_config("llama-13b"), name="llama3-8b-like", dtype="bfloat16",
+                              hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_size=14336,
+                              vocab_size=128256)
+    return models.workload(cfg, seq, batch)
+
+
+def test_cost_model_splits_activations_and_prices_the_kv_traffic():
+    w = _llama3_8b(32768, 8)
+    cluster = ClusterSpec.parse("dgx-h100:1x8")
+    assert w.kv_share() == pytest.approx(0.25)  # 8 kv heads of 32
+    zero3 = dict(shard_opt=True, shard_grads=True, shard_weights=True, remat_layers=32)
+    alone = uniform_plan(w.num_layers, 2, cp=1, micro_batch=1, grad_accum=4, **zero3)
+    split = uniform_plan(w.num_layers, 8, cp=4, micro_batch=1, grad_accum=4, **zero3)
+    p1, p4 = predict(w, alone, cluster), predict(w, split, cluster)
+    a1, a4 = p1.stage_memory[0]["activations"], p4.stage_memory[0]["activations"]
+    # Each device holds a quarter of every sequence's residuals (the head's weight-sized ones stay whole).
+    assert a4 < 0.5 * a1
+    # A quarter of the work per device, plus the keys / values going round the ring and the per-micro-batch
+    # gradient all-reduce over the context group.
+    assert p1.step_time / 4 < p4.step_time < p1.step_time / 2
+    k = Knobs.of(plan_strategies(w, split, cluster))
+    v = w.compiled.values(k.b, w.seq_len / k.cp, k.tp)
+    hidden_bytes = 1 * (32768 / 4) * 4096 * 2
+    np.testing.assert_allclose(context_kv_bytes(w, v), 2 * 0.25 * hidden_bytes, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_tuner_uses_context_parallelism_where_only_it_fits():
+    w = _llama3_8b(524288, 8)
+    cluster = ClusterSpec.parse("dgx-h100:4x8")
+    without = search(w, cluster, SearchSpace().replace(cp_degrees=(1,)), time_limit=120)
+    assert without.plan is None and without.complete
+    found = search(w, cluster, SearchSpace(), time_limit=120)
+    assert found.plan is not None and found.plan.cp > 1
+    assert found.prediction.peak_memory <= cluster.memory_budget()
