@@ -471,16 +471,23 @@ def no_plan_message(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
             f"device on {cluster.nodes}x{cluster.devices_per_node} devices")
     try:
         policy = tuple(workload.policies).index("full") if "full" in workload.policies else 0
+        # Every context-parallel degree the sequence allows (a power of two dividing the devices), the rest DP.
+        cps = np.array([c for c in (2**i for i in range(n.bit_length())) if n % c == 0 and _supports_cp(workload)(c)])
         smallest = cost.stage_cost(workload, cluster, StageStrategies.make(
-            b=1, dp=n, zero=3, layers=workload.num_layers, remat=workload.num_layers, policy=policy, wo=1.0,
-            go=1.0, oo=1.0, ao=1.0, G=max(1, getattr(workload, "global_batch", n) // n),
+            b=1, dp=n // cps, cp=cps, zero=3, layers=workload.num_layers, remat=workload.num_layers, policy=policy,
+            wo=1.0, go=1.0, oo=1.0, ao=1.0, G=np.maximum(1, getattr(workload, "global_batch", n) // (n // cps)),
             per_node=cluster.devices_per_node, nodes=cluster.nodes))
-        need = float(np.min(smallest.peak))
-        states = float(sum(np.min(v) for k, v in smallest.memory.items() if k in ("params", "grads", "optimizer")))
+        best = int(np.argmin(smallest.peak))
+        need = float(smallest.peak[best])
+        states = float(sum(np.broadcast_to(v, smallest.peak.shape)[best] for k, v in smallest.memory.items()
+                           if k in ("params", "grads", "optimizer")))
+        cp = int(cps[best])
+        layout = (f"each sequence split over {cp} devices (context parallelism), ZeRO-3 over {n // cp}" if cp > 1
+                  else f"ZeRO-3 over all {n} devices")
         more = math.ceil(n * need / budget) if need > 0 else n
         card = need / cluster.device.usable_memory_fraction / 2**30
-        text += (f"; the smallest plan needs {need / 2**30:.2f} GiB per device (ZeRO-3 over all {n} devices, every "
-                 f"layer recomputed, everything offloadable offloaded, micro-batch 1; {states / 2**30:.2f} GiB of it "
+        text += (f"; the smallest plan needs {need / 2**30:.2f} GiB per device ({layout}, every layer recomputed, "
+                 f"everything offloadable offloaded, micro-batch 1; {states / 2**30:.2f} GiB of it "
                  f"model states). Use devices with at least {card:.1f} GiB, about {more} or more "
                  "devices of this kind, a shorter sequence, or a smaller model")
     except Exception as e:  # the diagnosis must never hide the real error
