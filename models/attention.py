@@ -32,6 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+# The key blocking both blockwise kernels share (this one and the context-parallel ring).
+from mistjax.runtime.context_attention import key_blocks, pad_keys
+
 DEFAULT_BLOCK_SIZE = 128  # keys per block: the fastest on CPU at s = 1-2k, ahead of XLA unfused (docs/guide.md)
 FWD_NAME = "fused_attention_fwd"  # name prefix of the blockwise forward's jit (see the module docstring)
 BWD_NAME = "fused_attention_bwd"
@@ -132,17 +135,6 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int) -> None:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _blocks(s: int, block_size: int) -> tuple[int, int]:
-    """(number of key blocks, keys per block): balanced blocks of at most ``block_size`` keys."""
-    nk = -(-s // block_size)
-    return nk, -(-s // nk)
-
-
-def _pad_keys(x: jax.Array, total: int) -> jax.Array:
-    pad = total - x.shape[1]
-    return x if pad == 0 else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-
-
 def _block_mask(s: int, start: jax.Array, bk: int, causal: bool) -> jax.Array:
     """``[s, bk]``: query ``i`` may read key ``start + j`` (causal, and not a padding key)."""
     qpos = lax.broadcasted_iota(jnp.int32, (s, bk), 0)
@@ -167,10 +159,10 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, causal: 
     b, s, n, d = q.shape
     kvh = k.shape[2]
     g = n // kvh
-    nk, bk = _blocks(s, block_size)
+    nk, bk = key_blocks(s, block_size)
     scale = 1.0 / math.sqrt(d)
     qg = q.reshape(b, s, kvh, g, d)
-    k, v = _pad_keys(k, nk * bk), _pad_keys(v, nk * bk)
+    k, v = pad_keys(k, nk * bk), pad_keys(v, nk * bk)
 
     def body(carry: tuple[jax.Array, ...], start: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
         m, den, acc = carry  # [b, kv, s, g] x2, [b, kv, s, g, d]: running max, sum and output (float32)
@@ -197,12 +189,12 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.A
     b, s, n, d = q.shape
     kvh = k.shape[2]
     g = n // kvh
-    nk, bk = _blocks(s, block_size)
+    nk, bk = key_blocks(s, block_size)
     scale = 1.0 / math.sqrt(d)
     qg, dog = q.reshape(b, s, kvh, g, d), do.reshape(b, s, kvh, g, d)
     # D_i = sum_j P_ij dP_ij = do_i . o_i (FlashAttention-2, eq. for dS), in float32.
     delta = jnp.einsum("bskgd,bskgd->bksg", dog, o.reshape(b, s, kvh, g, d), preferred_element_type=jnp.float32)
-    kp, vp = _pad_keys(k, nk * bk), _pad_keys(v, nk * bk)
+    kp, vp = pad_keys(k, nk * bk), pad_keys(v, nk * bk)
 
     def body(dq: jax.Array, start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         kj = lax.dynamic_slice_in_dim(kp, start, bk, axis=1)

@@ -216,13 +216,14 @@ def _finish(state: _State, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     return _ungroup(state.acc / state.den[..., None]).astype(dtype), state.m + jnp.log(state.den)
 
 
-def _blocks(s: int, block_size: int) -> tuple[int, int]:
+def key_blocks(s: int, block_size: int) -> tuple[int, int]:
     """(number of key blocks, keys per block): balanced blocks of at most ``block_size`` keys."""
     nk = -(-s // block_size)
     return nk, -(-s // nk)
 
 
-def _pad_keys(x: jax.Array, total: int) -> jax.Array:
+def pad_keys(x: jax.Array, total: int) -> jax.Array:
+    """``x`` ``[b, s, kv, d]`` zero-padded along the sequence to ``total`` keys (the last block's padding)."""
     pad = total - x.shape[1]
     return x if pad == 0 else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
 
@@ -242,9 +243,9 @@ def _pair_forward(state: _State, q: jax.Array, k: jax.Array, v: jax.Array, *, di
     A scan over key blocks: the logits temporary is ``[b, kv, sq, g, block]``.
     """
     sq, sk = q.shape[1], k.shape[1]
-    nk, bk = _blocks(sk, block_size)
+    nk, bk = key_blocks(sk, block_size)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    k, v = _pad_keys(k, nk * bk), _pad_keys(v, nk * bk)
+    k, v = pad_keys(k, nk * bk), pad_keys(v, nk * bk)
 
     def body(st: _State, start: jax.Array) -> tuple[_State, None]:
         kj = lax.dynamic_slice_in_dim(k, start, bk, axis=1)
@@ -272,9 +273,9 @@ def _pair_backward(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array
     """
     b, sq, kvh, g, d = q.shape
     sk = k.shape[1]
-    nk, bk = _blocks(sk, block_size)
+    nk, bk = key_blocks(sk, block_size)
     scale = 1.0 / math.sqrt(d)
-    kp, vp = _pad_keys(k, nk * bk), _pad_keys(v, nk * bk)
+    kp, vp = pad_keys(k, nk * bk), pad_keys(v, nk * bk)
 
     def body(dq: jax.Array, start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         kj = lax.dynamic_slice_in_dim(kp, start, bk, axis=1)
@@ -568,4 +569,5 @@ def _attention(axis: str, form: ContextForm, cp: int, block_size: int, causal: b
     return attend
 
 
-__all__ = ["CONTEXT_AXIS", "ContextForm", "context_attention", "ring_schedule", "ulysses_supported"]
+__all__ = ["CONTEXT_AXIS", "ContextForm", "context_attention", "key_blocks", "pad_keys", "ring_schedule",
+           "ulysses_supported"]
