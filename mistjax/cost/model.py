@@ -164,8 +164,12 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     unrolled = (scan_unroll(kinds.n_plain, False, double_buffer) == 2) | (scan_unroll(kinds.n_remat, False,
                                                                                        double_buffer) == 2)
     layer_fetch = np.where(unrolled, 2.0, 1.0) * lt["w_layer_fetch"]
-    # Context parallelism: one layer's keys and values gathered whole, and their gradients before the scatter.
-    gathered_kv = np.where(k.cp > 1, 2.0 * context_kv_bytes(workload, v) * k.cp, 0.0)
+    # Context parallelism: the ring's key / value shards in flight (the received one and the next) and the float32
+    # dK / dV travelling with them; without the ring kernel, one layer's keys and values gathered whole and their
+    # gradients before the scatter.
+    kv = context_kv_bytes(workload, v)
+    ring = 2.0 * kv * (1.0 + 4.0 / (4.0 if workload.compute_dtype == "float32" else 2.0))
+    gathered_kv = np.where(k.cp > 1, ring if workload.ring_attention else 2.0 * kv * k.cp, 0.0)
     return (np.maximum(blk_peak + recompute + layer_fetch + gathered_kv, part_peak) + whole_step
             + _batch_and_messages(workload, k, v) + _segment_slices(workload, k, kinds, lt))
 

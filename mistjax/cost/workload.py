@@ -206,6 +206,12 @@ class Workload:
         ring's balanced causal split, docs/context-parallel.md)."""
         return cp == 1 or self.seq_len % (2 * cp) == 0
 
+    @property
+    def ring_attention(self) -> bool:
+        """Whether the layer's attention is the blockwise fused kernel, which the runtime runs as the ring kernel
+        under context parallelism (`runtime.context_block`); otherwise GSPMD gathers the keys and values whole."""
+        return self.profile.block.fused_flops != 0
+
     def kv_share(self) -> float:
         """Key / value heads per query head, from the leaves' logical names (``kv_heads`` and ``heads`` dims;
         1.0, multi-head attention, when the model names neither): the size of K and V relative to Q, which

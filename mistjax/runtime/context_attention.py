@@ -34,6 +34,7 @@ from typing import NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from mistjax.core.layout import CONTEXT_AXIS
@@ -56,7 +57,7 @@ class ContextForm(enum.StrEnum):
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = CONTEXT_AXIS,
                       form: ContextForm = ContextForm.RING, causal: bool = True,
-                      block_size: int = DEFAULT_BLOCK_SIZE) -> jax.Array:
+                      block_size: int = DEFAULT_BLOCK_SIZE, residual_name: str | None = None) -> jax.Array:
     """Attention over a sequence split contiguously over the mesh axis ``axis`` of the current mesh.
 
     Call it under ``jax.set_mesh(mesh)`` (or inside a ``shard_map`` of that mesh that leaves ``axis``
@@ -70,6 +71,8 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = C
         form: `ContextForm.RING` or `ContextForm.ULYSSES` (or their string values).
         causal: mask keys after the query.
         block_size: keys per block inside each step (balanced blocks of at most this many keys).
+        residual_name: ``checkpoint_name`` given to the saved output and log-sum-exp (as the blockwise kernel's
+            option), so that a remat policy saving that name keeps both instead of rerunning the ring.
 
     Returns:
         ``[batch, seq, heads, head_dim]`` in ``q.dtype``, split like ``q``; logits, softmax statistics and
@@ -94,7 +97,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = C
         raise ValueError(f"context_attention(form='ulysses') on mesh axis {axis!r}: {reason}; use "
                          "form='ring', or a context axis size that divides the head counts")
     direct = form is ContextForm.ULYSSES and _direct_all_to_all(axis)
-    return _attention(axis, form, cp, block_size, causal, kv_heads, direct)(q, k, v)
+    return _attention(axis, form, cp, block_size, causal, kv_heads, direct, residual_name)(q, k, v)
 
 
 def ulysses_supported(heads: int, kv_heads: int, cp: int) -> str | None:
@@ -551,7 +554,7 @@ def _kernels(axis: str, form: ContextForm, cp: int, block_size: int, causal: boo
 
 @functools.cache
 def _attention(axis: str, form: ContextForm, cp: int, block_size: int, causal: bool, kv_heads: int,
-               direct: bool) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+               direct: bool, residual_name: str | None) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
     """The custom-VJP global attention of one configuration (``direct``: Ulysses' `_all_to_all`)."""
     fwd, bwd = _kernels(axis, form, cp, block_size, causal, kv_heads, direct)
 
@@ -560,7 +563,10 @@ def _attention(axis: str, form: ContextForm, cp: int, block_size: int, causal: b
         return fwd(q, k, v)[0]
 
     def attend_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        return fwd(q, k, v)
+        o, res = fwd(q, k, v)
+        if residual_name is not None:  # res = (q, k, v, o, lse)
+            res = (*res[:3], *(checkpoint_name(x, residual_name) for x in res[3:]))
+        return o, res
 
     def attend_bwd(res: tuple[jax.Array, ...], do: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return bwd(*res, do)

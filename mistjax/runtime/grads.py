@@ -31,6 +31,7 @@ from mistjax.core.layout import CONTEXT_AXIS, DP_AXES, PARAM, SHARD_AXES, LeafLa
 from mistjax.core.plan import Plan, PlanError, StagePlan
 from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime.accumulate import SliceGrad
+from mistjax.runtime.context_block import context_parallel_block
 from mistjax.runtime.remat import Body, LayerLoop, LoopSinks
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
 from mistjax.trace.split import TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
@@ -399,7 +400,10 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
     synchronising pass (``sync``) the `synced` leaves' summed rows are all-reduced / reduce-scattered
     there too, each in the iteration that produced it, or one iteration later (`StageExecution.defer_sync`).
     """
+    # One block runs the layer: Megatron's TP layouts, or (cp > 1, which excludes tp > 1) the ring attention.
     tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
+    if plan.cp > 1:
+        tp_block = context_parallel_block(traced)
     layer_loop = _single_stage_loop(traced, execution, specs, plan)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 

@@ -54,8 +54,8 @@ class SearchSpace:
         name: label used in reports.
         micro_batches: per-device micro-batch sizes b.
         tp_degrees: tensor-parallel degrees (capped at the devices of one node; must divide the heads).
-        cp_degrees: context-parallel degrees (each sequence split over cp devices; one-stage plans only, as the
-            runtime runs them; the sequence must split into 2 cp chunks).
+        cp_degrees: context-parallel degrees (each sequence split over cp devices; one-stage plans without
+            tensor parallelism only, as the runtime runs them; the sequence must split into 2 cp chunks).
         pipeline: allow more than one pipeline stage.
         max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
             computes gradients with plain ``jax.grad``, which the runtime cannot split).
@@ -226,7 +226,7 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
         for tp in sorted(set(space.tp_degrees)):
             if tp > per_node or (num_devices // S) % tp or not supports_tp(tp):
                 continue
-            for cp in sorted(set(space.cp_degrees)) if S == 1 else (1,):
+            for cp in sorted(set(space.cp_degrees)) if S == 1 and tp == 1 else (1,):
                 if (num_devices // S) % (tp * cp) or not supports_cp(cp) or (cp > 1 and not _cp_fits(cp, tp, per_node)):
                     continue
                 dp = num_devices // S // tp // cp

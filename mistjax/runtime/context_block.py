@@ -1,0 +1,104 @@
+"""Context parallelism inside the layer: the model's fused-attention calls run as the ring kernel.
+
+Under a plan with ``cp > 1`` the layer runs in its global view with the sequence split over ``context``
+(`runtime.grads`), and GSPMD would gather each layer's keys and values whole for the attention. A layer
+whose attention is the blockwise fused kernel's protocol (`mistjax.analysis.fused`: a ``custom_vjp`` whose
+forward is a ``jit`` named ``fused_attention_fwd_b<B>``) has that call replaced here by
+`runtime.context_attention.context_attention` (ring, balanced causal split), with the same block size,
+mask and residual name. Any other attention is left to GSPMD, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+from jax.extend import core as jex
+
+from mistjax.core.jaxpr import Value, bind_equation, iter_eqns, read
+from mistjax.runtime.context_attention import ContextForm, context_attention
+from mistjax.trace.split import BlockFn, LayerStack, TracedLoss
+
+
+class AttentionCall(NamedTuple):
+    """A fused-attention call of the layer the ring kernel can replace."""
+
+    block: int  # keys per block of the model's kernel
+    causal: bool  # the kernel masks later keys
+    residual_name: str | None  # the checkpoint name its forward gives the saved output and log-sum-exp
+
+
+def attention_call(eqn: jex.JaxprEqn) -> AttentionCall | None:
+    """The `AttentionCall` of ``eqn``, or None when it is not a blockwise fused-attention call on q, k, v."""
+    from mistjax.analysis.fused import unit_of
+
+    if eqn.primitive.name != "custom_vjp_call" or len(eqn.invars) != 3 or "call_jaxpr" not in eqn.params:
+        return None
+    if any(len(getattr(v.aval, "shape", ())) != 4 for v in eqn.invars):
+        return None
+    for e in iter_eqns(eqn.params["call_jaxpr"]):
+        unit = unit_of(str(e.params.get("name", ""))) if e.primitive.name in ("pjit", "jit") else None
+        if unit is not None and unit[0] == "fwd" and unit[1] is not None:
+            # The kernel's mask is its only select (the analysis reads causality the same way).
+            causal = any(x.primitive.name == "select_n" for x in iter_eqns(e.params["jaxpr"], bodies=True))
+            return AttentionCall(unit[1], causal, _residual_name(eqn))
+    return None
+
+
+def _residual_name(eqn: jex.JaxprEqn) -> str | None:
+    """The checkpoint name the call's forward rule gives its residuals: traced through ``jax.vjp``."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+
+    def pullback(*args: jax.Array) -> object:
+        out, vjp = jax.vjp(lambda *x: bind_equation(eqn, list(x))[0], *args)
+        return vjp(out)
+
+    names = {e.params["name"] for e in iter_eqns(jax.make_jaxpr(pullback)(*avals), bodies=True)
+             if e.primitive.name == "name"}
+    return next(iter(sorted(names))) if len(names) == 1 else None
+
+
+@functools.cache
+def _warn_gathered(reason: str) -> None:
+    warnings.warn(f"context parallelism: {reason}; GSPMD gathers each layer's keys and values whole over "
+                  "`context` for the attention (correct, but the keys / values of the whole sequence are held "
+                  "per layer and the causal work is not balanced)", stacklevel=4)
+
+
+def context_parallel_block(traced: TracedLoss) -> BlockFn | None:
+    """A `BlockFn` running ``traced``'s layer with its fused-attention calls as the ring kernel, or None (with a
+    warning) when the layer has none the runtime recognises."""
+    stack = traced.stack
+    if stack is None:
+        return None
+    calls = {i: c for i, e in enumerate(stack.body.jaxpr.eqns) if (c := attention_call(e)) is not None}
+    if not calls:
+        _warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "
+                       "so it is not run as the ring kernel")
+        return None
+    return functools.partial(_run_layer, stack, calls)
+
+
+def _run_layer(stack: LayerStack, calls: dict[int, AttentionCall], consts: Sequence[Value], carry: Sequence[Value],
+               xs: Sequence[Value]) -> tuple[list[Value], list[Value]]:
+    """One layer: the scan body evaluated equation by equation, the attention calls through the ring."""
+    jaxpr = stack.body.jaxpr
+    env: dict[jex.Var, Value] = dict(zip(jaxpr.constvars, stack.body.consts))
+    env.update(zip(jaxpr.invars, [*consts, *carry, *xs]))
+    for i, eqn in enumerate(jaxpr.eqns):
+        vals = [read(env, v) for v in eqn.invars]
+        call = calls.get(i)
+        if call is None:
+            outs = bind_equation(eqn, vals)
+        else:
+            outs = [context_attention(*vals, form=ContextForm.RING, causal=call.causal, block_size=call.block,
+                                      residual_name=call.residual_name)]
+        env.update(zip(eqn.outvars, outs))
+    out = [read(env, v) for v in jaxpr.outvars]
+    return out[: stack.num_carry], out[stack.num_carry:]
+
+
+__all__ = ["AttentionCall", "attention_call", "context_parallel_block"]
