@@ -33,7 +33,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 # The key blocking both blockwise kernels share (this one and the context-parallel ring).
-from mistjax.runtime.context_attention import key_blocks, pad_keys
+from mistjax.runtime.context_attention import check_attention_args, key_blocks, pad_keys
 
 DEFAULT_BLOCK_SIZE = 128  # keys per block: the fastest on CPU at s = 1-2k, ahead of XLA unfused (docs/guide.md)
 FWD_NAME = "fused_attention_fwd"  # name prefix of the blockwise forward's jit (see the module docstring)
@@ -117,22 +117,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_size:
     Raises:
         ValueError: for bad shapes or a non-positive ``block_size``.
     """
-    _check(q, k, v, block_size)
+    check_attention_args(q, k, v, block_size)
     return _blockwise(q, k, v, block_size, causal, residual_name)
 
 
-def _check(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"expected q [b, s, heads, d] and k, v [b, s, kv_heads, d]; got {q.shape}, {k.shape}, "
-                         f"{v.shape}")
-    b, s, n, d = q.shape
-    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d or n % k.shape[2]:
-        raise ValueError(f"k/v {k.shape} do not match q {q.shape}: need the same batch, seq and head_dim, and "
-                         "kv_heads dividing heads")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
 
 
 def _block_mask(s: int, start: jax.Array, bk: int, causal: bool) -> jax.Array:

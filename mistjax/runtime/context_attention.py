@@ -84,7 +84,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = C
             cannot split (`ulysses_supported`).
     """
     form = _form(form)
-    _check(q, k, v, block_size)
+    check_attention_args(q, k, v, block_size, "context_attention")
     cp = _context_size(axis)
     s, heads, kv_heads = q.shape[1], q.shape[2], k.shape[2]
     parts = 2 * cp if form is ContextForm.RING and causal else cp
@@ -161,18 +161,21 @@ def _form(form: ContextForm | str) -> ContextForm:
                          f"got {form!r}") from None
 
 
-def _check(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int) -> None:
+def check_attention_args(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, who: str = "") -> None:
+    """Raise ValueError (prefixed ``who: ``) unless q ``[b, s, heads, d]``, k, v ``[b, s, kv_heads, d]`` of one
+    dtype, kv heads dividing heads, and a positive integer ``block_size`` (both blockwise kernels' inputs)."""
+    pre = f"{who}: " if who else ""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"context_attention: block_size must be a positive integer, got {block_size!r}")
+        raise ValueError(f"{pre}block_size must be a positive integer, got {block_size!r}")
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"context_attention: expected q [b, s, heads, d] and k, v [b, s, kv_heads, d]; got "
+        raise ValueError(f"{pre}expected q [b, s, heads, d] and k, v [b, s, kv_heads, d]; got "
                          f"{q.shape}, {k.shape}, {v.shape}")
     b, s, n, d = q.shape
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d or n % k.shape[2]:
-        raise ValueError(f"context_attention: k/v {k.shape} do not match q {q.shape}: need the same batch, seq "
+        raise ValueError(f"{pre}k/v {k.shape} do not match q {q.shape}: need the same batch, seq "
                          "and head_dim, and kv_heads dividing heads")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"context_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"{pre}q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
 
 
 def _context_size(axis: str) -> int:
@@ -575,5 +578,5 @@ def _attention(axis: str, form: ContextForm, cp: int, block_size: int, causal: b
     return attend
 
 
-__all__ = ["CONTEXT_AXIS", "ContextForm", "context_attention", "key_blocks", "pad_keys", "ring_schedule",
-           "ulysses_supported"]
+__all__ = ["CONTEXT_AXIS", "ContextForm", "check_attention_args", "context_attention", "key_blocks", "pad_keys",
+           "ring_schedule", "ulysses_supported"]
