@@ -366,11 +366,12 @@ def test_shard_axes_split_at_node_boundaries():
 
     cfg = models.get_config("llama-tiny")
     shape = lambda mesh, **k: tuple(build_plan_mesh(mesh, make_plan(cfg, **k)).shape.values())  # noqa: E731
-    assert shape(node_mesh(), **ZERO3) == (1, 1, 2, 4, 1)  # 8 = 2 nodes x 4
-    assert shape(node_mesh(), **ZERO3, tp=2) == (1, 1, 2, 2, 2)  # 4 x tp 2 = 2 nodes x (2 x tp 2)
-    assert shape(node_mesh(), **ZERO3, shard_group=4) == (1, 2, 1, 4, 1)  # one node: flat
-    assert shape(jax.devices(), **ZERO3) == (1, 1, 1, 8, 1)  # no node level known: flat
-    assert make_plan(cfg, **ZERO3).mesh_shape == {"stage": 1, "replica": 1, "shard": 8, "tensor": 1}
+    # (stage, replica, shard_node, shard_local, context, tensor)
+    assert shape(node_mesh(), **ZERO3) == (1, 1, 2, 4, 1, 1)  # 8 = 2 nodes x 4
+    assert shape(node_mesh(), **ZERO3, tp=2) == (1, 1, 2, 2, 1, 2)  # 4 x tp 2 = 2 nodes x (2 x tp 2)
+    assert shape(node_mesh(), **ZERO3, shard_group=4) == (1, 2, 1, 4, 1, 1)  # one node: flat
+    assert shape(jax.devices(), **ZERO3) == (1, 1, 1, 8, 1, 1)  # no node level known: flat
+    assert make_plan(cfg, **ZERO3).mesh_shape == {"stage": 1, "replica": 1, "shard": 8, "context": 1, "tensor": 1}
 
 
 @pytest.mark.parametrize("dim", [0, 1])
