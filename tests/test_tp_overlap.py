@@ -1,7 +1,7 @@
 """Collective matmuls (`mistjax.runtime.collective_matmul`, issue #28 item 3): the tensor-parallel all-gather /
 reduce-scatter of the layer run as rings of chunked matmuls and ppermutes. Forced on on XLA:CPU (where the
 runtime leaves them off): the step against the single-device reference, the layer's collectives in the
-compiled HLO, the rings against plain matmuls, and the switch (`mistjax.runtime.xla_flags`)."""
+compiled HLO, the rings against plain matmuls, and the switch (`core.execution.Capabilities.collective_matmul`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,16 @@ from jax.sharding import PartitionSpec as P
 from test_runtime import ZERO3, assert_matches_reference, make_plan, setup
 
 import mistjax
+import models
+from mistjax.core.execution import Capabilities, collective_matmul
 from mistjax.core.hlo import collectives as hlo_collectives
+from mistjax.cost.kernels import kernel_times
+from mistjax.cost.model import stage_memory
+from mistjax.cost.predict import plan_strategies, predict
+from mistjax.cost.stage_time import layer_tp_times
+from mistjax.cost.tp_rings import exposed_ring_time, ring_bytes
+from mistjax.hardware import ClusterSpec
+from mistjax.plan import uniform_plan
 from mistjax.runtime import xla_flags
 from mistjax.runtime.collective_matmul import RingDot, allgather_matmul, free_out_dim, matmul_reduce_scatter
 
@@ -138,21 +147,77 @@ def test_rings_against_plain_matmuls():
 
 
 def test_switch(monkeypatch):
-    """By platform unless forced: the context, then the options, then MISTJAX_COLLECTIVE_MATMUL; XLA:GPU flags
-    only for GPU programs, each with its reason."""
+    """By platform (`Capabilities.collective_matmul`: where collectives run asynchronously) unless forced: the
+    context, then MISTJAX_COLLECTIVE_MATMUL; XLA:GPU flags only for GPU programs, each with its reason."""
     monkeypatch.delenv(xla_flags.COLLECTIVE_MATMUL_ENV, raising=False)
     use = xla_flags.use_collective_matmul
-    assert use("gpu") and use("cuda") and not use("cpu") and not use(None)
+    assert use("gpu") and use("cuda") and use("tpu") and not use("cpu") and not use(None)
     monkeypatch.setenv(xla_flags.COLLECTIVE_MATMUL_ENV, "on")
-    assert use("cpu")
+    assert use("cpu") and use(None) and Capabilities(False).collective_matmul
     with xla_flags.collective_matmul(False):
-        assert not use("gpu")
+        assert not use("gpu") and not Capabilities(True).collective_matmul
     monkeypatch.setenv(xla_flags.COLLECTIVE_MATMUL_ENV, "off")
-    assert not use("gpu") and use("cpu", xla_flags.XlaGpuOptions(xla_flags.GPU_FLAGS, collective_matmul=True))
+    assert not use("gpu")
+    with xla_flags.collective_matmul(True):
+        assert use("cpu")
     monkeypatch.setenv(xla_flags.COLLECTIVE_MATMUL_ENV, "sometimes")
     with pytest.raises(ValueError, match="on, off or auto"):
         use("gpu")
-    assert xla_flags.compiler_options("cpu") == {}
+    assert xla_flags.compiler_options("cpu") == {} and xla_flags.compiler_options("tpu") == {}
     opts = xla_flags.compiler_options("gpu")
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True and len(opts) == len(xla_flags.GPU_FLAGS)
     assert all(len(f.reason) > 40 for f in xla_flags.GPU_FLAGS)
+
+
+# ------------------------------------------------------------------------------------------- the cost model
+def test_exposed_ring_time_by_hand():
+    """One ring of t = 8 moving 8 MB in all over 1 GB/s, 10 us per step: in line every transfer is paid
+    ((t - 1) steps of latency + B / t / bw); beside the chunk GEMMs at least what the GEMM does not cover and at
+    most the transfer (the interference factors slow both)."""
+    link, t, nbytes = (1e9, 1e-5), 8, 8e6
+    step = 1e-5 + nbytes / t / 1e9  # 1.01 ms
+    assert exposed_ring_time(nbytes, 1, t, link, 0.0, None) == pytest.approx(7 * step)
+    ovl = ClusterSpec.parse("h100:1x8").interference
+    for gemm in (0.0, 0.5 * t * step, t * step, 4.0 * t * step):
+        got = exposed_ring_time(nbytes, 1, t, link, gemm, ovl)
+        assert 7 * max(0.0, step - gemm / t) - 1e-12 <= got <= 7 * step + 1e-12, gemm
+    assert exposed_ring_time(nbytes, 2, t, link, 0.0, None) == pytest.approx(2 * 7 * (1e-5 + nbytes / 2 / t / 1e9))
+    assert exposed_ring_time(nbytes, 1, 1, link, 0.0, None) == 0.0  # no tensor parallelism, no ring
+
+
+@pytest.fixture(scope="module")
+def gpt3_7b():
+    cfg = models.get_config("gpt3-7b").replace(dtype="bfloat16", param_dtype="bfloat16")
+    return models.workload(cfg, 2048, 8)
+
+
+def _layer(workload, cluster: str, on: bool | None) -> tuple[dict[str, float], dict[str, float], float]:
+    """TP = 8 GPT-3 7B, micro-batch 1: one layer's TP seconds (`layer_tp_times`), its compute and ring bytes, and
+    the predicted step time, the collective matmul forced ``on`` (None: by platform)."""
+    cl = ClusterSpec.parse(cluster)
+    plan = uniform_plan(workload.num_layers, 8, tp=8, micro_batch=1, shard_opt=False)
+    with collective_matmul(on):
+        m = stage_memory(workload, cl, plan_strategies(workload, plan, cl))
+        tp = {k: float(np.ravel(v)[0]) for k, v in layer_tp_times(workload, cl, m.knobs, m.values, m.kinds).items()}
+        step = predict(workload, plan, cl).step_time
+    kt = kernel_times(workload, cl.device, 1.0, 8.0)
+    bw = cl.collective_link(8, 1).bandwidth
+    comm = {ph: float(np.ravel(ring_bytes(m.values.block, ph))[0]) * 7 / 8 / bw for ph in ("fwd", "bwd")}
+    compute = {"fwd": float(kt[("block", "fwd[none]")]), "bwd": float(kt[("block", "bwd[none]")])}
+    return tp, {ph: comm[ph] - compute[ph] for ph in comm}, step
+
+
+def test_cost_model_prices_the_rings_where_the_runtime_runs_them(gpt3_7b):
+    """The rule both read (`Capabilities.collective_matmul`): on an H100 cluster (async collectives) the layer's
+    TP time is the rings' exposed time, below the serial collectives and above what the bandwidth alone leaves
+    uncovered by the layer's compute, and the split GEMMs' extra kernels are charged; on XLA:CPU (collectives in
+    line) the rings are off and nothing changes."""
+    serial, _, step_off = _layer(gpt3_7b, "h100:1x8", False)
+    auto, floor, step_auto = _layer(gpt3_7b, "h100:1x8", None)
+    assert auto["chunks_fwd"] > 0 and serial["chunks_fwd"] == 0
+    for ph in ("fwd", "bwd"):
+        assert max(0.0, floor[ph]) <= auto[ph] < serial[ph], (ph, auto, serial, floor)
+    assert step_auto < step_off  # the rings pay at this size (docs/benchmarks.md: the deviceless schedule)
+    cpu_auto, _, cpu_step = _layer(gpt3_7b, "cpu:1x8", None)
+    cpu_off, _, cpu_step_off = _layer(gpt3_7b, "cpu:1x8", False)
+    assert cpu_auto == cpu_off and cpu_step == cpu_step_off

@@ -5,26 +5,28 @@ XLA:GPU flags go to the compiler per program (``jax.jit(..., compiler_options=..
 (tests, deviceless compiles) is unaffected, and the user's own ``XLA_FLAGS`` still apply underneath.
 
 The collective matmul (`mistjax.runtime.collective_matmul`) is a rewrite of the traced program, not a
-flag. `use_collective_matmul` decides it per platform: on where collectives run asynchronously beside
-compute (XLA:GPU: NCCL on its own streams, ``-start`` / ``-done`` pairs the latency-hiding scheduler
-places GEMMs between), off on XLA:CPU, which runs each collective synchronously, so the ring only adds
-steps. Force it either way with the environment variable ``MISTJAX_COLLECTIVE_MATMUL=on|off`` (``auto``,
-the default: by platform) or, in-process, ``with collective_matmul(True): ...`` around the first call
-(trace) of a step; the context wins over the environment.
+flag. One rule decides it for the runtime and the cost model, `core.execution.Capabilities.collective_matmul`:
+on where collectives run asynchronously beside compute (XLA:GPU: NCCL on its own streams, ``-start`` /
+``-done`` pairs the latency-hiding scheduler places GEMMs between; XLA:TPU likewise), off on XLA:CPU, which
+runs each collective synchronously, so the ring only adds steps. Force it either way with the environment
+variable ``MISTJAX_COLLECTIVE_MATMUL=on|off`` (``auto``, the default: by platform) or, in-process,
+``with collective_matmul(True): ...`` around the first call (trace) of a step; the context wins over the
+environment. `use_collective_matmul` applies it to the platform a step is traced for.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-COLLECTIVE_MATMUL_ENV = "MISTJAX_COLLECTIVE_MATMUL"
-"""Environment switch of the collective matmul: ``on``, ``off`` or ``auto`` (default: on for GPU platforms)."""
+from mistjax.core.execution import (
+    COLLECTIVE_MATMUL_ENV,
+    Capabilities,
+    collective_matmul,
+    collective_matmul_forced,
+)
 
-# Platforms (``jax.Device.platform``) whose collectives run asynchronously beside compute.
-ASYNC_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+# Platforms (``jax.Device.platform``) whose programs get the XLA:GPU flags.
+GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,9 @@ class XlaGpuOptions:
 
     Attributes:
       flags: the debug options set on every XLA:GPU program the runtime compiles.
-      collective_matmul: the collective-matmul rewrite: True / False forces it; None decides by platform
-        (and ``MISTJAX_COLLECTIVE_MATMUL``).
     """
 
     flags: tuple[XlaFlag, ...]
-    collective_matmul: bool | None = None
 
 
 GPU_FLAGS: tuple[XlaFlag, ...] = (
@@ -72,52 +71,31 @@ GPU_FLAGS: tuple[XlaFlag, ...] = (
 """The XLA:GPU flags of every program the runtime compiles for a GPU."""
 
 DEFAULT = XlaGpuOptions(GPU_FLAGS)
-_forced: list[bool | None] = [None]  # `collective_matmul`'s in-process override (None: none)
 
 
 def compiler_options(platform: str | None, options: XlaGpuOptions = DEFAULT) -> dict[str, bool | int | str]:
     """The ``compiler_options`` of a program compiled for ``platform`` (empty off GPUs)."""
-    if platform not in ASYNC_PLATFORMS:
+    if platform not in GPU_PLATFORMS:
         return {}
     return {f.name: f.value for f in options.flags}
 
 
-def use_collective_matmul(platform: str | None, options: XlaGpuOptions = DEFAULT) -> bool:
-    """Whether the tensor-parallel runtime runs collective matmuls for ``platform`` (None: unknown).
-
-    Order: the in-process `collective_matmul` context, ``options.collective_matmul``, the
-    ``MISTJAX_COLLECTIVE_MATMUL`` environment variable, then the platform (on for GPUs).
-    """
-    for forced in (_forced[-1], options.collective_matmul):
-        if forced is not None:
-            return forced
-    env = os.environ.get(COLLECTIVE_MATMUL_ENV, "auto").strip().lower()
-    if env in ("on", "1", "true"):
-        return True
-    if env in ("off", "0", "false"):
-        return False
-    if env not in ("", "auto"):
-        raise ValueError(f"{COLLECTIVE_MATMUL_ENV}={env!r}: use on, off or auto")
-    return platform in ASYNC_PLATFORMS
-
-
-@contextlib.contextmanager
-def collective_matmul(on: bool | None) -> Iterator[None]:
-    """Force the collective matmul on / off (None: by platform) for steps traced inside the block."""
-    _forced.append(on)
-    try:
-        yield
-    finally:
-        _forced.pop()
+def use_collective_matmul(platform: str | None) -> bool:
+    """Whether the tensor-parallel runtime runs collective matmuls for ``platform`` (None: unknown, off unless
+    forced): `core.execution.Capabilities.collective_matmul`, the rule the cost model prices too."""
+    if platform is None:
+        return bool(collective_matmul_forced())
+    return Capabilities.of_platform(platform).collective_matmul
 
 
 def describe(options: XlaGpuOptions = DEFAULT) -> str:
     """The settings as text, one per line with the reason (for docs and ``--verbose`` reports)."""
     lines = [f"--{f.name}={str(f.value).lower()}: {f.reason}" for f in options.flags]
-    lines.append(f"collective matmul: {options.collective_matmul!s} (None: by platform; "
-                 f"${COLLECTIVE_MATMUL_ENV}={os.environ.get(COLLECTIVE_MATMUL_ENV, 'auto')})")
+    forced = collective_matmul_forced()
+    lines.append(f"collective matmul: {'by platform' if forced is None else ('on' if forced else 'off')} "
+                 f"(${COLLECTIVE_MATMUL_ENV} or `collective_matmul`)")
     return "\n".join(lines)
 
 
-__all__ = ["ASYNC_PLATFORMS", "COLLECTIVE_MATMUL_ENV", "DEFAULT", "GPU_FLAGS", "XlaFlag", "XlaGpuOptions",
+__all__ = ["COLLECTIVE_MATMUL_ENV", "DEFAULT", "GPU_FLAGS", "GPU_PLATFORMS", "XlaFlag", "XlaGpuOptions",
            "collective_matmul", "compiler_options", "describe", "use_collective_matmul"]
