@@ -158,6 +158,11 @@ def test_tensor_parallel_splits_the_layer_weights_on_two_l4s():
              and i.op_name.replace("\\'", "'").startswith("state.params['layers']['mlp']['wi']")]
     assert entry and f",{TINY.ffn_size // 2}]" in entry[0].type  # [layers, hidden, ffn / 2] per device
     assert any(c.async_pairs for c in r.collectives.values())
+    # On GPUs the layers' TP collectives run as collective matmuls (`Capabilities.collective_matmul`): ring
+    # transfers, each async beside a chunk's GEMM, and the report says so.
+    rings = r.collectives["collective-permute"]
+    assert rings.async_pairs > 0 and rings.overlapped > 0 and rings.in_loops > 0, rings
+    assert any("collective matmuls" in n for n in r.notes), r.notes
 
 
 @needs_plugin
