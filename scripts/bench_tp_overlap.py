@@ -13,7 +13,10 @@ matmul forced off (Megatron's all-gather / reduce-scatter beside the GEMMs) and 
 (`mistjax.runtime.collective_matmul`). From each scheduled HLO it counts, inside the layer loop, the
 async collectives (``-start`` / ``-done`` pairs) by kind, how many of them have a GEMM (Triton / cuBLAS)
 scheduled between start and done, the GEMMs between them in all, and the synchronous collectives; plus
-``memory_analysis`` temp. Runs with JAX_PLATFORMS=cpu (set here); needs ``pip install 'mistjax[gpu-aot]'``.
+``memory_analysis`` temp. Next to each compile, the cost model's price of the same cell, the collective matmul
+off and on (`mistjax.cost.stage_time.layer_tp_times`, `mistjax.cost.tp_rings`): one layer's TP seconds
+forward / backward, the split GEMMs' extra kernels, and the step time. Runs with JAX_PLATFORMS=cpu (set
+here); needs ``pip install 'mistjax[gpu-aot]'``.
 """
 
 from __future__ import annotations
@@ -75,19 +78,48 @@ def gemms_in_loops(hlo_text: str, trips: int) -> int:
     return count
 
 
-def compile_once(args: argparse.Namespace, on: bool) -> dict[str, Any]:
+def predicted(args: argparse.Namespace, on: bool) -> dict[str, float]:
+    """The cost model's price of the cell (all ``--layers`` layers), the collective matmul forced ``on``:
+    microseconds of one layer's TP collectives and split-GEMM overhead per micro-batch, and the step."""
+    import numpy as np
+
+    import models
+    from mistjax.core.execution import collective_matmul
+    from mistjax.cost.model import stage_memory
+    from mistjax.cost.predict import plan_strategies, predict
+    from mistjax.cost.stage_time import layer_tp_times
+
+    cfg, cluster, plan = _cell(args)
+    workload = models.workload(cfg, args.seq, args.micro_batch * plan.dp)
+    with collective_matmul(on):
+        m = stage_memory(workload, cluster, plan_strategies(workload, plan, cluster))
+        tp = layer_tp_times(workload, cluster, m.knobs, m.values, m.kinds)
+        step = predict(workload, plan, cluster).step_time
+    out = {f"layer_{k}_us": round(float(np.ravel(v)[0]) * 1e6, 1) for k, v in tp.items()}
+    out["step_ms"] = round(step * 1e3, 2)
+    return out
+
+
+def _cell(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The cell's model config (bf16, ``--layers`` layers), cluster and plan."""
     import models
     from mistjax.hardware import ClusterSpec
     from mistjax.plan import uniform_plan
-    from mistjax.runtime import xla_flags
-    from mistjax.validate.gpu_aot import compile_plan, zoo_step
 
     cfg = models.get_config(args.model).replace(num_layers=args.layers, dtype="bfloat16", param_dtype="bfloat16")
     cluster = ClusterSpec.parse(args.cluster)
     devices = cluster.nodes * cluster.devices_per_node
     dp = devices // args.tp
     plan = uniform_plan(cfg.num_layers, devices, tp=args.tp, micro_batch=args.micro_batch, shard_opt=dp > 1)
-    state, batch, step = zoo_step(cfg, args.seq, args.micro_batch * dp)
+    return cfg, cluster, plan
+
+
+def compile_once(args: argparse.Namespace, on: bool) -> dict[str, Any]:
+    from mistjax.runtime import xla_flags
+    from mistjax.validate.gpu_aot import compile_plan, zoo_step
+
+    cfg, cluster, plan = _cell(args)
+    state, batch, step = zoo_step(cfg, args.seq, args.micro_batch * plan.dp)
     t0 = time.perf_counter()
     with xla_flags.collective_matmul(on):
         report = compile_plan(step, state, batch, plan, cluster, breakdown=False)
@@ -95,7 +127,7 @@ def compile_once(args: argparse.Namespace, on: bool) -> dict[str, Any]:
     return {"collective_matmul": on, "compile_s": round(time.perf_counter() - t0, 1),
             "temp_mib": round(report.memory.temp / MiB, 1), "peak_mib": round(report.peak / MiB, 1),
             "loop": loop_schedule(text, args.layers), "gemms_in_loop": gemms_in_loops(text, args.layers),
-            "device_kind": report.device_kind}
+            "device_kind": report.device_kind, "predicted": predicted(args, on)}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -109,6 +141,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"collective matmul {'on ' if r['collective_matmul'] else 'off'}: temp {r['temp_mib']} MiB, peak "
               f"{r['peak_mib']} MiB, GEMMs in the layer loop {r['gemms_in_loop']}, compile {r['compile_s']} s")
+    for r in rows:
+        p = r["predicted"]
+        print(f"cost model, collective matmul {'on ' if r['collective_matmul'] else 'off'}: one layer's TP "
+              f"{p['layer_fwd_us']} us forward, {p['layer_bwd_us']} us backward; split-GEMM kernels "
+              f"{p['layer_chunks_fwd_us']} / {p['layer_chunks_bwd_us']} us; step {p['step_ms']} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
