@@ -147,11 +147,12 @@ def test_rings_against_plain_matmuls():
 
 
 def test_switch(monkeypatch):
-    """By platform (`Capabilities.collective_matmul`: where collectives run asynchronously) unless forced: the
-    context, then MISTJAX_COLLECTIVE_MATMUL; XLA:GPU flags only for GPU programs, each with its reason."""
+    """Opt-in (`Capabilities.collective_matmul`: off on every platform unless forced): the context, then
+    MISTJAX_COLLECTIVE_MATMUL; XLA:GPU flags only for GPU programs, each with its reason."""
     monkeypatch.delenv(xla_flags.COLLECTIVE_MATMUL_ENV, raising=False)
     use = xla_flags.use_collective_matmul
-    assert use("gpu") and use("cuda") and use("tpu") and not use("cpu") and not use(None)
+    assert not any(use(p) for p in ("gpu", "cuda", "tpu", "cpu", None))
+    assert not Capabilities(True).collective_matmul
     monkeypatch.setenv(xla_flags.COLLECTIVE_MATMUL_ENV, "on")
     assert use("cpu") and use(None) and Capabilities(False).collective_matmul
     with xla_flags.collective_matmul(False):
@@ -208,12 +209,14 @@ def _layer(workload, cluster: str, on: bool | None) -> tuple[dict[str, float], d
 
 
 def test_cost_model_prices_the_rings_where_the_runtime_runs_them(gpt3_7b):
-    """The rule both read (`Capabilities.collective_matmul`): on an H100 cluster (async collectives) the layer's
-    TP time is the rings' exposed time, below the serial collectives and above what the bandwidth alone leaves
-    uncovered by the layer's compute, and the split GEMMs' extra kernels are charged; on XLA:CPU (collectives in
-    line) the rings are off and nothing changes."""
+    """The rule both read (`Capabilities.collective_matmul`, opt-in): switched on for an H100 cluster (async
+    collectives) the layer's TP time is the rings' exposed time, below the serial collectives and above what the
+    bandwidth alone leaves uncovered by the layer's compute, and the split GEMMs' extra kernels are charged; by
+    default (auto) the rings are off and the serial price stands."""
     serial, _, step_off = _layer(gpt3_7b, "h100:1x8", False)
-    auto, floor, step_auto = _layer(gpt3_7b, "h100:1x8", None)
+    default, _, step_default = _layer(gpt3_7b, "h100:1x8", None)
+    assert default == serial and step_default == step_off
+    auto, floor, step_auto = _layer(gpt3_7b, "h100:1x8", True)
     assert auto["chunks_fwd"] > 0 and serial["chunks_fwd"] == 0
     for ph in ("fwd", "bwd"):
         assert max(0.0, floor[ph]) <= auto[ph] < serial[ph], (ph, auto, serial, floor)

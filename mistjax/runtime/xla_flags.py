@@ -92,7 +92,7 @@ def describe(options: XlaGpuOptions = DEFAULT) -> str:
     """The settings as text, one per line with the reason (for docs and ``--verbose`` reports)."""
     lines = [f"--{f.name}={str(f.value).lower()}: {f.reason}" for f in options.flags]
     forced = collective_matmul_forced()
-    lines.append(f"collective matmul: {'by platform' if forced is None else ('on' if forced else 'off')} "
+    lines.append(f"collective matmul: {'off (opt-in)' if forced is None else ('on' if forced else 'off')} "
                  f"(${COLLECTIVE_MATMUL_ENV} or `collective_matmul`)")
     return "\n".join(lines)
 
