@@ -178,6 +178,10 @@ class PartValues:
         """Tensor-parallel collective bytes of ``kind`` in ``phase`` (fwd | bwd), without remat."""
         return self._get(f"tp.{kind}.{phase}")
 
+    def tp_calls(self, kind: str, phase: str) -> np.ndarray:
+        """Tensor-parallel collectives of ``kind`` issued in ``phase`` (fwd | bwd), without remat."""
+        return self._get(f"tp_calls.{kind}.{phase}")
+
     def tp_recompute(self, policy: str, kind: str) -> np.ndarray:
         """Extra tensor-parallel collective bytes a layer checkpointed with ``policy`` issues."""
         return self._get(f"tp_recompute[{policy}].{kind}")

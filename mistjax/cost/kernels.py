@@ -18,6 +18,7 @@ on the workload, so `stage_cost` stays vectorised.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TypeAlias
 
 import numpy as np
@@ -29,6 +30,12 @@ from mistjax.cost.workload import Workload
 from mistjax.hardware.presets import DeviceSpec
 
 _CACHE = "kernel-times"  # key prefix in Workload.layout_cache
+WEIGHT_GEMMS = "|weight-gemms"
+"""Suffix of a pass key whose entry is the seconds of its weight GEMMs only (`weight_gemm_seconds`): kept for the
+layer's plain passes, ``("block", "fwd[none]" + WEIGHT_GEMMS)`` and the backward's, which the collective-matmul
+rings overlap (`mistjax.cost.tp_rings`)."""
+WEIGHT_GEMM_KERNELS = "|weight-gemm-kernels"
+"""Suffix of a pass key whose entry is how many weight GEMM kernels the pass runs (beside `WEIGHT_GEMMS`)."""
 
 PassTimes: TypeAlias = dict[tuple[str, str], np.ndarray]
 """Seconds by ``(part, "fwd[policy]" | "bwd[policy]")``."""
@@ -49,6 +56,16 @@ def gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     memory = ka.gemm_bytes / (dev.hbm_bandwidth * dev.memory_efficiency)
     each = np.where(flops > 0, np.maximum(compute, memory) + dev.kernel_overhead, 0.0)
     return np.sum(each * ka.gemm_count, axis=-1)
+
+
+def weight_gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
+    """Seconds of a pass's GEMMs without batch dims: the weight matmuls (projections, MLP; attention's score and
+    value products are batched over heads). A layer with one local head at batch 1 would count those too."""
+    return gemm_seconds(_weight_gemms(ka), dev, fp32)
+
+
+def _weight_gemms(ka: KernelArrays) -> KernelArrays:
+    return replace(ka, gemm_count=np.where(ka.gemm_batch == 1, ka.gemm_count, 0.0))
 
 
 def unit_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
@@ -87,6 +104,9 @@ def _tables(workload: Workload, dev: DeviceSpec, b: np.ndarray, s: float, t: np.
             continue
         chosen = arrays.get((part, f"{key}|plain"), ka) if plain else ka
         out[(part, key)] = pass_seconds(chosen, dev, fp32) + (cp - 1.0) * unit_seconds(ka, dev, fp32)
+        if part == "block" and key in ("fwd[none]", "bwd[none]"):
+            out[(part, key + WEIGHT_GEMMS)] = weight_gemm_seconds(chosen, dev, fp32)
+            out[(part, key + WEIGHT_GEMM_KERNELS)] = np.sum(_weight_gemms(chosen).gemm_count, axis=-1)
     return out
 
 
@@ -124,4 +144,5 @@ def kernel_times(workload: Workload, dev: DeviceSpec, b: ArrayLike, t: ArrayLike
     return {n: v[inv].reshape(shape) for n, v in table.items()}
 
 
-__all__ = ["PassTimes", "gemm_seconds", "kernel_rows", "kernel_times", "pass_seconds", "unit_seconds"]
+__all__ = ["WEIGHT_GEMMS", "WEIGHT_GEMM_KERNELS", "PassTimes", "gemm_seconds", "kernel_rows", "kernel_times",
+           "pass_seconds", "unit_seconds", "weight_gemm_seconds"]

@@ -2,13 +2,14 @@
 
 Per layer and phase (forward / backward) the four channels are priced standalone and combined with
 `overlap_time` (Mist section 3.2); tensor-parallel collectives are added serially (they sit on the
-critical path between matmuls). Layer kinds follow `runtime.remat`: plain, checkpointed (recompute
-in backward), activation-offloaded (tagged activations D2H in forward, H2D in backward, the rest
-recomputed). Every kind fetches its weights (ZeRO-3 all-gather, host->device copy) in the forward
-and again in the backward (plain layers through the runtime's re-fetching custom VJP). Collective
-group layouts follow the plan mesh ``(stage, replica, shard, tensor)`` with ``tensor`` fastest: a TP
-group is ``t`` consecutive devices, a ZeRO/MiCS group ``p`` devices with stride ``t``, spanning
-``ceil(p t / per_node)`` nodes; a group spanning nodes uses the hierarchical (MiCS) gather /
+critical path between matmuls), or, where the layer runs them as collective matmuls
+(`Capabilities.collective_matmul`), what of their rings the chunks' GEMMs do not hide (`cost.tp_rings`).
+Layer kinds follow `runtime.remat`: plain, checkpointed (recompute in backward), activation-offloaded (tagged
+activations D2H in forward, H2D in backward, the rest recomputed). Every kind fetches its weights (ZeRO-3
+all-gather, host->device copy) in the forward and again in the backward (plain layers through the runtime's
+re-fetching custom VJP). Collective group layouts follow the plan mesh ``(stage, replica, shard, tensor)``
+with ``tensor`` fastest: a TP group is ``t`` consecutive devices, a ZeRO/MiCS group ``p`` devices with stride
+``t``, spanning ``ceil(p t / per_node)`` nodes; a group spanning nodes uses the hierarchical (MiCS) gather /
 reduce-scatter.
 """
 
@@ -31,10 +32,12 @@ from mistjax.cost.collectives import (
     p2p_time,
 )
 from mistjax.cost.interference import overlap_time
-from mistjax.cost.kernels import kernel_rows
+from mistjax.cost.kernels import WEIGHT_GEMM_KERNELS, WEIGHT_GEMMS, kernel_rows
 from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import unique_rows
+from mistjax.cost.tp_rings import chunk_overhead, recompute_share, tp_ring_recompute_time, tp_ring_time
 from mistjax.cost.workload import OPTIMIZERS, Workload
+from mistjax.hardware.interference import InterferenceParams
 from mistjax.hardware.presets import ClusterSpec
 
 # The collectives a stage issues (tensor-parallel and ZeRO / DP), as `StageCost.comm` reports them.
@@ -199,14 +202,29 @@ def _tp_time(part: PartValues, phase: str, k: Knobs, link: LinkArrays) -> np.nda
     return sum(collective_time(kd, part.tp(kd, phase), k.tp, link) for kd in KINDS)
 
 
-def _tp_recompute_time(workload: Workload, v: ProfileValues, k: Knobs, link: LinkArrays
-                       ) -> np.ndarray:
-    """Seconds of the extra tensor-parallel collectives a checkpointed layer issues when it recomputes."""
-    total = 0.0
-    for kd in KINDS:
-        nb = v.block.pick(lambda q, kd=kd: v.block.tp_recompute(q, kd), workload.policies, k.policy)
-        total = total + collective_time(kd, np.maximum(nb, 0.0), k.tp, link)
-    return total
+def _ring_overlap(cluster: ClusterSpec) -> InterferenceParams | None:
+    """How a collective matmul's transfers share the device with its GEMMs: the cluster's interference factors
+    where collectives run asynchronously, None where in line (`cost.tp_rings.exposed_ring_time`)."""
+    return cluster.interference if cluster.device.async_collectives else None
+
+
+def _block_tp_time(cluster: ClusterSpec, v: ProfileValues, phase: str, k: Knobs, link: LinkArrays,
+                   ring_gemm: np.ndarray) -> np.ndarray:
+    """Seconds of a layer's tensor-parallel collectives in one phase: serial, or as collective matmuls whose
+    chunk GEMMs (``ring_gemm`` seconds in all) hide their transfers (`cost.tp_rings`)."""
+    if not capabilities(cluster).collective_matmul:
+        return _tp_time(v.block, phase, k, link)
+    return tp_ring_time(v.block, phase, k.tp, link, ring_gemm, _ring_overlap(cluster))
+
+
+def _tp_recompute_time(workload: Workload, cluster: ClusterSpec, v: ProfileValues, k: Knobs, link: LinkArrays,
+                       ring_gemm: np.ndarray) -> np.ndarray:
+    """Seconds of the extra tensor-parallel collectives a checkpointed layer issues when it recomputes
+    (with collective matmuls: as the forward's rings, ``ring_gemm`` its GEMM seconds)."""
+    nbytes = _recompute_bytes(workload, v, k)
+    if capabilities(cluster).collective_matmul:
+        return tp_ring_recompute_time(v.block, nbytes, k.tp, link, ring_gemm, _ring_overlap(cluster))
+    return sum(collective_time(kd, nbytes[kd], k.tp, link) for kd in KINDS)
 
 
 def _pass_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, kinds: LayerKinds
@@ -214,7 +232,10 @@ def _pass_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     """Compute seconds of one layer per kind and phase, and of pre / post (`mistjax.cost.kernels`).
 
     Plain layers run the forward and backward without remat; checkpointed layers their policy's forward and
-    backward (which recomputes); activation-offloaded layers those of the offload policy.
+    backward (which recomputes); activation-offloaded layers those of the offload policy. ``ring_fwd`` /
+    ``ring_bwd``: a plain layer's GEMMs that collective-matmul rings run, forward (its weight GEMMs) and
+    backward (half of them: the input gradients'; `cost.tp_rings`); ``ring_kernels_*``: how many GEMM kernels
+    those are.
     """
     if workload.compiled.kernels is None:  # a profile without kernel tables: the FLOP roofline
         return _flop_times(workload, cluster, k, v, kinds)
@@ -238,6 +259,10 @@ def _pass_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     out["b_off"] = get("block", f"bwd[{off}]") if has_off else out["b_plain"]
     for part in ("pre", "post"):
         out[f"{part}_fwd"], out[f"{part}_bwd"] = get(part, "fwd[none]"), get(part, "bwd[none]")
+    out["ring_fwd"] = get("block", "fwd[none]" + WEIGHT_GEMMS)
+    out["ring_bwd"] = 0.5 * get("block", "bwd[none]" + WEIGHT_GEMMS)
+    out["ring_kernels_fwd"] = get("block", "fwd[none]" + WEIGHT_GEMM_KERNELS)
+    out["ring_kernels_bwd"] = 0.5 * get("block", "bwd[none]" + WEIGHT_GEMM_KERNELS)
     return out
 
 
@@ -257,7 +282,43 @@ def _flop_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     for name, part in (("pre", v.pre), ("post", v.post)):
         out[f"{name}_fwd"] = _compute(cluster, fp32, part.fwd_flops, part.fwd_matmul_flops)
         out[f"{name}_bwd"] = _compute(cluster, fp32, part.bwd_flops, part.bwd_matmul_flops)
+    # The rings' GEMMs: every matmul FLOP at the roofline (attention's products included: no kernel table).
+    out["ring_fwd"] = _compute(cluster, fp32, blk.fwd_matmul_flops, blk.fwd_matmul_flops)
+    out["ring_bwd"] = 0.5 * _compute(cluster, fp32, blk.bwd_matmul_flops, blk.bwd_matmul_flops)
+    out["ring_kernels_fwd"] = out["ring_kernels_bwd"] = np.zeros_like(f_c)  # the roofline prices no kernels
     return out
+
+
+def _recompute_bytes(workload: Workload, v: ProfileValues, k: Knobs) -> dict[str, np.ndarray]:
+    """Bytes by kind of the extra tensor-parallel collectives of a checkpointed layer's recompute."""
+    return {kd: np.maximum(v.block.pick(lambda q, kd=kd: v.block.tp_recompute(q, kd), workload.policies, k.policy),
+                           0.0) for kd in KINDS}
+
+
+def _layer_tp(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, c: dict[str, np.ndarray]
+              ) -> dict[str, np.ndarray]:
+    """`layer_tp_times` from the pass times ``c`` (`_pass_times`)."""
+    tlink = _tp_link(cluster, k)
+    out = {"fwd": _block_tp_time(cluster, v, "fwd", k, tlink, c["ring_fwd"]),
+           "bwd": _block_tp_time(cluster, v, "bwd", k, tlink, c["ring_bwd"]),
+           "recompute": _tp_recompute_time(workload, cluster, v, k, tlink, c["ring_fwd"])}
+    zero = np.zeros(np.shape(out["fwd"]))
+    out["chunks_fwd"] = out["chunks_bwd"] = out["chunks_recompute"] = zero
+    if capabilities(cluster).collective_matmul:
+        overhead = cluster.device.kernel_overhead
+        out["chunks_fwd"] = chunk_overhead(c["ring_kernels_fwd"], k.tp, overhead)
+        out["chunks_bwd"] = chunk_overhead(c["ring_kernels_bwd"], k.tp, overhead)
+        out["chunks_recompute"] = recompute_share(v.block, _recompute_bytes(workload, v, k)) * out["chunks_fwd"]
+    return out
+
+
+def layer_tp_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, kinds: LayerKinds
+                   ) -> dict[str, np.ndarray]:
+    """Seconds one layer's tensor-parallel collectives add to a micro-batch: ``fwd``, ``bwd`` and a checkpointed
+    layer's ``recompute`` extra; serial, or as collective matmuls' exposed ring time (`cost.tp_rings`). With
+    collective matmuls also ``chunks_fwd`` / ``chunks_bwd`` / ``chunks_recompute``: the compute the split GEMMs
+    add (`cost.tp_rings.chunk_overhead`; zeros without)."""
+    return _layer_tp(workload, cluster, k, v, _pass_times(workload, cluster, k, v, kinds))
 
 
 def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],
@@ -266,8 +327,8 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     blk = v.block
     c = _pass_times(workload, cluster, k, v, kinds)
     tlink = _tp_link(cluster, k)
-    tp_f, tp_b = _tp_time(blk, "fwd", k, tlink), _tp_time(blk, "bwd", k, tlink)
-    tp_rec = _tp_recompute_time(workload, v, k, tlink)
+    tp = _layer_tp(workload, cluster, k, v, c)
+    tp_f, tp_b, tp_rec = tp["fwd"], tp["bwd"], tp["recompute"]
     cp_f, cp_b = _cp_layer_times(workload, cluster, k, v)
     tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
 
@@ -301,12 +362,15 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     if not cluster.device.async_collectives:
         tp_f, tp_b, d2d_f, d2d_b = tp_f + d2d_f, tp_b + d2d_b, 0.0, 0.0
 
-    f_plain = overlap_time(c["f_plain"], d2d_f, fetch_h2d, 0.0, ovl) + tp_f
-    f_remat = overlap_time(c["f_remat"], d2d_f, fetch_h2d, 0.0, ovl) + tp_f
-    b_plain = overlap_time(c["b_plain"], d2d_b, fetch_h2d + acc_in, acc_out, ovl) + tp_b
-    f_off = overlap_time(c["f_off"], d2d_f, fetch_h2d, act_out, ovl) + tp_f
-    b_off = overlap_time(c["b_off"], d2d_b, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
-    b_rem = overlap_time(c["b_remat"], d2d_b, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
+    # With collective matmuls the split GEMMs' extra kernels join the compute (zeros without).
+    cf, cb = tp["chunks_fwd"], tp["chunks_bwd"]
+    cr = cb + tp["chunks_recompute"]
+    f_plain = overlap_time(c["f_plain"] + cf, d2d_f, fetch_h2d, 0.0, ovl) + tp_f
+    f_remat = overlap_time(c["f_remat"] + cf, d2d_f, fetch_h2d, 0.0, ovl) + tp_f
+    b_plain = overlap_time(c["b_plain"] + cb, d2d_b, fetch_h2d + acc_in, acc_out, ovl) + tp_b
+    f_off = overlap_time(c["f_off"] + cf, d2d_f, fetch_h2d, act_out, ovl) + tp_f
+    b_off = overlap_time(c["b_off"] + cr, d2d_b, fetch_h2d + acc_in + act_in, acc_out, ovl) + tp_b + tp_rec
+    b_rem = overlap_time(c["b_remat"] + cr, d2d_b, fetch_h2d + acc_in, acc_out, ovl) + tp_b + tp_rec
     fwd = kinds.n_plain * f_plain + kinds.n_remat * f_remat + kinds.n_off * f_off
     bwd = kinds.n_plain * b_plain + kinds.n_off * b_off + kinds.n_remat * b_rem
 
@@ -385,5 +449,5 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
             "update": update, "swap": swap, "tied": tied}
 
 
-__all__ = ["capabilities", "compute_time", "context_kv_bytes", "layer_times", "step_extras", "synced_in_loop",
-           "synced_row_bytes"]
+__all__ = ["capabilities", "compute_time", "context_kv_bytes", "layer_times", "layer_tp_times", "step_extras",
+           "synced_in_loop", "synced_row_bytes"]

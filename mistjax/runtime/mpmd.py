@@ -38,6 +38,7 @@ from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, LeafRole
 from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
+from mistjax.runtime import xla_flags
 from mistjax.runtime.grads import mesh_capabilities, regather_updated_params
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles, tensor_split_axes
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
@@ -548,7 +549,8 @@ class MpmdStep:
             if g.source in donate and (g.source is not Source.STATE or g.ref in new_state):
                 donated += range(pos, pos + n)
             pos += n
-        prog = jax.jit(fn, out_shardings=out_sh, donate_argnums=tuple(donated))
+        prog = jax.jit(fn, out_shardings=out_sh, donate_argnums=tuple(donated),
+                       compiler_options=xla_flags.compiler_options(self.meshes[k].devices.flat[0].platform))
         return _Round(keep, [key for key, _ in targets], prog, sizes, avals)
 
     def _twin_routes(self) -> dict[int, list[TwinRoute]]:

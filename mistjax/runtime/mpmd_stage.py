@@ -48,6 +48,7 @@ from mistjax.core.execution import StageExecution, StageLeaf
 from mistjax.core.layout import DP_AXES, PARAM, LeafLayout
 from mistjax.core.plan import Plan
 from mistjax.core.types import LossFn, PyTree
+from mistjax.runtime import xla_flags
 from mistjax.runtime.grads import (
     MANUAL_AXES,
     finish_grads,
@@ -361,6 +362,12 @@ class StagePrograms:
         return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=MANUAL_AXES, check_vma=False)
 
+    def _jit(self, fn: Callable[..., PyTree], **kwargs: object) -> Program:
+        """``jax.jit`` with the XLA settings of the stage's platform, as the one-stage step compiles
+        (`xla_flags.compiler_options`)."""
+        return jax.jit(fn, compiler_options=xla_flags.compiler_options(self.spec.mesh.devices.flat[0].platform),
+                       **kwargs)
+
     def param_avals(self) -> list[jax.ShapeDtypeStruct]:
         """The held parameters as stored on this stage (global piece shapes, storage shardings)."""
         out = []
@@ -422,9 +429,9 @@ class StagePrograms:
                               ([P(DP_AXES) if a.shape else P() for a in self.info.h_avals], [P(DP_AXES)] * n_res))
         out_sh = (self.h_shardings(), [None] * n_res)
         if first:
-            prog = jax.jit(lambda p, mb: run(p, [], mb), out_shardings=out_sh)
+            prog = self._jit(lambda p, mb: run(p, [], mb), out_shardings=out_sh)
         else:
-            prog = jax.jit(run, out_shardings=out_sh)
+            prog = self._jit(run, out_shardings=out_sh)
         self._cache["forward"] = prog
         return prog
 
@@ -454,7 +461,7 @@ class StagePrograms:
                                      acc_specs), outs)
         acc_sh = [a.sharding for a in self.acc_avals()]
         h_sh = [s for s, f in zip(self.h_shardings(), self.h_float) if f]
-        prog = jax.jit(run, out_shardings=(acc_sh,) if first else (h_sh, acc_sh), donate_argnums=(3,))
+        prog = self._jit(run, out_shardings=(acc_sh,) if first else (h_sh, acc_sh), donate_argnums=(3,))
         self._cache["backward"] = prog
         return prog
 
@@ -496,10 +503,10 @@ class StagePrograms:
         h_sh = [s for s, f in zip(self.h_shardings(), self.h_float) if f]
         out_sh = (acc_sh, l_sh) if first else (h_sh, acc_sh, l_sh)
         if first:
-            prog = jax.jit(lambda p, mb, acc, lacc: run(p, [], mb, acc, lacc), out_shardings=out_sh,
+            prog = self._jit(lambda p, mb, acc, lacc: run(p, [], mb, acc, lacc), out_shardings=out_sh,
                            donate_argnums=(2, 3))
         else:
-            prog = jax.jit(run, out_shardings=out_sh, donate_argnums=(3, 4))
+            prog = self._jit(run, out_shardings=out_sh, donate_argnums=(3, 4))
         self._cache["last"] = prog
         return prog
 
@@ -529,7 +536,7 @@ class StagePrograms:
                               (g_specs, [P()] * n_l, acc_specs, [P(DP_AXES)] * n_l))
         acc_sh = [a.sharding for a in self.acc_avals()]
         l_sh = [a.sharding for a in self.loss_acc_avals()][:n_l]
-        prog = jax.jit(run, out_shardings=(self.grad_shardings(), [NamedSharding(sp.mesh, P())] * n_l, acc_sh, l_sh),
+        prog = self._jit(run, out_shardings=(self.grad_shardings(), [NamedSharding(sp.mesh, P())] * n_l, acc_sh, l_sh),
                        donate_argnums=(0, 1))
         self._cache["finish"] = prog
         return prog
@@ -538,7 +545,7 @@ class StagePrograms:
         """Zero gradient accumulators (and loss sums on the last stage) in their shardings."""
         avals = self.acc_avals()
         lavals = self.loss_acc_avals() if self.spec.last else []
-        make = jax.jit(lambda: ([jnp.zeros(a.shape, a.dtype) for a in avals],
+        make = self._jit(lambda: ([jnp.zeros(a.shape, a.dtype) for a in avals],
                                 [jnp.zeros(a.shape, a.dtype) for a in lavals]),
                        out_shardings=([a.sharding for a in avals], [a.sharding for a in lavals]))
         return make()
@@ -556,7 +563,7 @@ class StagePrograms:
         n = sum(self.info.is_batch)
         run = self._shard_map(body, ([P(DP_AXES)] * n,), [[P(DP_AXES)] * n] * G)
         sh = NamedSharding(self.spec.mesh, P(DP_AXES))
-        prog = jax.jit(run, out_shardings=[[sh] * n] * G)
+        prog = self._jit(run, out_shardings=[[sh] * n] * G)
         self._cache["split"] = prog
         return prog
 

@@ -24,7 +24,7 @@ from mistjax.core.layout import (
 )
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, LossFn, Metrics, PyTree, State, TrainStep
-from mistjax.runtime import fit
+from mistjax.runtime import fit, xla_flags
 from mistjax.runtime.checks import (
     TokenRange,
     check_shapes,
@@ -294,7 +294,8 @@ class ShardedStep:
             return new_state, metrics
 
         self._step_fn = step_fn
-        self._jitted = jax.jit(step_fn, out_shardings=(st_sh, NamedSharding(self.mesh, P())), donate_argnums=(0,))
+        self._jitted = jax.jit(step_fn, out_shardings=(st_sh, NamedSharding(self.mesh, P())), donate_argnums=(0,),
+                               compiler_options=xla_flags.compiler_options(self.mesh.devices.flat[0].platform))
 
     def _ensure(self, state: State, batch: Batch) -> None:
         first = self._jitted is None

@@ -1,5 +1,7 @@
 """Megatron tensor parallelism for the layer block: run it under the analysis's propagated layouts, with
 custom VJPs for the conversions, so the compiled program does Megatron's collectives (docs/internals.md).
+Where the platform overlaps collectives with compute, the sequence all-gathers feeding matmuls and the
+reduce-scatters of matmul outputs run as collective matmuls (`mistjax.runtime.collective_matmul`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from jax.sharding import PartitionSpec as P
 from mistjax.core.jaxpr import Atom, Params, Value, read
 from mistjax.core.layout import LeafLayout
 from mistjax.core.types import LossFn
+from mistjax.runtime import xla_flags
+from mistjax.runtime.collective_matmul import (
+    GatherRing,
+    RingPlan,
+    ScatterRing,
+    allgather_matmul,
+    matmul_reduce_scatter,
+    plan_rings,
+)
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, bind_equation
 
 # `mistjax.analysis` is imported where a tensor-parallel block is built or run, not at import: its package
@@ -38,6 +49,23 @@ class TensorParallelBlock:
 
     def __init__(self, graph: Graph, result: TPResult, stack: LayerStack, axis: str = TENSOR_AXIS):
         self.graph, self.result, self.stack, self.axis = graph, result, stack, axis
+        self._rings: RingPlan | None = None
+
+    def rings(self) -> RingPlan:
+        """Where this layer runs collective matmuls when they are on (`mistjax.runtime.collective_matmul`)."""
+        if self._rings is None:
+            self._rings = plan_rings(self.graph, self.result, self.axis)
+        return self._rings
+
+    def _active_rings(self) -> RingPlan:
+        """`rings`, or none where the platform being traced for (the abstract mesh's) runs them at a loss
+        (`xla_flags.use_collective_matmul`)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        device = mesh.abstract_device
+        platform = None if device is None else device.platform
+        if self.axis not in mesh.axis_names or not xla_flags.use_collective_matmul(platform):
+            return RingPlan()
+        return self.rings()
 
     def __call__(self, consts: Sequence[Value], carry: Sequence[Value], xs: Sequence[Value]
                  ) -> tuple[list[Value], list[Value]]:
@@ -65,6 +93,7 @@ class TensorParallelBlock:
         env: dict[jex.Var, Value] = dict(g.consts)
         env.update(zip(g.invars, args))
         coll = _Collectives(self.axis)
+        rings = self._active_rings()
         nodes, i = g.nodes, 0
         while i < len(nodes):
             site = nodes[i].call
@@ -72,7 +101,10 @@ class TensorParallelBlock:
             while site is not None and j < len(nodes) and nodes[j].call is site:
                 j += 1
             if site is None:
-                self._run_node(nodes[i], env, coll)
+                if nodes[i] in rings.at:
+                    self._run_ring(rings.at[nodes[i]], env, coll)
+                elif nodes[i] not in rings.skip:  # else a ring evaluated it
+                    self._run_node(nodes[i], env, coll)
             elif site.checkpoint:
                 self._run_checkpointed(nodes[i:j], site.eqn.params, env, coll, nodes[j:], g.outvars)
             else:
@@ -82,7 +114,7 @@ class TensorParallelBlock:
         outs = []
         for v, st in zip(g.outvars, res.out_states):
             o = read(env, v)
-            if isinstance(v, jex.Var) and isinstance(res.states.get(v), Partial) and isinstance(st, Shard) \
+            if isinstance(v, jex.Var) and isinstance(coll.state(v, res), Partial) and isinstance(st, Shard) \
                     and _is_float(o):
                 o = coll.reduce_scatter(o, st.dim)
             outs.append(self.constrain(o, st, coll) if isinstance(v, jex.Var) else o)
@@ -99,7 +131,7 @@ class TensorParallelBlock:
         for k, (v, want) in enumerate(zip(n.ins, eff)):
             if not isinstance(v, jex.Var) or isinstance(want, Partial) or not hasattr(vals[k], "shape"):
                 continue
-            cur = res.states.get(v, REP)
+            cur = coll.state(v, res)
             if same_layout(cur, want):
                 continue
             if isinstance(cur, Shard) and want is REP and _is_float(vals[k]):
@@ -112,7 +144,31 @@ class TensorParallelBlock:
                 vals[k] = self.constrain(vals[k], want)
         out = coll.gatheredbind_equation(n.eqn, vals, gather) if gather else bind_equation(n.eqn, vals)
         for v, o in zip(n.outs, out):
-            env[v] = self.constrain(o, res.states.get(v, REP), coll)
+            env[v] = self.constrain(o, coll.state(v, res), coll)
+
+    def _run_ring(self, ring: GatherRing | ScatterRing, env: dict[jex.Var, Value], coll: _Collectives) -> None:
+        """Evaluate a collective matmul (`mistjax.runtime.collective_matmul`) in place of its nodes and the
+        all-gather / reduce-scatter the plain path would put beside them."""
+        from mistjax.analysis.layout import Shard
+
+        t = jax.sharding.get_abstract_mesh().shape[self.axis]
+        if isinstance(ring, ScatterRing):
+            n, dot = ring.node, ring.dot
+            vals = [read(env, v) for v in n.ins]
+            y = matmul_reduce_scatter([vals[dot.pos]], [vals[1 - dot.pos]], [dot], axis=self.axis, t=t)
+            for v in ring.held:  # the partial sum (and its remat names) exist only reduce-scattered
+                coll.held[v] = Shard(ring.dim, seq=True)
+            env[n.outs[0]] = self.constrain(y, coll.held[n.outs[0]], coll)
+            return
+        for p in ring.pulled:
+            self._run_node(p, env, coll)
+        others = []
+        for n, dot in zip(ring.nodes, ring.dots):
+            v, want = n.ins[1 - dot.pos], self.result.node_states[n][0][1 - dot.pos]
+            others.append(self.constrain(read(env, v), want))  # the weight's layout (usually already so)
+        outs = allgather_matmul(read(env, ring.act), others, ring.dots, axis=self.axis, t=t)
+        for n, o in zip(ring.nodes, outs):
+            env[n.outs[0]] = self.constrain(o, coll.state(n.outs[0], self.result), coll)
 
     def _run_checkpointed(self, run: Sequence[Node], params: Params, env: dict[jex.Var, Value],
                           coll: _Collectives, later: Sequence[Node], outvars: Sequence[Atom]) -> None:
@@ -172,8 +228,15 @@ class _Collectives:
 
     def __init__(self, axis: str):
         self.axis = axis
+        # Values held in another layout than the analysis records: partial sums a collective matmul
+        # reduce-scattered where they were made.
+        self.held: dict[jex.Var, State] = {}
         self._gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._roots: dict[int, tuple[jax.Array, jax.Array]] = {}  # id(constrained cotangent) -> (it, its source)
+
+    def state(self, v: jex.Var, result: TPResult) -> State:
+        """The layout ``v`` is held in (the analysis's unless `held` says otherwise)."""
+        return self.held[v] if v in self.held else result.states.get(v)
 
     def _root(self, x: jax.Array) -> jax.Array:
         while (hit := self._roots.get(id(x))) is not None and hit[0] is x:

@@ -9,6 +9,7 @@ import functools
 from typing import TYPE_CHECKING, NotRequired, TypeAlias, TypedDict
 
 from mistjax.core import hlo
+from mistjax.core.execution import Capabilities
 from mistjax.core.plan import Plan, uniform_plan
 from mistjax.core.types import Batch, State, TrainStep
 from mistjax.cost.predict import analyze
@@ -97,7 +98,18 @@ def _form_bytes(records: list[TPRecord], t: int, form: str) -> dict[str, float]:
     return out
 
 
-def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu") -> dict[str, float]:
+def ring_records(records: list[TPRecord], t: int) -> list[TPRecord]:
+    """``records`` of a layer as collective matmuls run them (`core.execution.Capabilities.collective_matmul`):
+    each all-gather and reduce-scatter (one per partial sum) of ``nbytes`` becomes ``t - 1`` ring transfers of
+    ``nbytes / t``, a collective-permute result of ``(t - 1) / t`` of it; all-reduces stay. Every one is
+    counted as a ring, as the cost model prices them (`cost.tp_rings`); a layer whose partial sum of several
+    matmuls keeps its reduce-scatter (a parallel block) would show it as such instead."""
+    ringed = ("all-gather", "reduce-scatter")
+    return [("collective-permute", n * (t - 1) / t, 1) if k in ringed else (k, n, m) for k, n, m in records]
+
+
+def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu", rings: bool = False
+                        ) -> dict[str, float]:
     """Predicted tensor-parallel collective result bytes per step and device, by kind.
 
     Per micro-batch, each plain layer runs the block's forward and backward (policy ``none``), each
@@ -105,7 +117,8 @@ def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu") -
     the last stage the post part; times the ``grad_accum`` micro-batches. The maximum over stages
     (as `Analysis.collective_bytes`). ``form``: ``xla-cpu`` (reduce-scatters as GSPMD's all-reduces,
     one per summand), ``gspmd`` (one reduce-scatter per summand) or ``megatron`` (the cost model's
-    count: one reduce-scatter per partial sum).
+    count: one reduce-scatter per partial sum). ``rings``: the layers run collective matmuls
+    (`ring_records`).
     """
     if form not in TP_FORMS:
         raise ValueError(f"form must be one of {TP_FORMS}, got {form!r}")
@@ -119,6 +132,8 @@ def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu") -
         recs = [(k, n * (st.num_layers - c), m) for k, n, m in tp_records(workload, "block", "none", b, s, t)]
         if c:
             recs += [(k, n * c, m) for k, n, m in tp_records(workload, "block", st.remat_policy, b, s, t)]
+        if rings:
+            recs = ring_records(recs, t)
         if i == 0:
             recs += tp_records(workload, "pre", "none", b, s, t)
         if i == len(plan.stages) - 1:
@@ -213,7 +228,11 @@ def compare_cell(name: ModelName, seq: int, global_batch: int, plan: Plan, clust
     m = measured or measure_cell(name, seq, global_batch, plan)
     mem_pred = max(a.xla_cpu_peak)
     flops_pred = max(a.flops_xla)
-    tp_coll = tp_collective_bytes(wl, plan, "xla-cpu")
+    # The compile ran on this process's devices: the rings are there when the rule says so for their platform.
+    import jax
+
+    rings = Capabilities.of_platform(jax.devices()[0].platform).collective_matmul
+    tp_coll = tp_collective_bytes(wl, plan, "xla-cpu", rings=rings)
     pred_coll = {k: float(a.collective_bytes.get(k, 0.0)) + tp_coll.get(k, 0.0) for k in KINDS}
     if m["coll"] is None:  # a pipeline: its collectives are spread over its programs (not compared)
         xla_coll, coll_err = {k: float("nan") for k in KINDS}, float("nan")
@@ -292,5 +311,5 @@ def grid_plan(name: ModelName, kwargs: PlanKwargs, devices: int = 8) -> Plan:
 
 
 __all__ = ["FULL_GRID", "KINDS", "SMALL_GRID", "TP_FORMS", "CellComparison", "CellMeasurement", "GridCell",
-           "PlanKwargs", "compare_cell", "grid_plan", "measure_cell", "tp_collective_bytes", "tp_records",
-           "workload_for"]
+           "PlanKwargs", "compare_cell", "grid_plan", "measure_cell", "ring_records", "tp_collective_bytes",
+           "tp_records", "workload_for"]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import numpy as np
 
+from mistjax.core.execution import collective_matmul
 from mistjax.core.plan import Plan, StagePlan
 from mistjax.cost.predict import Analysis, analyze
 from mistjax.cost.workload import Workload
@@ -245,8 +246,15 @@ def predict_run(run: PublishedRun) -> RunPrediction:
 
     The model runs the attention the run ran: fused (``flash_attention``) or unfused (``attention="xla"``),
     and its elementwise chains as the run's runtime does (`run_config`).
-    A run whose timing leaves the optimizer step out is compared without it (`excludes_optimizer`).
+    A run whose timing leaves the optimizer step out is compared without it (`excludes_optimizer`). Its
+    tensor-parallel collectives are priced as the run ran them: as collective matmuls where it did
+    (`PublishedRun.tp_overlap`), else serially (`core.execution.collective_matmul`).
     """
+    with collective_matmul(run.tp_overlap):
+        return _predict_run(run)
+
+
+def _predict_run(run: PublishedRun) -> RunPrediction:
     plan = to_plan(run)
     cluster = cluster_for(run)
     workload = zoo_workload(run_config(run), run.model.seq_len, run.global_batch, _policies(plan))

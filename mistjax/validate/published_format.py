@@ -126,6 +126,13 @@ class PublishedRun:
         return "megatron" if "megatron" in s else "mist" if "mist" in s else "other"
 
     @property
+    def tp_overlap(self) -> bool:
+        """The run overlapped its tensor-parallel collectives with the matmuls as collective matmuls (torchtitan's
+        async TP, read from ``system``); the others ran them beside the GEMMs (Megatron-LM as the artifact ran
+        it, DTensor's vanilla TP, Mist's runtime)."""
+        return "async tp" in self.system.lower()
+
+    @property
     def ran(self) -> bool:
         """The run completed (it has a measured step time)."""
         return self.measured.iter_time_s is not None

@@ -1,0 +1,101 @@
+"""The XLA settings the runtime sets, in one place, each with its reason; and the collective-matmul switch.
+
+XLA:GPU flags go to the compiler per program (``jax.jit(..., compiler_options=...)``, see
+`compiler_options`), never through the process-wide ``XLA_FLAGS``: a CPU program in the same process
+(tests, deviceless compiles) is unaffected, and the user's own ``XLA_FLAGS`` still apply underneath.
+
+The collective matmul (`mistjax.runtime.collective_matmul`) is a rewrite of the traced program, not a
+flag. One rule decides it for the runtime and the cost model, `core.execution.Capabilities.collective_matmul`:
+on where collectives run asynchronously beside compute (XLA:GPU: NCCL on its own streams, ``-start`` /
+``-done`` pairs the latency-hiding scheduler places GEMMs between; XLA:TPU likewise), off on XLA:CPU, which
+runs each collective synchronously, so the ring only adds steps. Force it either way with the environment
+variable ``MISTJAX_COLLECTIVE_MATMUL=on|off`` (``auto``, the default: by platform) or, in-process,
+``with collective_matmul(True): ...`` around the first call (trace) of a step; the context wins over the
+environment. `use_collective_matmul` applies it to the platform a step is traced for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mistjax.core.execution import (
+    COLLECTIVE_MATMUL_ENV,
+    Capabilities,
+    collective_matmul,
+    collective_matmul_forced,
+)
+
+# Platforms (``jax.Device.platform``) whose programs get the XLA:GPU flags.
+GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+
+
+@dataclass(frozen=True)
+class XlaFlag:
+    """One XLA debug option the runtime sets, and why."""
+
+    name: str
+    value: bool | int | str
+    reason: str
+
+
+@dataclass(frozen=True)
+class XlaGpuOptions:
+    """What the runtime asks of XLA:GPU.
+
+    Attributes:
+      flags: the debug options set on every XLA:GPU program the runtime compiles.
+    """
+
+    flags: tuple[XlaFlag, ...]
+
+
+GPU_FLAGS: tuple[XlaFlag, ...] = (
+    XlaFlag("xla_gpu_enable_latency_hiding_scheduler", True,
+            "schedules each async collective's -start early and its -done late with independent compute "
+            "between: what puts a collective matmul's GEMM of chunk s between the start and done of the "
+            "transfer of chunk s+1 (and the data-parallel reduce-scatters beside the backward). XLA's "
+            "default; in jaxlib 0.10.2 the scheduler runs whatever its value (the deviceless H100 schedule "
+            "of the TP=8 GPT-3 7B step is identical with it false). Pinned: the overlap depends on it."),
+    XlaFlag("xla_gpu_enable_highest_priority_async_stream", True,
+            "runs the collectives' stream at the highest priority, so the NCCL kernels of a ring's "
+            "transfers are not starved by the GEMMs they overlap (Megatron-LM and Transformer Engine give "
+            "their communication streams high priority too). XLA's default; a run-time property, not "
+            "visible in the compiled HLO."),
+    XlaFlag("xla_gpu_threshold_for_windowed_einsum_mib", 1 << 40,
+            "keeps XLA's own windowed einsum (the SPMD partitioner's loop for an einsum whose operand it "
+            "must all-gather or whose result it must reduce-scatter) off, as by default: the runtime "
+            "decomposes Megatron's collectives itself (`collective_matmul`) and never leaves the partitioner "
+            "a gather beside a dot (with the threshold at 0 the schedule is identical, with the rewrite on "
+            "or off)."),
+)
+"""The XLA:GPU flags of every program the runtime compiles for a GPU."""
+
+DEFAULT = XlaGpuOptions(GPU_FLAGS)
+
+
+def compiler_options(platform: str | None, options: XlaGpuOptions = DEFAULT) -> dict[str, bool | int | str]:
+    """The ``compiler_options`` of a program compiled for ``platform`` (empty off GPUs)."""
+    if platform not in GPU_PLATFORMS:
+        return {}
+    return {f.name: f.value for f in options.flags}
+
+
+def use_collective_matmul(platform: str | None) -> bool:
+    """Whether the tensor-parallel runtime runs collective matmuls for ``platform`` (None: unknown, off unless
+    forced): `core.execution.Capabilities.collective_matmul`, the rule the cost model prices too."""
+    if platform is None:
+        return bool(collective_matmul_forced())
+    return Capabilities.of_platform(platform).collective_matmul
+
+
+def describe(options: XlaGpuOptions = DEFAULT) -> str:
+    """The settings as text, one per line with the reason (for docs and ``--verbose`` reports)."""
+    lines = [f"--{f.name}={str(f.value).lower()}: {f.reason}" for f in options.flags]
+    forced = collective_matmul_forced()
+    lines.append(f"collective matmul: {'off (opt-in)' if forced is None else ('on' if forced else 'off')} "
+                 f"(${COLLECTIVE_MATMUL_ENV} or `collective_matmul`)")
+    return "\n".join(lines)
+
+
+__all__ = ["COLLECTIVE_MATMUL_ENV", "DEFAULT", "GPU_FLAGS", "GPU_PLATFORMS", "XlaFlag", "XlaGpuOptions",
+           "collective_matmul", "compiler_options", "describe", "use_collective_matmul"]
