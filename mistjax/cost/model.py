@@ -12,6 +12,7 @@ import numpy as np
 
 from mistjax.analysis.compiled import ProfileValues
 from mistjax.core.execution import scan_bodies, scan_unroll
+from mistjax.core.hlo import CollectiveOp
 from mistjax.core.plan import guarded_peak
 from mistjax.core.stages import offloaded_layers
 from mistjax.core.strategies import StageStrategies
@@ -326,7 +327,8 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"],
                      memory=m.memory, peak=m.peak, feasible=m.feasible, offload_floor=m.offload_floor, host=m.host,
                      host_acts=m.host_acts, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
-                     comm={kd: ext[f"comm.{kd}"] for kd in KINDS}, optimizer_step=ext["update"] + ext["regather"])
+                     comm={kd: ext[f"comm.{kd}"] for kd in (*KINDS, CollectiveOp.COLLECTIVE_PERMUTE)},
+                     optimizer_step=ext["update"] + ext["regather"])
 
 
 __all__ = ["MEMORY_CATEGORIES", "StageCost", "StageMemory", "StageStrategies", "layer_kinds", "stage_cost",

@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from mistjax.analysis.compiled import PartValues, ProfileValues
+from mistjax.core.context import ring_traffic
 from mistjax.core.execution import Capabilities, rows_synced_in_loop
 from mistjax.core.hlo import CollectiveOp
 from mistjax.cost.collectives import (
@@ -142,16 +143,29 @@ def context_kv_bytes(workload: Workload, v: ProfileValues) -> np.ndarray:
     return 2.0 * workload.kv_share() * v.block.output_bytes
 
 
+def context_ring_bytes(workload: Workload, k: Knobs, v: ProfileValues) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes a device sends in one layer's ring attention per micro-batch, forward and backward
+    (`core.context.ring_traffic`; the queries are as large as the layer's output)."""
+    acc_scale = 4.0 / (4.0 if workload.compute_dtype == "float32" else 2.0)
+    return ring_traffic(k.cp, v.block.output_bytes, context_kv_bytes(workload, v), acc_scale)
+
+
 def _cp_layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds of one layer's context-parallel collectives, forward and backward: the keys and values gathered
-    over the ``cp`` group for the attention (again in the backward, which also reduce-scatters their
-    gradients). Serial, as GSPMD issues them before the attention that reads them."""
-    full = context_kv_bytes(workload, v) * k.cp
+    """Seconds of one layer's context-parallel traffic, forward and backward, charged serially: the ring's
+    neighbour transfers (`context_ring_bytes`; XLA:GPU did not schedule them beside compute in the deviceless
+    compile, docs/benchmarks.md), or without the ring kernel the keys and values GSPMD gathers over the ``cp``
+    group (again in the backward, which also reduce-scatters their gradients)."""
     link = _cp_link(cluster, k)
+    on = k.cp > 1
+    if workload.ring_attention:
+        f, b = context_ring_bytes(workload, k, v)
+        bw, lat = link
+        return (np.where(on, f / bw + (k.cp - 1.0) * lat, 0.0),
+                np.where(on, b / bw + (2.0 * k.cp - 1.0) * lat, 0.0))
+    full = context_kv_bytes(workload, v) * k.cp
     ag = collective_time(CollectiveOp.ALL_GATHER, full, k.cp, link)
     rs = collective_time(CollectiveOp.REDUCE_SCATTER, full, k.cp, link)
-    on = k.cp > 1
     return np.where(on, ag, 0.0), np.where(on, ag + rs, 0.0)
 
 
@@ -159,9 +173,29 @@ def _cp_grad_sync(workload: Workload, cluster: ClusterSpec, k: Knobs, v: Profile
     """Seconds of the all-reduce over the ``cp`` group of one micro-batch's gradients: the weights are
     replicated over it and each device's gradient is a partial sum over its part of the sequence (GSPMD
     reduces it where the gradient is formed, once per micro-batch)."""
-    nbytes = (v.block.weight_bytes * k.layers + np.where(k.first, v.pre.weight_bytes, 0.0)
-              + np.where(k.last, v.post.weight_bytes, 0.0)) * workload.grad_scale
+    nbytes = _cp_grad_bytes(workload, k, v)
     return np.where(k.cp > 1, collective_time(CollectiveOp.ALL_REDUCE, nbytes, k.cp, _cp_link(cluster, k)), 0.0)
+
+
+def _cp_grad_bytes(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
+    """One micro-batch's gradient of the stage's weights, as the context all-reduce moves it."""
+    return (v.block.weight_bytes * k.layers + np.where(k.first, v.pre.weight_bytes, 0.0)
+            + np.where(k.last, v.post.weight_bytes, 0.0)) * workload.grad_scale
+
+
+def _cp_comm(workload: Workload, k: Knobs, v: ProfileValues, kinds: LayerKinds) -> dict[str, np.ndarray]:
+    """Collective result bytes per step of context parallelism, by kind: the ring's transfers (checkpointed
+    layers run the forward's again) or GSPMD's gathered keys / values, and the per-micro-batch gradient
+    all-reduce over ``context``."""
+    on = k.cp > 1
+    ar = np.where(on, k.G * _cp_grad_bytes(workload, k, v), 0.0)
+    if workload.ring_attention:
+        f, b = context_ring_bytes(workload, k, v)
+        ring = k.G * (k.layers * (f + b) + kinds.n_remat * f)
+        return {"collective-permute": np.where(on, ring, 0.0), "all-reduce": ar}
+    kv = context_kv_bytes(workload, v)
+    return {"all-gather": np.where(on, k.G * k.layers * 2.0 * kv * k.cp, 0.0),
+            "reduce-scatter": np.where(on, k.G * k.layers * kv, 0.0), "all-reduce": ar}
 
 
 def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> np.ndarray:
@@ -443,9 +477,12 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     if deferred:  # the first backward iteration of each loop synchronises the zero seed: one more row
         seed = loops * row
         ar, rs = ar + np.where(zero == 0, seed, 0.0), rs + np.where(zero == 1, seed / np.maximum(p, 1), 0.0)
-    return {"delta": delta, "flops": flops, "flops_xla": flops_xla, "comm.all-gather": ag,
-            "comm.reduce-scatter": rs, "comm.all-reduce": ar, "sync": sync, "sync_bwd": sync_bwd,
-            "regather": regather,
+    cp = _cp_comm(workload, k, v, kinds)
+    return {"delta": delta, "flops": flops, "flops_xla": flops_xla,
+            "comm.all-gather": ag + cp.get("all-gather", 0.0),
+            "comm.reduce-scatter": rs + cp.get("reduce-scatter", 0.0), "comm.all-reduce": ar + cp["all-reduce"],
+            "comm.collective-permute": cp.get("collective-permute", np.zeros_like(ar)),
+            "sync": sync, "sync_bwd": sync_bwd, "regather": regather,
             "update": update, "swap": swap, "tied": tied}
 
 
