@@ -148,7 +148,7 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     pred = Prediction(step_time=step, stage_stable=tuple(float(x) for x in c.stable),
                       stage_delta=tuple(float(x) for x in c.delta), stage_memory=stage_memory,
                       tokens_per_s=tokens / step if step > 0 else 0.0)
-    coll = {k: float(np.max(v)) for k, v in c.comm.items()}
+    coll = {k: float(np.max(v)) for k, v in c.comm.items() if k != "collective-permute" or np.max(v) > 0}
     if S > 1:
         coll["send"] = 2.0 * G * float(workload.compiled(plan.micro_batch, workload.seq_len, plan.tp)[
             "block.output_bytes"])
