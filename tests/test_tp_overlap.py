@@ -166,7 +166,8 @@ def test_switch(monkeypatch):
         use("gpu")
     assert xla_flags.compiler_options("cpu") == {} and xla_flags.compiler_options("tpu") == {}
     opts = xla_flags.compiler_options("gpu")
-    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True and len(opts) == len(xla_flags.GPU_FLAGS)
+    assert opts["xla_gpu_threshold_for_windowed_einsum_mib"] == 1 << 40 and len(opts) == len(xla_flags.GPU_FLAGS)
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in opts  # left to XLA (it raised an A100 peak 37%)
     assert all(len(f.reason) > 40 for f in xla_flags.GPU_FLAGS)
 
 

@@ -6,11 +6,11 @@ XLA:GPU flags go to the compiler per program (``jax.jit(..., compiler_options=..
 
 The collective matmul (`mistjax.runtime.collective_matmul`) is a rewrite of the traced program, not a
 flag. One rule decides it for the runtime and the cost model, `core.execution.Capabilities.collective_matmul`:
-on where collectives run asynchronously beside compute (XLA:GPU: NCCL on its own streams, ``-start`` /
-``-done`` pairs the latency-hiding scheduler places GEMMs between; XLA:TPU likewise), off on XLA:CPU, which
-runs each collective synchronously, so the ring only adds steps. Force it either way with the environment
-variable ``MISTJAX_COLLECTIVE_MATMUL=on|off`` (``auto``, the default: by platform) or, in-process,
-``with collective_matmul(True): ...`` around the first call (trace) of a step; the context wins over the
+opt-in (off unless forced), since no GPU run has measured it; it pays only where collectives run
+asynchronously beside compute (XLA:GPU: NCCL on its own streams, ``-start`` / ``-done`` pairs the
+latency-hiding scheduler places GEMMs between), not on XLA:CPU, which runs each collective synchronously.
+Switch it with the environment variable ``MISTJAX_COLLECTIVE_MATMUL=on|off`` (``auto``, the default: off)
+or, in-process, ``with collective_matmul(True): ...`` around the first call (trace) of a step; the context wins over the
 environment. `use_collective_matmul` applies it to the platform a step is traced for.
 """
 
@@ -50,12 +50,6 @@ class XlaGpuOptions:
 
 
 GPU_FLAGS: tuple[XlaFlag, ...] = (
-    XlaFlag("xla_gpu_enable_latency_hiding_scheduler", True,
-            "schedules each async collective's -start early and its -done late with independent compute "
-            "between: what puts a collective matmul's GEMM of chunk s between the start and done of the "
-            "transfer of chunk s+1 (and the data-parallel reduce-scatters beside the backward). XLA's "
-            "default; in jaxlib 0.10.2 the scheduler runs whatever its value (the deviceless H100 schedule "
-            "of the TP=8 GPT-3 7B step is identical with it false). Pinned: the overlap depends on it."),
     XlaFlag("xla_gpu_enable_highest_priority_async_stream", True,
             "runs the collectives' stream at the highest priority, so the NCCL kernels of a ring's "
             "transfers are not starved by the GEMMs they overlap (Megatron-LM and Transformer Engine give "
@@ -68,7 +62,13 @@ GPU_FLAGS: tuple[XlaFlag, ...] = (
             "a gather beside a dot (with the threshold at 0 the schedule is identical, with the rewrite on "
             "or off)."),
 )
-"""The XLA:GPU flags of every program the runtime compiles for a GPU."""
+"""The XLA:GPU flags of every program the runtime compiles for a GPU.
+
+Not among them: ``xla_gpu_enable_latency_hiding_scheduler``. XLA enables it by default where it pays (the
+deviceless H100 schedule of the TP 8 GPT-3 7B step, rings and all, is the same with it set either way), but
+forcing it on for an A100 target raised the compiled peak of the Megatron-style TP 4 GPT-3 7B cell from 17.44
+to 23.84 GiB (`scripts/bench_gpu_aot.py`, 2026-12-05): the scheduler buys overlap with memory, which the
+cost model, fitted on XLA's default programs, does not charge."""
 
 DEFAULT = XlaGpuOptions(GPU_FLAGS)
 
