@@ -5,7 +5,8 @@ device group runs its own operations in that order; `list_schedule` merges the p
 simulated start time, so no device waits for anything but data. `simulated_time` replays an issue
 order with per-stage costs (what the cost model prices). Operations: ``F(k, i)`` / ``B(k, i)`` forward /
 backward of micro-batch ``i`` on virtual stage ``k``; ``FB`` on the last virtual stage runs both in one
-program. The schedules and the reasoning: docs/pipelines.md.
+program; under a zero-bubble schedule ``B`` is the input-gradient half of the backward and ``W(k, i)`` its
+weight-gradient half, run later. The schedules and the reasoning: docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class OpKind(enum.StrEnum):
     F = "F"  # forward of one micro-batch
     B = "B"  # backward of one micro-batch
     FB = "FB"  # the last virtual stage: forward and backward in one program
+    W = "W"  # zero-bubble schedules: the weight-gradient half of a backward (B is then its input-gradient half)
 
     def __repr__(self) -> str:
         return repr(self.value)  # an `Op` prints as Op(kind='F', ...) in messages, as with plain strings
@@ -34,7 +36,14 @@ class OpKind(enum.StrEnum):
 
 # Nominal costs of the list scheduler's simulation (backward = 2 x forward, as without remat); only
 # the order of simulated start times matters, so any positive costs give a valid issue order.
-NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.FB: 3.0}
+NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.FB: 3.0, OpKind.W: 1.0}
+
+# Zero-bubble schedules split the backward in two halves of about a forward's work each (Qi et al., ICLR'24):
+# the input gradient (B) and the weight gradients (W). The first stage has no input gradient to send: its B
+# only receives the cotangent and its W runs the whole backward, deferrable into the bubbles.
+ZB_NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 1.0, OpKind.FB: 2.0, OpKind.W: 1.0}
+ZERO_BUBBLE = frozenset({"zb-h1"})
+"""Schedules whose backward runs as B (input gradient) then W (weight gradients)."""
 
 
 class Op(NamedTuple):
@@ -55,6 +64,8 @@ def _check(num_groups: int, chunks: int, num_microbatches: int, schedule: str) -
     if num_groups < 1 or chunks < 1 or num_microbatches < 1:
         raise ScheduleError(f"need at least one device group, chunk and micro-batch, got S={num_groups}, "
                             f"v={chunks}, G={num_microbatches}")
+    if chunks > 1 and schedule in ZERO_BUBBLE:
+        raise ScheduleError(f"{schedule} has no interleaved form here; use virtual_stages=1 with it")
     if chunks > 1 and schedule == "1f1b-eager":
         raise ScheduleError("1f1b-eager has no interleaved form; use schedule 1f1b (Megatron's interleaved "
                             "1F1B) or gpipe with virtual_stages > 1")
@@ -106,6 +117,8 @@ def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks:
     """
     S, v, G = num_groups, chunks, num_microbatches
     _check(S, v, G, schedule)
+    if schedule in ZERO_BUBBLE:
+        return zero_bubble_orders(S, G)
     last = S * v - 1
     orders: list[list[Op]] = []
     for d in range(S):
@@ -130,10 +143,77 @@ def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks:
     return orders
 
 
+def zero_bubble_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]:
+    """ZB-H1 (Qi et al., ICLR'24): 1F1B's forwards and input-gradient backwards, each weight-gradient pass
+    deferred into the time its group would otherwise wait, with 1F1B's memory.
+
+    Built by simulating every group with `ZB_NOMINAL_COST` (the order, not the times, is the schedule): a
+    group runs its next 1F1B operation when its input has arrived, else its oldest pending W; a forward waits
+    for a W first when ``min(S - s, G)`` micro-batches (1F1B's in-flight count) would otherwise hold residuals.
+    The last stage keeps its fused FB (its weight gradients in it): nothing after it waits for them.
+    """
+    S, G = num_groups, num_microbatches
+    queues = [[Op(OpKind.FB if s == S - 1 and kind == OpKind.F else kind, s, i) for kind, i in _classic(s, S, G)
+               if not (s == S - 1 and kind == OpKind.B)] for s in range(S)]
+    cost = dict(ZB_NOMINAL_COST)
+    cost[OpKind.FB] = cost[OpKind.F] + cost[OpKind.B]
+    finish: dict[Op, float] = {}
+    free, pos = [0.0] * S, [0] * S
+    pending: list[list[Op]] = [[] for _ in range(S)]
+    live = [0] * S  # micro-batches whose residuals stage s holds (F issued, W not)
+    orders: list[list[Op]] = [[] for _ in range(S)]
+
+    def op_cost(op: Op) -> float:
+        if op.stage == 0 and op.kind in (OpKind.B, OpKind.W):
+            return 0.0 if op.kind == OpKind.B else cost[OpKind.B] + cost[OpKind.W]
+        return cost[op.kind]
+
+    def choice(s: int) -> tuple[float, Op] | None:
+        """(start, operation) group s runs next, or None when it waits for an input not yet computed."""
+        nxt = queues[s][pos[s]] if pos[s] < len(queues[s]) else None
+        if nxt is not None and nxt.kind == OpKind.F and live[s] >= min(S - s, G) and pending[s]:
+            return free[s], pending[s][0]
+        if nxt is not None:
+            deps = dependencies(nxt, S)
+            if all(d in finish for d in deps):
+                ready = max([free[s], *(finish[d] for d in deps)])
+                if ready <= free[s] or not pending[s]:
+                    return ready, nxt
+            elif not pending[s]:
+                return None
+        return (free[s], pending[s][0]) if pending[s] else None
+
+    total = sum(len(q) for q in queues) + G * S
+    done = 0
+    while done < total:
+        options = [(c[0], s, c[1]) for s in range(S) if (c := choice(s)) is not None]
+        if not options:
+            raise ScheduleError("internal: the zero-bubble simulation deadlocked")
+        start, s, op = min(options)
+        finish[op] = start + op_cost(op)
+        free[s] = finish[op]
+        orders[s].append(op)
+        done += 1
+        if op.kind == OpKind.W:
+            pending[s].pop(0)
+            live[s] -= 1
+            continue
+        pos[s] += 1
+        if op.kind == OpKind.F:
+            live[s] += 1
+        elif op.kind in (OpKind.B, OpKind.FB):
+            pending[s].append(Op(OpKind.W, s, op.mb))
+            if op.kind == OpKind.FB:
+                live[s] += 1
+    return orders
+
+
 def dependencies(op: Op, num_virtual: int) -> list[Op]:
     """The operations whose outputs `op` reads (activation, cotangent, its own residuals)."""
     kind, k, i = op
     last = num_virtual - 1
+    if kind == OpKind.W:
+        return [Op(OpKind.FB if k == last else OpKind.B, k, i)]
     if kind == OpKind.F:
         return [Op(OpKind.F, k - 1, i)] if k > 0 else []
     if kind == OpKind.FB:
@@ -193,8 +273,10 @@ def list_schedule(orders: Sequence[Sequence[Op]], cost: Mapping[str, float] | No
 def _readers(op: Op, num_virtual: int) -> list[Op]:
     """Operations that may read ``op``'s outputs (the inverse of `dependencies`)."""
     kind, k, i = op
+    if kind == OpKind.W:
+        return []
     if kind == OpKind.B:
-        return [Op(OpKind.B, k - 1, i)] if k > 0 else []
+        return [*([Op(OpKind.B, k - 1, i)] if k > 0 else []), Op(OpKind.W, k, i)]
     nxt = OpKind.FB if k + 2 == num_virtual else OpKind.F
     ahead = [Op(nxt, k + 1, i)] if k + 1 < num_virtual else []
     behind = [Op(OpKind.B, k - 1, i)] if kind == OpKind.FB and k > 0 else []
@@ -231,22 +313,25 @@ def dependency_depth(issue: Sequence[Op], num_groups: int) -> dict[str, int]:
 
 
 def residuals_in_flight(issue: Sequence[Op]) -> np.ndarray:
-    """Per virtual stage, the most micro-batches whose residuals are held at once (F issued, B not yet)."""
+    """Per virtual stage, the most micro-batches whose residuals are held at once (F issued, B not yet; under a
+    zero-bubble schedule, W not yet: a micro-batch keeps what its weight gradients read until then)."""
     num_virtual = 1 + max(op.stage for op in issue)
+    split = {op.stage for op in issue if op.kind == OpKind.W}
     live = np.zeros(num_virtual, np.int64)
     peak = np.zeros(num_virtual, np.int64)
     for op in issue:
-        if op.kind == OpKind.F:
+        if op.kind == OpKind.F or (op.kind == OpKind.FB and op.stage in split):
             live[op.stage] += 1
             peak[op.stage] = max(peak[op.stage], live[op.stage])
-        elif op.kind == OpKind.B:
+        elif op.kind == (OpKind.W if op.stage in split else OpKind.B):
             live[op.stage] -= 1
     return peak
 
 
 def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> list[Op]:
     """The host's issue order for one step of `schedule` (`device_orders` merged by `list_schedule`)."""
-    return list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks))
+    cost = ZB_NOMINAL_COST if schedule in ZERO_BUBBLE else None
+    return list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost)
 
 
 def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None
@@ -284,6 +369,6 @@ def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCo
     return float(group_finish_times(issue, num_groups, cost).max())
 
 
-__all__ = ["MPMD_SCHEDULES", "Op", "OpCost", "OpKind", "ScheduleError", "dependencies", "dependency_depth",
-           "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule", "op_spans",
-           "residuals_in_flight", "simulated_time"]
+__all__ = ["MPMD_SCHEDULES", "ZERO_BUBBLE", "Op", "OpCost", "OpKind", "ScheduleError", "dependencies",
+           "dependency_depth", "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule", "op_spans",
+           "residuals_in_flight", "simulated_time", "zero_bubble_orders"]

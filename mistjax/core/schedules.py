@@ -2,7 +2,9 @@
 
 ``"gpipe"`` runs all forwards then all backwards (``G`` micro-batches in flight); ``"1f1b"``
 (PipeDream-flush) warms up with ``min(S - s - 1, G)`` forwards and then alternates (``min(S - s, G)`` in
-flight); ``"1f1b-eager"`` puts every backward at its earliest slot (``min(2 (S - s) - 1, G)`` in flight). The
+flight); ``"1f1b-eager"`` puts every backward at its earliest slot (``min(2 (S - s) - 1, G)`` in flight);
+``"zb-h1"`` splits each backward into its input-gradient and weight-gradient halves and defers the latter
+into the bubbles (Qi et al., ICLR'24), with 1F1B's micro-batches in flight. The
 executor's operation order is `mistjax.core.pipeline_order`'s; trade-offs and measurements: docs/internals.md.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "1f1b-eager")
+SCHEDULE_NAMES = ("1f1b", "gpipe", "1f1b-eager", "zb-h1")
 
 
 class ScheduleError(ValueError):
@@ -24,7 +26,8 @@ def inflight_microbatches(
     """Micro-batches whose residuals stage ``stage`` (0-based) holds at its peak, vectorised, as the MPMD
     executor runs the schedule (`mistjax.core.pipeline_order.residuals_in_flight`, tested equal).
 
-    1F1B: ``min(S - stage, G)`` (warm-up forwards S - stage - 1, Mist's p, plus the current one).
+    1F1B: ``min(S - stage, G)`` (warm-up forwards S - stage - 1, Mist's p, plus the current one); ZB-H1 the
+    same (a forward waits for a deferred weight-gradient pass rather than hold more).
     GPipe: G (every forward finishes before the first backward).
     1F1B-eager: ``min(2 (S - stage) - 1, G)`` (backward i waits ``2 (S - stage) - 2`` ticks after forward i).
     The last stage runs each micro-batch's forward and backward in one program: one, transiently.
@@ -34,7 +37,7 @@ def inflight_microbatches(
     g = np.asarray(num_microbatches, dtype=np.int64)
     if np.any(st < 0) or np.any(st >= s):
         raise ValueError("stage must be in [0, num_stages)")
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb-h1"):
         n = np.minimum(s - st, g)
     elif schedule == "gpipe":
         n = np.broadcast_to(g, np.broadcast_shapes(st.shape, s.shape, g.shape)).copy()

@@ -42,6 +42,7 @@ from mistjax.runtime import xla_flags
 from mistjax.runtime.grads import mesh_capabilities, regather_updated_params
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles, tensor_split_axes
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
+from mistjax.runtime.mpmd_split import SplitPrograms
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
 from mistjax.runtime.mpmd_update import (
@@ -90,6 +91,17 @@ class DispatchStats:
     @property
     def ops(self) -> int:
         return self.programs + self.transfers
+
+
+@dataclass
+class _Queues:
+    """What one step's operations hand each other (keyed by (stage, micro-batch))."""
+
+    live: list[int]  # per stage: micro-batches whose residuals it holds
+    h_recv: dict[tuple[int, int], list[jax.Array]] = field(default_factory=dict)  # activations received
+    ct_recv: dict[tuple[int, int], list[jax.Array]] = field(default_factory=dict)  # cotangents received
+    res: dict[tuple[int, int], list[jax.Array]] = field(default_factory=dict)  # residuals of forwards
+    wres: dict[tuple[int, int], tuple[list[jax.Array], ...]] = field(default_factory=dict)  # what a W reads
 
 
 @dataclass
@@ -273,6 +285,8 @@ class MpmdStep:
     def _build_programs(self, checkpoint_tags: tuple[str, ...]) -> None:
         """Every stage's programs, update rounds, prologue and metric plan; the applied report."""
         self.programs = [self._stage_programs(k) for k in range(self.K)]
+        self.split_programs = {op.stage: SplitPrograms(self.programs[op.stage]) for op in self.issue
+                               if op.kind is OpKind.W}
         self.rounds = {(k, r): self._build_round(k, r) for k in range(self.K)
                        for r in range(1, self.prop.num_rounds + 1)}
         self.prologue = {k: self._build_prologue(k) for k in range(self.K) if self._uses_batch(k)}
@@ -793,54 +807,32 @@ class MpmdStep:
         for k in range(K):
             if k not in self._accs and self.local[k]:
                 self._accs[k] = self.programs[k].init_accumulators()
-        h_recv: dict[tuple[int, int], jax.Array] = {}
-        ct_recv: dict[tuple[int, int], jax.Array] = {}
-        res: dict[tuple[int, int], jax.Array] = {}
-        progs = self.programs
-        live = [0] * K
+        q = _Queues(live=[0] * K)
         self.stats.residuals_in_flight = [0] * K
-        h_avals = progs[0].h_global_avals()
-        h_float = [a for a, f in zip(h_avals, progs[0].h_float) if f]
+        split = {op.stage for op in self.issue if op.kind is OpKind.W}
         for op in self.issue:
             k, i = op.stage, op.mb
-            pr = progs[k]
-            acc, lacc = self._accs.get(k, (None, None))
             if op.kind is OpKind.F:
-                args = (params[k], mbs[k][i]) if k == 0 else (params[k], h_recv.pop((k, i)), mbs[k][i])
-                out = self._run("forward", k, pr.forward(), *args)
-                h, r = out if out is not None else (None, None)
-                res[(k, i)] = r
-                live[k] += 1
-                self.stats.residuals_in_flight[k] = max(self.stats.residuals_in_flight[k], live[k])
-                h_recv[(k + 1, i)] = self._send(list(h) if h is not None else [None] * len(h_avals), h_avals,
-                                                progs[k + 1].h_shardings(), k, k + 1)
+                self._op_forward(q, params[k], mbs[k][i], k, i)
+                continue
+            if op.kind is OpKind.W:
+                self._op_weight_grad(q, params[k], k, i)
+            elif k in split:
+                self._op_input_grad(q, params[k], mbs[k][i], k, i)
             elif op.kind is OpKind.B:
-                ct = ct_recv.pop((k, i))
-                out = self._run("backward", k, pr.backward(), params[k], res.pop((k, i)), ct, acc)
-                live[k] -= 1
-                if k == 0:
-                    acc = out[0] if out is not None else None
-                else:
-                    ct_in, acc = out if out is not None else (None, None)
-                    ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float),
-                                                     h_float, progs[k - 1].ct_shardings(), k, k - 1)
-                if self.local[k]:
-                    self._accs[k] = (acc, lacc)
+                self._op_backward(q, params[k], k, i)
             else:
-                out = self._run("last", k, pr.last(), params[k], h_recv.pop((k, i)), mbs[k][i], acc, lacc)
-                ct_in, acc, lacc = out if out is not None else (None, None, None)
-                if self.local[k]:
-                    self._accs[k] = (acc, lacc)
-                ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float),
-                                                 h_float, progs[k - 1].ct_shardings(), k, k - 1)
+                self._op_last(q, params[k], mbs[k][i], k, i)
+            if op.kind is OpKind.W or k not in split:
+                q.live[k] -= op.kind is not OpKind.FB
         self.stats.residual_bytes = [n * b for n, b in zip(self.stats.residuals_in_flight, self.residual_bytes())]
         grads: list[list[jax.Array]] = []
         loss = aux = None
         for k in range(K):
             acc, lacc = self._accs.get(k, (None, None))
-            out = self._run("finish", k, progs[k].finish(), acc, lacc if k == K - 1 else [])
+            out = self._run("finish", k, self.programs[k].finish(), acc, lacc if k == K - 1 else [])
             if out is None:
-                grads.append([None] * len(progs[k].spec.params))
+                grads.append([None] * len(self.programs[k].spec.params))
                 continue
             g, sums, acc, lacc_new = out
             self._accs[k] = (acc, lacc_new if k == K - 1 else lacc)
@@ -848,6 +840,85 @@ class MpmdStep:
             if k == K - 1:
                 loss, aux = sums[0], list(sums[1:])
         return grads, loss, aux
+
+    def _send_ct(self, ct_in: list[jax.Array] | None, k: int, i: int, q: _Queues) -> None:
+        h_float = [a for a, f in zip(self.programs[0].h_global_avals(), self.programs[0].h_float) if f]
+        q.ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float), h_float,
+                                           self.programs[k - 1].ct_shardings(), k, k - 1)
+
+    def _set_acc(self, k: int, acc: list[jax.Array] | None, lacc: list[jax.Array] | None) -> None:
+        if self.local[k]:
+            self._accs[k] = (acc, lacc)
+
+    def _op_forward(self, q: _Queues, params: list[jax.Array], mb: list[jax.Array], k: int, i: int) -> None:
+        pr = self.programs[k]
+        h_avals = self.programs[0].h_global_avals()
+        args = (params, mb) if k == 0 else (params, q.h_recv.pop((k, i)), mb)
+        out = self._run("forward", k, pr.forward(), *args)
+        h, r = out if out is not None else (None, None)
+        q.res[(k, i)] = r
+        q.live[k] += 1
+        self.stats.residuals_in_flight[k] = max(self.stats.residuals_in_flight[k], q.live[k])
+        q.h_recv[(k + 1, i)] = self._send(list(h) if h is not None else [None] * len(h_avals), h_avals,
+                                          self.programs[k + 1].h_shardings(), k, k + 1)
+
+    def _op_backward(self, q: _Queues, params: list[jax.Array], k: int, i: int) -> None:
+        acc, lacc = self._accs.get(k, (None, None))
+        out = self._run("backward", k, self.programs[k].backward(), params, q.res.pop((k, i)), q.ct_recv.pop((k, i)),
+                        acc)
+        if k == 0:
+            acc = out[0] if out is not None else None
+        else:
+            ct_in, acc = out if out is not None else (None, None)
+            self._send_ct(ct_in, k, i, q)
+        self._set_acc(k, acc, lacc)
+
+    def _op_last(self, q: _Queues, params: list[jax.Array], mb: list[jax.Array], k: int, i: int) -> None:
+        acc, lacc = self._accs.get(k, (None, None))
+        out = self._run("last", k, self.programs[k].last(), params, q.h_recv.pop((k, i)), mb, acc, lacc)
+        ct_in, acc, lacc = out if out is not None else (None, None, None)
+        self._set_acc(k, acc, lacc)
+        self._send_ct(ct_in, k, i, q)
+
+    def _op_input_grad(self, q: _Queues, params: list[jax.Array], mb: list[jax.Array], k: int, i: int) -> None:
+        """A zero-bubble schedule's B (or the last stage's FB): the input gradient now, the rest kept for W."""
+        sp = self.split_programs[k]
+        if k == 0:  # no input gradient: W runs the whole backward
+            q.wres[(k, i)] = (q.res.pop((k, i)), q.ct_recv.pop((k, i)))
+            return
+        if k == self.K - 1:
+            q.live[k] += 1
+            self.stats.residuals_in_flight[k] = max(self.stats.residuals_in_flight[k], q.live[k])
+            acc, lacc = self._accs.get(k, (None, None))
+            h = q.h_recv.pop((k, i))
+            out = self._run("last_input", k, sp.last_input(), params, h, mb, lacc)
+            ct_in, lacc, stash = out if out is not None else (None, None, None)
+            self._set_acc(k, acc, lacc)
+            split = sp.last()
+            q.wres[(k, i)] = ([h[j] for j in split.reads("w", "h")] if h is not None else None,
+                              [mb[j] for j in split.reads("w", "mb")], stash)
+        else:
+            stored, ct = q.res.pop((k, i)), q.ct_recv.pop((k, i))
+            out = self._run("input_grad", k, sp.input_grad(), params, stored, ct)
+            ct_in, stash = out if out is not None else (None, None)
+            split = sp.middle()
+            q.wres[(k, i)] = ([stored[j] for j in split.reads("w", "stored")] if stored is not None else None,
+                              [ct[j] for j in split.reads("w", "ct")] if ct is not None else None, stash)
+        self._send_ct(ct_in, k, i, q)
+
+    def _op_weight_grad(self, q: _Queues, params: list[jax.Array], k: int, i: int) -> None:
+        """A zero-bubble schedule's W: the weight gradients of micro-batch `i` into the accumulators."""
+        acc, lacc = self._accs.get(k, (None, None))
+        if k == 0:
+            stored, ct = q.wres.pop((k, i))
+            out = self._run("backward", k, self.programs[k].backward(), params, stored, ct, acc)
+            acc = out[0] if out is not None else None
+        else:
+            sp = self.split_programs[k]
+            a, b, stash = q.wres.pop((k, i))
+            prog = sp.last_weight() if k == self.K - 1 else sp.weight_grad()
+            acc = self._run("weight_grad", k, prog, params, a, b, acc, stash)
+        self._set_acc(k, acc, lacc)
 
     def _share_tied_grads(self, grads: list[list[jax.Array]]) -> dict[tuple[int, int], list[jax.Array]]:
         """Per (stage, parameter): the gradient summands it adds (a tied parameter gets every holder's)."""

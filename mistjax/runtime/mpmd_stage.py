@@ -435,6 +435,21 @@ class StagePrograms:
         self._cache["forward"] = prog
         return prog
 
+    def backward_local(self, p: list[jax.Array], stored: list[jax.Array], ct: list[jax.Array], acc: list[jax.Array]
+                       ) -> tuple[list[jax.Array], list[jax.Array]]:
+        """One device's backward of one micro-batch: ``(ct_in, acc)`` (inside the stage's shard_map)."""
+        res = self.classify()
+        stored = [s.reshape(shape) for s, (shape, *_) in zip(stored, res.avals)]
+        zero, seed = self._zero_hx(), self._sink_seed(acc)
+        fn, w = self.sink_fn(p), (self.split_params(p), seed)
+        live = classify(fn, w, zero)
+        fresh = jax.vjp(fn, w, zero)[1]
+        ct_full = [c if f else np.zeros(a.shape, jax.dtypes.float0)
+                   for c, f, a in zip(ct, self.h_float, self.info.h_avals)]
+        (g_p, g_sink), (g_h, _) = restore_vjp(fresh, live, stored)((ct_full, seed))
+        acc = self._add_grads(acc, list(g_p), list(g_sink))
+        return [g for g, f in zip(g_h, self.h_float) if f], acc
+
     def backward(self) -> Program:
         """``(params, stored, ct_out, acc) -> (ct_in, acc)``; the first stage returns only ``acc``."""
         if "backward" in self._cache:
@@ -442,16 +457,7 @@ class StagePrograms:
         first, res = self.spec.first, self.classify()
 
         def body(p: list[jax.Array], stored: list[jax.Array], ct: list[jax.Array], acc: list[jax.Array]) -> PyTree:
-            stored = [s.reshape(shape) for s, (shape, *_) in zip(stored, res.avals)]
-            zero, seed = self._zero_hx(), self._sink_seed(acc)
-            fn, w = self.sink_fn(p), (self.split_params(p), seed)
-            live = classify(fn, w, zero)
-            fresh = jax.vjp(fn, w, zero)[1]
-            ct_full = [c if f else np.zeros(a.shape, jax.dtypes.float0)
-                       for c, f, a in zip(ct, self.h_float, self.info.h_avals)]
-            (g_p, g_sink), (g_h, _) = restore_vjp(fresh, live, stored)((ct_full, seed))
-            acc = self._add_grads(acc, list(g_p), list(g_sink))
-            g_h = [g for g, f in zip(g_h, self.h_float) if f]
+            g_h, acc = self.backward_local(p, stored, ct, acc)
             return (acc,) if first else (g_h, acc)
 
         h_float_specs = [P(DP_AXES) if a.shape else P() for a, f in zip(self.info.h_avals, self.h_float) if f]
@@ -465,6 +471,26 @@ class StagePrograms:
         self._cache["backward"] = prog
         return prog
 
+    def last_local(self, p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array],
+                   lacc: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+        """One device's forward, loss and backward of one micro-batch on the last stage: ``(ct_in, acc, lacc)``."""
+        h_int = [x for x, f in zip(h, self.h_float) if not f]
+        fn, seed = self.sink_fn(p), self._sink_seed(acc)
+
+        def loss(w: PyTree, hf: list[jax.Array]) -> PyTree:
+            fi, ii = iter(hf), iter(h_int)
+            full = [next(fi) if f else next(ii) for f in self.h_float]
+            outs, sink = fn(w, (full, mb))
+            return (outs[0], sink), outs[1:]
+
+        hf = [x for x, f in zip(h, self.h_float) if f]
+        (value, _), vjp, aux = jax.vjp(loss, (self.split_params(p), seed), hf, has_aux=True)
+        (g_p, g_sink), g_h = vjp((jnp.ones_like(value), seed))
+        acc = self._add_grads(acc, list(g_p), list(g_sink))
+        sums = [value, *aux]
+        lacc = [a + jnp.asarray(v, a.dtype)[None] for a, v in zip(lacc, sums)]
+        return list(g_h), acc, lacc
+
     def last(self) -> Program:
         """``(params, h, mb, acc, loss_acc) -> (ct_in, acc, loss_acc)`` on the last stage."""
         if "last" in self._cache:
@@ -474,21 +500,7 @@ class StagePrograms:
 
         def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array],
                  lacc: list[jax.Array]) -> PyTree:
-            h_int = [x for x, f in zip(h, self.h_float) if not f]
-            fn, seed = self.sink_fn(p), self._sink_seed(acc)
-
-            def loss(w: PyTree, hf: list[jax.Array]) -> PyTree:
-                fi, ii = iter(hf), iter(h_int)
-                full = [next(fi) if f else next(ii) for f in self.h_float]
-                outs, sink = fn(w, (full, mb))
-                return (outs[0], sink), outs[1:]
-
-            hf = [x for x, f in zip(h, self.h_float) if f]
-            (value, _), vjp, aux = jax.vjp(loss, (self.split_params(p), seed), hf, has_aux=True)
-            (g_p, g_sink), g_h = vjp((jnp.ones_like(value), seed))
-            acc = self._add_grads(acc, list(g_p), list(g_sink))
-            sums = [value, *aux]
-            lacc = [a + jnp.asarray(v, a.dtype)[None] for a, v in zip(lacc, sums)]
+            g_h, acc, lacc = self.last_local(p, h, mb, acc, lacc)
             return (acc, lacc) if first else (g_h, acc, lacc)
 
         h_specs = [P(DP_AXES) if a.shape else P() for a in self.info.h_avals]
