@@ -370,5 +370,5 @@ def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCo
 
 
 __all__ = ["MPMD_SCHEDULES", "ZERO_BUBBLE", "Op", "OpCost", "OpKind", "ScheduleError", "dependencies",
-           "dependency_depth", "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule", "op_spans",
-           "residuals_in_flight", "simulated_time", "zero_bubble_orders"]
+           "dependency_depth", "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule",
+           "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]
