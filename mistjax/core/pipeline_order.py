@@ -19,7 +19,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from mistjax.core.schedules import SCHEDULE_NAMES as MPMD_SCHEDULES
-from mistjax.core.schedules import ScheduleError
+from mistjax.core.schedules import ZERO_BUBBLE, ScheduleError
 
 
 class OpKind(enum.StrEnum):
@@ -42,8 +42,6 @@ NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.FB: 3.0, 
 # the input gradient (B) and the weight gradients (W). The first stage has no input gradient to send: its B
 # only receives the cotangent and its W runs the whole backward, deferrable into the bubbles.
 ZB_NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 1.0, OpKind.FB: 2.0, OpKind.W: 1.0}
-ZERO_BUBBLE = frozenset({"zb-h1"})
-"""Schedules whose backward runs as B (input gradient) then W (weight gradients)."""
 
 
 class Op(NamedTuple):
@@ -328,6 +326,24 @@ def residuals_in_flight(issue: Sequence[Op]) -> np.ndarray:
     return peak
 
 
+def deferred_in_flight(issue: Sequence[Op]) -> np.ndarray:
+    """Per virtual stage, the most micro-batches whose weight-gradient pass (W) waits at once (B issued, W not):
+    each holds its stash (zero without W operations)."""
+    num_virtual = 1 + max(op.stage for op in issue)
+    live = np.zeros(num_virtual, np.int64)
+    peak = np.zeros(num_virtual, np.int64)
+    split = {op.stage for op in issue if op.kind == OpKind.W}
+    for op in issue:
+        if op.stage not in split:
+            continue
+        if op.kind in (OpKind.B, OpKind.FB):
+            live[op.stage] += 1
+            peak[op.stage] = max(peak[op.stage], live[op.stage])
+        elif op.kind == OpKind.W:
+            live[op.stage] -= 1
+    return peak
+
+
 def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> list[Op]:
     """The host's issue order for one step of `schedule` (`device_orders` merged by `list_schedule`)."""
     cost = ZB_NOMINAL_COST if schedule in ZERO_BUBBLE else None
@@ -371,4 +387,4 @@ def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCo
 
 __all__ = ["MPMD_SCHEDULES", "ZERO_BUBBLE", "Op", "OpCost", "OpKind", "ScheduleError", "dependencies",
            "dependency_depth", "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule",
-           "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]
+           "deferred_in_flight", "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mistjax.core.schedules import SCHEDULE_NAMES as SCHEDULES
+from mistjax.core.schedules import ZERO_BUBBLE
 from mistjax.core.stages import StageKind, offloaded_layers, stage_kind
 
 if TYPE_CHECKING:
@@ -289,6 +290,9 @@ class Plan:
             if self.schedule == "1f1b-eager":
                 raise PlanError("schedule 1f1b-eager has no interleaved form; use 1f1b (interleaved 1F1B) or "
                                 "gpipe with virtual_stages > 1")
+            if self.schedule in ZERO_BUBBLE:
+                raise PlanError(f"schedule {self.schedule} runs one chunk per device group here; use "
+                                "virtual_stages=1 with it, or schedule 1f1b (interleaved 1F1B)")
             if self.schedule == "1f1b" and self.grad_accum % groups:
                 raise PlanError(f"interleaved 1F1B runs micro-batches in groups of the {groups} device groups: "
                                 f"grad_accum={self.grad_accum} must be a multiple of {groups}")

@@ -14,6 +14,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 SCHEDULE_NAMES = ("1f1b", "gpipe", "1f1b-eager", "zb-h1")
+ZERO_BUBBLE = frozenset({"zb-h1"})
+"""Schedules whose backward runs as B (input gradient) then W (weight gradients), W deferred into bubbles."""
 
 
 class ScheduleError(ValueError):
@@ -48,4 +50,25 @@ def inflight_microbatches(
     return np.where(st == s - 1, 1, n)
 
 
-__all__ = ["SCHEDULE_NAMES", "ScheduleError", "inflight_microbatches"]
+def deferred_microbatches(stage: ArrayLike, num_stages: ArrayLike, num_microbatches: ArrayLike,
+                          schedule: str = "1f1b") -> np.ndarray:
+    """Micro-batches whose weight-gradient pass stage ``stage`` defers at its peak, each holding its stash (the
+    values the pass reads of the input-gradient pass), vectorised, as the MPMD executor runs ZB-H1
+    (`mistjax.core.pipeline_order.deferred_in_flight`, tested equal); zero for other schedules.
+
+    ZB-H1: one on a middle stage (a forward waits for it: 1F1B's in-flight count), ``min(2, G)`` on the last
+    (its next fused forward + input gradient runs before it), none on the first stage, whose deferred pass is
+    its whole backward (its residuals are counted in flight until then, and it has no stash).
+    """
+    st = np.asarray(stage, dtype=np.int64)
+    s = np.asarray(num_stages, dtype=np.int64)
+    g = np.asarray(num_microbatches, dtype=np.int64)
+    if schedule not in SCHEDULE_NAMES:
+        raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULE_NAMES}")
+    if schedule != "zb-h1":
+        return np.zeros(np.broadcast_shapes(st.shape, s.shape, g.shape), np.int64)
+    n = np.where(st == s - 1, np.minimum(2, g), 1)
+    return np.where((st == 0) | (s == 1), 0, n)
+
+
+__all__ = ["SCHEDULE_NAMES", "ZERO_BUBBLE", "ScheduleError", "deferred_microbatches", "inflight_microbatches"]

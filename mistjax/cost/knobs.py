@@ -33,6 +33,7 @@ class Knobs:
     oo: np.ndarray  # optimizer-state offload ratio
     ao: np.ndarray  # activation offload ratio
     inflight: np.ndarray  # micro-batches in flight (its own broadcast axes)
+    deferred: np.ndarray  # micro-batches whose weight-gradient stash is held (zero-bubble; inflight's axes)
     G: np.ndarray  # micro-batches per step
     stages: np.ndarray  # pipeline stages of the plan
     first: np.ndarray  # bool: runs the pre part
@@ -50,15 +51,16 @@ class Knobs:
 
     @classmethod
     def of(cls, st: StageStrategies) -> Knobs:
-        """Broadcast every field but ``inflight`` to one shape; float arrays except the index fields."""
-        names = [f.name for f in fields(st) if f.name != "inflight"]
+        """Broadcast every field but ``inflight`` / ``deferred`` to one shape; float arrays except the index fields."""
+        names = [f.name for f in fields(st) if f.name not in ("inflight", "deferred")]
         shape = np.broadcast_shapes(*(np.shape(getattr(st, n)) for n in names))
         a = {n: np.broadcast_to(np.asarray(getattr(st, n)), shape) for n in names}
         f = {n: a[n].astype(np.float64) for n in names}
         group = np.where(a["shard_group"] <= 0, a["dp"], a["shard_group"]).astype(np.float64)
         return cls(b=f["b"], tp=f["tp"], cp=f["cp"], dp=f["dp"], shard_group=group, zero=a["zero"].astype(np.int64),
                    layers=f["layers"], remat=np.minimum(f["remat"], f["layers"]), policy=a["policy"].astype(np.int64),
-                   wo=f["wo"], go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight), G=f["G"],
+                   wo=f["wo"], go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight),
+                   deferred=np.asarray(st.deferred), G=f["G"],
                    stages=f["stages"], first=a["first"].astype(bool), last=a["last"].astype(bool), nodes=f["nodes"],
                    per_node=f["per_node"])
 

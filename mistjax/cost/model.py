@@ -58,6 +58,8 @@ class StageCost:
     comm: dict[str, np.ndarray] = field(default_factory=dict)  # collective result bytes per step, by kind
     optimizer_step: np.ndarray = field(default_factory=lambda: np.zeros(()))  # seconds of `delta` in the optimizer
     # step: the update and the ZeRO-1/2 re-gather of the updated parameters
+    wgrad: np.ndarray = field(default_factory=lambda: np.zeros(()))  # part of `bwd` in the weight-gradient
+    # GEMMs (what a zero-bubble schedule defers)
 
     @property
     def xla_cpu_peak(self) -> np.ndarray:
@@ -84,7 +86,14 @@ def _activations(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> tuple[np.ndar
               + kinds.n_off * v.block.output_bytes)
     per_mb = per_mb + np.where(k.first, v.pre.saved_bytes("none"), 0.0)
     per_mb = per_mb + np.where(k.last, v.post.saved_bytes("none"), 0.0)
-    return k.inflight * per_mb, k.inflight * kinds.n_off * kinds.saved_off_host
+    return k.inflight * per_mb + k.deferred * _stash(k, v), k.inflight * kinds.n_off * kinds.saved_off_host
+
+
+def _stash(k: Knobs, v: ProfileValues) -> np.ndarray:
+    """Bytes one deferred weight-gradient pass holds (`runtime.mpmd_split`): priced as a plain layer's
+    activations per layer (the gradients at its weight matmuls' outputs plus the inputs a checkpointed layer
+    recomputed; measured on llama-tiny: 0.71x of that without remat, 1.35x with it, docs/pipelines.md)."""
+    return k.layers * v.block.saved_bytes("none") + np.where(k.last, v.post.saved_bytes("none"), 0.0)
 
 
 def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], *,
@@ -328,7 +337,7 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
                      memory=m.memory, peak=m.peak, feasible=m.feasible, offload_floor=m.offload_floor, host=m.host,
                      host_acts=m.host_acts, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
                      comm={kd: ext[f"comm.{kd}"] for kd in (*KINDS, CollectiveOp.COLLECTIVE_PERMUTE)},
-                     optimizer_step=ext["update"] + ext["regather"])
+                     optimizer_step=ext["update"] + ext["regather"], wgrad=np.minimum(lay["wgrad"], lay["bwd"]))
 
 
 __all__ = ["MEMORY_CATEGORIES", "StageCost", "StageMemory", "StageStrategies", "layer_kinds", "stage_cost",

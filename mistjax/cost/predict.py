@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mistjax.core.pipeline_order import group_finish_times, issue_order, residuals_in_flight
+from mistjax.core.pipeline_order import OpCost, group_finish_times, issue_order, residuals_in_flight
 from mistjax.core.pipeline_time import pipeline_time
 from mistjax.core.plan import Plan, Prediction
+from mistjax.core.schedules import ZERO_BUBBLE, deferred_microbatches
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
 from mistjax.cost.workload import Workload
@@ -82,17 +83,34 @@ def plan_strategies(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Sta
         policy=np.array([workload.policy_index(s.remat_policy) if s.remat_layers else 0 for s in st]),
         wo=np.array([s.offload_weights for s in st]), go=np.array([s.offload_grads for s in st]),
         oo=np.array([s.offload_opt for s in st]), ao=np.array([s.offload_acts for s in st]),
-        inflight=_inflight(plan), first=np.arange(S) == 0, last=np.arange(S) == S - 1)
+        inflight=_inflight(plan), first=np.arange(S) == 0, last=np.arange(S) == S - 1,
+        deferred=deferred_microbatches(np.arange(S), S, G, plan.schedule))
 
 
 def dispatched_ops(plan: Plan, update_rounds: int = 1) -> int:
     """Programs and transfers the host issues per step (docs/pipelines.md): one program for a single
     stage; for K virtual stages, ``(2K - 1) G`` pipeline programs, K finish programs, K update rounds,
-    two batch splits and ``2 (K - 1) G`` activation / cotangent transfers."""
+    two batch splits and ``2 (K - 1) G`` activation / cotangent transfers. A zero-bubble schedule runs
+    ``(3K - 2) G`` pipeline programs (every stage's W, every stage but the first's B)."""
     K, G = plan.num_stages, plan.grad_accum
     if K == 1:
         return 1
-    return (2 * K - 1) * G + K + K * update_rounds + 2 + 2 * (K - 1) * G
+    pipeline = (3 * K - 2) * G if plan.schedule in ZERO_BUBBLE else (2 * K - 1) * G
+    return pipeline + K + K * update_rounds + 2 + 2 * (K - 1) * G
+
+
+def op_costs(plan: Plan, c: StageCost) -> dict[str, OpCost]:
+    """Seconds of each kind of pipeline operation per virtual stage. Under a zero-bubble schedule B is the
+    backward less its weight-gradient GEMMs (`StageCost.wgrad`) and W those; the first stage's B only
+    receives the cotangent (its W runs the whole backward, `runtime.mpmd_split`)."""
+    S = plan.num_stages
+    fwd = np.broadcast_to(np.asarray(c.fwd, np.float64), (S,))
+    bwd = np.broadcast_to(np.asarray(c.bwd, np.float64), (S,))
+    if plan.schedule not in ZERO_BUBBLE:
+        return {"F": fwd, "B": bwd, "FB": fwd + bwd}
+    w = np.minimum(np.broadcast_to(np.asarray(c.wgrad, np.float64), (S,)), bwd)
+    w = np.where(np.arange(S) == 0, bwd, w)
+    return {"F": fwd, "B": bwd - w, "FB": fwd + bwd - w, "W": w}
 
 
 def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> float:
@@ -106,7 +124,7 @@ def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> fl
     groups = plan.device_stages
     issue = issue_order(plan.schedule, groups, plan.grad_accum, plan.virtual_stages)
     fwd, bwd = np.asarray(c.fwd, np.float64), np.asarray(c.bwd, np.float64)
-    finish = group_finish_times(issue, groups, {"F": fwd, "B": bwd, "FB": fwd + bwd})
+    finish = group_finish_times(issue, groups, op_costs(plan, c))
     group = np.arange(plan.num_stages) % groups
     delta = np.bincount(group, weights=np.asarray(c.delta, np.float64), minlength=groups)
     makespan = float(np.max(finish + delta))
@@ -168,4 +186,4 @@ def predict(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Prediction:
     return analyze(workload, plan, cluster).prediction
 
 
-__all__ = ["Analysis", "analyze", "dispatched_ops", "plan_strategies", "predict"]
+__all__ = ["Analysis", "analyze", "dispatched_ops", "op_costs", "plan_strategies", "predict"]

@@ -419,7 +419,10 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     bwd = bwd + np.where(z3, _rs(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
     # Pipeline sends: the activation forward, its cotangent backward (ppermute each tick).
     send = np.where(k.pipelined, p2p_time(blk.output_bytes, cluster.p2p_link(False)), 0.0)
-    return {"fwd": fwd + send, "bwd": bwd + send + _cp_grad_sync(workload, cluster, k, v)}
+    # The weight-gradient GEMMs (half of the layer's backward weight GEMMs; the head's about half its backward;
+    # the embedding's whole backward): what a zero-bubble schedule's W pass runs.
+    wgrad = k.layers * c["ring_bwd"] + np.where(k.last, 0.5 * c["post_bwd"], 0.0) + np.where(k.first, c["pre_bwd"], 0.0)
+    return {"fwd": fwd + send, "bwd": bwd + send + _cp_grad_sync(workload, cluster, k, v), "wgrad": wgrad}
 
 
 def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray],

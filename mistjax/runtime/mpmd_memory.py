@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from mistjax.core.pipeline_order import residuals_in_flight
 from mistjax.runtime.mpmd_update import Source
 
 if TYPE_CHECKING:  # annotations only: the pipeline imports this module
@@ -42,27 +43,25 @@ def program_peak(compiled: jax.stages.Compiled) -> int:
 
 
 def others_in_flight(ex: MpmdStep) -> dict[tuple[int, str], int]:
-    """Per (stage, F | B): the most other micro-batches' residuals held while that program runs."""
+    """Per (stage, F | B): the most other micro-batches' residuals held while that program runs (under a
+    zero-bubble schedule a micro-batch holds them until its W)."""
     live = [0] * ex.K
+    split = {op.stage for op in ex.issue if op.kind == "W"}
     out: dict[tuple[int, str], int] = {}
     for op in ex.issue:
         if op.kind == "FB":
             continue
         k = op.stage
-        others = live[k] if op.kind == "F" else live[k] - 1
+        releases = op.kind == ("W" if k in split else "B")
+        others = live[k] - 1 if releases else live[k]
         out[(k, op.kind)] = max(out.get((k, op.kind), 0), others)
-        live[k] += 1 if op.kind == "F" else -1
+        live[k] += 1 if op.kind == "F" else -1 if releases else 0
     return out
 
 
 def most_in_flight(ex: MpmdStep) -> list[int]:
     """Per stage: the most micro-batches whose residuals it holds at once."""
-    live, most = [0] * ex.K, [0] * ex.K
-    for op in ex.issue:
-        if op.kind in ("F", "B"):
-            live[op.stage] += 1 if op.kind == "F" else -1
-            most[op.stage] = max(most[op.stage], live[op.stage])
-    return most
+    return [int(n) for n in residuals_in_flight(ex.issue)]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from mistjax.core.schedules import SCHEDULE_NAMES
+from mistjax.core.schedules import SCHEDULE_NAMES, ZERO_BUBBLE
 
 __all__ = [
     "MIST_OFFLOAD",
@@ -118,9 +118,12 @@ class SearchSpace:
             vals = getattr(self, name)
             if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
                 raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of ratios in [0, 1]")
-        bad = [x for x in self.schedules if x not in SCHEDULE_NAMES]
+        searched = tuple(x for x in SCHEDULE_NAMES if x not in ZERO_BUBBLE)
+        bad = [x for x in self.schedules if x not in searched]
         if not self.schedules or bad:
-            raise ValueError(f"SearchSpace.schedules={self.schedules!r}: use a non-empty tuple of {SCHEDULE_NAMES}")
+            hint = (" (zero-bubble schedules are run and priced -- Plan(schedule='zb-h1'), `mistjax explain` -- but "
+                    "the tuner does not search them yet)" if set(bad) & ZERO_BUBBLE else "")
+            raise ValueError(f"SearchSpace.schedules={self.schedules!r}: use a non-empty tuple of {searched}{hint}")
         if self.pareto_k < 1 or self.layer_window < 0:
             raise ValueError("SearchSpace: pareto_k must be >= 1 and layer_window >= 0")
 

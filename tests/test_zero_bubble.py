@@ -1,0 +1,153 @@
+"""Zero-bubble pipelines (ZB-H1): the backward split into input-gradient (B) and weight-gradient (W) parts,
+their schedule, the executor's programs against one device, and their price."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from mistjax.core import pipeline_order as po
+from mistjax.core.schedules import deferred_microbatches, inflight_microbatches
+from mistjax.cost import analyze
+from mistjax.hardware import ClusterSpec
+from mistjax.plan import PlanError, uniform_plan
+from mistjax.runtime.backward_split import split_backward
+from mistjax.tuning.space import SearchSpace
+
+
+def _layer(c, w):
+    h = jnp.tanh(c @ w[0])
+    h = jax.checkpoint(lambda h: jnp.sin(h @ w[1]))(h)  # a recomputed segment: W reads what B recomputes
+    return c + h, None
+
+
+def _loss(ws, x):
+    c, _ = jax.lax.scan(_layer, x, ws)
+    return (c ** 2).sum()
+
+
+def _split_toy():
+    ws = jax.random.normal(jax.random.key(0), (3, 2, 8, 8)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    _, vjp = jax.vjp(_loss, ws, x)
+    leaves, tree = jax.tree.flatten(vjp)
+
+    def backward(*args):
+        g_w, g_x = jax.tree.unflatten(tree, args[:-1])(args[-1])
+        return [g_x, g_w]
+
+    args = [*leaves, jnp.ones(())]
+    return ws, x, backward, args, split_backward(backward, args, [True, False])
+
+
+def _dots(fn, *args) -> int:
+    """dot_general equations in `fn`'s jaxpr, loop bodies included."""
+    from mistjax.core.jaxpr import iter_eqns
+
+    return sum(e.primitive.name == "dot_general" for e in iter_eqns(jax.make_jaxpr(fn)(*args), bodies=True))
+
+
+def _flops(fn, *args) -> float:
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
+
+
+def test_split_backward_is_exact_and_computes_nothing_twice():
+    ws, x, backward, args, sp = _split_toy()
+    (g_x,), stash = jax.jit(sp.b)(*args)
+    (g_w,) = jax.jit(sp.w)(*args, *stash)
+    ref_w, ref_x = jax.grad(_loss, argnums=(0, 1))(ws, x)
+    np.testing.assert_array_equal(g_x, ref_x)
+    np.testing.assert_array_equal(g_w, ref_w)
+    # The stash is per-layer (stacked over the 3 layers): the gradients at the two weight matmuls' outputs.
+    assert [a.shape for a in sp.stash] == [(3, 4, 8), (3, 4, 8)]
+    # B does no weight-gradient GEMM, W no input-gradient work: together they cost what the backward costs.
+    total, b, w = _flops(backward, *args), _flops(sp.b, *args), _flops(sp.w, *args, *stash)
+    assert b + w == pytest.approx(total, rel=0.02)
+    dots = {name: _dots(f, *a) for name, f, a in (("all", backward, args), ("b", sp.b, args),
+                                                     ("w", sp.w, [*args, *stash]))}
+    assert dots == {"all": 5, "b": 3, "w": 2}  # per layer: a recompute + 2 input grads in B, 2 weight grads in W
+
+
+@pytest.mark.parametrize("S,G", [(2, 1), (2, 4), (3, 5), (4, 8), (8, 16)])
+def test_zb_h1_order_keeps_1f1b_memory_and_shrinks_the_bubble(S, G):
+    issue = po.issue_order("zb-h1", S, G)
+    assert sorted(op.kind.value for op in issue).count("W") == S * G  # every stage defers its weight passes
+    resid = po.residuals_in_flight(issue)
+    stages = np.arange(S)
+    # Residuals: 1F1B's count on every stage but the last (whose fused FB keeps none, only its stash).
+    np.testing.assert_array_equal(resid[:-1], inflight_microbatches(stages, S, G, "1f1b")[:-1])
+    deferred = po.deferred_in_flight(issue)
+    np.testing.assert_array_equal(deferred[1:], deferred_microbatches(stages, S, G, "zb-h1")[1:])
+    unit = {"F": 1.0, "B": lambda op: 0.0 if op.stage == 0 else 1.0, "FB": 2.0,
+            "W": lambda op: 2.0 if op.stage == 0 else 1.0}
+    zb = po.simulated_time(issue, S, unit)
+    classic = po.simulated_time(po.issue_order("1f1b", S, G), S, {"F": 1.0, "B": 2.0, "FB": 3.0})
+    assert zb < classic
+    if G >= S:  # with F = B = W: a bubble of 2 S - 3 against 1F1B's 3 (S - 1) (ideal ZB-H1: S - 1)
+        assert zb - 3 * G == 2 * S - 3 and classic - 3 * G == 3 * (S - 1)
+
+
+def test_zero_bubble_plan_refusals():
+    with pytest.raises(PlanError, match="virtual_stages=1"):
+        dataclasses.replace(uniform_plan(8, 8, stages=4, grad_accum=4, schedule="zb-h1"), virtual_stages=2)
+    with pytest.raises(ValueError, match="tuner does not search them"):
+        SearchSpace(schedules=("1f1b", "zb-h1"))
+
+
+def test_zb_h1_matches_one_device_with_remat_and_zero3(train_steps):
+    cfg = models.get_config("llama-tiny")
+    ref_losses, ref_params = train_steps(cfg, 2)
+    plan = uniform_plan(cfg.num_layers, 4, stages=4, micro_batch=4, grad_accum=4, schedule="zb-h1", remat_layers=1,
+                        shard_opt=True, shard_grads=True, shard_weights=True)
+    losses, params = train_steps(cfg, 2, jax.devices()[:4], plan)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(params, ref_params):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_zb_h1_runs_its_split_programs():
+    """The executor's op counts: stage 0's W is its whole backward, the middle stages run B and W, the last a
+    fused forward + input gradient and a W."""
+    import optax
+    from flax import nnx
+
+    import mistjax
+    from mistjax.train.data import SyntheticTokens
+    from mistjax.train.state import TrainState
+
+    cfg = models.get_config("gpt3-tiny")
+    state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+    loss_fn = models.make_loss_fn(state.graphdef)
+
+    def train_step(state, batch):
+        loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    G = 4
+    plan = uniform_plan(cfg.num_layers, 4, stages=4, micro_batch=4, grad_accum=G, schedule="zb-h1")
+    step = mistjax.autoshard(train_step, jax.devices()[:4], plan=plan)
+    step(state, SyntheticTokens(cfg.vocab_size, 16, 16, kind="random").batch(0))
+    ex = step._mpmd
+    assert ex.stats.by_kind["backward"] == G and ex.stats.by_kind["input_grad"] == 2 * G
+    assert ex.stats.by_kind["last_input"] == G and ex.stats.by_kind["weight_grad"] == 3 * G
+    assert "last" not in ex.stats.by_kind
+    for k in (1, 2):  # a middle stage's stash: per-layer values, smaller than twice its residuals
+        assert 0 < ex.split_programs[k].middle().stash_bytes() < 2 * ex.programs[k].classify().device_nbytes
+
+
+def test_zb_h1_is_priced_as_the_executor_runs_it():
+    cluster = ClusterSpec.preset("a100-40gb", 4, 8)
+    wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
+    plans = {s: uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, schedule=s) for s in
+             ("1f1b", "zb-h1")}
+    one, zb = analyze(wl, plans["1f1b"], cluster), analyze(wl, plans["zb-h1"], cluster)
+    assert zb.step_time < one.step_time  # the weight passes fill the bubble
+    assert one.step_time / zb.step_time < 1 + 3 / 19  # at most the whole 1F1B bubble (S-1)/(G+S-1)
+    # The stash of deferred weight passes: more activation memory on every stage but the first.
+    acts = [(a["activations"], b["activations"]) for a, b in zip(one.stage_memory, zb.stage_memory)]
+    assert acts[0][0] == acts[0][1] and all(b > a for a, b in acts[1:])
