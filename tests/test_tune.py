@@ -267,7 +267,7 @@ def test_eager_schedule_holds_more_and_gains_nothing_without_lockstep(real):
     cfg = models.get_config("llama-22b").replace(dtype="bfloat16", attention="xla")
     w = models.workload(cfg, 2048, 512)
     cl = ClusterSpec.preset("l4", nodes=4, per_node=8)
-    space = SearchSpace(tp_degrees=(4,), micro_batches=(1,), mics=False, zero_levels=(1,))
+    space = SearchSpace(tp_degrees=(4,), micro_batches=(1,), mics=False, zero_levels=(1,), zero_bubble=False)
     both = search(w, cl, space.replace(schedules=("1f1b", "1f1b-eager")), cost=real)
     assert both.plan.num_stages > 1 and both.plan.schedule == "1f1b"
     from mistjax.cost.predict import analyze

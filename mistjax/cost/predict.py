@@ -134,6 +134,23 @@ def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> fl
     return max(float(np.sum(work)) / groups, makespan / groups)
 
 
+def bubble_fraction(plan: Plan, c: StageCost, step: float) -> float:
+    """Idle share of the device groups' pipeline time: ``1 - mean busy / step``."""
+    busy = np.bincount(np.arange(plan.num_stages) % plan.device_stages,
+                       weights=plan.grad_accum * (np.broadcast_to(c.fwd, (plan.num_stages,))
+                                                  + np.broadcast_to(c.bwd, (plan.num_stages,))),
+                       minlength=plan.device_stages)
+    return float(1.0 - np.mean(busy) / step) if step > 0 else 0.0
+
+
+def _zero_bubble_note(plan: Plan, c: StageCost, shared: bool) -> str:
+    """Why a zero-bubble schedule: its pipeline time and bubble against 1F1B's on the same stages."""
+    zb, one = _pipeline_step(plan, c, shared), _pipeline_step(plan.replace(schedule="1f1b"), c, shared)
+    return (f"{plan.schedule}: the weight-gradient passes fill the pipeline's bubbles: {zb:.4g} s against "
+            f"{one:.4g} s under 1F1B ({one / zb:.3f}x), bubble {bubble_fraction(plan, c, one):.1%} -> "
+            f"{bubble_fraction(plan, c, zb):.1%}; each deferred pass holds its stash (activation memory)")
+
+
 def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
     """Per device group: the state and residuals of every chunk it runs, the largest chunk's transients."""
     groups = plan.device_stages
@@ -161,6 +178,8 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     pooled = S > 1 and cluster.device.shared_compute
     notes = (("the devices share one pool of compute (DeviceSpec.shared_compute): the pipeline is priced as its "
               "total work over the pool, not its lock-step makespan"),) if pooled else ()
+    if S > 1 and plan.schedule in ZERO_BUBBLE:
+        notes += (_zero_bubble_note(plan, c, bool(cluster.device.shared_compute)),)
     mist = float(pipeline_time(c.stable, c.delta, G, "gpipe" if plan.schedule == "gpipe" else "1f1b"))
     tokens = plan.global_batch * workload.seq_len
     pred = Prediction(step_time=step, stage_stable=tuple(float(x) for x in c.stable),
@@ -186,4 +205,4 @@ def predict(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Prediction:
     return analyze(workload, plan, cluster).prediction
 
 
-__all__ = ["Analysis", "analyze", "dispatched_ops", "op_costs", "plan_strategies", "predict"]
+__all__ = ["Analysis", "analyze", "bubble_fraction", "dispatched_ops", "op_costs", "plan_strategies", "predict"]

@@ -1072,19 +1072,25 @@ class MpmdStep:
             h = pr.h_global_avals()
             hf = [a for a, f in zip(h, pr.h_float) if f]
             if k < self.K - 1:
-                if want is None or {"forward", "backward"} & want:
+                if want is None or {"forward", "backward", "input_grad", "weight_grad"} & want:
                     fwd = pr.forward().lower(params, mb) if k == 0 else pr.forward().lower(params, h, mb)
-                    fwd_c = fwd.compile() if compile or want is None or "backward" in want else None
+                    needs_res = want is None or bool({"backward", "input_grad", "weight_grad"} & want)
+                    fwd_c = fwd.compile() if compile or needs_res else None
                     if want is None or "forward" in want:
                         out[(k, "forward")] = fwd_c if compile else fwd
-                    if want is None or "backward" in want:
-                        res = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                               for a, s in zip(fwd.out_info[1], fwd_c.output_shardings[1])]
+                    res = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                           for a, s in zip(fwd.out_info[1], fwd_c.output_shardings[1])] if fwd_c is not None else []
+                    if k in self.split_programs and k > 0:  # a zero-bubble stage runs its split backward instead
+                        self._add_split_programs(k, add, [params, res, hf, acc], want)
+                    elif want is None or "backward" in want:
                         add(k, "backward", lambda pr=pr, params=params, res=res, hf=hf, acc=acc:
                             pr.backward().lower(params, res, hf, acc))
             else:
-                add(k, "last", lambda pr=pr, params=params, h=h, mb=mb, acc=acc, lacc=lacc:
-                    pr.last().lower(params, h, mb, acc, lacc))
+                if k in self.split_programs:
+                    self._add_split_programs(k, add, [params, h, mb, acc, lacc], want)
+                else:
+                    add(k, "last", lambda pr=pr, params=params, h=h, mb=mb, acc=acc, lacc=lacc:
+                        pr.last().lower(params, h, mb, acc, lacc))
             add(k, "finish", lambda pr=pr, k=k, acc=acc, lacc=lacc:
                 pr.finish().lower(acc, lacc if k == self.K - 1 else []))
             if pr.spec.uses_batch:
@@ -1093,6 +1099,29 @@ class MpmdStep:
                 rnd = self.rounds[(k, r)]
                 add(k, f"update{r}", lambda rnd=rnd: rnd.program.lower(*rnd.avals))
         return out
+
+    def _add_split_programs(self, k: int, add: Callable[[int, str, Callable[[], jax.stages.Lowered]], None],
+                            avals: list[list[jax.ShapeDtypeStruct]], want: set[str] | None) -> None:
+        """A zero-bubble stage's B and W programs (`mpmd_split`): ``avals`` are the unsplit backward's (middle
+        stage: params, stored, ct, acc) or the fused last program's (params, h, mb, acc, loss_acc)."""
+        sp = self.split_programs[k]
+        last = k == self.K - 1
+        b_name, w_name = ("last_input", "last_weight") if last else ("input_grad", "weight_grad")
+        if want is not None and not {b_name, w_name} & want:
+            return
+        b_prog = sp.last_input() if last else sp.input_grad()
+        b_args = [avals[0], avals[1], avals[2], avals[4]] if last else avals[:3]
+        low = b_prog.lower(*b_args)
+        comp = low.compile()  # its output shardings are the stash's, which W reads
+        add(k, b_name, lambda: low)
+        stash = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                 for a, s in zip(low.out_info[-1], comp.output_shardings[-1])]
+        split = sp.last() if last else sp.middle()
+        g1, g2 = ("h", "mb") if last else ("stored", "ct")
+        w_args = [avals[0], [avals[1][j] for j in split.reads("w", g1)], [avals[2][j] for j in split.reads("w", g2)],
+                  avals[3], stash]
+        w_prog = sp.last_weight() if last else sp.weight_grad()
+        add(k, w_name, lambda: w_prog.lower(*w_args))
 
     def _batch_avals(self, k: int) -> list[jax.ShapeDtypeStruct]:
         sh = NamedSharding(self.meshes[k], P(DP_AXES))

@@ -8,7 +8,8 @@ devices between programs and is not an argument of the program running:
 
 ``resident(p)``: the stage's state pieces that ``p`` does not take, the gradient accumulators and loss
 sums where ``p`` does not take them, and the residuals of the *other* micro-batches in flight (from the
-schedule's issue order); with virtual stages, the device group's other chunks add their state,
+schedule's issue order), and under a zero-bubble schedule the stash of the weight-gradient passes waiting
+(`mpmd_split`); with virtual stages, the device group's other chunks add their state,
 accumulators and most residuals held (an upper bound). Not counted: activations and cotangents received
 and queued for a later program, allocator and library overheads.
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from mistjax.core.pipeline_order import residuals_in_flight
+from mistjax.core.pipeline_order import deferred_in_flight, residuals_in_flight
 from mistjax.runtime.mpmd_update import Source
 
 if TYPE_CHECKING:  # annotations only: the pipeline imports this module
@@ -73,6 +74,8 @@ class Persistent:
     acc: int  # gradient accumulators + loss sums
     residual: int  # one micro-batch's residuals
     most_in_flight: int
+    stash: int = 0  # one deferred weight-gradient pass's stash (zero-bubble schedules)
+    most_deferred: int = 0  # the most such passes waiting at once
 
 
 def persistent(ex: MpmdStep, k: int, in_flight: int) -> Persistent:
@@ -83,8 +86,13 @@ def persistent(ex: MpmdStep, k: int, in_flight: int) -> Persistent:
     host = {i for i in pieces if ex.layouts[k][i].host}
     acc = sum(shard_bytes(a) for a, h in zip(pr.acc_avals(), pr.spec.acc_host) if not h)
     acc += sum(shard_bytes(a) for a in (pr.loss_acc_avals() if k == ex.K - 1 else []))
+    stash, deferred = 0, 0
+    if k in ex.split_programs and k > 0:
+        sp = ex.split_programs[k]
+        stash = (sp.last() if k == ex.K - 1 else sp.middle()).stash_bytes()
+        deferred = int(deferred_in_flight(ex.issue)[k])
     return Persistent({i: b for i, b in pieces.items() if i not in host}, {i: pieces[i] for i in host}, acc,
-                      ex.residual_bytes()[k], in_flight)
+                      ex.residual_bytes()[k], in_flight, stash, deferred)
 
 
 def takes(ex: MpmdStep, k: int, phase: str) -> tuple[set[int], bool]:
@@ -92,8 +100,10 @@ def takes(ex: MpmdStep, k: int, phase: str) -> tuple[set[int], bool]:
     params = {ex.param_index[j] for j in ex.programs[k].spec.params}
     if phase in ("forward",):
         return params, False
-    if phase in ("backward", "last"):
+    if phase in ("backward", "last", "weight_grad", "last_weight"):
         return params, True
+    if phase in ("input_grad", "last_input"):
+        return params, False
     if phase == "finish":
         return set(), True
     if phase.startswith("update"):
@@ -102,13 +112,19 @@ def takes(ex: MpmdStep, k: int, phase: str) -> tuple[set[int], bool]:
     return set(), False  # split, metrics
 
 
+PIPELINE_PHASES = frozenset({"forward", "backward", "input_grad", "weight_grad", "last_input", "last_weight"})
+
+
 def resident_parts(ex: MpmdStep, k: int, phase: str, mine: Persistent, others: list[Persistent],
                    flight: dict[tuple[int, str], int]) -> dict[str, int]:
     """Device bytes live on stage ``k``'s devices while ``phase`` runs that are not its arguments."""
     state_in, acc_in = takes(ex, k, phase)
-    n_res = flight.get((k, "F" if phase == "forward" else "B"), 0) if phase in ("forward", "backward") else 0
+    kind = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W"}.get(phase)
+    n_res = max(flight.get((k, kind), 0), flight.get((k, "W"), 0) if phase == "backward" else 0) if kind else 0
     parts = {"state": sum(b for i, b in mine.state.items() if i not in state_in),
-             "accumulators": 0 if acc_in else mine.acc, "residuals": n_res * mine.residual}
+             "accumulators": 0 if acc_in else mine.acc, "residuals": n_res * mine.residual,
+             # other deferred weight passes' stash while the pipeline runs (an upper bound: W reads its own)
+             "stash": mine.most_deferred * mine.stash if phase in PIPELINE_PHASES else 0}
     for o in others:  # the device group's other chunks (virtual stages)
         parts["state"] += sum(o.state.values())
         parts["accumulators"] += o.acc

@@ -77,6 +77,9 @@ class SearchSpace:
         schedules: pipeline schedules tried for S > 1. On the asynchronous MPMD executor classic 1F1B
             runs at the ideal pace and bounds the micro-batches in flight, so it is the default; GPipe and
             ``1f1b-eager`` run as fast and keep more (`mistjax.core.schedules`).
+        zero_bubble: re-schedule the best pipelined plan with ZB-H1 (each backward split into input- and
+            weight-gradient programs, the latter deferred into the bubbles) where `predict` prices it faster
+            and it still fits (its stash is more activation memory).
     """
 
     name: str = "mistjax"
@@ -99,6 +102,7 @@ class SearchSpace:
     layer_window: int = 2
     pareto_k: int = 30
     schedules: tuple[str, ...] = ("1f1b",)
+    zero_bubble: bool = True
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
@@ -121,8 +125,8 @@ class SearchSpace:
         searched = tuple(x for x in SCHEDULE_NAMES if x not in ZERO_BUBBLE)
         bad = [x for x in self.schedules if x not in searched]
         if not self.schedules or bad:
-            hint = (" (zero-bubble schedules are run and priced -- Plan(schedule='zb-h1'), `mistjax explain` -- but "
-                    "the tuner does not search them yet)" if set(bad) & ZERO_BUBBLE else "")
+            hint = (" (zero-bubble schedules are not searched key by key: SearchSpace.zero_bubble re-schedules the "
+                    "best pipelined plan with ZB-H1 where it is predicted faster)" if set(bad) & ZERO_BUBBLE else "")
             raise ValueError(f"SearchSpace.schedules={self.schedules!r}: use a non-empty tuple of {searched}{hint}")
         if self.pareto_k < 1 or self.layer_window < 0:
             raise ValueError("SearchSpace: pareto_k must be >= 1 and layer_window >= 0")
@@ -142,7 +146,8 @@ class SearchSpace:
     @classmethod
     def mist(cls) -> SearchSpace:
         """Mist's own space, without our additions (no MiCS groups, full-layer recompute only)."""
-        return cls(name="mist", cp_degrees=(1,), mics=False, policies=("full",), schedules=("1f1b",))
+        return cls(name="mist", cp_degrees=(1,), mics=False, policies=("full",), schedules=("1f1b",),
+                   zero_bubble=False)
 
     @classmethod
     def megatron(cls) -> SearchSpace:
@@ -152,7 +157,7 @@ class SearchSpace:
         2104.04473 Table 1)."""
         return cls(name="megatron", cp_degrees=(1,), zero_levels=(1,), mics=False, remat="all",
                    policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
-                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",))
+                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",), zero_bubble=False)
 
     @classmethod
     def fsdp(cls) -> SearchSpace:

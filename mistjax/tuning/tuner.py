@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes
+from mistjax.core.schedules import ZERO_BUBBLE
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
 from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
@@ -353,6 +354,17 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     return objective, plan.replace(prediction=pred), pareto
 
 
+def _zero_bubble(job: _SearchJob, plan: Plan) -> Plan:
+    """``plan`` re-scheduled with ZB-H1 where the full prediction is faster and fits (`SearchSpace.zero_bubble`);
+    else ``plan``. Deterministic, and never slower: a space with it contains the space without."""
+    if not job.space.zero_bubble or plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
+        return plan
+    zb = plan.replace(schedule=sorted(ZERO_BUBBLE)[0], prediction=None)
+    pred = job.cost.predict(job.workload, zb, job.cluster)
+    fits = pred.guarded_peak(job.cluster.device.memory_margin) <= job.cluster.memory_budget() * (1 + 1e-9)
+    return zb.replace(prediction=pred) if fits and pred.step_time < plan.prediction.step_time else plan
+
+
 def _supports_cp(workload: WorkloadLike) -> Callable[[int], bool]:
     """`WorkloadLike.supports_cp`, or one-way only for a workload that predates context parallelism."""
     return getattr(workload, "supports_cp", lambda cp: cp == 1)
@@ -399,7 +411,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
     if winner is not None:
         objective, plan, pareto = winner
-        winner = objective, plan.replace(fingerprints=fingerprints(workload, cluster)), pareto
+        winner = objective, _zero_bubble(job, plan).replace(fingerprints=fingerprints(workload, cluster)), pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
     if tally.timed_out:
         warnings.warn(f"space {space.name!r} stopped at its time limit ({time_limit:g} s): "
