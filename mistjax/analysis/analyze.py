@@ -235,6 +235,28 @@ def _saved(fwd: PassAnalysis, part: PartFn) -> Poly:
     return total(fwd.local_bytes(v) for r, v in by_root.items() if r not in skip)
 
 
+def _stash(bwd: PassAnalysis, part: PartFn) -> Poly:
+    """Bytes a zero-bubble schedule's deferred weight-gradient pass reads of its input-gradient pass (the
+    stash, `runtime.mpmd_split`): values the input gradients' equations define that only the weight
+    gradients' equations need (the gradients at the weight matmuls' outputs, what a policy recomputed)."""
+    nd = len(part.diff)
+    outs = list(zip(bwd.g.outvars[:nd], part.diff_kind))
+    need_b = {v for v, k in outs if k != WEIGHT and isinstance(v, jex.Var)}
+    in_b: set[int] = set()
+    for i in reversed(range(len(bwd.g.nodes))):
+        n = bwd.g.nodes[i]
+        if any(o in need_b for o in n.outs):
+            in_b.add(i)
+            need_b.update(v for v in n.ins if isinstance(v, jex.Var))
+    b_defined = {o for i in in_b for o in bwd.g.nodes[i].outs}
+    need_w = {v for v, k in outs if k == WEIGHT and isinstance(v, jex.Var)}
+    for i in reversed(range(len(bwd.g.nodes))):
+        n = bwd.g.nodes[i]
+        if i not in in_b and any(o in need_w for o in n.outs):
+            need_w.update(v for v in n.ins if isinstance(v, jex.Var))
+    return total(bwd.local_bytes(v) for v in need_w & b_defined)
+
+
 def _analyze_part(
     name: str,
     parts: Sequence[PartFn],
@@ -260,10 +282,11 @@ def _analyze_part(
     base_coll = {}
     for c in fwd0.res.collectives + bwd0.res.collectives:
         base_coll[c.kind] = base_coll.get(c.kind, ZERO) + c.nbytes * c.count
-    saved, fpk, bpk, recompute, tp_re, kernels = {}, {}, {}, {}, {}, {}
+    saved, fpk, bpk, recompute, tp_re, kernels, stash = {}, {}, {}, {}, {}, {}, {}
     for pol, (fp, bp) in passes.items():
         kernels[f"fwd[{pol}]"], kernels[f"bwd[{pol}]"] = fp.kernels(), bp.kernels()
         saved[pol] = _saved(fp, part).to_sympy()
+        stash[pol] = _stash(bp, part).to_sympy()
         fpk[pol] = fp.peak()
         wg = [v for v, k in zip(bp.g.outvars, part.diff_kind) if k == WEIGHT]
         bpk[pol] = bp.peak(exclude=wg)
@@ -291,6 +314,7 @@ def _analyze_part(
         weight_bytes=w_bytes.to_sympy(),
         weight_params=w_params.to_sympy(),
         saved_bytes=saved,
+        stash_bytes=stash,
         fwd_peak_bytes=fpk,
         bwd_peak_bytes=bpk,
         output_bytes=out_bytes.to_sympy(),

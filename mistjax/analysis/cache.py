@@ -108,7 +108,7 @@ def expr_from_json(doc: JSON) -> sp.Basic:
 # ------------------------------------------------------------------------------------ profiles
 _SCALARS = ("fwd_flops", "bwd_flops", "fwd_matmul_flops", "bwd_matmul_flops", "weight_bytes", "weight_params",
             "output_bytes")
-_MAPS = ("recompute_flops", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
+_MAPS = ("recompute_flops", "saved_bytes", "stash_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 V = TypeVar("V")
 R = TypeVar("R")
 

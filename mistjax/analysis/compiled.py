@@ -165,6 +165,10 @@ class PartValues:
     def saved_bytes(self, policy: str) -> np.ndarray:
         return self._get(f"saved_bytes[{policy}]")
 
+    def stash_bytes(self, policy: str) -> np.ndarray:
+        """What one deferred weight-gradient pass of a layer under `policy` holds (zero-bubble schedules)."""
+        return self._get(f"stash_bytes[{policy}]")
+
     def fwd_peak_bytes(self, policy: str) -> np.ndarray:
         return self._get(f"fwd_peak_bytes[{policy}]")
 

@@ -81,6 +81,8 @@ class PartProfile:
       saved_bytes: per policy, residual bytes the layer keeps for its backward: what ``jax.vjp``
         of ``jax.checkpoint(part, policy)`` really keeps, minus the weights (and batch
         constants), distinct buffers once; includes the layer input if it is kept.
+      stash_bytes: per policy, what a deferred weight-gradient pass reads of its input-gradient pass under a
+        zero-bubble schedule (the gradients at the weight matmuls' outputs, values the policy recomputed).
       fwd_peak_bytes / bwd_peak_bytes: per policy, transient peak within the part's forward /
         backward by last-use liveness, excluding its inputs (weights, layer input, residuals,
         cotangents) and weight gradients; includes outputs, residuals produced and
@@ -112,6 +114,7 @@ class PartProfile:
     weight_bytes: sp.Expr
     weight_params: sp.Expr
     saved_bytes: Mapping[str, sp.Expr]
+    stash_bytes: Mapping[str, sp.Expr]
     fwd_peak_bytes: Mapping[str, sp.Expr]
     bwd_peak_bytes: Mapping[str, sp.Expr]
     output_bytes: sp.Expr
@@ -166,6 +169,7 @@ class PartProfile:
         }
         for pol in self.policies:
             out[f"saved_bytes[{pol}]"] = self.saved_bytes[pol]
+            out[f"stash_bytes[{pol}]"] = self.stash_bytes[pol]
             out[f"fwd_peak_bytes[{pol}]"] = self.fwd_peak_bytes[pol]
             out[f"bwd_peak_bytes[{pol}]"] = self.bwd_peak_bytes[pol]
             out[f"recompute_flops[{pol}]"] = self.recompute_flops[pol]

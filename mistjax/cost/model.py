@@ -73,10 +73,14 @@ def layer_kinds(workload: Workload, k: Knobs, v: ProfileValues) -> LayerKinds:
     n_off = np.where(k.ao > 0, offloaded_layers(k.layers, c, k.ao), 0.0)
     off_pol = workload.offload_policy() or "full"
     saved_c = np.where(c > 0, v.block.pick(v.block.saved_bytes, workload.policies, k.policy), 0.0)
-    return LayerKinds(n_off=n_off, n_plain=k.layers - c - n_off, n_remat=c, saved_plain=v.block.saved_bytes("none"),
+    n_plain = k.layers - c - n_off
+    # A deferred weight-gradient pass's stash per layer under the layer's policy (`analysis` stash_bytes).
+    stash = (n_plain * v.block.stash_bytes("none") + n_off * v.block.stash_bytes(off_pol)
+             + np.where(c > 0, c * v.block.pick(v.block.stash_bytes, workload.policies, k.policy), 0.0))
+    return LayerKinds(n_off=n_off, n_plain=n_plain, n_remat=c, saved_plain=v.block.saved_bytes("none"),
                       saved_remat=saved_c,
                       saved_off_host=np.maximum(v.block.saved_bytes(off_pol) - v.block.output_bytes, 0.0),
-                      offload_policy=off_pol)
+                      offload_policy=off_pol, stash=stash)
 
 
 def _activations(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> tuple[np.ndarray, np.ndarray]:
@@ -86,14 +90,13 @@ def _activations(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> tuple[np.ndar
               + kinds.n_off * v.block.output_bytes)
     per_mb = per_mb + np.where(k.first, v.pre.saved_bytes("none"), 0.0)
     per_mb = per_mb + np.where(k.last, v.post.saved_bytes("none"), 0.0)
-    return k.inflight * per_mb + k.deferred * _stash(k, v), k.inflight * kinds.n_off * kinds.saved_off_host
+    return k.inflight * per_mb + k.deferred * _stash(k, v, kinds), k.inflight * kinds.n_off * kinds.saved_off_host
 
 
-def _stash(k: Knobs, v: ProfileValues) -> np.ndarray:
-    """Bytes one deferred weight-gradient pass holds (`runtime.mpmd_split`): priced as a plain layer's
-    activations per layer (the gradients at its weight matmuls' outputs plus the inputs a checkpointed layer
-    recomputed; measured on llama-tiny: 0.71x of that without remat, 1.35x with it, docs/pipelines.md)."""
-    return k.layers * v.block.saved_bytes("none") + np.where(k.last, v.post.saved_bytes("none"), 0.0)
+def _stash(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> np.ndarray:
+    """Bytes one deferred weight-gradient pass holds (`runtime.mpmd_split`): what its layers' weight gradients
+    read of the input-gradient pass (`LayerKinds.stash`), and the head's on the last stage."""
+    return kinds.stash + np.where(k.last, v.post.stash_bytes("none"), 0.0)
 
 
 def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], *,

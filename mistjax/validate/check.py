@@ -302,6 +302,8 @@ FULL_GRID: tuple[GridCell, ...] = SMALL_GRID + (
     ("llama-tiny", 16, 8, dict(micro_batch=1, stages=4, grad_accum=4, **Z0)),
     ("falcon-tiny", 16, 16, dict(micro_batch=2, stages=2, grad_accum=2, remat_layers=1, schedule="gpipe", **Z1)),
     ("llama-tiny", 16, 16, dict(micro_batch=1, stages=4, grad_accum=8, schedule="1f1b-eager", **Z0)),
+    ("llama-tiny", 16, 16, dict(micro_batch=1, stages=2, grad_accum=4, schedule="zb-h1", **Z1)),
+    ("llama-tiny", 16, 16, dict(micro_batch=1, stages=4, grad_accum=8, remat_layers=1, schedule="zb-h1", **Z0)),
 )
 
 
