@@ -110,9 +110,7 @@ def test_zb_h1_matches_one_device_with_remat_and_zero3(train_steps):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_zb_h1_runs_its_split_programs():
-    """The executor's op counts: stage 0's W is its whole backward, the middle stages run B and W, the last a
-    fused forward + input gradient and a W."""
+def _gpt3_tiny_step(plan):
     import optax
     from flax import nnx
 
@@ -128,10 +126,16 @@ def test_zb_h1_runs_its_split_programs():
         loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
+    step = mistjax.autoshard(train_step, jax.devices()[:plan.num_devices], plan=plan)
+    return step, state, SyntheticTokens(cfg.vocab_size, 16, 16, kind="random").batch(0)
+
+
+def test_zb_h1_runs_its_split_programs():
+    """The executor's op counts: stage 0's W is its whole backward, the middle stages run B and W, the last a
+    fused forward + input gradient and a W."""
     G = 4
-    plan = uniform_plan(cfg.num_layers, 4, stages=4, micro_batch=4, grad_accum=G, schedule="zb-h1")
-    step = mistjax.autoshard(train_step, jax.devices()[:4], plan=plan)
-    step(state, SyntheticTokens(cfg.vocab_size, 16, 16, kind="random").batch(0))
+    step, state, batch = _gpt3_tiny_step(uniform_plan(4, 4, stages=4, micro_batch=4, grad_accum=G, schedule="zb-h1"))
+    step(state, batch)
     ex = step._mpmd
     assert ex.stats.by_kind["backward"] == G and ex.stats.by_kind["input_grad"] == 2 * G
     assert ex.stats.by_kind["last_input"] == G and ex.stats.by_kind["weight_grad"] == 3 * G
@@ -151,26 +155,6 @@ def test_zb_h1_is_priced_as_the_executor_runs_it():
     # The stash of deferred weight passes: more activation memory on every stage but the first.
     acts = [(a["activations"], b["activations"]) for a, b in zip(one.stage_memory, zb.stage_memory)]
     assert acts[0][0] == acts[0][1] and all(b > a for a, b in acts[1:])
-
-
-def _gpt3_tiny_step(plan):
-    import optax
-    from flax import nnx
-
-    import mistjax
-    from mistjax.train.data import SyntheticTokens
-    from mistjax.train.state import TrainState
-
-    cfg = models.get_config("gpt3-tiny")
-    state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1))
-    loss_fn = models.make_loss_fn(state.graphdef)
-
-    def train_step(state, batch):
-        loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    step = mistjax.autoshard(train_step, jax.devices()[:plan.num_devices], plan=plan)
-    return step, state, SyntheticTokens(cfg.vocab_size, 16, 16, kind="random").batch(0)
 
 
 def test_compiled_split_programs_do_the_backward_s_work_and_count_their_stash():

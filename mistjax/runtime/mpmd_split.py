@@ -165,23 +165,31 @@ class SplitPrograms:
 
     def weight_grad(self) -> Program:
         """Middle stage W: ``(params, stored W reads, ct W reads, acc, stash) -> acc``."""
-        if "weight_grad" in self._cache:
-            return self._cache["weight_grad"]
-        pr, sp = self.pr, self.middle()
-        n_p, n_s, n_ct, n_acc = sp.groups.sizes
-        picked_s, picked_c = sp.reads("w", "stored"), sp.reads("w", "ct")
+        return self._weight_program("weight_grad", self.middle(), ("stored", "ct"),
+                                    ([P(DP_AXES)] * self.middle().groups.sizes[1], self._ct_specs()))
 
-        def body(p: list[jax.Array], stored: list[jax.Array], ct: list[jax.Array], acc: list[jax.Array],
+    def _weight_program(self, name: str, sp: StageSplit, groups: tuple[str, str], specs: tuple[list[P], list[P]]
+                        ) -> Program:
+        """A W program ``(params, groups[0] W reads, groups[1] W reads, acc, stash) -> acc``; `specs`: the two
+        argument lists' whole in_specs (W gets the entries it reads)."""
+        if name in self._cache:
+            return self._cache[name]
+        pr = self.pr
+        sizes = dict(zip(sp.groups.names, sp.groups.sizes))
+        picked = [sp.reads("w", g) for g in groups]
+        tail = [None] * sum(n for g, n in sizes.items() if sp.groups.names.index(g) > sp.groups.names.index("acc"))
+
+        def body(p: list[jax.Array], a: list[jax.Array], b: list[jax.Array], acc: list[jax.Array],
                  stash: list[jax.Array]) -> PyTree:
-            flat = [*p, *_spread(stored, picked_s, n_s), *_spread(ct, picked_c, n_ct), *acc]
+            flat = [*p, *_spread(a, picked[0], sizes[groups[0]]), *_spread(b, picked[1], sizes[groups[1]]), *acc,
+                    *tail]
             return sp.split.w(*flat, *_unstash(sp.split, stash))
 
-        ct_specs = self._ct_specs()
-        acc_specs = [P(DP_AXES)] * n_acc
-        run = pr._shard_map(body, (pr._param_in_specs(), [P(DP_AXES)] * len(picked_s),
-                                   [ct_specs[j] for j in picked_c], acc_specs, _stash_specs(sp.split)), acc_specs)
-        prog = pr._jit(run, out_shardings=[a.sharding for a in pr.acc_avals()], donate_argnums=(3,))
-        self._cache["weight_grad"] = prog
+        acc_specs = [P(DP_AXES)] * sizes["acc"]
+        run = pr._shard_map(body, (pr._param_in_specs(), [specs[0][j] for j in picked[0]],
+                                   [specs[1][j] for j in picked[1]], acc_specs, _stash_specs(sp.split)), acc_specs)
+        prog = pr._jit(run, out_shardings=[x.sharding for x in pr.acc_avals()], donate_argnums=(3,))
+        self._cache[name] = prog
         return prog
 
     def last_input(self) -> Program:
@@ -208,24 +216,8 @@ class SplitPrograms:
 
     def last_weight(self) -> Program:
         """Last stage W: ``(params, h W reads, mb W reads, acc, stash) -> acc``."""
-        if "last_weight" in self._cache:
-            return self._cache["last_weight"]
-        pr, sp = self.pr, self.last()
-        n_p, n_h, n_mb, n_acc, n_l = sp.groups.sizes
-        picked_h, picked_mb = sp.reads("w", "h"), sp.reads("w", "mb")
-
-        def body(p: list[jax.Array], h: list[jax.Array], mb: list[jax.Array], acc: list[jax.Array],
-                 stash: list[jax.Array]) -> PyTree:
-            flat = [*p, *_spread(h, picked_h, n_h), *_spread(mb, picked_mb, n_mb), *acc, *([None] * n_l)]
-            return sp.split.w(*flat, *_unstash(sp.split, stash))
-
-        h_specs, mb_specs = pr._h_in_specs(), pr._mb_specs()
-        acc_specs = [P(DP_AXES)] * n_acc
-        run = pr._shard_map(body, (pr._param_in_specs(), [h_specs[j] for j in picked_h],
-                                   [mb_specs[j] for j in picked_mb], acc_specs, _stash_specs(sp.split)), acc_specs)
-        prog = pr._jit(run, out_shardings=[a.sharding for a in pr.acc_avals()], donate_argnums=(3,))
-        self._cache["last_weight"] = prog
-        return prog
+        return self._weight_program("last_weight", self.last(), ("h", "mb"),
+                                    (self.pr._h_in_specs(), self.pr._mb_specs()))
 
 
 def _check_b(sp: StageSplit, group: str) -> None:
