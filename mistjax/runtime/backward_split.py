@@ -128,62 +128,55 @@ def split_jaxpr(jaxpr: Jaxpr, used_b: Sequence[bool], used_w: Sequence[bool]) ->
     Two liveness passes: B's (which equations, and which outputs of each loop, B needs), then W's (the rest
     of what W's outputs need; a loop's W half reads per-layer values of its B half as a stacked stash).
     """
-    eqns = jaxpr.eqns
-    # Which equations B needs (scans: which outputs), ignoring W.
-    need_b = {v for v, u in zip(jaxpr.outvars, used_b) if u and is_var(v)}
+    in_b = _b_liveness(jaxpr, used_b)
+    w_nodes, halves, w_reads = _w_liveness(jaxpr, used_w, in_b)
+    # B's nodes in program order, each mixed scan as its B half (whose body stashes what W's half reads).
+    b_nodes = [halves[idx][0] if idx in halves else jaxpr.eqns[idx] for idx in sorted(in_b)]
+    b_reads = {v for node in b_nodes for v in _node_in(node)}
+    passed = {v for v, u in zip(jaxpr.outvars, used_b) if u and is_var(v)}  # inputs returned as they are
+    b_in = frozenset(v for v in jaxpr.invars if v in b_reads or v in passed)
+    stash = tuple(dict.fromkeys(v for node in b_nodes for v in _node_out(node) if v in w_reads))
+    w_in = frozenset(v for v in jaxpr.invars if v in w_reads)
+    return Split(tuple(b_nodes), tuple(w_nodes), stash, b_in, w_in)
+
+
+def _b_liveness(jaxpr: Jaxpr, used_b: Sequence[bool]) -> dict[int, list[bool]]:
+    """Equation index -> which of its outputs B needs, for the equations B runs (a scan: its B half's)."""
+    need = {v for v, u in zip(jaxpr.outvars, used_b) if u and is_var(v)}
     in_b: dict[int, list[bool]] = {}
-    for idx in reversed(range(len(eqns))):
-        eqn = eqns[idx]
-        ub = [is_var(o) and o in need_b for o in eqn.outvars]
+    for idx in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[idx]
+        ub = [is_var(o) and o in need for o in eqn.outvars]
         if not any(ub):
             continue
         in_b[idx] = ub
         if eqn.primitive.name == "scan":
-            used_in = _scan_b_inputs(eqn, ub)
-            need_b.update(v for v, u in zip(eqn.invars, used_in) if u and is_var(v))
+            need.update(v for v, u in zip(eqn.invars, _scan_b_inputs(eqn, ub)) if u and is_var(v))
         else:
-            need_b.update(_vars(eqn.invars))
-    b_defined = {v for idx, ub in in_b.items() for v in _vars(eqns[idx].outvars)
-                 if eqns[idx].primitive.name != "scan"}
-    # W's liveness: pure-W equations, and the W halves of mixed scans.
-    need_w = {v for v, u in zip(jaxpr.outvars, used_w) if u and is_var(v)}
-    w_nodes_rev: list[Node] = []
-    scan_halves: dict[int, tuple[ScanPart, ScanPart | None]] = {}
-    for idx in reversed(range(len(eqns))):
-        eqn = eqns[idx]
-        uw = [is_var(o) and o in need_w for o in eqn.outvars]
+            need.update(_vars(eqn.invars))
+    return in_b
+
+
+def _w_liveness(jaxpr: Jaxpr, used_w: Sequence[bool], in_b: dict[int, list[bool]]
+                ) -> tuple[list[Node], dict[int, tuple[ScanPart, ScanPart | None]], set[Var]]:
+    """W's nodes in program order, the halves of the scans B runs part of, and every variable W reads."""
+    need = {v for v, u in zip(jaxpr.outvars, used_w) if u and is_var(v)}
+    nodes_rev: list[Node] = []
+    halves: dict[int, tuple[ScanPart, ScanPart | None]] = {}
+    for idx in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[idx]
+        uw = [is_var(o) and o in need for o in eqn.outvars]
         if eqn.primitive.name == "scan" and idx in in_b:
-            ub = in_b[idx]
             # Outputs B's half produces are stash when W reads them; W's half produces the rest.
-            uw_rest = [w and not b for w, b in zip(uw, ub)]
-            b_half, w_half = _split_scan(eqn, ub, uw_rest)
-            scan_halves[idx] = (b_half, w_half)
+            b_half, w_half = _split_scan(eqn, in_b[idx], [w and not b for w, b in zip(uw, in_b[idx])])
+            halves[idx] = (b_half, w_half)
             if w_half is not None:
-                w_nodes_rev.append(w_half)
-                need_w.update(_vars(w_half.invars()))
-            continue
-        if not any(uw) or idx in in_b:
-            continue
-        w_nodes_rev.append(eqn)
-        need_w.update(_vars(eqn.invars))
-    # B's nodes in program order, with each mixed scan's B half (whose body may now stash more).
-    b_nodes: list[Node] = []
-    for idx in sorted(in_b):
-        b_nodes.append(scan_halves[idx][0] if idx in scan_halves else eqns[idx])
-    for _, (b_half, _) in scan_halves.items():
-        b_defined.update(_node_out(b_half))
-    # B's inputs: re-walk B's nodes (a scan's B half reads what its body split needs).
-    b_reads = {v for node in b_nodes for v in _node_in(node)}
-    b_in = frozenset(v for v in jaxpr.invars if v in b_reads or (v in set(_vars(jaxpr.outvars)) and
-                                                                     _out_used(jaxpr, v, used_b)))
-    w_reads = need_w
-    stash = tuple(dict.fromkeys(v for node in b_nodes for v in _node_out(node) if v in w_reads))
-    w_in = frozenset(v for v in jaxpr.invars if v in w_reads)
-    return Split(tuple(b_nodes), tuple(reversed(w_nodes_rev)), stash, b_in, w_in)
-
-
-def _out_used(jaxpr: Jaxpr, v: Var, used: Sequence[bool]) -> bool:
-    return any(u and o is v for o, u in zip(jaxpr.outvars, used))
+                nodes_rev.append(w_half)
+                need.update(_vars(w_half.invars()))
+        elif any(uw) and idx not in in_b:
+            nodes_rev.append(eqn)
+            need.update(_vars(eqn.invars))
+    return nodes_rev[::-1], halves, need
 
 
 def _scan_b_inputs(eqn: JaxprEqn, ub: list[bool]) -> list[bool]:
