@@ -49,8 +49,8 @@ def cell_record(cell: dict) -> dict | None:
     adopted = fits and gain > 1.0
     return {"platform": platform, "model": f"{cell['family']}-{cell['size']}", "gpus": gpus,
             "stages": plan.num_stages, "grad_accum": plan.grad_accum, "step_1f1b": a1.step_time,
-            "step_zb": az.step_time, "gain": gain, "bubble_1f1b": bubble_fraction(one, c1, a1.step_time),
-            "bubble_zb": bubble_fraction(zb_plan, c1, az.step_time), "peak_zb": az.peak_memory,
+            "step_zb": az.step_time, "gain": gain, "bubble_1f1b": bubble_fraction(one, c1),
+            "bubble_zb": bubble_fraction(zb_plan, c1), "peak_zb": az.peak_memory,
             "peak_1f1b": a1.peak_memory, "budget": cluster.memory_budget(), "fits": fits, "adopted": adopted,
             "speedup_before": tok1 / meg if meg else None,
             "speedup_after": (tokz if adopted else tok1) / meg if meg else None}

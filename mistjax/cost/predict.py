@@ -134,21 +134,26 @@ def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> fl
     return max(float(np.sum(work)) / groups, makespan / groups)
 
 
-def bubble_fraction(plan: Plan, c: StageCost, step: float) -> float:
-    """Idle share of the device groups' pipeline time: ``1 - mean busy / step``."""
-    busy = np.bincount(np.arange(plan.num_stages) % plan.device_stages,
-                       weights=plan.grad_accum * (np.broadcast_to(c.fwd, (plan.num_stages,))
-                                                  + np.broadcast_to(c.bwd, (plan.num_stages,))),
-                       minlength=plan.device_stages)
-    return float(1.0 - np.mean(busy) / step) if step > 0 else 0.0
+def bubble_fraction(plan: Plan, c: StageCost) -> float:
+    """Idle share of the device groups over the pipeline's operations (once-per-step work left out):
+    ``1 - mean busy / makespan`` of the executor's issue order."""
+    groups = plan.device_stages
+    issue = issue_order(plan.schedule, groups, plan.grad_accum, plan.virtual_stages)
+    makespan = float(np.max(group_finish_times(issue, groups, op_costs(plan, c))))
+    S = plan.num_stages
+    busy = np.bincount(np.arange(S) % groups, weights=plan.grad_accum * (np.broadcast_to(c.fwd, (S,))
+                                                                         + np.broadcast_to(c.bwd, (S,))),
+                       minlength=groups)
+    return float(1.0 - np.mean(busy) / makespan) if makespan > 0 else 0.0
 
 
 def _zero_bubble_note(plan: Plan, c: StageCost, shared: bool) -> str:
     """Why a zero-bubble schedule: its pipeline time and bubble against 1F1B's on the same stages."""
-    zb, one = _pipeline_step(plan, c, shared), _pipeline_step(plan.replace(schedule="1f1b"), c, shared)
+    one_plan = plan.replace(schedule="1f1b")
+    zb, one = _pipeline_step(plan, c, shared), _pipeline_step(one_plan, c, shared)
     return (f"{plan.schedule}: the weight-gradient passes fill the pipeline's bubbles: {zb:.4g} s against "
-            f"{one:.4g} s under 1F1B ({one / zb:.3f}x), bubble {bubble_fraction(plan, c, one):.1%} -> "
-            f"{bubble_fraction(plan, c, zb):.1%}; each deferred pass holds its stash (activation memory)")
+            f"{one:.4g} s under 1F1B ({one / zb:.3f}x), bubble {bubble_fraction(one_plan, c):.1%} -> "
+            f"{bubble_fraction(plan, c):.1%}; each deferred pass holds its stash (activation memory)")
 
 
 def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
