@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from mistjax.core.schedules import inflight_microbatches
+from mistjax.core.schedules import deferred_microbatches, inflight_microbatches
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.pareto import sample_pareto
 from mistjax.tuning.space import (
@@ -141,13 +141,15 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     # Each stage holds its own micro-batches in flight under each schedule (the MPMD executor). One
     # leading axis per schedule.
     inflight = np.stack([inflight_microbatches(slot, S, G, n) for n in schedules]).reshape(-1, slot.shape[0], 1, 1)
+    deferred = np.stack([deferred_microbatches(slot, S, G, n) for n in schedules]).reshape(inflight.shape)
     shape = (len(schedules), slot.shape[0], layers.shape[1], len(r))
     stable, delta = np.empty(shape), np.empty(shape)
     feasible = np.empty(shape, dtype=bool)
     step = max(1, _CHUNK_ELEMENTS // max(1, shape[1] * shape[2]))
     for lo in range(0, len(r), step):
         sl = slice(lo, lo + step)
-        st, valid = _strategies(tables, slot, layers, r[sl].reshape(1, 1, -1), x[sl].reshape(1, 1, -1), inflight)
+        st, valid = _strategies(tables, slot, layers, r[sl].reshape(1, 1, -1), x[sl].reshape(1, 1, -1), inflight,
+                                deferred)
         out = cost.stage_cost(workload, cluster, st)
         sub = (shape[0], shape[1], shape[2], r[sl].size)
         stable[..., sl] = np.broadcast_to(out.stable, sub)
@@ -162,7 +164,7 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
 
 
 def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np.ndarray, x: np.ndarray,
-                inflight: np.ndarray) -> tuple[StageStrategies, np.ndarray]:
+                inflight: np.ndarray, deferred: np.ndarray | int = 0) -> tuple[StageStrategies, np.ndarray]:
     """The `StageStrategies` of (slot, layer count, remat option r, strategy x), broadcast against each other,
     and where the option's checkpointed count fits the layer count."""
     key, grid = tables.key, tables.grid
@@ -172,8 +174,9 @@ def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np
         b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp), cp=np.asarray(key.cp),
         shard_group=grid.shard_group[x], zero=grid.zero[x], layers=layers, remat=np.minimum(c, layers),
         policy=tables.remat.policy[r], wo=grid.wo[x], go=grid.go[x], oo=grid.oo[x], ao=grid.ao[x],
-        inflight=inflight, G=np.asarray(key.grad_accum), first=slot == 0, last=slot == key.stages - 1,
-        stages=np.asarray(key.stages), nodes=np.asarray(key.nodes), per_node=np.asarray(key.per_node))
+        inflight=inflight, deferred=deferred, G=np.asarray(key.grad_accum), first=slot == 0,
+        last=slot == key.stages - 1, stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
+        per_node=np.asarray(key.per_node))
     return st, c <= layers
 
 
@@ -212,7 +215,8 @@ def _entry_strategies(tables: StageTables, slot: np.ndarray, option: np.ndarray,
     key = tables.key
     layers = np.asarray(tables.layer_options, np.int64)[option]
     inflight = inflight_microbatches(slot, key.stages, key.grad_accum, key.schedule)
-    return _strategies(tables, slot, layers, r, x, np.asarray(inflight))
+    deferred = deferred_microbatches(slot, key.stages, key.grad_accum, key.schedule)
+    return _strategies(tables, slot, layers, r, x, np.asarray(inflight), deferred)
 
 
 def price(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables, xs: np.ndarray

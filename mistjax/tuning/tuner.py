@@ -25,7 +25,7 @@ from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
 from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
 from mistjax.tuning.intra import ScheduleMemo, StageTables, TableArena, sample_stage_tables
-from mistjax.tuning.space import OuterKey, SearchSpace, outer_keys
+from mistjax.tuning.space import OuterKey, SearchSpace, outer_keys, stage_mesh
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -354,15 +354,38 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     return objective, plan.replace(prediction=pred), pareto
 
 
-def _zero_bubble(job: _SearchJob, plan: Plan) -> Plan:
-    """``plan`` re-scheduled with ZB-H1 where the full prediction is faster and fits (`SearchSpace.zero_bubble`);
-    else ``plan``. Deterministic, and never slower: a space with it contains the space without."""
+def _zero_bubble(job: _SearchJob, plan: Plan, deadline: float) -> Plan:
+    """``plan`` or a ZB-H1 plan of its outer key where the full prediction is faster and fits
+    (`SearchSpace.zero_bubble`): ``plan`` re-scheduled, and the key searched again with the stash of ZB-H1's
+    deferred weight passes in every stage's memory (the search's objective stays the 1F1B formula; `predict`
+    prices the schedule). Never slower: a space with it contains the space without."""
     if not job.space.zero_bubble or plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
         return plan
-    zb = plan.replace(schedule=sorted(ZERO_BUBBLE)[0], prediction=None)
-    pred = job.cost.predict(job.workload, zb, job.cluster)
-    fits = pred.guarded_peak(job.cluster.device.memory_margin) <= job.cluster.memory_budget() * (1 + 1e-9)
-    return zb.replace(prediction=pred) if fits and pred.step_time < plan.prediction.step_time else plan
+    schedule = sorted(ZERO_BUBBLE)[0]
+    candidates = [plan.replace(schedule=schedule, prediction=None)]
+    key = _outer_key(job, plan, schedule)
+    if key is not None and time.perf_counter() < deadline:
+        tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, None, deadline, job.prune,
+                                  None, job.arena)
+        if choice is not None and choice.optimal:
+            candidates.append(build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype))
+    best = plan
+    for cand in candidates:
+        pred = job.cost.predict(job.workload, cand, job.cluster)
+        fits = pred.guarded_peak(job.cluster.device.memory_margin) <= job.cluster.memory_budget() * (1 + 1e-9)
+        if fits and pred.step_time < best.prediction.step_time:
+            best = cand.replace(prediction=pred)
+    return best
+
+
+def _outer_key(job: _SearchJob, plan: Plan, schedule: str) -> OuterKey | None:
+    """The outer key of a one-chunk pipelined ``plan`` under ``schedule`` (None: its stage mesh is not one)."""
+    mesh = stage_mesh(plan.num_stages * plan.dp * plan.tp * plan.cp, plan.num_stages, job.cluster.nodes,
+                      job.cluster.devices_per_node)
+    if mesh is None:
+        return None
+    return OuterKey(plan.tp, plan.num_stages, plan.micro_batch, plan.dp, plan.grad_accum, *mesh, schedule=schedule,
+                    cp=plan.cp)
 
 
 def _supports_cp(workload: WorkloadLike) -> Callable[[int], bool]:
@@ -411,7 +434,8 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
     if winner is not None:
         objective, plan, pareto = winner
-        winner = objective, _zero_bubble(job, plan).replace(fingerprints=fingerprints(workload, cluster)), pareto
+        plan = _zero_bubble(job, plan, deadline).replace(fingerprints=fingerprints(workload, cluster))
+        winner = objective, plan, pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
     if tally.timed_out:
         warnings.warn(f"space {space.name!r} stopped at its time limit ({time_limit:g} s): "
