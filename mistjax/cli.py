@@ -421,7 +421,8 @@ def _plots(workload: Workload, plan: Plan, cluster: ClusterSpec, out: Path, resu
     files = [plot_memory(report.stage_memory, out / "memory.png", limit=cluster.memory_budget()),
              plot_timeline(report.stage_fwd, report.stage_bwd, plan.grad_accum, out / "timeline.png",
                            schedule=plan.schedule if plan.num_stages > 1 else "gpipe",
-                           last_extra=report.prediction.stage_delta, groups=plan.device_stages)]
+                           last_extra=report.prediction.stage_delta, groups=plan.device_stages,
+                           stage_wgrad=report.stage_wgrad)]
     for rec in result.pareto if result is not None else ():
         picked = rec.get("chosen")
         files.append(plot_pareto(rec["stable"], rec["delta"], out / f"pareto_stage{rec['stage']}.png",

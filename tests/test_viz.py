@@ -13,6 +13,9 @@ def _is_png(path):
 def test_plots_write_pngs(tmp_path):
     assert _is_png(plot_timeline([1.0, 1.5], [2.0, 3.0], 4, tmp_path / "t.png", first_extra=[0.5, 0.2],
                                  last_extra=[0.3, 0.9], channels=[{"d2d": 0.4, "h2d": 0.1}, {"d2h": 0.2}]))
+    # ZB-H1: the weight-gradient passes drawn where the schedule defers them
+    assert _is_png(plot_timeline([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], 6, tmp_path / "zb.png", schedule="zb-h1",
+                                 stage_wgrad=[1.0, 1.0, 1.0]))
     assert _is_png(plot_memory([{"params": 1e9, "activations": 2e9}, {"params": 1e9, "grads": 5e8}],
                                tmp_path / "m.png", limit=4e9))
     rng = np.random.default_rng(0)

@@ -350,6 +350,19 @@ def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: i
     return list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost)
 
 
+def op_costs(schedule: str, fwd: ArrayLike, bwd: ArrayLike, wgrad: ArrayLike = 0.0) -> dict[str, np.ndarray]:
+    """Seconds of each kind of operation per virtual stage, from each stage's forward / backward seconds of one
+    micro-batch. Under a zero-bubble schedule B is the backward less its weight-gradient part ``wgrad`` and W
+    that part; the first stage's B only receives the cotangent (its W runs the whole backward)."""
+    fwd = np.atleast_1d(np.asarray(fwd, np.float64))
+    bwd = np.broadcast_to(np.asarray(bwd, np.float64), fwd.shape)
+    if schedule not in ZERO_BUBBLE:
+        return {OpKind.F: fwd, OpKind.B: bwd, OpKind.FB: fwd + bwd}
+    w = np.minimum(np.broadcast_to(np.asarray(wgrad, np.float64), fwd.shape), bwd)
+    w = np.where(np.arange(fwd.size) == 0, bwd, w)
+    return {OpKind.F: fwd, OpKind.B: bwd - w, OpKind.FB: fwd + bwd - w, OpKind.W: w}
+
+
 def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None
              ) -> dict[Op, tuple[float, float]]:
     """(start, end) seconds of every operation, each device group running its operations in issue order
@@ -387,4 +400,4 @@ def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCo
 
 __all__ = ["MPMD_SCHEDULES", "ZERO_BUBBLE", "Op", "OpCost", "OpKind", "ScheduleError", "dependencies",
            "dependency_depth", "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule",
-           "deferred_in_flight", "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]
+           "deferred_in_flight", "op_costs", "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]

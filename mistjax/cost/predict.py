@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mistjax.core.pipeline_order import OpCost, group_finish_times, issue_order, residuals_in_flight
+from mistjax.core.pipeline_order import op_costs as order_op_costs
 from mistjax.core.pipeline_time import pipeline_time
 from mistjax.core.plan import Plan, Prediction
 from mistjax.core.schedules import ZERO_BUBBLE, deferred_microbatches
@@ -33,6 +34,7 @@ class Analysis:
     mist_step_time: float  # Mist's 1F1B / GPipe formula on the same stage times, for comparison
     stage_fwd: tuple[float, ...]  # per (virtual) stage: forward seconds of one micro-batch
     stage_bwd: tuple[float, ...]  # per (virtual) stage: backward seconds of one micro-batch
+    stage_wgrad: tuple[float, ...]  # per (virtual) stage: the weight-gradient GEMMs' part of `stage_bwd`
     stage_memory: tuple[dict[str, float], ...]  # per device group: device bytes by category
     stage_host: tuple[float, ...]  # per device group: host bytes per device (offloaded state and activations)
     xla_cpu_peak: tuple[float, ...]  # per device group: device + host bytes, what XLA:CPU's memory analysis counts
@@ -100,17 +102,10 @@ def dispatched_ops(plan: Plan, update_rounds: int = 1) -> int:
 
 
 def op_costs(plan: Plan, c: StageCost) -> dict[str, OpCost]:
-    """Seconds of each kind of pipeline operation per virtual stage. Under a zero-bubble schedule B is the
-    backward less its weight-gradient GEMMs (`StageCost.wgrad`) and W those; the first stage's B only
-    receives the cotangent (its W runs the whole backward, `runtime.mpmd_split`)."""
+    """Seconds of each kind of pipeline operation per virtual stage (`core.pipeline_order.op_costs`; the
+    weight-gradient part of a zero-bubble backward is `StageCost.wgrad`, the weight-gradient GEMMs)."""
     S = plan.num_stages
-    fwd = np.broadcast_to(np.asarray(c.fwd, np.float64), (S,))
-    bwd = np.broadcast_to(np.asarray(c.bwd, np.float64), (S,))
-    if plan.schedule not in ZERO_BUBBLE:
-        return {"F": fwd, "B": bwd, "FB": fwd + bwd}
-    w = np.minimum(np.broadcast_to(np.asarray(c.wgrad, np.float64), (S,)), bwd)
-    w = np.where(np.arange(S) == 0, bwd, w)
-    return {"F": fwd, "B": bwd - w, "FB": fwd + bwd - w, "W": w}
+    return order_op_costs(plan.schedule, np.broadcast_to(np.asarray(c.fwd, np.float64), (S,)), c.bwd, c.wgrad)
 
 
 def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> float:
@@ -198,7 +193,8 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     host = np.bincount(np.arange(S) % plan.device_stages, weights=host, minlength=plan.device_stages)
     peak = np.array([sum(m.values()) for m in stage_memory])
     return Analysis(prediction=pred, step_time=step, mist_step_time=mist, stage_fwd=tuple(map(float, c.fwd)),
-                    stage_bwd=tuple(map(float, c.bwd)), stage_memory=stage_memory,
+                    stage_bwd=tuple(map(float, c.bwd)),
+                    stage_wgrad=tuple(map(float, np.broadcast_to(c.wgrad, (S,)))), stage_memory=stage_memory,
                     stage_host=tuple(map(float, host)), xla_cpu_peak=tuple(float(x) for x in peak + host),
                     collective_bytes=coll, flops=tuple(map(float, np.broadcast_to(c.flops, (S,)))),
                     flops_xla=tuple(map(float, np.broadcast_to(c.flops_xla, (S,)))), dispatch_time=dispatch,

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from mistjax.core.pipeline_order import Op, issue_order, op_spans  # noqa: E402
+from mistjax.core.pipeline_order import Op, issue_order, op_costs, op_spans  # noqa: E402
 
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                   "buffers": "#8172b3"}
@@ -25,7 +25,7 @@ def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_mi
                   schedule: str = "1f1b", first_extra: Sequence[float] | None = None,
                   last_extra: Sequence[float] | None = None,
                   channels: Sequence[Mapping[str, float]] | None = None, title: str = "pipeline timeline",
-                  groups: int | None = None) -> Path:
+                  groups: int | None = None, stage_wgrad: Sequence[float] | None = None) -> Path:
     """The schedule as the MPMD executor runs it and the cost model prices it: the host's issue order
     (`core.pipeline_order.issue_order`), each device group starting an operation as soon as its inputs
     arrive, then its once-per-step work.
@@ -37,20 +37,23 @@ def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_mi
       channels: per stage, seconds per micro-batch on the device<->device (``d2d``), host->device
         (``h2d``) and device->host (``d2h``) channels, drawn as thin bars under each forward.
       groups: device groups (default: one per stage; fewer with interleaved virtual stages).
+      stage_wgrad: per stage, the weight-gradient part of the backward (a zero-bubble schedule's W).
     """
     S = len(stage_fwd)
     G = groups or S
     f, b = np.asarray(stage_fwd, float), np.asarray(stage_bwd, float)
     extra = sum(np.zeros(S) if e is None else np.asarray(e, float) for e in (first_extra, last_extra))
-    spans = op_spans(issue_order(schedule, G, num_microbatches, S // G), G, {"F": f, "B": b, "FB": f + b})
+    costs = op_costs(schedule, f, b, 0.0 if stage_wgrad is None else np.asarray(stage_wgrad, float))
+    spans = op_spans(issue_order(schedule, G, num_microbatches, S // G), G, costs)
     fig, ax = plt.subplots(figsize=(11, 1.1 + 0.75 * G), dpi=120)
-    _draw_ops(ax, spans, f, b, G, num_microbatches <= 16, channels)
+    _draw_ops(ax, spans, f, costs["B"], G, num_microbatches <= 16, channels)
     step = _draw_step_work(ax, spans, extra, G)
     ax.set_yticks(range(G), [f"stage {g}" for g in range(G)] if G == S else [f"group {g}" for g in range(G)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (each device group runs its operations as soon as their inputs arrive)")
     ax.set_title(f"{title} — {schedule}, {num_microbatches} micro-batches, step {step:.3g} s")
     legend = [Patch(color="#4c72b0", label="forward"), Patch(color="#dd8452", label="backward"),
+              *([Patch(color="#55a868", label="weight gradients (deferred)")] if "W" in costs else []),
               Patch(facecolor="white", edgecolor="black", hatch="//", label="once-per-step work")]
     if channels is not None:
         legend += [Patch(color=CHANNEL_COLOURS[c], label=n) for c, n in
@@ -65,7 +68,7 @@ def _draw_ops(ax: Axes, spans: dict[Op, tuple[float, float]], f: np.ndarray, b: 
               channels: Sequence[Mapping[str, float]] | None) -> None:
     """One bar per operation on its device group's row (a fused FB as its forward then its backward), the
     micro-batch written on forwards when ``labels``, and each forward's channel times as thin bars under it."""
-    colour = {"F": "#4c72b0", "B": "#dd8452"}
+    colour = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
     for op, (start, end) in spans.items():
         row = op.stage % G
         parts = [("F", f[op.stage]), ("B", b[op.stage])] if op.kind == "FB" else [(op.kind, end - start)]
