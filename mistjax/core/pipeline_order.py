@@ -12,6 +12,8 @@ weight-gradient half, run later. The schedules and the reasoning: docs/pipelines
 from __future__ import annotations
 
 import enum
+import functools
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, TypeAlias
 
@@ -157,7 +159,7 @@ def zero_bubble_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]
     cost[OpKind.FB] = cost[OpKind.F] + cost[OpKind.B]
     finish: dict[Op, float] = {}
     free, pos = [0.0] * S, [0] * S
-    pending: list[list[Op]] = [[] for _ in range(S)]
+    pending: list[deque[Op]] = [deque() for _ in range(S)]
     live = [0] * S  # micro-batches whose residuals stage s holds (F issued, W not)
     orders: list[list[Op]] = [[] for _ in range(S)]
 
@@ -183,26 +185,39 @@ def zero_bubble_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]
 
     total = sum(len(q) for q in queues) + G * S
     done = 0
+    # Each group's next (start, op); only the groups an issued operation can change are re-examined: its
+    # own and its neighbours (the only ones whose inputs it produces).
+    options: list[tuple[float, int, Op] | None] = [None] * S
+
+    def refresh(s: int) -> None:
+        c = choice(s)
+        options[s] = None if c is None else (c[0], s, c[1])
+
+    for s in range(S):
+        refresh(s)
     while done < total:
-        options = [(c[0], s, c[1]) for s in range(S) if (c := choice(s)) is not None]
-        if not options:
+        ready = [o for o in options if o is not None]
+        if not ready:
             raise ScheduleError("internal: the zero-bubble simulation deadlocked")
-        start, s, op = min(options)
+        start, s, op = min(ready)
         finish[op] = start + op_cost(op)
         free[s] = finish[op]
         orders[s].append(op)
         done += 1
         if op.kind == OpKind.W:
-            pending[s].pop(0)
+            pending[s].popleft()
             live[s] -= 1
-            continue
-        pos[s] += 1
-        if op.kind == OpKind.F:
-            live[s] += 1
-        elif op.kind in (OpKind.B, OpKind.FB):
-            pending[s].append(Op(OpKind.W, s, op.mb))
-            if op.kind == OpKind.FB:
+        else:
+            pos[s] += 1
+            if op.kind == OpKind.F:
                 live[s] += 1
+            elif op.kind in (OpKind.B, OpKind.FB):
+                pending[s].append(Op(OpKind.W, s, op.mb))
+                if op.kind == OpKind.FB:
+                    live[s] += 1
+        for k in (s - 1, s, s + 1):
+            if 0 <= k < S:
+                refresh(k)
     return orders
 
 
@@ -346,8 +361,14 @@ def deferred_in_flight(issue: Sequence[Op]) -> np.ndarray:
 
 def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> list[Op]:
     """The host's issue order for one step of `schedule` (`device_orders` merged by `list_schedule`)."""
+    return list(_issue_order(schedule, num_groups, num_microbatches, chunks))
+
+
+@functools.lru_cache(maxsize=256)
+def _issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: int) -> tuple[Op, ...]:
+    # Cached: the cost model asks for the same order several times per plan (time, memory, the explanation).
     cost = ZB_NOMINAL_COST if schedule in ZERO_BUBBLE else None
-    return list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost)
+    return tuple(list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost))
 
 
 def op_costs(schedule: str, fwd: ArrayLike, bwd: ArrayLike, wgrad: ArrayLike = 0.0) -> dict[str, np.ndarray]:
