@@ -354,17 +354,19 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     return objective, plan.replace(prediction=pred), pareto
 
 
-def _zero_bubble(job: _SearchJob, plan: Plan, deadline: float) -> Plan:
+def _zero_bubble(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float = 0.0) -> Plan:
     """``plan`` or a ZB-H1 plan of its outer key where the full prediction is faster and fits
     (`SearchSpace.zero_bubble`): ``plan`` re-scheduled, and the key searched again with the stash of ZB-H1's
     deferred weight passes in every stage's memory (the search's objective stays the 1F1B formula; `predict`
-    prices the schedule). Never slower: a space with it contains the space without."""
+    prices the schedule). Never slower: a space with it contains the space without. The key is searched
+    again only with ``key_seconds`` (the quickest key's time so far) left before the deadline, as
+    `_search_keys` starts a key."""
     if not job.space.zero_bubble or plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
         return plan
     schedule = sorted(ZERO_BUBBLE)[0]
     candidates = [plan.replace(schedule=schedule, prediction=None)]
     key = _outer_key(job, plan, schedule)
-    if key is not None and time.perf_counter() < deadline:
+    if key is not None and deadline - time.perf_counter() >= key_seconds:
         tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, None, deadline, job.prune,
                                   None, job.arena)
         if choice is not None and choice.optimal:
@@ -434,7 +436,8 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
     if winner is not None:
         objective, plan, pareto = winner
-        plan = _zero_bubble(job, plan, deadline).replace(fingerprints=fingerprints(workload, cluster))
+        plan = _zero_bubble(job, plan, deadline, tally.fastest_key if math.isfinite(tally.fastest_key) else 0.0)
+        plan = plan.replace(fingerprints=fingerprints(workload, cluster))
         winner = objective, plan, pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
     if tally.timed_out:
