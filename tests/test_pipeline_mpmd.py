@@ -320,6 +320,17 @@ def test_interleaved_1f1b_matches_one_device():
     assert ex.stats.by_kind["forward"] == 3 * 2 and ex.stats.by_kind["last"] == 2
 
 
+def test_a_tuned_plan_interleaved_matches_one_device():
+    """`Plan.interleaved` of a one-chunk plan with per-group knobs (ZeRO-3 + remat + gradient offload on group 0,
+    optimizer offload on group 1): each chunk keeps its group's knobs, the checkpointed layers spread."""
+    plan = plan_of([dict(shard_opt=True, shard_grads=True, shard_weights=True, remat_layers=2, offload_grads=1.0),
+                    dict(shard_opt=False, offload_opt=0.5)], grad_accum=2).interleaved(2)
+    assert [s.remat_layers for s in plan.stages] == [1, 0, 1, 0]
+    step, new, metrics, ref_new, ref_metrics = run_plan(plan, "clip_adamw")
+    check_against_reference(step, new, metrics, ref_new, ref_metrics)
+    assert step._mpmd.meshes[0] is step._mpmd.meshes[2]
+
+
 def test_mics_inside_a_stage_matches_one_device():
     """dp 4 with MiCS partition groups of 2: ZeRO-3 on stage 0 (gathers inside the pair, hop-2
     all-reduce across pairs), ZeRO-2 on stage 1."""

@@ -183,24 +183,24 @@ def test_compiled_split_programs_do_the_backward_s_work_and_count_their_stash():
 def test_the_tuner_adopts_zero_bubble_where_faster_and_fitting():
     from mistjax.cost import COST_MODEL
     from mistjax.tuning.intra import ScheduleMemo
-    from mistjax.tuning.tuner import _SearchJob, _zero_bubble
+    from mistjax.tuning.tuner import _reschedule, _SearchJob
 
     wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
     plan = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16)
     roomy, tight = ClusterSpec.preset("a100-80gb", 4, 8), ClusterSpec.preset("a100-40gb", 4, 8)
     for cluster in (roomy, tight):
         plan = plan.replace(prediction=COST_MODEL.predict(wl, plan.replace(prediction=None), cluster))
-        job = _SearchJob(wl, cluster, COST_MODEL, SearchSpace(), ScheduleMemo(("1f1b",)), True)
-        out = _zero_bubble(job, plan, time.perf_counter() + 60)
+        job = _SearchJob(wl, cluster, COST_MODEL, SearchSpace(interleave=()), ScheduleMemo(("1f1b",)), True)
+        out = _reschedule(job, plan, time.perf_counter() + 60)
         # Only a faster ZB-H1 plan that fits replaces it: the plan re-scheduled, or its key searched again with
         # the stash in memory (here that one: it moves layers off the stages that hold more).
         assert out.schedule == "zb-h1" and out.prediction.step_time < plan.prediction.step_time
         assert out.prediction.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget()
         rescheduled = COST_MODEL.predict(wl, plan.replace(schedule="zb-h1", prediction=None), cluster)
         assert out.prediction.step_time <= rescheduled.step_time
-        off = _SearchJob(wl, cluster, COST_MODEL, SearchSpace().replace(zero_bubble=False), ScheduleMemo(("1f1b",)),
-                         True)
-        assert _zero_bubble(off, plan, time.perf_counter() + 60) is plan
+        off = _SearchJob(wl, cluster, COST_MODEL, SearchSpace(zero_bubble=False, interleave=()),
+                         ScheduleMemo(("1f1b",)), True)
+        assert _reschedule(off, plan, time.perf_counter() + 60) is plan
 
 
 def test_zero_bubble_memory_against_the_compiled_stages():

@@ -371,6 +371,24 @@ def _issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: 
     return tuple(list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost))
 
 
+@functools.lru_cache(maxsize=256)
+def charged_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
+    """Per virtual stage, the micro-batches of residuals its memory is charged for: the most it holds at once in
+    the issue order (`residuals_in_flight`), at least one (the last stage's fused forward + backward holds one
+    transiently). A device group is charged the sum over its chunks (an upper bound: the chunks' peaks need not
+    coincide), as the cost model and the runtime's memory check both count it. Read-only (cached)."""
+    out = np.maximum(residuals_in_flight(issue_order(schedule, num_groups, num_microbatches, chunks)), 1)
+    out.flags.writeable = False
+    return out
+
+
+def group_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
+    """Per device group, `charged_in_flight` of its chunks averaged: whole-group micro-batches of residuals
+    charged when each of its ``chunks`` chunks holds an equal share of the group's layers (the tuner's view of
+    an interleaved key)."""
+    return charged_in_flight(schedule, num_groups, num_microbatches, chunks).reshape(chunks, num_groups).mean(axis=0)
+
+
 def op_costs(schedule: str, fwd: ArrayLike, bwd: ArrayLike, wgrad: ArrayLike = 0.0) -> dict[str, np.ndarray]:
     """Seconds of each kind of operation per virtual stage, from each stage's forward / backward seconds of one
     micro-batch. Under a zero-bubble schedule B is the backward less its weight-gradient part ``wgrad`` and W
@@ -419,6 +437,7 @@ def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCo
     return float(group_finish_times(issue, num_groups, cost).max())
 
 
-__all__ = ["MPMD_SCHEDULES", "ZERO_BUBBLE", "Op", "OpCost", "OpKind", "ScheduleError", "dependencies",
-           "dependency_depth", "device_orders", "group_finish_times", "group_queues", "issue_order", "list_schedule",
-           "deferred_in_flight", "op_costs", "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]
+__all__ = ["MPMD_SCHEDULES", "Op", "OpCost", "OpKind", "ScheduleError", "ZERO_BUBBLE", "charged_in_flight",
+           "deferred_in_flight", "dependencies", "dependency_depth", "device_orders", "group_finish_times",
+           "group_in_flight", "group_queues", "issue_order", "list_schedule", "op_costs", "op_spans",
+           "residuals_in_flight", "simulated_time", "zero_bubble_orders"]

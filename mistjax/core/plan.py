@@ -153,6 +153,11 @@ def guarded_peak(memory: Mapping[str, Any], margin: float) -> Any:
     return total + margin * (total - state)
 
 
+def _spread(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` counts within one of each other, the larger first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
 RETUNE_MARGIN = 0.03  # of a lowered budget, kept free for what the next plan's prediction may miss
 
 
@@ -404,6 +409,34 @@ class Plan:
 
     def replace(self, **changes: object) -> Plan:
         return dataclasses.replace(self, **changes)
+
+    def interleaved(self, chunks: int) -> Plan:
+        """This one-chunk pipelined plan run as interleaved 1F1B: each device group's layers split into
+        ``chunks`` virtual stages (sizes within one layer of each other, the larger first), its checkpointed
+        layers spread the same way and every other knob kept; chunk ``c`` of group ``g`` is virtual stage
+        ``c * groups + g``, and layers run in that order. The prediction is dropped.
+
+        Raises:
+            PlanError: the plan is not one chunk per group of several groups, or a group has fewer layers
+                than ``chunks``.
+        """
+        if self.virtual_stages != 1 or self.num_stages < 2 or chunks < 1:
+            raise PlanError(f"interleaved({chunks}) needs a one-chunk plan of several stages and chunks >= 1 "
+                            f"(this plan: {self.num_stages} stage(s) of {self.virtual_stages} chunk(s))")
+        short = [i for i, st in enumerate(self.stages) if st.num_layers < chunks]
+        if short:
+            raise PlanError(f"interleaved({chunks}): stage(s) {short} hold fewer than {chunks} layers; use fewer "
+                            "chunks")
+        parts = [[dataclasses.replace(st, layers=(0, n), remat_layers=r)
+                  for n, r in zip(_spread(st.num_layers, chunks), _spread(st.remat_layers, chunks))]
+                 for st in self.stages]
+        stages, start = [], 0
+        for c in range(chunks):
+            for g in range(self.num_stages):
+                n = parts[g][c].num_layers
+                stages.append(dataclasses.replace(parts[g][c], layers=(start, start + n)))
+                start += n
+        return self.replace(stages=tuple(stages), virtual_stages=chunks, schedule="1f1b", prediction=None)
 
     # ---------------------------------------------------------------- display
     def summary(self) -> str:

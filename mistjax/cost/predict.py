@@ -5,12 +5,13 @@ runtime's executor runs it: one program for a single stage, the MPMD pipeline ot
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from mistjax.core.pipeline_order import OpCost, group_finish_times, issue_order, residuals_in_flight
+from mistjax.core.pipeline_order import OpCost, charged_in_flight, group_finish_times, issue_order
 from mistjax.core.pipeline_order import op_costs as order_op_costs
 from mistjax.core.pipeline_time import pipeline_time
 from mistjax.core.plan import Plan, Prediction
@@ -66,8 +67,7 @@ def _inflight(plan: Plan) -> np.ndarray:
     stage's forward and backward are one program, which holds one micro-batch's transiently."""
     if plan.num_stages == 1:
         return np.ones(1, np.int64)
-    issue = issue_order(plan.schedule, plan.device_stages, plan.grad_accum, plan.virtual_stages)
-    return np.maximum(residuals_in_flight(issue), 1)
+    return charged_in_flight(plan.schedule, plan.device_stages, plan.grad_accum, plan.virtual_stages)
 
 
 def plan_strategies(workload: Workload, plan: Plan, cluster: ClusterSpec) -> StageStrategies:
@@ -151,6 +151,24 @@ def _zero_bubble_note(plan: Plan, c: StageCost, shared: bool) -> str:
             f"{bubble_fraction(plan, c):.1%}; each deferred pass holds its stash (activation memory)")
 
 
+def _interleave_note(plan: Plan, c: StageCost, shared: bool) -> str:
+    """Why interleaved 1F1B: its pipeline time and bubble against each device group's chunks run as one stage
+    (the same work, the groups' summed chunk times, under one-chunk 1F1B)."""
+    groups, S = plan.device_stages, plan.num_stages
+
+    def merged(x: np.ndarray | float) -> np.ndarray:
+        return np.bincount(np.arange(S) % groups, weights=np.broadcast_to(np.asarray(x, np.float64), (S,)),
+                           minlength=groups)
+
+    one_plan = plan.replace(stages=plan.stages[:groups], virtual_stages=1)  # only its counts are read
+    one = dataclasses.replace(c, fwd=merged(c.fwd), bwd=merged(c.bwd), wgrad=merged(c.wgrad), delta=merged(c.delta))
+    t, t1 = _pipeline_step(plan, c, shared), _pipeline_step(one_plan, one, shared)
+    return (f"interleaved 1F1B ({plan.virtual_stages} chunks per device group): {t:.4g} s against {t1:.4g} s with "
+            f"each group's chunks as one stage ({t1 / t:.3f}x), bubble {bubble_fraction(one_plan, one):.1%} -> "
+            f"{bubble_fraction(plan, c):.1%}; each group holds more micro-batches' residuals and sends "
+            f"{plan.virtual_stages}x the activations")
+
+
 def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
     """Per device group: the state and residuals of every chunk it runs, the largest chunk's transients."""
     groups = plan.device_stages
@@ -180,6 +198,8 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
               "total work over the pool, not its lock-step makespan"),) if pooled else ()
     if S > 1 and plan.schedule in ZERO_BUBBLE:
         notes += (_zero_bubble_note(plan, c, bool(cluster.device.shared_compute)),)
+    if plan.virtual_stages > 1:
+        notes += (_interleave_note(plan, c, bool(cluster.device.shared_compute)),)
     mist = float(pipeline_time(c.stable, c.delta, G, "gpipe" if plan.schedule == "gpipe" else "1f1b"))
     tokens = plan.global_batch * workload.seq_len
     pred = Prediction(step_time=step, stage_stable=tuple(float(x) for x in c.stable),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from mistjax.core.pipeline_order import group_in_flight
 from mistjax.core.schedules import deferred_microbatches, inflight_microbatches
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.pareto import sample_pareto
@@ -140,7 +141,7 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     layers = np.asarray(tables.layer_options, np.int64).reshape(1, -1, 1)
     # Each stage holds its own micro-batches in flight under each schedule (the MPMD executor). One
     # leading axis per schedule.
-    inflight = np.stack([inflight_microbatches(slot, S, G, n) for n in schedules]).reshape(-1, slot.shape[0], 1, 1)
+    inflight = np.stack([stage_inflight(slot, key, n) for n in schedules]).reshape(-1, slot.shape[0], 1, 1)
     deferred = np.stack([deferred_microbatches(slot, S, G, n) for n in schedules]).reshape(inflight.shape)
     shape = (len(schedules), slot.shape[0], layers.shape[1], len(r))
     stable, delta = np.empty(shape), np.empty(shape)
@@ -214,7 +215,7 @@ def _entry_strategies(tables: StageTables, slot: np.ndarray, option: np.ndarray,
                       ) -> tuple[StageStrategies, np.ndarray]:
     key = tables.key
     layers = np.asarray(tables.layer_options, np.int64)[option]
-    inflight = inflight_microbatches(slot, key.stages, key.grad_accum, key.schedule)
+    inflight = stage_inflight(slot, key, key.schedule)
     deferred = deferred_microbatches(slot, key.stages, key.grad_accum, key.schedule)
     return _strategies(tables, slot, layers, r, x, np.asarray(inflight), deferred)
 
@@ -264,9 +265,18 @@ def _prune_policies(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
     return RematOptions(rem.count[sel], rem.policy[sel], rem.names)
 
 
-def key_inflight(key: OuterKey) -> int:
+def stage_inflight(slot: np.ndarray, key: OuterKey, schedule: str) -> np.ndarray:
+    """Micro-batches of residuals each stage slot of ``key`` holds under ``schedule``: the MPMD executor's count
+    for one chunk per group (`core.schedules.inflight_microbatches`), its chunks' average for an interleaved key
+    (`core.pipeline_order.group_in_flight`: each chunk an equal share of the group's layers)."""
+    if key.chunks == 1:
+        return inflight_microbatches(slot, key.stages, key.grad_accum, schedule)
+    return group_in_flight(schedule, key.stages, key.grad_accum, key.chunks)[np.asarray(slot)]
+
+
+def key_inflight(key: OuterKey) -> float:
     """Micro-batches in flight on the first stage (the largest pool) under the key's schedule."""
-    return int(inflight_microbatches(0, key.stages, key.grad_accum, key.schedule))
+    return float(stage_inflight(np.zeros((), np.int64), key, key.schedule))
 
 
 def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, probe: StageTables,
@@ -325,6 +335,8 @@ def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     """
     L = int(workload.num_layers)
     opts = layer_options(space, L, key.stages, key.grad_accum)
+    if key.chunks > 1:  # every chunk of a group holds a layer at least
+        opts = tuple(n for n in opts if n >= key.chunks)
     remat = remat_options(space, max(opts), tuple(workload.policies))
     grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1)
     tables = StageTables(key, opts, remat, grid, np.empty(0), np.empty(0))

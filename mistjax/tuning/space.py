@@ -80,6 +80,11 @@ class SearchSpace:
         zero_bubble: re-schedule the best pipelined plan with ZB-H1 (each backward split into input- and
             weight-gradient programs, the latter deferred into the bubbles) where `predict` prices it faster
             and it still fits (its stash is more activation memory).
+        interleave: chunks per device group tried for the best pipelined plan as interleaved 1F1B (virtual
+            stages: the bubble shrinks by the chunk count, each group holds more micro-batches' residuals and
+            sends ``chunks`` times the activations); ``()`` turns it off. Like ``zero_bubble``, the best plan
+            is re-scheduled and its outer key searched again with the interleaved residuals in memory, and a
+            candidate is kept where `predict` prices it faster and it fits.
     """
 
     name: str = "mistjax"
@@ -103,6 +108,7 @@ class SearchSpace:
     pareto_k: int = 30
     schedules: tuple[str, ...] = ("1f1b",)
     zero_bubble: bool = True
+    interleave: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
@@ -128,6 +134,9 @@ class SearchSpace:
             hint = (" (zero-bubble schedules are not searched key by key: SearchSpace.zero_bubble re-schedules the "
                     "best pipelined plan with ZB-H1 where it is predicted faster)" if set(bad) & ZERO_BUBBLE else "")
             raise ValueError(f"SearchSpace.schedules={self.schedules!r}: use a non-empty tuple of {searched}{hint}")
+        if any(int(v) != v or v < 2 for v in self.interleave):
+            raise ValueError(f"SearchSpace.interleave={self.interleave!r}: chunks per device group are integers >= 2 "
+                             "(() turns interleaving off)")
         if self.pareto_k < 1 or self.layer_window < 0:
             raise ValueError("SearchSpace: pareto_k must be >= 1 and layer_window >= 0")
 
@@ -147,7 +156,7 @@ class SearchSpace:
     def mist(cls) -> SearchSpace:
         """Mist's own space, without our additions (no MiCS groups, full-layer recompute only)."""
         return cls(name="mist", cp_degrees=(1,), mics=False, policies=("full",), schedules=("1f1b",),
-                   zero_bubble=False)
+                   zero_bubble=False, interleave=())
 
     @classmethod
     def megatron(cls) -> SearchSpace:
@@ -157,7 +166,8 @@ class SearchSpace:
         2104.04473 Table 1)."""
         return cls(name="megatron", cp_degrees=(1,), zero_levels=(1,), mics=False, remat="all",
                    policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
-                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",), zero_bubble=False)
+                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",), zero_bubble=False,
+                   interleave=())
 
     @classmethod
     def fsdp(cls) -> SearchSpace:
@@ -185,6 +195,7 @@ class OuterKey:
     per_node: int  # devices of one stage on each of its nodes
     schedule: str = "1f1b"  # pipeline schedule (`core.schedules.SCHEDULE_NAMES`); "1f1b" when S == 1
     cp: int = 1  # context-parallel degree (one stage only)
+    chunks: int = 1  # layer chunks per device group (interleaved 1F1B: `stages` counts device groups)
 
 
 def _pow2(n: int) -> bool:

@@ -25,7 +25,7 @@ from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
 from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
 from mistjax.tuning.intra import ScheduleMemo, StageTables, TableArena, sample_stage_tables
-from mistjax.tuning.space import OuterKey, SearchSpace, outer_keys, stage_mesh
+from mistjax.tuning.space import OuterKey, SearchSpace, layer_options, outer_keys, stage_mesh
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -354,40 +354,68 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     return objective, plan.replace(prediction=pred), pareto
 
 
-def _zero_bubble(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float = 0.0) -> Plan:
-    """``plan`` or a ZB-H1 plan of its outer key where the full prediction is faster and fits
-    (`SearchSpace.zero_bubble`): ``plan`` re-scheduled, and the key searched again with the stash of ZB-H1's
-    deferred weight passes in every stage's memory (the search's objective stays the 1F1B formula; `predict`
-    prices the schedule). Never slower: a space with it contains the space without. The key is searched
-    again only with ``key_seconds`` (the quickest key's time so far) left before the deadline, as
-    `_search_keys` starts a key."""
-    if not job.space.zero_bubble or plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
+def _reschedule(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float = 0.0) -> Plan:
+    """``plan`` or a plan of its outer key under another pipeline schedule, where the full prediction is faster
+    and fits: ZB-H1 (`SearchSpace.zero_bubble`) and interleaved 1F1B (`SearchSpace.interleave`).
+
+    Candidates: ``plan`` re-scheduled, and the key searched again with the schedule's memory in every stage
+    (ZB-H1's deferred weight passes' stash, the interleaved groups' residuals in flight); the search's
+    objective stays the 1F1B formula and `predict` prices the schedule. Never slower: a space with them
+    contains the space without. A key is searched again only with ``key_seconds`` (the quickest key's time so
+    far) left before the deadline, as `_search_keys` starts a key, and for one chunk count only: the one whose
+    re-scheduled ``plan`` is fastest (memory aside), if that beats ``plan`` (a heuristic, not a bound: the key
+    searched again holds more in memory, so its stages are rarely faster than ``plan``'s); the least chunk
+    count where no stage of ``plan`` can be split."""
+    if plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
         return plan
-    schedule = sorted(ZERO_BUBBLE)[0]
-    candidates = [plan.replace(schedule=schedule, prediction=None)]
-    key = _outer_key(job, plan, schedule)
-    if key is not None and deadline - time.perf_counter() >= key_seconds:
-        tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, None, deadline, job.prune,
-                                  None, job.arena)
-        if choice is not None and choice.optimal:
-            candidates.append(build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype))
+    priced: list[tuple[Plan, Prediction]] = []
+    if job.space.zero_bubble:
+        zb = plan.replace(schedule=sorted(ZERO_BUBBLE)[0], prediction=None)
+        priced += _priced([zb, *_searched_again(job, plan, zb.schedule, 1, deadline, key_seconds)], job)
+    as_is = _priced([plan.interleaved(v) for v in job.space.interleave
+                     if v <= min(st.num_layers for st in plan.stages) and plan.grad_accum % plan.num_stages == 0],
+                    job)
+    priced += as_is
+    ahead = sorted((p for p in as_is if p[1].step_time < plan.prediction.step_time), key=lambda p: p[1].step_time)
+    chunks = ([ahead[0][0].virtual_stages] if ahead else [] if as_is else sorted(job.space.interleave)[:1])
+    for v in chunks:
+        priced += _priced(_searched_again(job, plan, "1f1b", v, deadline, key_seconds), job)
+    budget = job.cluster.memory_budget() * (1 + 1e-9)
     best = plan
-    for cand in candidates:
-        pred = job.cost.predict(job.workload, cand, job.cluster)
-        fits = pred.guarded_peak(job.cluster.device.memory_margin) <= job.cluster.memory_budget() * (1 + 1e-9)
-        if fits and pred.step_time < best.prediction.step_time:
+    for cand, pred in priced:
+        if pred.guarded_peak(job.cluster.device.memory_margin) <= budget and pred.step_time < best.prediction.step_time:
             best = cand.replace(prediction=pred)
     return best
 
 
-def _outer_key(job: _SearchJob, plan: Plan, schedule: str) -> OuterKey | None:
-    """The outer key of a one-chunk pipelined ``plan`` under ``schedule`` (None: its stage mesh is not one)."""
-    mesh = stage_mesh(plan.num_stages * plan.dp * plan.tp * plan.cp, plan.num_stages, job.cluster.nodes,
-                      job.cluster.devices_per_node)
-    if mesh is None:
+def _priced(plans: list[Plan], job: _SearchJob) -> list[tuple[Plan, Prediction]]:
+    return [(p, job.cost.predict(job.workload, p, job.cluster)) for p in plans]
+
+
+def _searched_again(job: _SearchJob, plan: Plan, schedule: str, chunks: int, deadline: float,
+                    key_seconds: float) -> list[Plan]:
+    """``plan``'s key searched again under ``schedule`` with ``chunks`` chunks per device group (none where
+    the key cannot run them, or less than ``key_seconds`` is left, or the search was cut)."""
+    key = _outer_key(job, plan, schedule, chunks)
+    if key is None or deadline - time.perf_counter() < key_seconds:
+        return []
+    tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, None, deadline, job.prune,
+                              None, job.arena)
+    if choice is None or not choice.optimal:
+        return []
+    found = build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
+    return [found.interleaved(chunks) if chunks > 1 else found.replace(schedule=schedule)]
+
+
+def _outer_key(job: _SearchJob, plan: Plan, schedule: str, chunks: int = 1) -> OuterKey | None:
+    """The outer key of a one-chunk pipelined ``plan`` under ``schedule`` with ``chunks`` chunks per device group
+    (None: its stage mesh is not one, or the layers or micro-batches cannot fill the chunks)."""
+    S, G = plan.num_stages, plan.grad_accum
+    mesh = stage_mesh(S * plan.dp * plan.tp * plan.cp, S, job.cluster.nodes, job.cluster.devices_per_node)
+    if mesh is None or (chunks > 1 and (G % S or plan.num_layers < S * chunks
+                                        or max(layer_options(job.space, plan.num_layers, S, G)) < chunks)):
         return None
-    return OuterKey(plan.tp, plan.num_stages, plan.micro_batch, plan.dp, plan.grad_accum, *mesh, schedule=schedule,
-                    cp=plan.cp)
+    return OuterKey(plan.tp, S, plan.micro_batch, plan.dp, G, *mesh, schedule=schedule, cp=plan.cp, chunks=chunks)
 
 
 def _supports_cp(workload: WorkloadLike) -> Callable[[int], bool]:
@@ -436,7 +464,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
     if winner is not None:
         objective, plan, pareto = winner
-        plan = _zero_bubble(job, plan, deadline, tally.fastest_key if math.isfinite(tally.fastest_key) else 0.0)
+        plan = _reschedule(job, plan, deadline, tally.fastest_key if math.isfinite(tally.fastest_key) else 0.0)
         plan = plan.replace(fingerprints=fingerprints(workload, cluster))
         winner = objective, plan, pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)

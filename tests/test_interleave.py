@@ -1,0 +1,88 @@
+"""Interleaved 1F1B in the tuner: the plan transform, the residuals each device group is charged for, and
+the tuner adopting it only where `predict` prices it faster and it fits."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import models
+from mistjax.core import pipeline_order as po
+from mistjax.core.schedules import inflight_microbatches
+from mistjax.cost import COST_MODEL, analyze
+from mistjax.hardware import ClusterSpec
+from mistjax.plan import Plan, PlanError, StagePlan, uniform_plan
+from mistjax.tuning.intra import ScheduleMemo, stage_inflight
+from mistjax.tuning.space import OuterKey, SearchSpace
+from mistjax.tuning.tuner import _reschedule, _SearchJob
+
+
+def test_interleaved_splits_each_group_into_chunks_in_layer_order():
+    plan = Plan(stages=(StagePlan((0, 5), remat_layers=3, offload_acts=0.5, shard_weights=True, shard_grads=True),
+                        StagePlan((5, 9), offload_opt=0.25)), grad_accum=4, dp=2)
+    out = plan.interleaved(2)
+    assert out.virtual_stages == 2 and out.device_stages == 2 and out.schedule == "1f1b"
+    # virtual stage c * 2 + g is chunk c of group g: group 0's 5 layers as 3 + 2, group 1's 4 as 2 + 2
+    assert [s.layers for s in out.stages] == [(0, 3), (3, 5), (5, 7), (7, 9)]
+    assert [s.remat_layers for s in out.stages] == [2, 0, 1, 0]  # group 0's 3 checkpointed layers spread
+    assert [s.offload_acts for s in out.stages] == [0.5, 0.0, 0.5, 0.0]
+    assert [s.zero_stage for s in out.stages] == [3, 1, 3, 1]
+    assert sum(s.num_layers for s in out.stages[0::2]) == 5 and out.num_layers == 9
+    assert Plan.from_json(out.to_json()) == out
+    with pytest.raises(PlanError, match="fewer than 5 layers"):
+        plan.interleaved(5)
+    with pytest.raises(PlanError, match="one-chunk plan"):
+        out.interleaved(2)
+
+
+@pytest.mark.parametrize("groups,micro,chunks", [(4, 8, 2), (8, 48, 2), (8, 48, 4), (3, 6, 3)])
+def test_group_in_flight_is_what_predict_charges_each_group(groups, micro, chunks):
+    charged = po.charged_in_flight("1f1b", groups, micro, chunks)
+    issue = po.issue_order("1f1b", groups, micro, chunks)
+    assert np.array_equal(charged, np.maximum(po.residuals_in_flight(issue), 1))
+    per_group = po.group_in_flight("1f1b", groups, micro, chunks)
+    for g in range(groups):
+        assert per_group[g] == pytest.approx(charged[g::groups].sum() / chunks)
+    # more than one chunk per group holds more micro-batches' residuals than one chunk, on every group
+    one = np.maximum(inflight_microbatches(np.arange(groups), groups, micro), 1)
+    assert np.all(per_group >= one)
+    # at least Megatron-LM's count for the first group: its warm-up forwards and one more, in chunks
+    assert per_group[0] >= (2 * (groups - 1) + (chunks - 1) * groups + 1) / chunks
+
+
+def test_an_interleaved_key_charges_the_groups_chunks():
+    key = OuterKey(tp=1, stages=4, micro_batch=1, dp=1, grad_accum=8, nodes=1, per_node=1)
+    slots = np.arange(4)
+    assert np.array_equal(stage_inflight(slots, key, "1f1b"), inflight_microbatches(slots, 4, 8))
+    interleaved = OuterKey(tp=1, stages=4, micro_batch=1, dp=1, grad_accum=8, nodes=1, per_node=1, chunks=2)
+    assert np.allclose(stage_inflight(slots, interleaved, "1f1b"), po.group_in_flight("1f1b", 4, 8, 2))
+
+
+def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
+    wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
+    cluster = ClusterSpec.preset("a100-80gb", 4, 8)
+    plan = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16)
+    plan = plan.replace(prediction=COST_MODEL.predict(wl, plan, cluster))
+    space = SearchSpace(zero_bubble=False)
+    out = _reschedule(_SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True), plan,
+                      time.perf_counter() + 120)
+    assert out.virtual_stages in space.interleave and out.device_stages == 4
+    assert out.prediction.step_time < plan.prediction.step_time
+    assert out.prediction.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget()
+    # the prediction it carries is predict's for the plan it is
+    assert out.prediction.step_time == pytest.approx(COST_MODEL.predict(wl, out.replace(prediction=None),
+                                                                        cluster).step_time)
+    note = " ".join(analyze(wl, out.replace(prediction=None), cluster).notes)
+    assert f"interleaved 1F1B ({out.virtual_stages} chunks per device group)" in note and "bubble" in note
+    # a space without it keeps the plan
+    off = SearchSpace(zero_bubble=False, interleave=())
+    assert _reschedule(_SearchJob(wl, cluster, COST_MODEL, off, ScheduleMemo(("1f1b",)), True), plan,
+                       time.perf_counter() + 120) is plan
+
+
+def test_search_space_refuses_a_chunk_count_below_two():
+    with pytest.raises(ValueError, match="SearchSpace.interleave"):
+        SearchSpace(interleave=(1, 2))
+    assert SearchSpace.megatron().interleave == () and SearchSpace.mist().interleave == ()
