@@ -371,22 +371,48 @@ def _issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: 
     return tuple(list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost))
 
 
+def group_residual_peaks(issue: Sequence[Op], num_groups: int, per_microbatch: ArrayLike = 1.0) -> np.ndarray:
+    """Per device group, the most residuals its chunks hold at once along its operations: the micro-batches
+    each chunk holds (as `residuals_in_flight` counts them) times ``per_microbatch[chunk]`` (one micro-batch's
+    residuals of each virtual stage), summed over the group's chunks, with a fused forward + backward's own
+    transient residuals while it runs. With one chunk per group, `residuals_in_flight` (at least 1) times
+    ``per_microbatch``; with several, at most the sum of the chunks' peaks, which need not coincide."""
+    num_virtual = 1 + max(op.stage for op in issue)
+    size = np.broadcast_to(np.asarray(per_microbatch, np.float64), (num_virtual,))
+    split = {op.stage for op in issue if op.kind == OpKind.W}
+    held = np.zeros(num_groups)
+    peak = np.zeros(num_groups)
+    for op in issue:
+        k, g = op.stage, op.stage % num_groups
+        if op.kind == OpKind.F or (op.kind == OpKind.FB and k in split):
+            held[g] += size[k]
+            peak[g] = max(peak[g], held[g])
+        elif op.kind == OpKind.FB:
+            peak[g] = max(peak[g], held[g] + size[k])
+        elif op.kind == (OpKind.W if k in split else OpKind.B):
+            held[g] -= size[k]
+    return peak
+
+
 @functools.lru_cache(maxsize=256)
 def charged_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
-    """Per virtual stage, the micro-batches of residuals its memory is charged for: the most it holds at once in
-    the issue order (`residuals_in_flight`), at least one (the last stage's fused forward + backward holds one
-    transiently). A device group is charged the sum over its chunks (an upper bound: the chunks' peaks need not
-    coincide), as the cost model and the runtime's memory check both count it. Read-only (cached)."""
+    """Per virtual stage, the micro-batches of residuals it holds at its peak in the issue order
+    (`residuals_in_flight`), at least one (the last stage's fused forward + backward holds one transiently).
+    Read-only (cached)."""
     out = np.maximum(residuals_in_flight(issue_order(schedule, num_groups, num_microbatches, chunks)), 1)
     out.flags.writeable = False
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def group_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
-    """Per device group, `charged_in_flight` of its chunks averaged: whole-group micro-batches of residuals
-    charged when each of its ``chunks`` chunks holds an equal share of the group's layers (the tuner's view of
-    an interleaved key)."""
-    return charged_in_flight(schedule, num_groups, num_microbatches, chunks).reshape(chunks, num_groups).mean(axis=0)
+    """Per device group, whole-group micro-batches of residuals held at its peak when each of its ``chunks``
+    chunks holds an equal share of the group's layers (`group_residual_peaks` / ``chunks``; the tuner's view of
+    an interleaved key): `charged_in_flight` with one chunk. Read-only (cached)."""
+    issue = issue_order(schedule, num_groups, num_microbatches, chunks)
+    out = group_residual_peaks(issue, num_groups) / chunks
+    out.flags.writeable = False
+    return out
 
 
 def op_costs(schedule: str, fwd: ArrayLike, bwd: ArrayLike, wgrad: ArrayLike = 0.0) -> dict[str, np.ndarray]:
@@ -439,5 +465,5 @@ def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCo
 
 __all__ = ["MPMD_SCHEDULES", "Op", "OpCost", "OpKind", "ScheduleError", "ZERO_BUBBLE", "charged_in_flight",
            "deferred_in_flight", "dependencies", "dependency_depth", "device_orders", "group_finish_times",
-           "group_in_flight", "group_queues", "issue_order", "list_schedule", "op_costs", "op_spans",
-           "residuals_in_flight", "simulated_time", "zero_bubble_orders"]
+           "group_in_flight", "group_queues", "group_residual_peaks", "issue_order", "list_schedule", "op_costs",
+           "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mistjax.core.pipeline_order import OpCost, charged_in_flight, group_finish_times, issue_order
+from mistjax.core.pipeline_order import OpCost, charged_in_flight, group_finish_times, group_residual_peaks, issue_order
 from mistjax.core.pipeline_order import op_costs as order_op_costs
 from mistjax.core.pipeline_time import pipeline_time
 from mistjax.core.plan import Plan, Prediction
@@ -170,13 +170,19 @@ def _interleave_note(plan: Plan, c: StageCost, shared: bool) -> str:
 
 
 def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
-    """Per device group: the state and residuals of every chunk it runs, the largest chunk's transients."""
+    """Per device group: the state of every chunk it runs, the residuals its chunks hold at once along its
+    operations (`core.pipeline_order.group_residual_peaks`), the largest chunk's transients."""
     groups = plan.device_stages
     out = []
     for g in range(groups):
         chunks = np.arange(g, plan.num_stages, groups)
         out.append({k: float(np.sum(mem[k][chunks]) if k in _PER_CHUNK else np.max(mem[k][chunks]))
                     for k in MEMORY_CATEGORIES})
+    if plan.virtual_stages > 1:  # interleaved (no deferred stash): one micro-batch's residuals per chunk
+        issue = issue_order(plan.schedule, groups, plan.grad_accum, plan.virtual_stages)
+        held = group_residual_peaks(issue, groups, mem["activations"] / _inflight(plan))
+        for g in range(groups):
+            out[g]["activations"] = float(held[g])
     return out
 
 

@@ -43,20 +43,27 @@ def program_peak(compiled: jax.stages.Compiled) -> int:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def others_in_flight(ex: MpmdStep) -> dict[tuple[int, str], int]:
-    """Per (stage, F | B): the most other micro-batches' residuals held while that program runs (under a
-    zero-bubble schedule a micro-batch holds them until its W)."""
-    live = [0] * ex.K
+def residuals_beside(ex: MpmdStep) -> dict[tuple[int, str], int]:
+    """Per (stage, F | B | W): the most residual bytes its device group holds beside that program while it runs:
+    every micro-batch in flight on each of the group's chunks, the program's own until the program that
+    releases it (B; W under a zero-bubble schedule). Per (stage, ``"rest"``): the most the group's other chunks
+    hold at once (beside the stage's once-per-step programs). Sums along the group's operations, so chunks
+    whose peaks do not coincide are not charged both (`core.pipeline_order.group_residual_peaks`)."""
+    res = ex.residual_bytes()
+    chunk = [0] * ex.K
     split = {op.stage for op in ex.issue if op.kind == "W"}
     out: dict[tuple[int, str], int] = {}
     for op in ex.issue:
         if op.kind == "FB":
             continue
         k = op.stage
+        peers = [j for j in range(k % ex.S, ex.K, ex.S)]
+        held = sum(chunk[j] for j in peers)
         releases = op.kind == ("W" if k in split else "B")
-        others = live[k] - 1 if releases else live[k]
-        out[(k, op.kind)] = max(out.get((k, op.kind), 0), others)
-        live[k] += 1 if op.kind == "F" else -1 if releases else 0
+        out[(k, op.kind)] = max(out.get((k, op.kind), 0), held - (res[k] if releases else 0))
+        chunk[k] += res[k] if op.kind == "F" else -res[k] if releases else 0
+        for j in peers:
+            out[(j, "rest")] = max(out.get((j, "rest"), 0), sum(chunk[i] for i in peers if i != j))
     return out
 
 
@@ -119,16 +126,15 @@ def resident_parts(ex: MpmdStep, k: int, phase: str, mine: Persistent, others: l
                    flight: dict[tuple[int, str], int]) -> dict[str, int]:
     """Device bytes live on stage ``k``'s devices while ``phase`` runs that are not its arguments."""
     state_in, acc_in = takes(ex, k, phase)
-    kind = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W"}.get(phase)
-    n_res = max(flight.get((k, kind), 0), flight.get((k, "W"), 0) if phase == "backward" else 0) if kind else 0
+    kind = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W"}.get(phase, "rest")
+    residuals = max(flight.get((k, kind), 0), flight.get((k, "W"), 0) if phase == "backward" else 0)
     parts = {"state": sum(b for i, b in mine.state.items() if i not in state_in),
-             "accumulators": 0 if acc_in else mine.acc, "residuals": n_res * mine.residual,
+             "accumulators": 0 if acc_in else mine.acc, "residuals": residuals,
              # other deferred weight passes' stash while the pipeline runs (an upper bound: W reads its own)
              "stash": mine.most_deferred * mine.stash if phase in PIPELINE_PHASES else 0}
-    for o in others:  # the device group's other chunks (virtual stages)
+    for o in others:  # the device group's other chunks (virtual stages); their residuals are in ``flight``
         parts["state"] += sum(o.state.values())
         parts["accumulators"] += o.acc
-        parts["residuals"] += o.most_in_flight * o.residual
     return parts
 
 
@@ -139,7 +145,7 @@ def group_peers(ex: MpmdStep, k: int, pers: list[Persistent]) -> list[Persistent
 
 def stage_peaks(ex: MpmdStep, compiled: dict[tuple[int, str], jax.stages.Compiled]) -> dict[int, tuple[int, str]]:
     """Per stage with compiled programs: (its peak bytes per device, the phase at the peak)."""
-    flight, most = others_in_flight(ex), most_in_flight(ex)
+    flight, most = residuals_beside(ex), most_in_flight(ex)
     pers = [persistent(ex, k, most[k]) for k in range(ex.K)]
     out: dict[int, tuple[int, str]] = {}
     for (k, phase), c in sorted(compiled.items()):
@@ -150,5 +156,5 @@ def stage_peaks(ex: MpmdStep, compiled: dict[tuple[int, str], jax.stages.Compile
     return out
 
 
-__all__ = ["Persistent", "group_peers", "most_in_flight", "others_in_flight", "persistent", "program_peak",
-           "resident_parts", "shard_bytes", "stage_peaks", "takes"]
+__all__ = ["Persistent", "group_peers", "most_in_flight", "persistent", "program_peak",
+           "resident_parts", "residuals_beside", "shard_bytes", "stage_peaks", "takes"]

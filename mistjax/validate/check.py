@@ -304,12 +304,17 @@ FULL_GRID: tuple[GridCell, ...] = SMALL_GRID + (
     ("llama-tiny", 16, 16, dict(micro_batch=1, stages=4, grad_accum=8, schedule="1f1b-eager", **Z0)),
     ("llama-tiny", 16, 16, dict(micro_batch=1, stages=2, grad_accum=4, schedule="zb-h1", **Z1)),
     ("llama-tiny", 16, 16, dict(micro_batch=1, stages=4, grad_accum=8, remat_layers=1, schedule="zb-h1", **Z0)),
+    ("llama-tiny", 16, 16, dict(micro_batch=1, stages=2, grad_accum=4, chunks=2, **Z1)),
+    ("gpt3-tiny", 16, 16, dict(micro_batch=1, stages=2, grad_accum=4, chunks=2, remat_layers=2, **Z0)),
 )
 
 
 def grid_plan(name: ModelName, kwargs: PlanKwargs, devices: int = 8) -> Plan:
-    """The uniform plan of a grid entry."""
-    return uniform_plan(grid_config(name).num_layers, devices, **kwargs)
+    """The uniform plan of a grid entry (``chunks``: `Plan.interleaved` into that many chunks per group)."""
+    kw = dict(kwargs)
+    chunks = int(kw.pop("chunks", 1))
+    plan = uniform_plan(grid_config(name).num_layers, devices, **kw)
+    return plan.interleaved(chunks) if chunks > 1 else plan
 
 
 __all__ = ["FULL_GRID", "KINDS", "SMALL_GRID", "TP_FORMS", "CellComparison", "CellMeasurement", "GridCell",

@@ -38,9 +38,9 @@ from mistjax.core.types import Batch, State, TrainStep
 from mistjax.runtime.mpmd_memory import (
     group_peers,
     most_in_flight,
-    others_in_flight,
     persistent,
     resident_parts,
+    residuals_beside,
     shard_bytes,
     takes,
 )
@@ -174,7 +174,7 @@ def format_pipeline(report: PipelineAotReport, predicted: list[float], unit: flo
 
 def stage_reports(ex: MpmdStep, compiled: Mapping[tuple[int, str], MemoryAnalyzed]) -> tuple[StageAot, ...]:
     """Per stage: each program's memory analysis with its resident bytes, and the stage's peak."""
-    flight, most = others_in_flight(ex), most_in_flight(ex)
+    flight, most = residuals_beside(ex), most_in_flight(ex)
     pers = [persistent(ex, k, most[k]) for k in range(ex.K)]
     out = []
     for k in range(ex.K):
@@ -225,4 +225,4 @@ def verify_pipeline(config: ModelConfig, seq_len: int, global_batch: int, plan: 
 
 
 __all__ = ["PipelineAotReport", "ProgramAot", "StageAot", "compile_pipeline", "format_pipeline",
-           "most_in_flight", "others_in_flight", "resident_parts", "shard_bytes", "stage_reports", "verify_pipeline"]
+           "most_in_flight", "resident_parts", "residuals_beside", "shard_bytes", "stage_reports", "verify_pipeline"]
