@@ -51,7 +51,8 @@ def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_mi
     ax.set_yticks(range(G), [f"stage {g}" for g in range(G)] if G == S else [f"group {g}" for g in range(G)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (each device group runs its operations as soon as their inputs arrive)")
-    ax.set_title(f"{title} — {schedule}, {num_microbatches} micro-batches, step {step:.3g} s")
+    chunks = f" ({S // G} chunks per group)" if S > G else ""
+    ax.set_title(f"{title} — {schedule}{chunks}, {num_microbatches} micro-batches, step {step:.3g} s")
     legend = [Patch(color="#4c72b0", label="forward"), Patch(color="#dd8452", label="backward"),
               *([Patch(color="#55a868", label="weight gradients (deferred)")] if "W" in costs else []),
               Patch(facecolor="white", edgecolor="black", hatch="//", label="once-per-step work")]
