@@ -53,7 +53,7 @@ def plan_text(plan: Any) -> str:
     sched = f" {plan.schedule}" if plan.num_stages > 1 else ""
     sched += f" x{plan.virtual_stages} chunks" if plan.virtual_stages > 1 else ""
     cp = f" cp{plan.cp}" if plan.cp > 1 else ""
-    return (f"S{plan.num_stages}{sched} dp{plan.dp}{cp} tp{plan.tp} b{plan.micro_batch} G{plan.grad_accum}{mics} "
+    return (f"S{plan.device_stages}{sched} dp{plan.dp}{cp} tp{plan.tp} b{plan.micro_batch} G{plan.grad_accum}{mics} "
             f"L{[s.num_layers for s in plan.stages]} ZeRO{zero} ckpt{remat} oo{off}")
 
 

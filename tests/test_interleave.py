@@ -4,6 +4,7 @@ the tuner adopting it only where `predict` prices it faster and it fits."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,9 +15,10 @@ from mistjax.core.schedules import inflight_microbatches
 from mistjax.cost import COST_MODEL, analyze
 from mistjax.hardware import ClusterSpec
 from mistjax.plan import Plan, PlanError, StagePlan, uniform_plan
+from mistjax.runtime.mpmd_memory import residuals_beside
 from mistjax.tuning.intra import ScheduleMemo, stage_inflight
 from mistjax.tuning.space import OuterKey, SearchSpace
-from mistjax.tuning.tuner import _reschedule, _SearchJob
+from mistjax.tuning.tuner import _reschedule, _searched_again, _SearchJob
 
 
 def test_interleaved_splits_each_group_into_chunks_in_layer_order():
@@ -33,7 +35,7 @@ def test_interleaved_splits_each_group_into_chunks_in_layer_order():
     assert Plan.from_json(out.to_json()) == out
     with pytest.raises(PlanError, match="fewer than 5 layers"):
         plan.interleaved(5)
-    with pytest.raises(PlanError, match="one-chunk plan"):
+    with pytest.raises(PlanError, match="one-chunk 1f1b plan"):
         out.interleaved(2)
 
 
@@ -81,12 +83,32 @@ def test_predict_charges_an_interleaved_group_its_chunks_peak():
     assert np.all(acts > np.array([m["activations"] for m in b.stage_memory]))
 
 
-def test_an_interleaved_key_charges_the_groups_chunks():
+def test_an_interleaved_key_charges_each_slot_its_groups_peak():
     key = OuterKey(tp=1, stages=4, micro_batch=1, dp=1, grad_accum=8, nodes=1, per_node=1)
     slots = np.arange(4)
     assert np.array_equal(stage_inflight(slots, key, "1f1b"), inflight_microbatches(slots, 4, 8))
     interleaved = OuterKey(tp=1, stages=4, micro_batch=1, dp=1, grad_accum=8, nodes=1, per_node=1, chunks=2)
-    assert np.allclose(stage_inflight(slots, interleaved, "1f1b"), po.group_in_flight("1f1b", 4, 8, 2))
+    assert np.allclose(stage_inflight(slots, interleaved, "1f1b"), held_along_the_ops(4, 8, 2) / 2)
+
+
+@pytest.mark.parametrize("groups,micro,chunks", [(4, 8, 2), (2, 4, 2), (3, 6, 3), (4, 8, 1)])
+def test_the_runtime_check_charges_what_predict_charges(groups, micro, chunks):
+    """`runtime.mpmd_memory.residuals_beside` (the pre-step check, `--verify`): beside each F / B program its
+    group holds what `group_residual_peaks` charges, less the program's own micro-batch where the program
+    holds it itself; the last stage's fused program sees the other chunks' residuals at that moment."""
+    sizes = np.arange(1, groups * chunks + 1) * 1000  # one micro-batch's residual bytes per virtual stage
+    ex = SimpleNamespace(issue=po.issue_order("1f1b", groups, micro, chunks), S=groups, K=groups * chunks,
+                         residual_bytes=lambda: [int(x) for x in sizes])
+    beside = residuals_beside(ex)
+    peaks = po.group_residual_peaks(ex.issue, groups, sizes)
+    for g in range(groups):
+        mine = range(g, groups * chunks, groups)
+        # a forward's residuals are its outputs, a fused forward + backward's its temporaries: add them back
+        held = [beside[(k, kind)] + sizes[k] for k in mine for kind in ("F", "FB") if (k, kind) in beside]
+        assert max(held) == peaks[g]
+    last = groups * chunks - 1
+    assert beside[(last, "FB")] <= peaks[last % groups] - sizes[last]
+    assert chunks > 1 or beside[(last, "FB")] == 0  # one chunk: nothing else is held beside it
 
 
 def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
@@ -105,13 +127,27 @@ def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
                                                                         cluster).step_time)
     note = " ".join(analyze(wl, out.replace(prediction=None), cluster).notes)
     assert f"interleaved 1F1B ({out.virtual_stages} chunks per device group)" in note and "bubble" in note
+    # the key searched again (one of the candidates) holds the interleaved residuals and fits
+    job = _SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True)
+    (again,) = _searched_again(job, plan, "1f1b", 4, time.perf_counter() + 120, 0.0)
+    assert again.virtual_stages == 4 and again.device_stages == 4 and again.grad_accum == plan.grad_accum
+    pred = COST_MODEL.predict(wl, again, cluster)
+    assert pred.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget() * 1.01
+    assert out.prediction.step_time <= pred.step_time
     # a space without it keeps the plan
     off = SearchSpace(zero_bubble=False, interleave=())
     assert _reschedule(_SearchJob(wl, cluster, COST_MODEL, off, ScheduleMemo(("1f1b",)), True), plan,
                        time.perf_counter() + 120) is plan
 
 
-def test_search_space_refuses_a_chunk_count_below_two():
-    with pytest.raises(ValueError, match="SearchSpace.interleave"):
-        SearchSpace(interleave=(1, 2))
+def test_chunk_counts_below_two_or_not_integers_are_refused():
+    for bad in ((1, 2), (2.0,), (True,)):
+        with pytest.raises(ValueError, match="SearchSpace.interleave"):
+            SearchSpace(interleave=bad)
+    plan = uniform_plan(8, 2, stages=2, grad_accum=4)
+    for bad in (1, 2.0):
+        with pytest.raises(PlanError, match="integer >= 2"):
+            plan.interleaved(bad)
+    with pytest.raises(PlanError, match="one-chunk 1f1b plan"):
+        plan.replace(schedule="gpipe").interleaved(2)
     assert SearchSpace.megatron().interleave == () and SearchSpace.mist().interleave == ()

@@ -417,12 +417,15 @@ class Plan:
         ``c * groups + g``, and layers run in that order. The prediction is dropped.
 
         Raises:
-            PlanError: the plan is not one chunk per group of several groups, or a group has fewer layers
-                than ``chunks``.
+            PlanError: ``chunks`` is not an integer >= 2; the plan is not a one-chunk 1F1B plan of several
+                stages; a group has fewer layers than ``chunks``; or ``grad_accum`` is not a multiple of the
+                groups (interleaved 1F1B advances micro-batches in groups of them).
         """
-        if self.virtual_stages != 1 or self.num_stages < 2 or chunks < 1:
-            raise PlanError(f"interleaved({chunks}) needs a one-chunk plan of several stages and chunks >= 1 "
-                            f"(this plan: {self.num_stages} stage(s) of {self.virtual_stages} chunk(s))")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+            raise PlanError(f"interleaved({chunks!r}): chunks per device group must be an integer >= 2")
+        if self.virtual_stages != 1 or self.num_stages < 2 or self.schedule != "1f1b":
+            raise PlanError(f"interleaved({chunks}) needs a one-chunk 1f1b plan of several stages (this plan: "
+                            f"{self.num_stages} stage(s) of {self.virtual_stages} chunk(s), schedule {self.schedule})")
         short = [i for i, st in enumerate(self.stages) if st.num_layers < chunks]
         if short:
             raise PlanError(f"interleaved({chunks}): stage(s) {short} hold fewer than {chunks} layers; use fewer "

@@ -44,8 +44,8 @@ def program_peak(compiled: jax.stages.Compiled) -> int:
 
 
 def residuals_beside(ex: MpmdStep) -> dict[tuple[int, str], int]:
-    """Per (stage, F | B | W): the most residual bytes its device group holds beside that program while it runs:
-    every micro-batch in flight on each of the group's chunks, the program's own until the program that
+    """Per (stage, F | B | W | FB): the most residual bytes its device group holds beside that program while it
+    runs: every micro-batch in flight on each of the group's chunks, the program's own until the program that
     releases it (B; W under a zero-bubble schedule). Per (stage, ``"rest"``): the most the group's other chunks
     hold at once (beside the stage's once-per-step programs). Sums along the group's operations, so chunks
     whose peaks do not coincide are not charged both (`core.pipeline_order.group_residual_peaks`)."""
@@ -54,11 +54,12 @@ def residuals_beside(ex: MpmdStep) -> dict[tuple[int, str], int]:
     split = {op.stage for op in ex.issue if op.kind == "W"}
     out: dict[tuple[int, str], int] = {}
     for op in ex.issue:
-        if op.kind == "FB":
-            continue
         k = op.stage
-        peers = [j for j in range(k % ex.S, ex.K, ex.S)]
+        peers = list(range(k % ex.S, ex.K, ex.S))
         held = sum(chunk[j] for j in peers)
+        if op.kind == "FB":  # the last stage's fused program: its own residuals are its temporaries
+            out[(k, "FB")] = max(out.get((k, "FB"), 0), held)
+            continue
         releases = op.kind == ("W" if k in split else "B")
         out[(k, op.kind)] = max(out.get((k, op.kind), 0), held - (res[k] if releases else 0))
         chunk[k] += res[k] if op.kind == "F" else -res[k] if releases else 0
@@ -126,7 +127,7 @@ def resident_parts(ex: MpmdStep, k: int, phase: str, mine: Persistent, others: l
                    flight: dict[tuple[int, str], int]) -> dict[str, int]:
     """Device bytes live on stage ``k``'s devices while ``phase`` runs that are not its arguments."""
     state_in, acc_in = takes(ex, k, phase)
-    kind = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W"}.get(phase, "rest")
+    kind = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W", "last": "FB"}.get(phase, "rest")
     residuals = max(flight.get((k, kind), 0), flight.get((k, "W"), 0) if phase == "backward" else 0)
     parts = {"state": sum(b for i, b in mine.state.items() if i not in state_in),
              "accumulators": 0 if acc_in else mine.acc, "residuals": residuals,

@@ -267,8 +267,11 @@ def _prune_policies(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
 
 def stage_inflight(slot: np.ndarray, key: OuterKey, schedule: str) -> np.ndarray:
     """Micro-batches of residuals each stage slot of ``key`` holds under ``schedule``: the MPMD executor's count
-    for one chunk per group (`core.schedules.inflight_microbatches`), its chunks' average for an interleaved key
-    (`core.pipeline_order.group_in_flight`: each chunk an equal share of the group's layers)."""
+    for one chunk per group (`core.schedules.inflight_microbatches`), the group's peak over its chunks for an
+    interleaved key (`core.pipeline_order.group_in_flight`: each chunk an equal share of the group's layers).
+    An interleaved key's view is approximate where chunks differ: the embedding's and the head's residuals are
+    charged at the group's count, not their chunk's, and activation offload rounds per group, not per chunk;
+    `predict` prices the plan that comes of it per chunk, and decides."""
     if key.chunks == 1:
         return inflight_microbatches(slot, key.stages, key.grad_accum, schedule)
     return group_in_flight(schedule, key.stages, key.grad_accum, key.chunks)[np.asarray(slot)]

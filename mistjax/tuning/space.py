@@ -134,7 +134,7 @@ class SearchSpace:
             hint = (" (zero-bubble schedules are not searched key by key: SearchSpace.zero_bubble re-schedules the "
                     "best pipelined plan with ZB-H1 where it is predicted faster)" if set(bad) & ZERO_BUBBLE else "")
             raise ValueError(f"SearchSpace.schedules={self.schedules!r}: use a non-empty tuple of {searched}{hint}")
-        if any(int(v) != v or v < 2 for v in self.interleave):
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in self.interleave):
             raise ValueError(f"SearchSpace.interleave={self.interleave!r}: chunks per device group are integers >= 2 "
                              "(() turns interleaving off)")
         if self.pareto_k < 1 or self.layer_window < 0:
