@@ -3,6 +3,7 @@ the tuner adopting it only where `predict` prices it faster and it fits."""
 
 from __future__ import annotations
 
+import re
 import time
 from types import SimpleNamespace
 
@@ -125,7 +126,11 @@ def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
     # the prediction it carries is predict's for the plan it is
     assert out.prediction.step_time == pytest.approx(COST_MODEL.predict(wl, out.replace(prediction=None),
                                                                         cluster).step_time)
-    note = " ".join(analyze(wl, out.replace(prediction=None), cluster).notes)
+    report = analyze(wl, out.replace(prediction=None), cluster)
+    note = " ".join(report.notes)
+    # Mist's formula prices the groups as one stage each (the one-chunk plan of the note), not the chunks
+    one_chunk = float(re.search(r"against ([0-9.]+) s with each group's chunks", note).group(1))
+    assert report.mist_step_time == pytest.approx(one_chunk, rel=0.02) and report.mist_step_time > report.step_time
     assert f"interleaved 1F1B ({out.virtual_stages} chunks per device group)" in note and "bubble" in note
     # the key searched again (one of the candidates) holds the interleaved residuals and fits
     job = _SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True)

@@ -151,17 +151,24 @@ def _zero_bubble_note(plan: Plan, c: StageCost, shared: bool) -> str:
             f"{bubble_fraction(plan, c):.1%}; each deferred pass holds its stash (activation memory)")
 
 
-def _interleave_note(plan: Plan, c: StageCost, shared: bool) -> str:
-    """Why interleaved 1F1B: its pipeline time and bubble against each device group's chunks run as one stage
-    (the same work, the groups' summed chunk times, under one-chunk 1F1B)."""
+def _as_one_chunk(plan: Plan, c: StageCost) -> tuple[Plan, StageCost]:
+    """An interleaved plan's device groups as one stage each: each group's chunks' times summed (the plan
+    keeps only the counts that scheduling reads)."""
     groups, S = plan.device_stages, plan.num_stages
 
     def merged(x: np.ndarray | float) -> np.ndarray:
         return np.bincount(np.arange(S) % groups, weights=np.broadcast_to(np.asarray(x, np.float64), (S,)),
                            minlength=groups)
 
-    one_plan = plan.replace(stages=plan.stages[:groups], virtual_stages=1)  # only its counts are read
-    one = dataclasses.replace(c, fwd=merged(c.fwd), bwd=merged(c.bwd), wgrad=merged(c.wgrad), delta=merged(c.delta))
+    one = dataclasses.replace(c, fwd=merged(c.fwd), bwd=merged(c.bwd), wgrad=merged(c.wgrad), delta=merged(c.delta),
+                              stable=merged(c.stable))
+    return plan.replace(stages=plan.stages[:groups], virtual_stages=1), one
+
+
+def _interleave_note(plan: Plan, c: StageCost, shared: bool) -> str:
+    """Why interleaved 1F1B: its pipeline time and bubble against each device group's chunks run as one stage
+    (the same work, the groups' summed chunk times, under one-chunk 1F1B)."""
+    one_plan, one = _as_one_chunk(plan, c)
     t, t1 = _pipeline_step(plan, c, shared), _pipeline_step(one_plan, one, shared)
     return (f"interleaved 1F1B ({plan.virtual_stages} chunks per device group): {t:.4g} s against {t1:.4g} s with "
             f"each group's chunks as one stage ({t1 / t:.3f}x), bubble {bubble_fraction(one_plan, one):.1%} -> "
@@ -206,7 +213,9 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
         notes += (_zero_bubble_note(plan, c, bool(cluster.device.shared_compute)),)
     if plan.virtual_stages > 1:
         notes += (_interleave_note(plan, c, bool(cluster.device.shared_compute)),)
-    mist = float(pipeline_time(c.stable, c.delta, G, "gpipe" if plan.schedule == "gpipe" else "1f1b"))
+    # Mist's formula prices one chunk per stage: an interleaved plan's groups as one stage each.
+    groups_c = _as_one_chunk(plan, c)[1] if plan.virtual_stages > 1 else c
+    mist = float(pipeline_time(groups_c.stable, groups_c.delta, G, "gpipe" if plan.schedule == "gpipe" else "1f1b"))
     tokens = plan.global_batch * workload.seq_len
     pred = Prediction(step_time=step, stage_stable=tuple(float(x) for x in c.stable),
                       stage_delta=tuple(float(x) for x in c.delta), stage_memory=stage_memory,
