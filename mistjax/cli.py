@@ -266,6 +266,10 @@ def cmd_plan(args: PlanArgs) -> int:
     else:
         plan = tune_fn(cluster)
     print(results[-1].summary())
+    from mistjax.cost.predict import analyze
+
+    for note in analyze(workload, plan, cluster).notes:  # e.g. why the schedule (interleaved, zero-bubble)
+        print(f"  note: {note}")
     if args.json:
         plan.save(args.json)
         print(f"wrote {args.json}")
