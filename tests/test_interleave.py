@@ -139,6 +139,12 @@ def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
     pred = COST_MODEL.predict(wl, again, cluster)
     assert pred.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget() * 1.01
     assert out.prediction.step_time <= pred.step_time
+    # interleaving starts from 1F1B only: a GPipe plan is left as it is (no error)
+    gpipe = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, schedule="gpipe")
+    gpipe = gpipe.replace(prediction=COST_MODEL.predict(wl, gpipe, cluster))
+    kept = _reschedule(_SearchJob(wl, cluster, COST_MODEL, SearchSpace(zero_bubble=False, schedules=("1f1b", "gpipe")),
+                                  ScheduleMemo(("1f1b", "gpipe")), True), gpipe, time.perf_counter() + 120)
+    assert kept.virtual_stages == 1 and kept.schedule == "gpipe"
     # a space without it keeps the plan
     off = SearchSpace(zero_bubble=False, interleave=())
     assert _reschedule(_SearchJob(wl, cluster, COST_MODEL, off, ScheduleMemo(("1f1b",)), True), plan,

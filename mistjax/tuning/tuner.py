@@ -364,21 +364,25 @@ def _reschedule(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float
     contains the space without. A key is searched again only with ``key_seconds`` (the quickest key's time so
     far) left before the deadline, as `_search_keys` starts a key, and for one chunk count only: the one whose
     re-scheduled ``plan`` is fastest (memory aside), if that beats ``plan`` (a heuristic, not a bound: the key
-    searched again holds more in memory, so its stages are rarely faster than ``plan``'s); the least chunk
-    count where no stage of ``plan`` can be split."""
+    searched again holds more in memory, so its stages are rarely faster than ``plan``'s), or the least chunk
+    count where ``plan``'s stages are too short to split. Interleaving starts from a 1F1B ``plan`` only."""
     if plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
         return plan
     priced: list[tuple[Plan, Prediction]] = []
     if job.space.zero_bubble:
         zb = plan.replace(schedule=sorted(ZERO_BUBBLE)[0], prediction=None)
         priced += _priced([zb, *_searched_again(job, plan, zb.schedule, 1, deadline, key_seconds)], job)
-    as_is = _priced([plan.interleaved(v) for v in job.space.interleave
-                     if v <= min(st.num_layers for st in plan.stages) and plan.grad_accum % plan.num_stages == 0],
-                    job)
+    counts = job.space.interleave if plan.schedule == "1f1b" else ()
+    splittable = min(st.num_layers for st in plan.stages)
+    as_is = _priced([plan.interleaved(v) for v in counts
+                     if v <= splittable and plan.grad_accum % plan.num_stages == 0], job)
     priced += as_is
     ahead = sorted((p for p in as_is if p[1].step_time < plan.prediction.step_time), key=lambda p: p[1].step_time)
-    chunks = ([ahead[0][0].virtual_stages] if ahead else [] if as_is else sorted(job.space.interleave)[:1])
-    for v in chunks:
+    if ahead:
+        again = [ahead[0][0].virtual_stages]
+    else:  # none beats the plan as it is; where none could be split as it is, try the least count
+        again = [] if as_is else sorted(counts)[:1]
+    for v in again:
         priced += _priced(_searched_again(job, plan, "1f1b", v, deadline, key_seconds), job)
     budget = job.cluster.memory_budget() * (1 + 1e-9)
     best = plan
