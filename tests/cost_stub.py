@@ -63,6 +63,7 @@ class StageCost:
     peak: np.ndarray  # sum of `memory`
     feasible: np.ndarray  # fits the budget
     offload_floor: np.ndarray  # a lower bound of the peak at smaller offload ratios (none claimed: 0)
+    wgrad: np.ndarray  # weight-gradient part of `bwd`
 
 
 def _coll(nbytes: Any, n: Any, bw: Any, lat: Any, passes: float = 1.0) -> np.ndarray:
@@ -151,7 +152,7 @@ def stage_cost(workload: Workload, cluster: Any, st: StageStrategies) -> StageCo
     feasible = valid & (peak <= cluster.memory_budget())
     # The stub splits a micro-batch evenly between forward and backward (so every schedule's steady
     # micro-batch costs `stable`, as the 1F1B formula of `predict` assumes).
-    return StageCost(stable, delta, stable / 2, stable / 2, memory, peak, feasible, 0 * peak)
+    return StageCost(stable, delta, stable / 2, stable / 2, memory, peak, feasible, 0 * peak, stable / 4)
 
 
 def predict(workload: Workload, plan: Plan, cluster: Any) -> Prediction:

@@ -170,6 +170,43 @@ def test_milp_through_inter_stage_layer_equals_brute_force():
     assert checked == 2
 
 
+@pytest.mark.parametrize("fill", [1.0, 0.3])
+def test_entry_bounds_never_exceed_the_best_plan_through_the_entry(fill):
+    """`inter.entry_bounds` (what prunes a key before its sweep and each entry in it) is sound: for every
+    (stage, layer count, candidate), at most the best objective of any layer split and choice that uses it."""
+    import itertools
+
+    from mistjax.core.pipeline_time import pipeline_1f1b_time
+    from mistjax.tuning.inter import entry_bounds
+
+    rng = np.random.default_rng(3)
+    for _ in range(12):
+        S, K, G = int(rng.integers(2, 5)), 3, int(rng.choice([2, 8]))
+        opts = (1, 2, 3)
+        L = int(rng.integers(S, 2 * S + 1))
+        per_layer = rng.uniform(0.5, 1.5, (S, 1, 1)) * np.asarray(opts, float)[None, :, None]
+        stable = per_layer * rng.uniform(1, 2, (S, 3, K))
+        stable[rng.random(stable.shape) < 0.2] = np.inf
+        delta = rng.uniform(0, 2, stable.shape)
+        best = np.full(stable.shape, np.inf)  # the best plan through each entry
+        for split in itertools.product(range(3), repeat=S):
+            if sum(opts[j] for j in split) != L:
+                continue
+            for ks in itertools.product(range(K), repeat=S):
+                T = np.array([stable[i, j, k] for i, (j, k) in enumerate(zip(split, ks))])
+                D = np.array([delta[i, j, k] for i, (j, k) in enumerate(zip(split, ks))])
+                if not np.isfinite(T).all():
+                    continue
+                obj = float(pipeline_1f1b_time(T, D, G, fill))
+                for i, (j, k) in enumerate(zip(split, ks)):
+                    best[i, j, k] = min(best[i, j, k], obj)
+        at = np.nonzero(np.isfinite(stable))
+        bound = entry_bounds(stable.min(axis=2), G, opts, L, fill, at[0], at[1], stable[at])
+        assert np.all(bound <= best[at] * (1 + 1e-12))
+        assert np.any(np.isfinite(best[at])) == np.any(np.isfinite(bound))
+        assert np.all(np.isinf(bound[np.isinf(best[at])]))  # no plan through it: nothing to bound
+
+
 def test_same_inputs_same_plan():
     w = stub.Workload.from_model(models.get_config("llama-tiny"), 32, 16)
     cl = _cpu(1.2e6)

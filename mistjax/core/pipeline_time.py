@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mistjax.core.schedules import SCHEDULE_NAMES, ScheduleError
+from mistjax.core.schedules import SCHEDULE_NAMES, ZERO_BUBBLE, ScheduleError
 
 ScheduleName = Literal["1f1b", "gpipe", "1f1b-eager"]
 
@@ -27,15 +27,34 @@ def _stages(stable: ArrayLike, delta: ArrayLike) -> tuple[np.ndarray, np.ndarray
     return t, d
 
 
-def exposed_delta(stable: ArrayLike, delta: ArrayLike) -> np.ndarray:
-    """``max(0, max_i (D_i - sum_{j<i} T_j))``: the delta no earlier stage's fill hides (the MILP's D_max)."""
+def exposed_delta(stable: ArrayLike, delta: ArrayLike, fill: float = 1.0) -> np.ndarray:
+    """``max(0, max_i (D_i - c sum_{j<i} T_j))``: the delta no earlier stage's fill hides (the MILP's D_max), with
+    ``fill`` = c the share of each stage's time in the fill (`fill_share`)."""
     t, d = np.asarray(stable, dtype=np.float64), np.asarray(delta, dtype=np.float64)
-    before = np.cumsum(t, axis=-1) - t  # exclusive prefix sum
+    before = fill * (np.cumsum(t, axis=-1) - t)  # exclusive prefix sum
     return np.maximum(np.max(d - before, axis=-1), 0.0)
 
 
-def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: ArrayLike) -> np.ndarray:
-    """Mist's 1F1B iteration time: ``sum T + (G-1) max T + max(0, max_i (D_i - sum_{j<i} T_j))``.
+def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0) -> float:
+    """The share ``c`` of a stage's micro-batch time that the pipeline's fill and drain expose, in
+    ``T_iter = (G - c) max T + c sum T + D_max`` (`pipeline_1f1b_time` with ``fill``).
+
+    1F1B, 1F1B-eager and GPipe expose it all (c = 1, Mist's formula). Interleaved 1F1B with ``chunks`` = v
+    chunks per device group fills with chunks v times shorter (c = 1/v: ``(G + (S-1)/v) T`` for equal stages,
+    Narayanan et al. 2021). ZB-H1 leaves each stage's weight passes W to fill the drain, a bubble of
+    ``(S-1)(F + B - W)`` (Qi et al. 2024): c = 1 - 2w with ``wgrad_share`` = w = W / T.
+    """
+    if schedule in ZERO_BUBBLE:
+        return float(min(1.0, max(0.0, 1.0 - 2.0 * wgrad_share)))
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    return 1.0 / chunks
+
+
+def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: ArrayLike,
+                       fill: float = 1.0) -> np.ndarray:
+    """Mist's 1F1B iteration time: ``sum T + (G-1) max T + max(0, max_i (D_i - sum_{j<i} T_j))``; with
+    ``fill`` = c (`fill_share`) another schedule's: ``c sum T + (G-c) max T + max(0, max_i (D_i - c sum_{j<i} T_j))``.
 
     With one stage this is ``G*T + max(D, 0)``; with G = 1 and one stage, T + D (Mist's no-PP
     case; Mist sets D = 0 there and folds the first/last extras into T).
@@ -44,6 +63,7 @@ def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: Ar
         stable: T, shape ``(..., S)``, seconds.
         delta: D, broadcastable to ``stable``.
         num_microbatches: G >= 1, broadcastable to ``stable.shape[:-1]``.
+        fill: c in [0, 1], the schedule's `fill_share` (1: 1F1B).
 
     Returns:
         Seconds, shape ``stable.shape[:-1]`` broadcast with G.
@@ -52,7 +72,7 @@ def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: Ar
     g = np.asarray(num_microbatches, dtype=np.float64)
     if np.any(g < 1):
         raise ValueError("num_microbatches must be >= 1")
-    return t.sum(axis=-1) + (g - 1) * t.max(axis=-1) + exposed_delta(t, d)
+    return fill * t.sum(axis=-1) + (g - fill) * t.max(axis=-1) + exposed_delta(t, d, fill)
 
 
 def pipeline_gpipe_time(
@@ -115,4 +135,5 @@ def bubble_fraction(num_stages: ArrayLike, num_microbatches: ArrayLike, schedule
     return (s - 1) / (g + s - 1)
 
 
-__all__ = ["bubble_fraction", "exposed_delta", "pipeline_1f1b_time", "pipeline_gpipe_time", "pipeline_time"]
+__all__ = ["bubble_fraction", "exposed_delta", "fill_share", "pipeline_1f1b_time", "pipeline_gpipe_time",
+           "pipeline_time"]

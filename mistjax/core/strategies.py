@@ -64,6 +64,7 @@ class StageCostLike(Protocol):
     delta: np.ndarray  # extra seconds of the first + last micro-batch incl. once-per-step work
     fwd: np.ndarray  # forward part of `stable`
     bwd: np.ndarray  # backward part of `stable`
+    wgrad: np.ndarray  # weight-gradient part of `bwd` (a zero-bubble schedule defers it)
     memory: dict[str, np.ndarray]  # per-device bytes by category
     peak: np.ndarray  # per-device peak bytes
     feasible: np.ndarray  # fits the memory budget and the tensor-parallel degree divides the model

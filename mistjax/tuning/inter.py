@@ -5,7 +5,7 @@ objective with S = 1). Several stages go through `solve_inter_stage` (cvxpy + Hi
 Pareto tables (Mist §5.4). When the runtime needs the stages to share their ZeRO / offload setting,
 each shared strategy is its own MILP; strategies are tried in the order of a lower bound and skipped
 once the bound reaches the best cost so far, or when an already visited strategy dominates them;
-every MILP carries the cut ``(G-1) T_max <= best`` (Mist's outer-loop pruning).
+every MILP carries the cut ``(G-c) T_max <= best`` (Mist's outer-loop pruning; c the schedule's fill share).
 
 `tune_key` interleaves pricing (`intra`) and solving: a family's (ZeRO level x MiCS group) offloaded
 strategies are swept (`sweep`) only where its zero-offload strategy does not fit, cut by an incumbent plan.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +25,7 @@ from mistjax.tuning.intra import (
     ScheduleMemo,
     StageTables,
     TableArena,
+    key_fill,
     prepare_key,
     price,
     price_pairs,
@@ -36,7 +38,7 @@ from mistjax.tuning.sweep import Entries, entries_that_may_fit, sweep_offloads
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-__all__ = ["KeyChoice", "key_bound", "lower_bounds", "solve_key", "tune_key"]
+__all__ = ["KeyChoice", "entry_bounds", "key_bound", "lower_bounds", "solve_key", "tune_key"]
 
 # A single MILP may use at most this share of the time left, so one slow solve cannot starve the
 # remaining outer keys. HiGHS returns its incumbent when stopped.
@@ -73,8 +75,10 @@ class KeyChoice:
     milps: int = 0
 
 
-def lower_bounds(s: np.ndarray, d: np.ndarray, G: int, layer_opts: tuple[int, ...], num_layers: int) -> np.ndarray:
-    """A lower bound of the pipeline objective per group of ``[groups, S, J, K]`` candidates.
+def lower_bounds(s: np.ndarray, d: np.ndarray, G: int, layer_opts: tuple[int, ...], num_layers: int,
+                 fill: float = 1.0) -> np.ndarray:
+    """A lower bound of the pipeline objective (with the key's ``fill`` share, `StageTables.fill`) per group of
+    ``[groups, S, J, K]`` candidates.
 
     With ``m_ij`` the smallest stable time of stage i with ``layer_opts[j]`` layers, two small
     dynamic programmes over the layer splits that add up to L give ``min sum_i m_i`` and
@@ -97,10 +101,10 @@ def lower_bounds(s: np.ndarray, d: np.ndarray, G: int, layer_opts: tuple[int, ..
         total, worst = new_total, new_worst
     d_min = d.min(axis=(2, 3))
     t_hi = np.where(np.isfinite(s), s, 0.0).max(axis=(2, 3))
-    before = np.cumsum(t_hi, axis=1) - t_hi
+    before = fill * (np.cumsum(t_hi, axis=1) - t_hi)
     exposed = np.maximum(0.0, np.where(np.isfinite(d_min), d_min - before, 0.0).max(axis=1))
     with np.errstate(invalid="ignore"):
-        lb = (G - 1) * worst[:, num_layers] + total[:, num_layers] + exposed
+        lb = (G - fill) * worst[:, num_layers] + fill * total[:, num_layers] + exposed
     return np.where(np.isfinite(total[:, num_layers]), lb, np.inf)
 
 
@@ -136,7 +140,7 @@ def _solve_groups(tables: StageTables, k: int, shared: bool, best: KeyChoice | N
     """MILPs over the strategy groups (all, or the strategies ``xs``), best-bound first."""
     G, S = tables.key.grad_accum, tables.key.stages
     sampled = sample_stage_tables(tables, k, shared, xs)
-    lbs = lower_bounds(sampled.stable, sampled.delta, G, tables.layer_options, num_layers)
+    lbs = lower_bounds(sampled.stable, sampled.delta, G, tables.layer_options, num_layers, tables.fill)
     milps, optimal, seen = 0, True, []
     for g in np.argsort(lbs, kind="stable"):
         cut = best.objective if best is not None else best_cost
@@ -155,7 +159,7 @@ def _solve_groups(tables: StageTables, k: int, shared: bool, best: KeyChoice | N
         optimal &= left > 0
         sol = solve_inter_stage(sampled.stable[g], sampled.delta[g], tables.layer_options, num_layers, G,
                                 time_limit=_FIRST_MILP_S if left <= 0 else max(0.05, _MILP_SHARE * left),
-                                best_cost=cut)
+                                best_cost=cut, fill=tables.fill)
         milps += 1
         if sol is None:
             continue
@@ -200,11 +204,73 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     none = tuple(workload.policies).index("none") if "none" in tuple(workload.policies) else 0
     probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),
                         grid, np.empty(0), np.empty(0), memo=memo)
+    probe.fill = key_fill(workload, cluster, cost, probe)
     s, d, _ = price_pairs(workload, cluster, cost, probe, np.zeros(len(base), np.int64), base)  # [S, J, F]
     if key.stages == 1:
         return float(np.min(key.grad_accum * s[0, 0] + d[0, 0]))
-    lb = lower_bounds(np.moveaxis(s, 2, 0)[..., None], np.moveaxis(d, 2, 0)[..., None], key.grad_accum, opts, L)
+    lb = lower_bounds(np.moveaxis(s, 2, 0)[..., None], np.moveaxis(d, 2, 0)[..., None], key.grad_accum, opts, L,
+                      probe.fill)
     return float(lb.min())
+
+
+def _split_tables(m: np.ndarray, layer_opts: tuple[int, ...], num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[S+1, L+1]`` min sum and min max of ``m`` (``[S, J]``) over the first i slots using l layers."""
+    S = m.shape[0]
+    total = np.full((S + 1, num_layers + 1), np.inf)
+    worst = np.full((S + 1, num_layers + 1), np.inf)
+    total[0, 0] = worst[0, 0] = 0.0
+    for i in range(S):
+        for j, n in enumerate(layer_opts):
+            if n > num_layers or not np.isfinite(m[i, j]):
+                continue
+            total[i + 1, n:] = np.minimum(total[i + 1, n:], total[i, :num_layers + 1 - n] + m[i, j])
+            worst[i + 1, n:] = np.minimum(worst[i + 1, n:], np.maximum(worst[i, :num_layers + 1 - n], m[i, j]))
+    return total, worst
+
+
+def _others(head: np.ndarray, tail: np.ndarray, combine: np.ufunc) -> np.ndarray:
+    """``[L+1]`` the min over ``a + b = l`` of ``combine(head[a], tail[b])``."""
+    L1 = head.size
+    pair = combine(head[:, None], tail[None, :])  # [a, b]
+    out = np.full(L1, np.inf)
+    a, b = np.indices(pair.shape)
+    ok = a + b < L1
+    np.minimum.at(out, (a + b)[ok], pair[ok])
+    return out
+
+
+def entry_bounds(least: np.ndarray, G: int, layer_opts: tuple[int, ...], num_layers: int, fill: float,
+                 slot: np.ndarray, option: np.ndarray, stable: np.ndarray) -> np.ndarray:
+    """A lower bound of the pipeline objective of any plan whose stage ``slot`` runs ``layer_opts[option]``
+    layers at stable time ``stable`` (one value per entry).
+
+    The other stages' layers add up to the rest, and each stage takes at least ``least[i, j]`` (``[S, J]``) with
+    ``layer_opts[j]`` layers: so the bound is ``(G - c) max(stable, W) + c (stable + T)`` with ``W`` / ``T`` the
+    least max / sum of the others (two dynamic programmes over the slots before and after, joined at every
+    layer count), c the ``fill`` share, and ``D_max >= 0``.
+    """
+    S, L = least.shape[0], num_layers
+    head_sum, head_max = _split_tables(least, layer_opts, L)
+    tail_sum, tail_max = _split_tables(least[::-1], layer_opts, L)
+    rest_sum = np.full((S, L + 1), np.inf)
+    rest_max = np.full((S, L + 1), np.inf)
+    for i in np.unique(slot):
+        rest_sum[i] = _others(head_sum[i], tail_sum[S - 1 - i], np.add)
+        rest_max[i] = _others(head_max[i], tail_max[S - 1 - i], np.maximum)
+    left = L - np.asarray(layer_opts)[option]
+    ok = left >= 0
+    left = np.maximum(left, 0)
+    with np.errstate(invalid="ignore"):
+        lb = (G - fill) * np.maximum(stable, rest_max[slot, left]) + fill * (stable + rest_sum[slot, left])
+    return np.where(ok & np.isfinite(lb), lb, np.inf)
+
+
+def fitting_entries(s0: np.ndarray, ok0: np.ndarray, entries: Entries) -> np.ndarray:
+    """``[S, J, R, F]`` the entries where some strategy of the family may fit: the zero-offload point itself
+    (``ok0``), or an offloaded one (``entries``, those `entries_that_may_fit` kept)."""
+    allowed = ok0.copy()
+    allowed[entries.slot, entries.option, entries.remat, entries.family] = True
+    return allowed
 
 
 def _open_entries(tables: StageTables, s0: np.ndarray, d0: np.ndarray, ok0: np.ndarray) -> Entries:
@@ -264,6 +330,14 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
     if S == 1:
         cut = min(cut, float(np.min(np.where(ok0[0, 0], G * s0[0, 0] + d0[0, 0], np.inf))))
     entries = entries_that_may_fit(workload, cluster, cost, tables, _open_entries(tables, s0, d0, ok0))
+    if S > 1:  # sound bounds that count memory: the zero-offload prices where some point of the family may fit
+        least = np.where(fitting_entries(s0, ok0, entries), s0, np.inf).min(axis=(2, 3))  # [S, J]
+        at = np.nonzero(np.isfinite(least))
+        bound = partial(entry_bounds, least, G, tables.layer_options, L, tables.fill)
+        if bound(at[0], at[1], least[at]).min(initial=np.inf) >= cut:
+            return tables, None
+        entries = entries._replace(bound=bound(entries.slot, entries.option,
+                                               s0[entries.slot, entries.option, entries.remat, entries.family]))
     incumbent = None
     if S > 1:  # a plan from the zero- and most-offloaded points: its objective cuts the sweep
         incumbent = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)

@@ -5,14 +5,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from mistjax.core.pipeline_order import group_in_flight
-from mistjax.core.schedules import deferred_microbatches, inflight_microbatches
+from mistjax.core.pipeline_time import fill_share
+from mistjax.core.schedules import ZERO_BUBBLE, deferred_microbatches, inflight_microbatches
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.pareto import sample_pareto
 from mistjax.tuning.space import (
@@ -28,8 +31,8 @@ from mistjax.tuning.space import (
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-__all__ = ["EntryPrices", "SampledTables", "ScheduleMemo", "StageTables", "TableArena", "entries_fit", "prepare_key",
-           "price", "price_entries", "price_pairs", "sample_stage_tables"]
+__all__ = ["EntryPrices", "SampledTables", "ScheduleMemo", "StageTables", "TableArena", "entries_fit", "key_fill",
+           "prepare_key", "price", "price_entries", "price_pairs", "sample_stage_tables", "small_pages"]
 
 # Elements per cost-model call: big enough to amortise NumPy's per-op overhead, small enough that the
 # model's few dozen float64 temporaries stay in the low hundreds of MB.
@@ -50,6 +53,8 @@ class StageTables:
         evaluated: strategies priced so far (for the timing report).
         truncated: the deadline stopped the pricing, so the key's best may be among unpriced strategies.
         sampled: cached Pareto samples (`sample_stage_tables`).
+        fill: the share of a stage's time in the pipeline's fill and drain (`key_fill`): the key's objective is
+            ``core.pipeline_time.pipeline_1f1b_time(..., fill)``.
     """
 
     key: OuterKey
@@ -61,6 +66,7 @@ class StageTables:
     evaluated: int = 0
     memo: ScheduleMemo | None = None  # prices shared with sibling keys of other schedules
     truncated: bool = False
+    fill: float = 1.0
     # `sample_stage_tables` results of these tables by (k, shared): the MILP and the tuner's Pareto report
     # sample the same tables; `store` clears it.
     sampled: dict[tuple[int, bool], SampledTables] = field(default_factory=dict, repr=False)
@@ -297,6 +303,45 @@ def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, p
     return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))
 
 
+def key_fill(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables) -> float:
+    """The `core.pipeline_time.fill_share` of ``tables``' key (1 with one stage).
+
+    ZB-H1's depends on the weight passes' share of a micro-batch, taken from the key's first strategy without
+    remat on a middle stage of a middle layer count: the share is the GEMMs' (weight vs input gradients), about
+    the same in every strategy, and the objective only ranks plans that `predict` then prices as they run.
+    """
+    key = tables.key
+    if key.stages == 1:
+        return 1.0
+    if key.schedule not in ZERO_BUBBLE:
+        return fill_share(key.schedule, key.chunks)
+    at = (np.array([key.stages // 2]), np.array([len(tables.layer_options) // 2]),
+          np.array([int(np.argmin(tables.remat.count))]), np.array([0]))
+    out = cost.stage_cost(workload, cluster, _entry_strategies(tables, *at)[0])
+    stable, wgrad = float(np.ravel(out.stable)[0]), float(np.ravel(out.wgrad)[0])
+    return fill_share(key.schedule, 1, wgrad / stable if np.isfinite(stable) and stable > 0 else 0.0)
+
+
+@contextlib.contextmanager
+def small_pages() -> Iterator[None]:
+    """NumPy's arrays without transparent huge pages while the block runs (NumPy asks the kernel for them on
+    arrays of 4 MiB and more).
+
+    The search's tables run to GiBs of which each key writes a fraction; on a VM the first touch of a huge
+    page costs far more than that of the 4 KiB pages written (3 GiB filled: 27 s the first time, then 4.2 s,
+    against 1.3 s with small pages: docs/tuning.md). A no-op where NumPy has no such switch.
+    """
+    switch = getattr(getattr(np, "_core", None) and np._core.multiarray, "_set_madvise_hugepage", None)
+    if switch is None:
+        yield
+        return
+    before = switch(False)
+    try:
+        yield
+    finally:
+        switch(before)
+
+
 class TableArena:
     """Memory for the (stable, delta) tables of one search's outer keys, reused key after key.
 
@@ -345,6 +390,7 @@ def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     tables = StageTables(key, opts, remat, grid, np.empty(0), np.empty(0))
     if space.policies is None:
         tables.remat = _prune_policies(workload, cluster, cost, tables)
+    tables.fill = key_fill(workload, cluster, cost, tables)
     shape = (key.stages, len(opts), tables.remat.count.size, len(grid))
     tables.arena = arena or TableArena()
     tables.stable, tables.delta = tables.arena.tables(shape)

@@ -7,7 +7,9 @@ and one candidate per stage to minimise the 1F1B pipeline time with imbalance (M
     T_iter = (G - 1) * max_i T_i + sum_i T_i + max(0, max_i (D_i - sum_{j<i} T_j))
 
 A stage's delta (the extra cost of its first/last micro-batch) can hide behind the fill/drain time of
-the stages before it. That is why the model carries ``D_max`` and not a plain sum.
+the stages before it. That is why the model carries ``D_max`` and not a plain sum. Interleaved 1F1B and
+ZB-H1 expose a share c < 1 of each stage's time in the fill and drain (``fill``,
+`core.pipeline_time.fill_share`): ``(G - c) max T + c sum T`` with the fill ``c sum_{j<i} T_j``.
 
 The MILP is built with cvxpy and solved with HiGHS. ``brute_force_inter_stage`` enumerates every
 assignment and exists for tests and tiny cases. Both score assignments with ``pipeline_objective``, so
@@ -157,12 +159,12 @@ def _layer_split_possible(usable: list[list[bool]], layer_options: Sequence[int]
     return num_layers in reachable
 
 
-def _cut_allows(s: np.ndarray, G: int, best_cost: float | None) -> np.ndarray:
-    """Candidates that can satisfy the pruning cut ``(G-1) * T_max <= best_cost`` (T_max >= own T)."""
+def _cut_allows(s: np.ndarray, G: int, best_cost: float | None, fill: float = 1.0) -> np.ndarray:
+    """Candidates that can satisfy the pruning cut ``(G-c) * T_max <= best_cost`` (T_max >= own T)."""
     if best_cost is None:
         return np.ones(s.shape, dtype=bool)
-    with np.errstate(invalid="ignore"):  # 0 * inf for infeasible entries when G == 1
-        return (G - 1) * s <= best_cost
+    with np.errstate(invalid="ignore"):  # 0 * inf for infeasible entries when G == c
+        return (G - fill) * s <= best_cost
 
 
 # Every solve: one thread (HiGHS fixes its thread count at the first solve in a process, and a later solve
@@ -226,13 +228,13 @@ class _Triples:
 
 
 def _usable_triples(tables: list[list[tuple[np.ndarray, np.ndarray]]], layer_options: Sequence[int],
-                    num_layers: int, G: int, best_cost: float | None) -> _Triples | None:
+                    num_layers: int, G: int, best_cost: float | None, fill: float = 1.0) -> _Triples | None:
     """The triples the MILP keeps (see `_InterStageModel`), or None when they allow no layer split."""
     parts: list[tuple[np.ndarray, ...]] = []
     usable = [[False] * len(layer_options) for _ in tables]
     for i, row in enumerate(tables):
         for j, (s, d) in enumerate(row):
-            keep = pareto_mask(s, d, keep_duplicates=False) & _cut_allows(s, G, best_cost)
+            keep = pareto_mask(s, d, keep_duplicates=False) & _cut_allows(s, G, best_cost, fill)
             ks = np.flatnonzero(keep)
             if ks.size == 0:
                 continue
@@ -249,13 +251,13 @@ class _Coefficients(NamedTuple):
 
     onehot: sp.csr_matrix  # [S, n]: row i selects stage i's triples
     stable: sp.csr_matrix  # [S, n]: T = stable @ z
-    exposed: sp.csr_matrix  # [S, n]: D_i - sum_{j<i} T_j = exposed @ z
+    exposed: sp.csr_matrix  # [S, n]: D_i - c sum_{j<i} T_j = exposed @ z
     layers: np.ndarray  # [n]: layer count of each triple
-    stable_sum: np.ndarray  # [n]: sum_i T_i = stable_sum @ z
+    stable_sum: np.ndarray  # [n]: c sum_i T_i = stable_sum @ z (c: the fill share)
     scale: float  # the costs' divisor
 
 
-def _coefficients(triples: _Triples, num_stages: int, layer_options: Sequence[int]) -> _Coefficients:
+def _coefficients(triples: _Triples, num_stages: int, layer_options: Sequence[int], fill: float) -> _Coefficients:
     """The constant matrices of the model, with the costs rescaled to O(1).
 
     The rescaling makes HiGHS's absolute tolerances mean the same thing whether the tables are in
@@ -270,9 +272,9 @@ def _coefficients(triples: _Triples, num_stages: int, layer_options: Sequence[in
     Ms = sp.csr_matrix((s_sc, (triples.stage, cols)), shape=(S, n))
     Md = sp.csr_matrix((d_sc, (triples.stage, cols)), shape=(S, n))
     prefix = sp.csr_matrix(np.tril(np.ones((S, S)), k=-1))  # row i sums stages j < i
-    exposed = (Md - prefix @ Ms).tocsr()
+    exposed = (Md - fill * (prefix @ Ms)).tocsr()
     layers = np.asarray(layer_options, dtype=np.float64)[triples.option]
-    return _Coefficients(onehot, Ms, exposed, layers, s_sc, scale)
+    return _Coefficients(onehot, Ms, exposed, layers, fill * s_sc, scale)
 
 
 @dataclass(frozen=True)
@@ -284,17 +286,17 @@ class _InterStageModel:
       Mist's separate layer binaries ``l_ij`` (with ``z_ijk <= l_ij``) are implied by these and left
       out.
     * ``T_i = sum s_ijk z_ijk``, ``D_i = sum d_ijk z_ijk`` as affine expressions (not variables).
-    * ``T_max >= T_i``, ``D_max >= D_i - sum_{j<i} T_j``, ``D_max >= 0``. Optionally
-      ``(G-1) T_max <= best_cost``.
-    * minimise ``(G-1) T_max + sum_i T_i + D_max``.
+    * ``T_max >= T_i``, ``D_max >= D_i - c sum_{j<i} T_j``, ``D_max >= 0``. Optionally
+      ``(G-c) T_max <= best_cost``.
+    * minimise ``(G-c) T_max + c sum_i T_i + D_max`` (c: the fill share, 1 for 1F1B).
 
     Two reductions (`_usable_triples`) shrink the model without losing the optimum:
 
     * Infeasible (inf/NaN) candidates get no variable, and neither do candidates that alone break the
       pruning cut.
     * Within one (i, j) only the distinct non-dominated candidates are kept. The objective never
-      decreases when a ``D_i`` or a ``T_i`` grows: raising ``T_i`` by e adds e to the sum and lowers
-      ``D_max`` by at most e. So a dominated candidate can always be swapped for its dominator.
+      decreases when a ``D_i`` or a ``T_i`` grows: raising ``T_i`` by e adds c e to the sum and lowers
+      ``D_max`` by at most c e. So a dominated candidate can always be swapped for its dominator.
 
     No stage-symmetry breaking is applied. Stage slots have their own tables, and the exposed-delta
     term depends on stage order, so swapping stages is not a symmetry in general.
@@ -307,9 +309,9 @@ class _InterStageModel:
 
     @classmethod
     def build(cls, triples: _Triples, num_stages: int, layer_options: Sequence[int], num_layers: int, G: int,
-              best_cost: float | None) -> _InterStageModel:
+              best_cost: float | None, fill: float = 1.0) -> _InterStageModel:
         """Variables, constraints and objective of the model over ``triples``."""
-        c = _coefficients(triples, num_stages, layer_options)
+        c = _coefficients(triples, num_stages, layer_options, fill)
         z = cp.Variable(triples.size, boolean=True)
         t_max = cp.Variable()
         d_max = cp.Variable(nonneg=True)
@@ -319,11 +321,11 @@ class _InterStageModel:
             c.stable @ z <= t_max,
             c.exposed @ z <= d_max,
         ]
-        if best_cost is not None and G > 1:
+        if best_cost is not None and fill < G:
             # Already implied by the candidate filter (T_max can equal max_i T_i). It stays in the
             # model so that the model states the cut.
-            constraints.append((G - 1) * t_max <= best_cost / c.scale)
-        problem = cp.Problem(cp.Minimize((G - 1) * t_max + c.stable_sum @ z + d_max), constraints)
+            constraints.append((G - fill) * t_max <= best_cost / c.scale)
+        problem = cp.Problem(cp.Minimize((G - fill) * t_max + c.stable_sum @ z + d_max), constraints)
         return cls(problem, z, t_max, d_max)
 
     def solve(self, time_limit: float, mip_rel_gap: float, verbose: bool,
@@ -340,7 +342,7 @@ class _InterStageModel:
 
 
 def _solution(triples: _Triples, chosen: np.ndarray, layer_options: Sequence[int], num_layers: int, G: int,
-              status: str, solve_time: float, t_start: float) -> InterStageSolution:
+              fill: float, status: str, solve_time: float, t_start: float) -> InterStageSolution:
     """The `InterStageSolution` of the chosen triples (one per stage), its objective recomputed unscaled."""
     sel = chosen[np.argsort(triples.stage[chosen])]
     layers = tuple(int(layer_options[j]) for j in triples.option[sel])
@@ -353,7 +355,7 @@ def _solution(triples: _Triples, chosen: np.ndarray, layer_options: Sequence[int
         candidates=tuple(int(k) for k in triples.candidate[sel]),
         stable=tuple(float(t) for t in T),
         delta=tuple(float(x) for x in D),
-        objective=float(pipeline_objective(T, D, G)),
+        objective=float(pipeline_objective(T, D, G, fill)),
         status=str(status),
         solve_time=solve_time,
         wall_time=time.perf_counter() - t_start,
@@ -363,7 +365,8 @@ def _solution(triples: _Triples, chosen: np.ndarray, layer_options: Sequence[int
 
 def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequence[int], num_layers: int, G: int, *,
                       time_limit: float = 10.0, best_cost: float | None = None, mip_rel_gap: float = 1e-6,
-                      verbose: bool = False, highs_options: dict | None = None) -> InterStageSolution | None:
+                      verbose: bool = False, highs_options: dict | None = None,
+                      fill: float = 1.0) -> InterStageSolution | None:
     """Optimal layer split and per-stage candidate choice by MILP (cvxpy + HiGHS).
 
     The model (binaries per usable (stage, option, candidate) triple, the 1F1B objective with
@@ -378,11 +381,13 @@ def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequen
         num_layers: Total number of layers L to distribute.
         G: Number of micro-batches.
         time_limit: HiGHS wall-clock limit in seconds.
-        best_cost: Pruning cut from the outer search: require ``(G-1) * T_max <= best_cost``.
+        best_cost: Pruning cut from the outer search: require ``(G-c) * T_max <= best_cost``.
         mip_rel_gap: HiGHS relative optimality gap. The small default makes "optimal" mean optimal
             for any practical purpose.
         verbose: Print the HiGHS log.
         highs_options: Extra HiGHS options passed through cvxpy (e.g. ``{"threads": 1}``).
+        fill: c, the schedule's `core.pipeline_time.fill_share`: the objective is
+            ``(G-c) T_max + c sum_i T_i + max(0, max_i (D_i - c sum_{j<i} T_j))`` (1: Mist's 1F1B formula).
 
     Returns:
         The best assignment found, or ``None`` when none exists: the problem is infeasible, the cut
@@ -396,10 +401,12 @@ def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequen
     tables = _normalise_tables(stable, delta, layer_options)
     if best_cost is not None and G == 1 and best_cost < 0:
         return None  # the cut reads 0 <= best_cost
-    triples = _usable_triples(tables, layer_options, num_layers, G, best_cost)
+    if not 0.0 <= fill <= 1.0:
+        raise ValueError(f"fill must be in [0, 1], got {fill}")
+    triples = _usable_triples(tables, layer_options, num_layers, G, best_cost, fill)
     if triples is None:
         return None
-    model = _InterStageModel.build(triples, len(tables), layer_options, num_layers, G, best_cost)
+    model = _InterStageModel.build(triples, len(tables), layer_options, num_layers, G, best_cost, fill)
     status, solve_time = model.solve(time_limit, mip_rel_gap, verbose, highs_options)
     if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
         return None
@@ -412,7 +419,7 @@ def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequen
         warnings.warn(f"inter-stage MILP stopped ({status}, time_limit={time_limit}s) before finding a feasible "
                       "assignment; returning None", RuntimeWarning, stacklevel=2)
         return None
-    sol = _solution(triples, chosen, layer_options, num_layers, G, status, solve_time, t_start)
+    sol = _solution(triples, chosen, layer_options, num_layers, G, fill, status, solve_time, t_start)
     if not sol.optimal:
         warnings.warn(f"inter-stage MILP hit its time limit ({time_limit:.2g} s, HiGHS status {status}); returning "
                       "the best feasible assignment found, which may not be optimal", RuntimeWarning, stacklevel=2)
@@ -446,6 +453,7 @@ def brute_force_inter_stage(
     G: int,
     *,
     best_cost: float | None = None,
+    fill: float = 1.0,
 ) -> InterStageSolution | None:
     """Exact reference for ``solve_inter_stage`` by full enumeration (tests and tiny cases only).
 
@@ -469,9 +477,9 @@ def brute_force_inter_stage(
         combo = np.stack([g.reshape(-1) for g in grids], axis=-1)  # [N, S] candidate indices
         T = np.stack([tables[i][j][0][combo[:, i]] for i, j in enumerate(split)], axis=-1)
         D = np.stack([tables[i][j][1][combo[:, i]] for i, j in enumerate(split)], axis=-1)
-        obj = pipeline_objective(T, D, G)
+        obj = pipeline_objective(T, D, G, fill)
         if best_cost is not None:
-            obj = np.where((G - 1) * T.max(axis=-1) <= best_cost, obj, np.inf)
+            obj = np.where((G - fill) * T.max(axis=-1) <= best_cost, obj, np.inf)
         a = int(np.argmin(obj))
         if np.isfinite(obj[a]) and (best is None or obj[a] < best[0]):
             best = (float(obj[a]), split, tuple(int(k) for k in combo[a]), T[a], D[a])

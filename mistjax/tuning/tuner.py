@@ -24,7 +24,7 @@ from mistjax.core.schedules import ZERO_BUBBLE
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
 from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
-from mistjax.tuning.intra import ScheduleMemo, StageTables, TableArena, sample_stage_tables
+from mistjax.tuning.intra import ScheduleMemo, StageTables, TableArena, sample_stage_tables, small_pages
 from mistjax.tuning.space import OuterKey, SearchSpace, layer_options, outer_keys, stage_mesh
 
 if TYPE_CHECKING:
@@ -354,24 +354,27 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     return objective, plan.replace(prediction=pred), pareto
 
 
-def _reschedule(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float = 0.0) -> Plan:
+def _reschedule(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float = 0.0,
+                objective: float | None = None) -> Plan:
     """``plan`` or a plan of its outer key under another pipeline schedule, where the full prediction is faster
     and fits: ZB-H1 (`SearchSpace.zero_bubble`) and interleaved 1F1B (`SearchSpace.interleave`).
 
     Candidates: ``plan`` re-scheduled, and the key searched again with the schedule's memory in every stage
-    (ZB-H1's deferred weight passes' stash, the interleaved groups' residuals in flight); the search's
-    objective stays the 1F1B formula and `predict` prices the schedule. Never slower: a space with them
-    contains the space without. A key is searched again only with ``key_seconds`` (the quickest key's time so
-    far) left before the deadline, as `_search_keys` starts a key, and for one chunk count only: the one whose
-    re-scheduled ``plan`` is fastest (memory aside), if that beats ``plan`` (a heuristic, not a bound: the key
-    searched again holds more in memory, so its stages are rarely faster than ``plan``'s), or the least chunk
-    count where ``plan``'s stages are too short to split. Interleaving starts from a 1F1B ``plan`` only."""
+    (ZB-H1's deferred weight passes' stash, the interleaved groups' residuals in flight) and its objective
+    (`core.pipeline_time.fill_share`), cut at ``plan``'s search ``objective`` where given: only a plan that the
+    schedule's formula prices faster than ``plan`` is by its own comes back. `predict` prices each candidate.
+    Never slower: a space with them contains the space without. A key is searched again only with
+    ``key_seconds`` (the quickest key's time so far) left before the deadline, as `_search_keys` starts a key,
+    and for one chunk count only: the one whose re-scheduled ``plan`` is fastest (memory aside), if that beats
+    ``plan`` (a heuristic, not a bound: the key searched again holds more in memory, so its stages are rarely
+    faster than ``plan``'s), or the least chunk count where ``plan``'s stages are too short to split.
+    Interleaving starts from a 1F1B ``plan`` only."""
     if plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
         return plan
     priced: list[tuple[Plan, Prediction]] = []
     if job.space.zero_bubble:
         zb = plan.replace(schedule=sorted(ZERO_BUBBLE)[0], prediction=None)
-        priced += _priced([zb, *_searched_again(job, plan, zb.schedule, 1, deadline, key_seconds)], job)
+        priced += _priced([zb, *_searched_again(job, plan, zb.schedule, 1, deadline, key_seconds, objective)], job)
     counts = job.space.interleave if plan.schedule == "1f1b" else ()
     splittable = min(st.num_layers for st in plan.stages)
     as_is = _priced([plan.interleaved(v) for v in counts
@@ -383,7 +386,7 @@ def _reschedule(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float
     else:  # none beats the plan as it is; where none could be split as it is, try the least count
         again = [] if as_is else sorted(counts)[:1]
     for v in again:
-        priced += _priced(_searched_again(job, plan, "1f1b", v, deadline, key_seconds), job)
+        priced += _priced(_searched_again(job, plan, "1f1b", v, deadline, key_seconds, objective), job)
     budget = job.cluster.memory_budget() * (1 + 1e-9)
     best = plan
     for cand, pred in priced:
@@ -396,14 +399,15 @@ def _priced(plans: list[Plan], job: _SearchJob) -> list[tuple[Plan, Prediction]]
     return [(p, job.cost.predict(job.workload, p, job.cluster)) for p in plans]
 
 
-def _searched_again(job: _SearchJob, plan: Plan, schedule: str, chunks: int, deadline: float,
-                    key_seconds: float) -> list[Plan]:
-    """``plan``'s key searched again under ``schedule`` with ``chunks`` chunks per device group (none where
-    the key cannot run them, or less than ``key_seconds`` is left, or the search was cut)."""
+def _searched_again(job: _SearchJob, plan: Plan, schedule: str, chunks: int, deadline: float, key_seconds: float,
+                    best_cost: float | None = None) -> list[Plan]:
+    """``plan``'s key searched again under ``schedule`` with ``chunks`` chunks per device group, for a plan whose
+    objective beats ``best_cost`` (none where there is none, the key cannot run them, less than ``key_seconds``
+    is left, or the search was cut)."""
     key = _outer_key(job, plan, schedule, chunks)
     if key is None or deadline - time.perf_counter() < key_seconds:
         return []
-    tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, None, deadline, job.prune,
+    tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, best_cost, deadline, job.prune,
                               None, job.arena)
     if choice is None or not choice.optimal:
         return []
@@ -460,17 +464,19 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
                       cluster.devices_per_node, workload.supports_tp, _supports_cp(workload))
     if progress is not None:
         progress(space.name, 0, len(keys))
-    bounds = (_key_bounds(workload, cluster, job.cost, keys, space, job.memo, deadline) if prune
-              else [0.0] * len(keys))
-    tally = _search_keys(job, keys, bounds, deadline, best_cost, progress)
-    if progress is not None:
-        progress(space.name, len(keys), len(keys))
-    winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
-    if winner is not None:
-        objective, plan, pareto = winner
-        plan = _reschedule(job, plan, deadline, tally.fastest_key if math.isfinite(tally.fastest_key) else 0.0)
-        plan = plan.replace(fingerprints=fingerprints(workload, cluster))
-        winner = objective, plan, pareto
+    with small_pages():  # the key tables (`intra.small_pages`)
+        bounds = (_key_bounds(workload, cluster, job.cost, keys, space, job.memo, deadline) if prune
+                  else [0.0] * len(keys))
+        tally = _search_keys(job, keys, bounds, deadline, best_cost, progress)
+        if progress is not None:
+            progress(space.name, len(keys), len(keys))
+        winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
+        if winner is not None:
+            objective, plan, pareto = winner
+            plan = _reschedule(job, plan, deadline, tally.fastest_key if math.isfinite(tally.fastest_key) else 0.0,
+                               objective)
+            plan = plan.replace(fingerprints=fingerprints(workload, cluster))
+            winner = objective, plan, pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
     if tally.timed_out:
         warnings.warn(f"space {space.name!r} stopped at its time limit ({time_limit:g} s): "
