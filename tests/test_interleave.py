@@ -161,4 +161,23 @@ def test_chunk_counts_below_two_or_not_integers_are_refused():
             plan.interleaved(bad)
     with pytest.raises(PlanError, match="one-chunk 1f1b plan"):
         plan.replace(schedule="gpipe").interleaved(2)
-    assert SearchSpace.megatron().interleave == () and SearchSpace.mist().interleave == ()
+    assert SearchSpace.megatron().interleave == (2, 4) and SearchSpace.mist().interleave == ()
+
+
+def test_megatron_interleaves_equal_chunks_only():
+    """Megatron-LM's virtual stages hold the same layers each: its space interleaves a plan only where every
+    stage's layers split evenly (6 layers: 2 chunks, not 4), where mistjax's splits within one layer."""
+    wl = models.workload(models.get_config("gpt3-1.3b"), 2048, 64)
+    cluster = ClusterSpec.preset("a100-80gb", 1, 8)
+    plan = uniform_plan(24, 8, tp=2, micro_batch=2, stages=4, grad_accum=8, remat_layers=6)  # 6 layers per stage
+    plan = plan.replace(prediction=COST_MODEL.predict(wl, plan, cluster))
+
+    def rescheduled(space: SearchSpace) -> Plan:
+        job = _SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True)
+        return _reschedule(job, plan, time.perf_counter() + 120)
+
+    assert rescheduled(SearchSpace.megatron().replace(interleave=(4,))) is plan
+    out = rescheduled(SearchSpace.megatron())
+    assert out.virtual_stages == 2 and out.prediction.step_time < plan.prediction.step_time
+    assert {st.num_layers for st in out.stages} == {3}
+    assert rescheduled(SearchSpace(zero_bubble=False, interleave=(4,))).virtual_stages == 4

@@ -194,17 +194,15 @@ def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.nda
     uniq, inv = unique_rows(cols)
     rows = []
     cache = wl.layout_cache  # lives (and dies) with the workload
-    for r in uniq:
-        key = (int(r[0]), int(r[1]), int(r[2]), float(r[3]), float(r[4]), float(r[5]), bool(r[6]), bool(r[7]),
-               int(r[8]))
-        if key not in cache:
-            cache[key] = leaf_totals(wl, *key)
-        rows.append(cache[key])
-    out = {}
-    for f in FIELDS:
-        vals = np.array([getattr(r, f) for r in rows])
-        out[f] = vals[inv.ravel()].reshape(shape)
-    return out
+    for r in uniq.tolist():
+        key = ("totals", int(r[0]), int(r[1]), int(r[2]), r[3], r[4], r[5], bool(r[6]), bool(r[7]), int(r[8]))
+        row = cache.get(key)
+        if row is None:
+            lt = leaf_totals(wl, *key[1:])
+            row = cache[key] = np.array([getattr(lt, f) for f in FIELDS])
+        rows.append(row)
+    table = np.stack(rows, axis=1)[:, inv.ravel()]  # [FIELDS, elements]
+    return {f: table[k].reshape(shape) for k, f in enumerate(FIELDS)}
 
 
 __all__ = ["FIELDS", "LeafTotals", "held", "leaf_totals", "totals_over"]

@@ -71,7 +71,8 @@ class SearchSpace:
         weight_offload / grad_offload / opt_offload / act_offload: offload ratios; ``(0.0,)`` turns a
             dimension off.
         weight_needs_grad_offload: Mist's rule dropping (wo > 0, go = 0) pairs.
-        uniform_layers: every stage gets L/S layers (Megatron; S must divide L).
+        uniform_layers: every stage gets L/S layers (Megatron; S must divide L), and interleaving splits them
+            into equal chunks only.
         layer_window: per-stage layer counts searched around round(L/S) (Mist: 2).
         pareto_k: Pareto points sampled per stage key for the MILP (Mist: 30; 1 = imbalance-unaware).
         schedules: pipeline schedules tried for S > 1. On the asynchronous MPMD executor classic 1F1B
@@ -163,11 +164,11 @@ class SearchSpace:
         """Megatron-LM: pp any divisor of the layers (`uniform_layers`, as Megatron-LM requires without its
         uneven first / last stage option), dp whatever the devices leave, b in {1,2,4}, full recompute,
         distributed optimizer (the published runs: 530B tp 8, pp 35, dp 8; 1T tp 8, pp 64, dp 6; arXiv
-        2104.04473 Table 1)."""
+        2104.04473 Table 1), and its interleaved 1F1B (``--num-layers-per-virtual-pipeline-stage``: 2 or 4
+        equal chunks per stage)."""
         return cls(name="megatron", cp_degrees=(1,), zero_levels=(1,), mics=False, remat="all",
                    policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
-                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",), zero_bubble=False,
-                   interleave=())
+                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",), zero_bubble=False)
 
     @classmethod
     def fsdp(cls) -> SearchSpace:

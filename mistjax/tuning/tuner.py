@@ -378,7 +378,8 @@ def _reschedule(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float
     counts = job.space.interleave if plan.schedule == "1f1b" else ()
     splittable = min(st.num_layers for st in plan.stages)
     as_is = _priced([plan.interleaved(v) for v in counts
-                     if v <= splittable and plan.grad_accum % plan.num_stages == 0], job)
+                     if v <= splittable and plan.grad_accum % plan.num_stages == 0 and _equal_chunks(job, plan, v)],
+                    job)
     priced += as_is
     ahead = sorted((p for p in as_is if p[1].step_time < plan.prediction.step_time), key=lambda p: p[1].step_time)
     if ahead:
@@ -415,12 +416,18 @@ def _searched_again(job: _SearchJob, plan: Plan, schedule: str, chunks: int, dea
     return [found.interleaved(chunks) if chunks > 1 else found.replace(schedule=schedule)]
 
 
+def _equal_chunks(job: _SearchJob, plan: Plan, chunks: int) -> bool:
+    """Whether ``plan``'s stages split into ``chunks`` equal chunks where the space's stages are uniform
+    (Megatron-LM's virtual stages hold the same layers each); any split elsewhere."""
+    return not job.space.uniform_layers or all(st.num_layers % chunks == 0 for st in plan.stages)
+
+
 def _outer_key(job: _SearchJob, plan: Plan, schedule: str, chunks: int = 1) -> OuterKey | None:
     """The outer key of a one-chunk pipelined ``plan`` under ``schedule`` with ``chunks`` chunks per device group
     (None: its stage mesh is not one, or the layers or micro-batches cannot fill the chunks)."""
     S, G = plan.num_stages, plan.grad_accum
     mesh = stage_mesh(S * plan.dp * plan.tp * plan.cp, S, job.cluster.nodes, job.cluster.devices_per_node)
-    if mesh is None or (chunks > 1 and (G % S or plan.num_layers < S * chunks
+    if mesh is None or (chunks > 1 and (G % S or plan.num_layers < S * chunks or not _equal_chunks(job, plan, chunks)
                                         or max(layer_options(job.space, plan.num_layers, S, G)) < chunks)):
         return None
     return OuterKey(plan.tp, S, plan.micro_batch, plan.dp, G, *mesh, schedule=schedule, cp=plan.cp, chunks=chunks)
