@@ -14,6 +14,7 @@ strategies are swept (`sweep`) only where its zero-offload strategy does not fit
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -33,7 +34,7 @@ from mistjax.tuning.intra import (
 )
 from mistjax.tuning.milp import solve_inter_stage
 from mistjax.tuning.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, layer_options, strategy_grid
-from mistjax.tuning.sweep import Entries, entries_that_may_fit, sweep_offloads
+from mistjax.tuning.sweep import Entries, PointBound, entries_that_may_fit, sweep_offloads
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -303,6 +304,15 @@ def _price_all(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, ta
         price(workload, cluster, cost, tables, np.arange(lo, min(lo + step, X)))
 
 
+def _point_bound(tables: StageTables, entries: Entries, bound: Callable[..., np.ndarray] | None) -> PointBound:
+    """The sweep's bound of a plan through an offloaded point of entry ``e``: `entry_bounds` at the point's own
+    stable time in a pipeline (``bound``), the objective itself (``G stable + delta``) with one stage."""
+    if bound is None:
+        G = tables.key.grad_accum
+        return lambda e, stable, delta: G * stable + delta
+    return lambda e, stable, delta: bound(entries.slot[e], entries.option[e], stable)
+
+
 def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
              best_cost: float | None, deadline: float, prune: bool = True, memo: ScheduleMemo | None = None,
              arena: TableArena | None = None) -> tuple[StageTables, KeyChoice | None]:
@@ -330,6 +340,7 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
     if S == 1:
         cut = min(cut, float(np.min(np.where(ok0[0, 0], G * s0[0, 0] + d0[0, 0], np.inf))))
     entries = entries_that_may_fit(workload, cluster, cost, tables, _open_entries(tables, s0, d0, ok0))
+    bound = None
     if S > 1:  # sound bounds that count memory: the zero-offload prices where some point of the family may fit
         least = np.where(fitting_entries(s0, ok0, entries), s0, np.inf).min(axis=(2, 3))  # [S, J]
         at = np.nonzero(np.isfinite(least))
@@ -342,7 +353,7 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
     if S > 1:  # a plan from the zero- and most-offloaded points: its objective cuts the sweep
         incumbent = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
         cut = min(cut, np.inf if incumbent is None else incumbent.objective)
-    sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline)
+    sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline, _point_bound(tables, entries, bound))
     choice = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
     if incumbent is not None and (choice is None or incumbent.objective < choice.objective):
         choice = incumbent  # Pareto sampling of the larger tables can miss it

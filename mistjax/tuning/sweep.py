@@ -17,6 +17,7 @@ infeasible points with nothing feasible below, and its minimal feasible ones.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -34,6 +35,11 @@ __all__ = ["Entries", "OffloadLattice", "entries_that_may_fit", "sweep_offloads"
 
 _RATIOS = ("wo", "go", "oo", "ao")
 _CHUNK = 1 << 16  # (entry, point) pairs priced per call: the deadline is checked that often
+# Time first goes on while at least this share of the points it priced closed on their bound alone: a full
+# price costs about three memory checks, and below ~1% the closed points do not save the difference (measured:
+# 3% on A100-40GB Llama-22B's keys, 0.2% on L4 GPT-3 22B's, docs/internals.md), judged once this many are priced.
+_MIN_DEAD_SHARE = 0.01
+_PROBE_POINTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,9 @@ class OffloadLattice:
         return cls(strategy, preds, levels)
 
 
+PointBound = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (entry index, stable, delta) -> bound
+
+
 class Entries(NamedTuple):
     """(slot, layer option, remat option, family) entries of a key's tables whose offloaded points are swept;
     ``bound`` is a lower bound of the objective of any plan using the entry (compared with the cut)."""
@@ -88,18 +97,24 @@ class Entries(NamedTuple):
 
 
 def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
-                   entries: Entries, cut: float, deadline: float) -> None:
+                   entries: Entries, cut: float, deadline: float, point_bound: PointBound | None = None) -> None:
     """Price the undominated offloaded points of ``entries`` into ``tables`` (dominated ones stay ``inf``).
 
     An entry leaves the sweep once its ``bound`` reaches ``cut``; with one stage the cut falls to the best
     objective priced so far (``G * stable + delta`` of a feasible point), since the entry is the whole plan.
-    Sets ``tables.truncated`` when the deadline stops it.
+    With a ``point_bound`` (a lower bound of any plan through a point, from the point's own times) the sweep
+    starts *time first*: every point looked at is priced in full, and one whose bound reaches the cut closes
+    the lattice above it like a feasible one (times never fall as a ratio grows, so neither does the bound).
+    Where that closes too little (`_MIN_DEAD_SHARE` of the points priced, once `_PROBE_POINTS` are), it goes
+    on *memory first*: a point is first asked whether it fits (`cost.stage_memory`, about a third of its
+    price) and only the fitting ones are priced. Sets ``tables.truncated`` when the deadline stops it.
     """
     lattice = OffloadLattice.of(tables.grid)
     live = entries.bound < cut
     ordered = _ordered_ratios(tables, entries)  # [E, 4]
-    reached = np.zeros((entries.slot.size, lattice.strategy.shape[1]), bool)  # a feasible point <= here
-    single, G = tables.key.stages == 1, tables.key.grad_accum
+    reached = np.zeros((entries.slot.size, lattice.strategy.shape[1]), bool)  # a closing point <= here
+    single = tables.key.stages == 1
+    priced = dead = 0  # points priced time first, and how many of them closed on their bound alone
     for points in lattice.levels:
         if not live.any():
             return
@@ -110,26 +125,62 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
         below = (reached[:, np.maximum(pred, 0)] & (pred >= 0) & ordered[:, None, :]).any(axis=-1)  # [E, n]
         xs = lattice.strategy[entries.family[:, None], points[None, :]]
         e, p = np.nonzero(live[:, None] & (xs >= 0) & ~below)
-        feasible = np.zeros(e.size, bool)
+        closes = np.zeros(e.size, bool)
+        time_first = point_bound is not None and (priced < _PROBE_POINTS or dead >= _MIN_DEAD_SHARE * priced)
         for lo in range(0, e.size, _CHUNK):
             if lo and time.perf_counter() >= deadline:
                 tables.truncated = True
                 return
-            sl = slice(lo, lo + _CHUNK)
-            ee, x = e[sl], xs[e[sl], p[sl]]
-            at = (entries.slot[ee], entries.option[ee], entries.remat[ee], x)
-            fits = np.flatnonzero(entries_fit(workload, cluster, cost, tables, *at))
-            if not fits.size:
-                continue
-            at = tuple(a[fits] for a in at)
-            got = price_entries(workload, cluster, cost, tables, *at)
-            tables.store_entries(*at, got.stable, got.delta, got.feasible)
-            feasible[fits + lo] = got.feasible
+            ee = e[lo:lo + _CHUNK]
+            at = (entries.slot[ee], entries.option[ee], entries.remat[ee], xs[ee, p[lo:lo + _CHUNK]])
+            if time_first:
+                got = _price_time_first(workload, cluster, cost, tables, at, ee, point_bound, cut)
+                priced, dead = priced + ee.size, dead + int((got.over & ~got.feasible).sum())
+            else:
+                got = _price_memory_first(workload, cluster, cost, tables, at)
+            closes[lo:lo + ee.size] = got.feasible | got.over
             if single and got.feasible.any():
-                cut = min(cut, float(np.min(np.where(got.feasible, G * got.stable + got.delta, np.inf))))
-        below[e, p] |= feasible
+                cut = min(cut, float(got.objective.min()))
+        below[e, p] |= closes
         reached[:, points] = below
         live &= entries.bound < cut
+
+
+class _Priced(NamedTuple):
+    """What pricing a chunk of points found, per point."""
+
+    feasible: np.ndarray  # fits (and was priced in full)
+    over: np.ndarray  # its `PointBound` reaches the cut (time first only)
+    objective: np.ndarray  # ``G * stable + delta`` where feasible, ``inf`` elsewhere (the single-stage cut)
+
+
+_Point = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (slot, layer option, remat option, strategy)
+
+
+def _price_time_first(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                      at: _Point, entry: np.ndarray, point_bound: PointBound, cut: float) -> _Priced:
+    """Price every point in full; store the feasible ones."""
+    got = price_entries(workload, cluster, cost, tables, *at)
+    keep = np.flatnonzero(got.feasible)
+    tables.store_entries(*(a[keep] for a in at), got.stable[keep], got.delta[keep], got.feasible[keep])
+    over = point_bound(entry, got.stable, got.delta) >= cut
+    G = tables.key.grad_accum
+    return _Priced(got.feasible, over, np.where(got.feasible, G * got.stable + got.delta, np.inf))
+
+
+def _price_memory_first(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                        at: _Point) -> _Priced:
+    """Ask every point whether it fits; price and store the fitting ones."""
+    n = at[0].size
+    feasible, objective = np.zeros(n, bool), np.full(n, np.inf)
+    fits = np.flatnonzero(entries_fit(workload, cluster, cost, tables, *at))
+    if fits.size:
+        sub = tuple(a[fits] for a in at)
+        got = price_entries(workload, cluster, cost, tables, *sub)
+        tables.store_entries(*sub, got.stable, got.delta, got.feasible)
+        feasible[fits] = got.feasible
+        objective[fits] = np.where(got.feasible, tables.key.grad_accum * got.stable + got.delta, np.inf)
+    return _Priced(feasible, np.zeros(n, bool), objective)
 
 
 def _ordered_ratios(tables: StageTables, entries: Entries) -> np.ndarray:
