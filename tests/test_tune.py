@@ -96,6 +96,21 @@ def test_pruned_search_equals_exhaustive(name, seq, batch, budget):
     assert fast.evaluated < full.evaluated / 3
 
 
+@pytest.mark.parametrize("name,seq,batch,budget", CASES[:2])
+def test_pruned_search_equals_exhaustive_memory_first(name, seq, batch, budget, monkeypatch):
+    """The sweep's second mode (memory checks first, `sweep._price_memory_first`), which a search takes once
+    time first closes too little of the lattice, forced from the start: still the exhaustive search's plan."""
+    from mistjax.tuning import sweep
+
+    monkeypatch.setattr(sweep, "_PROBE_POINTS", 0)
+    monkeypatch.setattr(sweep, "_MIN_DEAD_SHARE", math.inf)
+    w = stub.Workload.from_model(models.get_config(name), seq, batch)
+    cl = _cpu(budget)
+    fast = search(w, cl, SearchSpace(), cost=stub.COST_MODEL, prune=True)
+    full = search(w, cl, SearchSpace(), cost=stub.COST_MODEL, prune=False)
+    assert fast.plan is not None and fast.objective == pytest.approx(full.objective, rel=1e-12)
+
+
 @pytest.mark.parametrize("budget", [1.2e6, pytest.param(2e6, marks=pytest.mark.slow)])
 def test_offload_lattice_rules_hold_on_whole_grids(real, budget):
     """What `tuning.sweep` relies on, on every (slot, layers, remat, strategy) of four keys of the project's
