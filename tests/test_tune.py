@@ -456,3 +456,31 @@ def test_table_arena_hands_out_all_inf_tables_after_any_writes():
         at = tuple(rng.integers(0, n, 4) for n in shape)
         tables.store_entries(*at, rng.random(4), rng.random(4), np.ones(4, bool))
         assert np.isfinite(stable).sum() >= 4
+
+
+def test_small_pages_switches_numpys_huge_pages_off_and_back():
+    from mistjax.tuning.intra import small_pages
+
+    switch = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+    if switch is None:
+        pytest.skip("this NumPy has no huge-page switch")
+    old = switch(True)
+    try:
+        with small_pages():
+            assert switch(False) is False  # off inside the block
+        assert switch(True) is True  # as it was after it
+    finally:
+        switch(old)
+
+
+def test_each_key_is_priced_with_its_schedules_fill_share():
+    """`intra.key_fill`: 1 for 1F1B, 1/v with v chunks per device group, 1 - 2 W/T for ZB-H1 (the stub's
+    weight passes are a quarter of its micro-batch time)."""
+    w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+    cl = _cpu(2e6)
+    fills = {(schedule, chunks): prepare_key(w, cl, stub.COST_MODEL, OuterKey(1, 2, 1, 4, 8, 1, 4, schedule=schedule,
+                                                                                chunks=chunks), SearchSpace()).fill
+             for schedule, chunks in (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1))}  # 4 layers: 2 chunks per group at most
+    assert fills == {("1f1b", 1): 1.0, ("1f1b", 2): 0.5, ("zb-h1", 1): 0.5}
+    one_stage = prepare_key(w, cl, stub.COST_MODEL, OuterKey(1, 1, 1, 8, 2, 1, 8), SearchSpace())
+    assert one_stage.fill == 1.0
