@@ -87,19 +87,7 @@ def lower_bounds(s: np.ndarray, d: np.ndarray, G: int, layer_opts: tuple[int, ..
     least ``D_i - sum_{j<i} T_j`` with every ``T_j`` at its largest finite value. ``inf`` when no
     layer split has candidates in every stage.
     """
-    n_groups, S = s.shape[:2]
-    m = s.min(axis=3)  # [groups, S, J]
-    total = np.full((n_groups, num_layers + 1), np.inf)
-    worst = np.full((n_groups, num_layers + 1), np.inf)
-    total[:, 0] = worst[:, 0] = 0.0
-    for i in range(S):  # S x J vectorised shifts over (groups, layers used so far)
-        new_total, new_worst = np.full_like(total, np.inf), np.full_like(worst, np.inf)
-        for j, n in enumerate(layer_opts):
-            if n > num_layers:
-                continue
-            new_total[:, n:] = np.minimum(new_total[:, n:], total[:, :num_layers + 1 - n] + m[:, i, j, None])
-            new_worst[:, n:] = np.minimum(new_worst[:, n:], np.maximum(worst[:, :num_layers + 1 - n], m[:, i, j, None]))
-        total, worst = new_total, new_worst
+    total, worst = _split_tables(s.min(axis=3), layer_opts, num_layers, prefixes=False)  # [groups, L + 1]
     d_min = d.min(axis=(2, 3))
     t_hi = np.where(np.isfinite(s), s, 0.0).max(axis=(2, 3))
     before = fill * (np.cumsum(t_hi, axis=1) - t_hi)
@@ -214,19 +202,30 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     return float(lb.min())
 
 
-def _split_tables(m: np.ndarray, layer_opts: tuple[int, ...], num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[S+1, L+1]`` min sum and min max of ``m`` (``[S, J]``) over the first i slots using l layers."""
-    S = m.shape[0]
-    total = np.full((S + 1, num_layers + 1), np.inf)
-    worst = np.full((S + 1, num_layers + 1), np.inf)
-    total[0, 0] = worst[0, 0] = 0.0
-    for i in range(S):
+def _split_tables(m: np.ndarray, layer_opts: tuple[int, ...], num_layers: int,
+                  prefixes: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The min sum and min max of ``m`` (``[..., S, J]``, the least time of slot i with ``layer_opts[j]``
+    layers) over the first i slots using l layers in all: ``[..., S+1, L+1]``, or with ``prefixes`` False
+    only i = S, ``[..., L+1]`` (without the memory of every prefix)."""
+    S = m.shape[-2]
+    total = np.full((*m.shape[:-2], num_layers + 1), np.inf)
+    worst = np.full_like(total, np.inf)
+    total[..., 0] = worst[..., 0] = 0.0
+    rows = [(total, worst)]
+    for i in range(S):  # S x J vectorised shifts over (leading axes, layers used so far)
+        new_total, new_worst = np.full_like(total, np.inf), np.full_like(worst, np.inf)
         for j, n in enumerate(layer_opts):
-            if n > num_layers or not np.isfinite(m[i, j]):
+            if n > num_layers:
                 continue
-            total[i + 1, n:] = np.minimum(total[i + 1, n:], total[i, :num_layers + 1 - n] + m[i, j])
-            worst[i + 1, n:] = np.minimum(worst[i + 1, n:], np.maximum(worst[i, :num_layers + 1 - n], m[i, j]))
-    return total, worst
+            mij = m[..., i, j, None]
+            new_total[..., n:] = np.minimum(new_total[..., n:], total[..., :num_layers + 1 - n] + mij)
+            new_worst[..., n:] = np.minimum(new_worst[..., n:], np.maximum(worst[..., :num_layers + 1 - n], mij))
+        total, worst = new_total, new_worst
+        if prefixes:
+            rows.append((total, worst))
+    if not prefixes:
+        return total, worst
+    return np.stack([t for t, _ in rows], axis=-2), np.stack([w for _, w in rows], axis=-2)
 
 
 def _others(head: np.ndarray, tail: np.ndarray, combine: np.ufunc) -> np.ndarray:
