@@ -82,6 +82,10 @@ class ModelConfig:
     rope_base: float = DEFAULT_ROPE_BASE  # RoPE base wavelength theta (Hugging Face's rope_theta)
     # () for none, else (kind, *parameters) of ROPE_SCALINGS, e.g. ("llama3", 8.0, 1.0, 4.0, 8192)
     rope_scaling: tuple = ()
+    # Attention and MLP projections as FP8 GEMMs with dynamic tensorwise scales (`mistjax.core.fp8`, torchao's
+    # Float8Linear recipe); the embedding, LM head and attention core stay in ``dtype``. Pays off on GPUs with
+    # fp8 tensor cores (H100, H200, L4), where the cost model prices them at the fp8 peak.
+    fp8: bool = False
     # The vocabulary is padded to a multiple of this (1: no padding); pad rows never score (`padded_vocab_size`).
     vocab_multiple: int = VOCAB_MULTIPLE
 
@@ -125,6 +129,8 @@ class ModelConfig:
         if (not isinstance(self.attention_block, numbers.Integral) or isinstance(self.attention_block, bool)
                 or self.attention_block <= 0):
             raise bad("attention_block", f"must be a positive integer (keys per block), got {self.attention_block!r}")
+        if not isinstance(self.fp8, bool):
+            raise bad("fp8", f"must be true or false, got {self.fp8!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise bad("tie_embeddings", f"must be true or false, got {self.tie_embeddings!r}")
         if (not isinstance(self.rope_base, numbers.Real) or isinstance(self.rope_base, bool)

@@ -31,6 +31,7 @@ from flax.core import spmd as core_spmd
 from jax.ad_checkpoint import checkpoint_name
 
 from mistjax.analysis.graph import EAGER_JIT  # the marker the analysis reads (its protocol)
+from mistjax.core.fp8 import fp8_einsum, fp8_einsums
 from models.attention import blockwise_attention, cudnn_attention, cudnn_unsupported, fused_attention
 from models.config import DEFAULT_ROPE_BASE, ModelConfig
 
@@ -44,6 +45,17 @@ _zeros = nnx.initializers.zeros
 def compute_dtype(config: ModelConfig) -> jnp.dtype:
     """The compute dtype of ``config`` as a numpy dtype."""
     return jnp.dtype(config.dtype)
+
+
+def project(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...], fp8: bool) -> tuple[jax.Array, ...]:
+    """``jnp.einsum(spec, x, w)`` for each (spec, w); with ``fp8`` as FP8 GEMMs sharing one cast of ``x``
+    (`mistjax.core.fp8.fp8_einsums`)."""
+    return fp8_einsums(specs, x, ws) if fp8 else tuple(jnp.einsum(s, x, w) for s, w in zip(specs, ws))
+
+
+def linear(x: jax.Array, w: jax.Array, fp8: bool) -> jax.Array:
+    """``x [b, t, in] @ w [in, out]``, as an FP8 GEMM when ``fp8``."""
+    return fp8_einsum("bti,io->bto", x, w) if fp8 else x @ w
 
 
 def _eager_sharding() -> bool:
@@ -330,16 +342,17 @@ class Attention(nnx.Module):
         self.eager_rotary = config.elementwise == "eager"
         self.attention = config.attention
         self.attention_block = config.attention_block
+        self.fp8 = config.fp8
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        q = checkpoint_name(jnp.einsum("bte,end->btnd", x, self.wq[...].astype(dt)), "qkv_proj")
-        k = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wk[...].astype(dt)), "qkv_proj")
-        v = checkpoint_name(jnp.einsum("bte,ekd->btkd", x, self.wv[...].astype(dt)), "qkv_proj")
+        q, k, v = (checkpoint_name(u, "qkv_proj") for u in project(
+            ("bte,end->btnd", "bte,ekd->btkd", "bte,ekd->btkd"), x,
+            (self.wq[...].astype(dt), self.wk[...].astype(dt), self.wv[...].astype(dt)), self.fp8))
         q, k = (apply_rotary(u, self.rotary_dims, self.eager_rotary, base=self.rope_base, scaling=self.rope_scaling)
                 for u in (q, k))
         out = checkpoint_name(self.attend(q, k, v), "attn_out")
-        return jnp.einsum("btnd,nde->bte", out, self.wo[...].astype(dt))
+        return project(("btnd,nde->bte",), out, (self.wo[...].astype(dt),), self.fp8)[0]
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Causal attention core with the configured kernel (``ModelConfig.attention``)."""
@@ -364,11 +377,12 @@ class GeluMLP(nnx.Module):
         self.wi = make_param(rngs, nnx.initializers.normal(INIT_STD), (h, f), ("embed", "mlp"), config)
         self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (f, h), ("mlp", "embed"),
                              config)
+        self.fp8 = config.fp8
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        hidden = checkpoint_name(x @ self.wi[...].astype(dt), "mlp_in")
-        return checkpoint_name(recomputed(jax.nn.gelu)(hidden) @ self.wo[...].astype(dt), "mlp_out")
+        hidden = checkpoint_name(linear(x, self.wi[...].astype(dt), self.fp8), "mlp_in")
+        return checkpoint_name(linear(recomputed(jax.nn.gelu)(hidden), self.wo[...].astype(dt), self.fp8), "mlp_out")
 
 
 class SwiGLU(nnx.Module):
@@ -383,13 +397,14 @@ class SwiGLU(nnx.Module):
         self.wo = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (f, h), ("mlp", "embed"),
                              config)
         self.eager = config.elementwise == "eager"
+        self.fp8 = config.fp8
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_in")
-        up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_in")
+        gate, up = (checkpoint_name(u, "mlp_in") for u in project(
+            ("bti,io->bto", "bti,io->bto"), x, (self.w_gate[...].astype(dt), self.w_up[...].astype(dt)), self.fp8))
         act = _swiglu_eager(gate, up) if self.eager else recomputed(_swiglu)(gate, up)
-        return checkpoint_name(act @ self.wo[...].astype(dt), "mlp_out")
+        return checkpoint_name(linear(act, self.wo[...].astype(dt), self.fp8), "mlp_out")
 
 
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ from mistjax.analysis.poly import B, Poly, S, T
 from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
 
 FORMAT = "mistjax.profile"
-VERSION = 1
+VERSION = 2  # 2: a GEMM records whether its operands are fp8
 _SYMBOLS = {"b": B, "s": S, "t": T}
 # Node types a profile may contain, rebuilt by these constructors (Max / Min unevaluated, as the analysis
 # builds them: sympy would otherwise compare every pair symbolically).
@@ -128,7 +128,7 @@ def poly_from_json(doc: JSON) -> Poly:
 
 def kernels_to_json(k: PassKernels) -> Doc:
     u = k.unit
-    return {"gemms": [[poly_to_json(getattr(g, f)) for f in _GEMM] for g in k.gemms],
+    return {"gemms": [[*(poly_to_json(getattr(g, f)) for f in _GEMM), bool(g.fp8)] for g in k.gemms],
             "fusion_bytes": poly_to_json(k.fusion_bytes), "fusion_count": poly_to_json(k.fusion_count),
             "unit": {**{f: poly_to_json(getattr(u, f)) for f in _UNIT}, "head_dim": int(u.head_dim),
                      "causal": bool(u.causal)},
@@ -139,7 +139,8 @@ def kernels_from_json(doc: Doc) -> PassKernels:
     u = doc["unit"]
     unit = UnitKernel(**{f: poly_from_json(u[f]) for f in _UNIT}, head_dim=int(u["head_dim"]),
                       causal=bool(u["causal"]))
-    return PassKernels(gemms=tuple(Gemm(*(poly_from_json(x) for x in g)) for g in doc["gemms"]),
+    return PassKernels(gemms=tuple(Gemm(*(poly_from_json(x) for x in g[:len(_GEMM)]), fp8=bool(g[len(_GEMM)]))
+                                   for g in doc["gemms"]),
                        fusion_bytes=poly_from_json(doc["fusion_bytes"]),
                        fusion_count=poly_from_json(doc["fusion_count"]), unit=unit,
                        plain=None if doc["plain"] is None else kernels_from_json(doc["plain"]))

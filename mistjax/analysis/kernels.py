@@ -29,7 +29,7 @@ All sizes are exact `Poly` in ``(b, s, 1/t)`` (the graph's fitted dims with the 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
@@ -74,6 +74,7 @@ class Gemm:
     k: Poly  # contraction length
     nbytes: Poly  # operands read + result written
     count: Poly = ONE  # executions per pass (loop trips)
+    fp8: bool = False  # both operands are 8-bit floats: an FP8 GEMM where the device has fp8 tensor cores
 
     @property
     def flops(self) -> Poly:
@@ -116,7 +117,7 @@ class PassKernels:
 
     def scale(self, k: Poly) -> PassKernels:
         u = self.unit
-        return PassKernels(tuple(Gemm(g.batch, g.m, g.n, g.k, g.nbytes, g.count * k) for g in self.gemms),
+        return PassKernels(tuple(replace(g, count=g.count * k) for g in self.gemms),
                            self.fusion_bytes * k, self.fusion_count * k,
                            UnitKernel(u.count * k, u.matmul_flops * k, u.other_flops * k, u.nbytes * k, u.head_dim,
                                       u.causal), None if self.plain is None else self.plain.scale(k))
@@ -139,16 +140,17 @@ class PassKernels:
         for i, g in enumerate(self.gemms):
             for name in ("batch", "m", "n", "k", "nbytes", "count"):
                 out[f"{prefix}.gemm{i}.{name}"] = getattr(g, name).to_sympy()
+            out[f"{prefix}.gemm{i}.fp8"] = sp.Integer(int(g.fp8))
         return out
 
 
 def merge_gemms(gemms: Iterable[Gemm]) -> tuple[Gemm, ...]:
-    """One entry per distinct (batch, m, n, k, bytes), counts added (order of first appearance)."""
-    acc: dict[tuple[Poly, ...], Poly] = {}
+    """One entry per distinct (batch, m, n, k, bytes, fp8), counts added (order of first appearance)."""
+    acc: dict[tuple[Poly | bool, ...], Poly] = {}
     for g in gemms:
-        key = (g.batch, g.m, g.n, g.k, g.nbytes)
+        key = (g.batch, g.m, g.n, g.k, g.nbytes, g.fp8)
         acc[key] = acc.get(key, ZERO) + g.count
-    return tuple(Gemm(*key, count=c) for key, c in acc.items() if c != ZERO)
+    return tuple(Gemm(*key[:5], count=c, fp8=key[5]) for key, c in acc.items() if c != ZERO)
 
 
 def _gemm_dims(n: Node, ins: Sequence[tuple[Poly, ...]], outs: Sequence[tuple[Poly, ...]]
@@ -168,6 +170,14 @@ def _gemm_dims(n: Node, ins: Sequence[tuple[Poly, ...]], outs: Sequence[tuple[Po
     nn = rhs[out_dim]
     m = prod(d for i, d in enumerate(outs[0]) if i != spec.out_spec[1])  # batch x output positions
     return ONE, m, nn, k
+
+
+def _fp8_operands(n: Node) -> bool:
+    """Both operands of a GEMM are 8-bit floats (`mistjax.core.fp8`)."""
+    def fp8(v: Atom) -> bool:
+        dtype = np.dtype(v.aval.dtype)
+        return dtype.itemsize == 1 and dtype.name.startswith("float8")
+    return all(fp8(v) for v in n.ins[:2])
 
 
 class _Kernels:
@@ -334,7 +344,7 @@ class _Kernels:
                 epi = next((v for v, gm in self.epilogue.items() if gm is n and v in mat), None)  # the chain's end
                 written = self.size(epi) if epi is not None else self.size(out)
                 read = sum((self.size(self._root(v)) for v in dict.fromkeys(n.ins) if not self._free(v)), ZERO)
-                gemms.append(Gemm(*_gemm_dims(n, ins, outs), nbytes=read + written))
+                gemms.append(Gemm(*_gemm_dims(n, ins, outs), nbytes=read + written, fp8=_fp8_operands(n)))
                 for v in self._relaid(n):  # a layout change XLA inserts before the GEMM
                     if v not in relaid:
                         relaid.add(v)
@@ -490,6 +500,7 @@ class KernelArrays:
     gemm_k: np.ndarray  # [points, gemms]
     gemm_bytes: np.ndarray  # [points, gemms] bytes of one execution
     gemm_count: np.ndarray  # [points, gemms] executions per pass
+    gemm_fp8: np.ndarray  # [points, gemms] 1 where the GEMM's operands are fp8
     fusion_bytes: np.ndarray  # [points]
     fusion_count: np.ndarray  # [points]
     unit_count: np.ndarray  # [points]
@@ -514,8 +525,8 @@ class CompiledKernels:
         out = {}
         for part, key, n_gemm, head_dim, causal in self.keys:
             scal = [np.broadcast_to(np.asarray(next(vals), dtype=np.float64), b.shape) for _ in range(6)]
-            gem = [np.broadcast_to(np.asarray(next(vals), dtype=np.float64), b.shape) for _ in range(6 * n_gemm)]
-            cols = [np.stack(gem[j::6], axis=-1) if n_gemm else np.zeros(b.shape + (0,)) for j in range(6)]
+            gem = [np.broadcast_to(np.asarray(next(vals), dtype=np.float64), b.shape) for _ in range(7 * n_gemm)]
+            cols = [np.stack(gem[j::7], axis=-1) if n_gemm else np.zeros(b.shape + (0,)) for j in range(7)]
             out[(part, key)] = KernelArrays(*cols, *scal, head_dim=head_dim, causal=causal)
         return out
 
@@ -533,7 +544,7 @@ def compile_kernels(parts: Sequence[PartProfile]) -> CompiledKernels:
             exprs += [e[f".{n}"] for n in ("fusion_bytes", "fusion_count", "unit_count", "unit_matmul_flops",
                                             "unit_other_flops", "unit_bytes")]
             for i in range(len(k.gemms)):
-                exprs += [e[f".gemm{i}.{n}"] for n in ("batch", "m", "n", "k", "nbytes", "count")]
+                exprs += [e[f".gemm{i}.{n}"] for n in ("batch", "m", "n", "k", "nbytes", "count", "fp8")]
             keys.append((part.name, key, len(k.gemms), k.unit.head_dim, k.unit.causal))
     fn = sp.lambdify((B, S, T), exprs or [sp.Integer(0)], modules="numpy", cse=True)
     return CompiledKernels(tuple(keys), fn)

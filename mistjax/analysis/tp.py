@@ -40,6 +40,10 @@ PARAM_PRESERVING = names(
     "squeeze expand_dims"
 )
 ELEMENTWISE_LINEAR_ADD = frozenset({"add", "sub", "add_any"})
+PARAM_SCALING = names("mul div clamp max min")  # with scalar operands: a weight stays a weight
+# A partial scaled by a replicated scalar stays partial: the FP8 GEMMs' unscale (`mistjax.core.fp8`) runs on each
+# device's partial product, as the GEMM's epilogue does, and the sum is reduced after it.
+SCALAR_SCALE = frozenset({"mul", "div"})
 
 
 class Propagator:
@@ -141,9 +145,7 @@ class Propagator:
                 self._divisor(v, s)
                 if isinstance(s, Partial):
                     self.summands[v] = from_partials or 1
-            if node.prim in PARAM_PRESERVING and any(
-                isinstance(u, jex.Var) and u in self.param for u in node.ins
-            ):
+            if self._keeps_param(node):
                 self.param.update(node.outs)
         if graph is self.g:
             self.index = len(graph.nodes)
@@ -158,6 +160,17 @@ class Propagator:
             self.res.out_states = finals
         self.res.params = self.param
         return finals
+
+    def _keeps_param(self, n: Node) -> bool:
+        """The node's result is still a weight: a view or cast of one, or one scaled and clipped by scalars (the
+        FP8 cast of `mistjax.core.fp8`)."""
+        weights = [u for u in n.ins if isinstance(u, jex.Var) and u in self.param]
+        if not weights:
+            return False
+        if n.prim in PARAM_PRESERVING:
+            return True
+        return n.prim in PARAM_SCALING and len(weights) == 1 and all(
+            u in weights or isinstance(u, jex.Literal) or self.g.shape(u) == () for u in n.ins)
 
     def node(self, n: Node, mult: Poly) -> tuple[list[State], list[State]]:
         p = n.prim
@@ -192,7 +205,7 @@ class Propagator:
                 and not others
                 and all(full)
             )
-            if linear:
+            if linear or self._scaled_by_scalar(n, full):
                 return list(sts), [Partial("sum", rs_ok=any(s.rs_ok for s in partials))]
         shards = [s for s in others if isinstance(s, Shard)]
         target: State = next((s for s in shards if not s.seq), shards[0] if shards else REP)
@@ -212,6 +225,15 @@ class Propagator:
         return self._want_all(n, wants, mult), [target]
 
     _select_n = _elementwise
+
+    def _scaled_by_scalar(self, n: Node, full: Sequence[bool]) -> bool:
+        """``partial * scalar``, ``scalar * partial`` or ``partial / scalar`` with a replicated scalar."""
+        if n.prim not in SCALAR_SCALE or len(n.ins) != 2 or full[0] == full[1] or (n.prim == "div" and full[1]):
+            return False
+        scalar = n.ins[1] if full[0] else n.ins[0]
+        if isinstance(scalar, jex.Literal):
+            return np.ndim(scalar.val) == 0
+        return self.st(scalar) is REP and self.g.shape(scalar) == ()
 
     def _unary_map(
         self, n: Node, mult: Poly, f: Callable[[int], int | None]

@@ -3,7 +3,8 @@
 The analysis lists each pass's kernels (`mistjax.analysis.kernels`): GEMMs by shape, fusion kernels by the
 bytes they move, fused-attention calls. Here each is priced on the device (docs/cost_model.md, "Kernels"):
 
-* GEMM: ``max(flops / (peak * eff), bytes / (hbm * memory_efficiency)) + kernel_overhead`` with the device's
+* GEMM: ``max(flops / (peak * eff), bytes / (hbm * memory_efficiency)) + kernel_overhead`` (``peak``: the fp8 peak
+  for a GEMM of fp8 operands on a device that has one) with the device's
   shape efficiency ``eff = DeviceSpec.gemm_efficiency(m, n, k)`` (a short contraction and m, n padded to whole
   tiles cost throughput): small and skinny GEMMs run below peak.
 * Fusion kernels: ``bytes / (hbm * memory_efficiency) + count * kernel_overhead``.
@@ -42,8 +43,9 @@ PassTimes: TypeAlias = dict[tuple[str, str], np.ndarray]
 
 
 def _device_key(dev: DeviceSpec, fp32: bool) -> tuple[float | bool, ...]:
-    return (dev.peak_flops, dev.peak_flops_fp32, dev.hbm_bandwidth, dev.matmul_efficiency, dev.memory_efficiency,
-            dev.matmul_k_half, dev.matmul_tile, dev.kernel_overhead, dev.fused_attention_kernels, fp32)
+    return (dev.peak_flops, dev.peak_flops_fp32, dev.peak_flops_fp8, dev.hbm_bandwidth, dev.matmul_efficiency,
+            dev.memory_efficiency, dev.matmul_k_half, dev.matmul_tile, dev.kernel_overhead,
+            dev.fused_attention_kernels, fp32)
 
 
 def gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
@@ -51,6 +53,8 @@ def gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     if ka.gemm_m.shape[-1] == 0:
         return np.zeros(ka.fusion_bytes.shape)
     peak = dev.peak_flops_fp32 if fp32 else dev.peak_flops
+    if dev.peak_flops_fp8 > 0:  # fp8 operands run on the fp8 tensor cores
+        peak = np.where(ka.gemm_fp8 > 0, dev.peak_flops_fp8, peak)
     flops = 2.0 * ka.gemm_batch * ka.gemm_m * ka.gemm_n * ka.gemm_k
     compute = flops / (peak * dev.gemm_efficiency(ka.gemm_m, ka.gemm_n, ka.gemm_k))
     memory = ka.gemm_bytes / (dev.hbm_bandwidth * dev.memory_efficiency)

@@ -150,7 +150,7 @@ def _merge_kernels(mask: np.ndarray, a: KernelArrays, b: KernelArrays) -> Kernel
         return np.where(mask, getattr(a, name), getattr(b, name))
 
     return KernelArrays(gemms("gemm_batch"), gemms("gemm_m"), gemms("gemm_n"), gemms("gemm_k"), gemms("gemm_bytes"),
-                        count, pick("fusion_bytes"), pick("fusion_count"), pick("unit_count"),
+                        count, gemms("gemm_fp8"), pick("fusion_bytes"), pick("fusion_count"), pick("unit_count"),
                         pick("unit_matmul_flops"), pick("unit_other_flops"), pick("unit_bytes"),
                         head_dim=b.head_dim or a.head_dim, causal=b.causal or a.causal)
 

@@ -71,6 +71,9 @@ class DeviceSpec:
     device_to_host: LinkModel  # device -> pinned host copies
     matmul_efficiency: float  # fraction of peak_flops large matmuls reach
     memory_efficiency: float  # fraction of hbm_bandwidth streaming kernels reach
+    # Dense fp8 FLOP/s of the tensor cores (H100 / H200 / L4: twice bf16); 0: none (A100, TPU v5), where a GEMM of
+    # fp8 operands (`mistjax.core.fp8`) runs at ``peak_flops`` after the compiler widens them.
+    peak_flops_fp8: float = 0.0
     usable_memory_fraction: float = 0.88  # Mist's capacity factor (room for runtime, fragmentation)
     source: str = ""  # where the numbers come from
     # Host seconds to dispatch one jitted program or device_put (the MPMD pipeline issues many per step);
@@ -121,6 +124,7 @@ class DeviceSpec:
             _check_num("device", f, getattr(self, f), at_most_one=True)
         _check_num("device", "dispatch_seconds", self.dispatch_seconds, positive=False)
         _check_num("device", "in_place_bandwidth", self.in_place_bandwidth, positive=False)
+        _check_num("device", "peak_flops_fp8", self.peak_flops_fp8, positive=False)
         _check_num("device", "memory_margin", self.memory_margin, positive=False)
         _check_num("device", "matmul_tile", self.matmul_tile)
         for f in ("matmul_k_half", "kernel_overhead"):
@@ -421,7 +425,7 @@ def _records(doc: Json, path: str, keys: tuple[str, ...]) -> dict[tuple[int, ...
 
 
 # -- link rules of preset documents ---------------------------------------------------------------
-_SPLITTABLE = ("peak_flops", "peak_flops_fp32", "hbm_bytes", "hbm_bandwidth", "in_place_bandwidth")
+_SPLITTABLE = ("peak_flops", "peak_flops_fp32", "peak_flops_fp8", "hbm_bytes", "hbm_bandwidth", "in_place_bandwidth")
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -436,7 +440,7 @@ def _device(doc: Json, num_devices: int, path: str) -> DeviceSpec:
             frozenset({"source", "usable_memory_fraction", "split_across_devices", "dispatch_seconds", "matmul_k_half",
                        "matmul_tile", "kernel_overhead", "fused_attention_kernels",
                        "combines_collectives", "async_collectives", "shared_compute", "in_place_bandwidth",
-                       "memory_margin", "memory_margin_source"}))
+                       "memory_margin", "memory_margin_source", "peak_flops_fp8"}))
     split = doc.get("split_across_devices", [])
     if not isinstance(split, list) or not all(isinstance(f, str) and f in _SPLITTABLE for f in split):
         raise ValueError(f"{path}.split_across_devices: expected a list of field names among {list(_SPLITTABLE)} "

@@ -120,12 +120,13 @@ def to_plan(run: PublishedRun) -> Plan:
 
 
 def run_config(run: PublishedRun) -> ModelConfig:
-    """The zoo model config a run is priced with: its shape and dtype, the attention it ran (fused for
-    ``flash_attention``, else unfused as Megatron-LM runs it), how its runtime runs the elementwise chains
-    with no single PyTorch op (`runtime_elementwise`) and the rotary fraction it ran (`runtime_rotary_pct`)."""
+    """The zoo model config a run is priced with: its shape and dtype (FP8 projections for an fp8 run), the
+    attention it ran (fused for ``flash_attention``, else unfused as Megatron-LM runs it), how its runtime runs
+    the elementwise chains with no single PyTorch op (`runtime_elementwise`) and the rotary fraction it ran
+    (`runtime_rotary_pct`)."""
     config = model_config(run.model, run.dtype)
     return config.replace(attention="fused" if run.flash_attention else "xla", elementwise=runtime_elementwise(run),
-                          rotary_pct=runtime_rotary_pct(run, config.rotary_pct))
+                          rotary_pct=runtime_rotary_pct(run, config.rotary_pct), fp8=run.fp8)
 
 
 def runtime_rotary_pct(run: PublishedRun, zoo: float) -> float:
@@ -183,7 +184,8 @@ def _free(cluster: ClusterSpec, resource: str) -> ClusterSpec:
     dev = cluster.device
     if resource == "matmul":
         return replace(cluster, device=replace(dev, peak_flops=dev.peak_flops * _FREE,
-                                               peak_flops_fp32=dev.peak_flops_fp32 * _FREE))
+                                               peak_flops_fp32=dev.peak_flops_fp32 * _FREE,
+                                               peak_flops_fp8=dev.peak_flops_fp8 * _FREE))
     if resource == "memory_bound":
         return replace(cluster, device=replace(dev, hbm_bandwidth=dev.hbm_bandwidth * _FREE))
     if resource == "launch":
@@ -265,7 +267,8 @@ def _predict_run(run: PublishedRun) -> RunPrediction:
         notes.append("timing leaves the optimizer step out: compared without the predicted update and re-gather")
     if run.dtype != "float32":
         notes.append(f"{run.precision.split()[0]}: priced as bf16 compute, weights and gradients with an fp32 "
-                     "master copy and fp32 moments")
+                     "master copy and fp32 moments" + (", the attention and MLP projections as FP8 GEMMs with "
+                                                       "tensorwise scales" if run.fp8 else ""))
     why = _runtime_check(plan)
     if why:
         notes.append(f"runtime cannot run this plan today: {why}")

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 FORMAT, VERSION = "mistjax-published-runs", 1
 KINDS = ("measured", "derived")  # measured by the source / derived from its numbers (see the file's about)
-# Leading word of ``precision`` -> the compute dtype mistjax prices it with (fp16 has bf16's sizes).
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "bfloat16"}
+# Leading word of ``precision`` -> the compute dtype mistjax prices it with (fp16 has bf16's sizes; fp8: bf16
+# training whose projections run as FP8 GEMMs, `PublishedRun.fp8`).
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "bfloat16", "fp8": "bfloat16"}
 SCHEDULES = ("1f1b", "gpipe", "1f1b-eager")  # `mistjax.plan.SCHEDULES`
 SHAPE_FIELDS = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
 
@@ -106,7 +107,7 @@ class PublishedRun:
     hardware: HardwareRecord
     model: ModelRecord
     global_batch: int  # sequences per step
-    precision: str  # free text whose first word is fp32 / bf16 / fp16
+    precision: str  # free text whose first word is fp32 / bf16 / fp16 / fp8
     flash_attention: bool  # fused attention in the run
     parallel: ParallelRecord
     measured: Measurement
@@ -118,6 +119,12 @@ class PublishedRun:
     def dtype(self) -> str:
         """Compute dtype mistjax prices the run with (`PRECISIONS`)."""
         return PRECISIONS[self.precision.split()[0].lower()]
+
+    @property
+    def fp8(self) -> bool:
+        """The run's linear layers ran as FP8 GEMMs (``precision`` starts with fp8: torchao Float8, Transformer
+        Engine), priced as `models.ModelConfig.fp8` runs them."""
+        return self.precision.split()[0].lower() == "fp8"
 
     @property
     def framework(self) -> str:
