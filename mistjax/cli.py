@@ -84,6 +84,8 @@ class WorkloadArgs:
     # storage dtype of the weights: float32 (MaxText's default) or bfloat16 with an fp32 master copy in the
     # optimizer state (Megatron-LM's; `pretrain --param-dtype`)
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # attention and MLP projections as FP8 GEMMs (models.ModelConfig.fp8; fp8 tensor cores: H100 / H200 / L4)
+    fp8: bool = False
     # override device memory in GiB (emulate smaller cards)
     memory_gib: Annotated[float | None, _hint("(default: the cluster's)")] = None
     plot: Annotated[str | None, _hint("(default: no plots)")] = None  # write PNG plots into this folder
@@ -220,7 +222,7 @@ def load_cluster(spec: str, memory_gib: float | None = None) -> ClusterSpec:
 
 
 def _model_config(args: WorkloadArgs) -> ModelConfig:
-    cfg = load_model_config(args.model).replace(dtype=args.dtype, param_dtype=args.param_dtype)
+    cfg = load_model_config(args.model).replace(dtype=args.dtype, param_dtype=args.param_dtype, fp8=args.fp8)
     if args.seq_len > cfg.max_seq_len:
         raise CliError(f"--seq-len {args.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
     return cfg

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 # Config fields whose change on resume makes the continuation differ from an uninterrupted run.
 _RESUME_SENSITIVE = ("steps", "global_batch", "seq_len", "learning_rate", "warmup_steps", "seed", "data", "token_dtype",
-                     "tokenizer", "text_field", "eos_id", "compute_dtype", "param_dtype")
+                     "tokenizer", "text_field", "eos_id", "compute_dtype", "param_dtype", "fp8")
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -81,6 +81,9 @@ class TrainConfig:
     # Storage dtype of the weights: float32 (MaxText's default), or bfloat16 with an fp32 master copy in the
     # optimizer state (mistjax.with_master_weights; Megatron-LM's). `mistjax plan --param-dtype` prices the same.
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Attention and MLP projections as FP8 GEMMs with tensorwise dynamic scales (models.ModelConfig.fp8): on
+    # H100 / H200 / L4 they run on the fp8 tensor cores; elsewhere the operands are rounded to fp8 all the same.
+    fp8: bool = False
     metrics: str | None = None  # JSON-lines file, one record per step (step, loss, step_time_s, tokens_per_s, mfu)
     log_every: int = 10  # without a progress bar (--no-progress, or output not a terminal): a log line every N steps
     ckpt_dir: str | None = None  # checkpoint directory (orbax: sharded, async, atomic); default: no checkpoints
@@ -305,7 +308,7 @@ class _Setup:
 
 def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> _Setup:
     """Model, plan, sharded step and placed (or restored) state; cheap checks first."""
-    model_cfg = models.get_config(cfg.model).replace(dtype=cfg.compute_dtype)
+    model_cfg = models.get_config(cfg.model).replace(dtype=cfg.compute_dtype, fp8=cfg.fp8)
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     data = build_data(cfg, model_cfg.vocab_size)
