@@ -106,6 +106,37 @@ def test_hierarchical_by_hand_and_cheaper_than_flat():
     assert expect < flat
 
 
+def test_all_reduce_over_nodes_takes_the_faster_of_ring_and_tree_latency():
+    """NCCL's latency model: a ring of p = k m devices steps 2 (p - 1) times, 2 (m - 1) of them across nodes; a
+    tree chains the k devices of a node and spans the m nodes in ceil(log2 m) levels, up and down. The bytes
+    move at the group link's ring rate either way; within one node it is the flat ring."""
+    intra, inter = (400e9, 2e-6), (400e9, 8e-6)
+    n = 1e6
+    rate = lambda p: 2 * (p - 1) / p * n / 400e9  # noqa: E731
+    assert cost.hierarchical_all_reduce_time(n, 8, 1, intra, inter) == pytest.approx(
+        cost.all_reduce_time(n, 8, intra))
+    # 2 nodes of 8: ring 2 (14 x 2 + 1 x 8) us = 72 us, tree 2 (7 x 2 + 1 x 8) us = 44 us
+    assert cost.hierarchical_all_reduce_time(n, 8, 2, intra, inter) == pytest.approx(rate(16) + 44e-6)
+    # 128 nodes of 8: ring 2 (896 x 2 + 127 x 8) us = 5.6 ms, tree 2 (7 x 2 + 7 x 8) us = 140 us; a flat ring
+    # at the inter-node latency on every hop was 16.4 ms
+    t = cost.hierarchical_all_reduce_time(n, 8, 128, intra, inter)
+    assert t == pytest.approx(rate(1024) + 140e-6)
+    assert cost.all_reduce_time(n, 1024, inter) - rate(1024) == pytest.approx(2 * 1023 * 8e-6)
+    # one device per node: the ring crosses nodes at every step, the tree still wins
+    assert cost.hierarchical_all_reduce_time(n, 1, 4, intra, inter) == pytest.approx(rate(4) + 2 * 2 * 8e-6)
+    assert cost.hierarchical_all_reduce_time(0.0, 8, 4, intra, inter) == 0.0
+    assert cost.hierarchical_all_reduce_time(n, 1, 1, intra, inter) == 0.0
+
+
+def test_a_strided_group_touches_at_most_one_node_per_member():
+    from mistjax.cost.stage_time import _group_link
+
+    cluster = ClusterSpec.preset("dgx-h100", 64, 8)
+    for group, stride, k, m in ((16, 1, 8, 2), (16, 4, 2, 8), (16, 64, 1, 16), (1, 128, 1, 1), (8, 8, 1, 8)):
+        gk, gm, _, _ = _group_link(cluster, np.array([group]), np.array([stride]), np.array([8]))
+        assert (gk[0], gm[0]) == (k, m), (group, stride)
+
+
 def test_mics_example_traffic():
     """mics.md section 4: N = 64, p = k = 8, bf16 (Pb = G): ZeRO-3 ~2.95 G s vs MiCS 1.75 G."""
     g = 1.0

@@ -147,6 +147,47 @@ def hierarchical_reduce_scatter_time(
     )
 
 
+def hierarchical_all_reduce_time(
+    nbytes: ArrayLike,
+    per_node: ArrayLike,
+    nodes: ArrayLike,
+    intra: LinkLike,
+    inter: LinkLike,
+    *,
+    model: CostForm = "ring",
+    ops: ArrayLike = 1,
+) -> np.ndarray:
+    """All-reduce over ``per_node`` (k) devices on each of ``nodes`` (m) nodes, as NCCL runs it.
+
+    The bytes move as a ring's over the group's link (``inter`` across nodes, ``intra`` in one node):
+    ``2 (p-1)/p n / B``. The latency is the lesser of NCCL's two algorithms (its latency model: a step per hop,
+    each at the latency of the link it crosses):
+
+    * ring: ``2 (p-1)`` steps, ``2 (m-1)`` of them across nodes: ``2 ((p-m) a_i + (m-1) a_e)``;
+    * tree (m > 1): a chain through the k devices of each node and a double binary tree over the nodes,
+      reduced up and broadcast down: ``2 ((k-1) a_i + ceil(log2 m) a_e)``.
+
+    At thousands of GPUs the ring's latency reaches milliseconds per all-reduce, the tree's stays in tens of
+    microseconds. With ``m == 1`` both are the intra-node ring. ``model="mist"``: Mist's fitted form over the
+    group's link, as `collective_time` prices it.
+    """
+    k, m = _f(per_node), _f(nodes)
+    p = k * m
+    multi = m > 1
+    bw_e, lat_e = _link(inter)
+    bw_i, lat_i = _link(intra)
+    if model == "mist":
+        link = (np.where(multi, bw_e, bw_i), np.where(multi, lat_e, lat_i))
+        return collective_time(_AR, nbytes, p, link, model="mist", ops=ops)
+    n = _f(nbytes)
+    bw = np.where(multi, bw_e, bw_i)
+    ring = 2.0 * ((p - m) * lat_i + (m - 1.0) * lat_e)
+    tree = 2.0 * ((k - 1.0) * lat_i + np.ceil(np.log2(np.maximum(m, 1.0))) * lat_e)
+    latency = np.where(multi, np.minimum(ring, tree), 2.0 * (p - 1.0) * lat_i)
+    t = 2.0 * (p - 1.0) / np.maximum(p, 1.0) * n / bw + latency * _f(ops)
+    return np.where((p > 1) & (n > 0), t, 0.0)[()]
+
+
 def mics_grad_sync_time(
     grad_bytes: ArrayLike,
     per_node: ArrayLike,

@@ -28,6 +28,7 @@ from mistjax.cost.collectives import (
     LinkLike,
     collective_time,
     hierarchical_all_gather_time,
+    hierarchical_all_reduce_time,
     hierarchical_reduce_scatter_time,
     host_copy_time,
     p2p_time,
@@ -67,9 +68,11 @@ def compute_time(cluster: ClusterSpec, flops: np.ndarray, matmul: np.ndarray, fp
 
 def _group_link(cluster: ClusterSpec, group: np.ndarray, stride: np.ndarray, per_node: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, LinkArrays, LinkArrays]:
-    """(devices per node k, nodes m, intra link, inter link) of a group of ``group`` devices ``stride`` apart."""
+    """(devices per node k, nodes m, intra link, inter link) of a group of ``group`` devices ``stride`` apart: it
+    touches the nodes its span covers, at most one per member (members a node or more apart each sit in their
+    own node), so ``k * m == group``."""
     span = group * stride
-    m = np.maximum(np.ceil(span / np.maximum(per_node, 1)), 1.0)
+    m = np.clip(np.ceil(span / np.maximum(per_node, 1)), 1.0, np.maximum(group, 1.0))
     k = np.maximum(group / m, 1.0)
     intra = _links(cluster, k, np.ones_like(k))
     inter = _links(cluster, k, np.maximum(m, 2))
@@ -125,12 +128,6 @@ def _tp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
     return np.where(tm > 1, tinter[0], tintra[0]), np.where(tm > 1, tinter[1], tintra[1])
 
 
-def _dp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
-    """The link of the whole data-parallel group: ``dp`` devices with stride ``cp x tp``."""
-    _, dm, dintra, dinter = _group_link(cluster, k.dp, k.tp * k.cp, k.per_node)
-    return np.where(dm > 1, dinter[0], dintra[0]), np.where(dm > 1, dinter[1], dintra[1])
-
-
 def _cp_link(cluster: ClusterSpec, k: Knobs) -> LinkArrays:
     """The link of a context-parallel group: ``cp`` devices ``tp`` apart."""
     _, m, intra, inter = _group_link(cluster, k.cp, k.tp, k.per_node)
@@ -174,7 +171,8 @@ def _cp_grad_sync(workload: Workload, cluster: ClusterSpec, k: Knobs, v: Profile
     replicated over it and each device's gradient is a partial sum over its part of the sequence (GSPMD
     reduces it where the gradient is formed, once per micro-batch)."""
     nbytes = _cp_grad_bytes(workload, k, v)
-    return np.where(k.cp > 1, collective_time(CollectiveOp.ALL_REDUCE, nbytes, k.cp, _cp_link(cluster, k)), 0.0)
+    return np.where(k.cp > 1, hierarchical_all_reduce_time(nbytes, *_group_link(cluster, k.cp, k.tp, k.per_node)),
+                    0.0)
 
 
 def _cp_grad_bytes(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
@@ -227,7 +225,7 @@ def _grad_sync_time(cluster: ClusterSpec, k: Knobs, nbytes: np.ndarray, rs_ops: 
     ``nbytes`` of gradient (nothing for ZeRO >= 2: reduced per micro-batch), the reduce-scatter issued as
     ``rs_ops`` collectives (all-reduces are combined on every platform)."""
     gk, gm, intra, inter = _group_link(cluster, k.shard_group, k.tp * k.cp, k.per_node)
-    ar = collective_time(CollectiveOp.ALL_REDUCE, nbytes, k.dp, _dp_link(cluster, k))
+    ar = hierarchical_all_reduce_time(nbytes, *_group_link(cluster, k.dp, k.tp * k.cp, k.per_node))
     return np.where(k.zero == 0, ar, np.where(k.zero == 1, _rs(nbytes, gk, gm, intra, inter, rs_ops), 0.0))
 
 
@@ -433,8 +431,7 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     grad_full, grad_shard = states.grad_full, states.grad_shard
     gk, gm, intra, inter = _group_link(cluster, p, t, k.per_node)
     R = dp / p
-    _, rm, rintra, rinter = _group_link(cluster, R, p * t, k.per_node)
-    rlink = (np.where(rm > 1, rinter[0], rintra[0]), np.where(rm > 1, rinter[1], rintra[1]))
+    replicas = _group_link(cluster, R, p * t, k.per_node)
     z_eff = zero
     # The stacked layers' sync runs per layer inside the backward (`synced_in_loop`, G == 1), one collective
     # per layer (``sync_bwd``; docs/cost_model.md, "Gradient sync in the backward"). Deferred
@@ -447,7 +444,7 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     sync_bwd = (loops if deferred else nl) * _grad_sync_time(cluster, k, row, ops.stacked)
     sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0),
                            np.where(row > 0, ops.other, ops.total))
-    sync = sync + np.where(z_eff >= 1, collective_time(CollectiveOp.ALL_REDUCE, grad_shard, R, rlink), 0.0)
+    sync = sync + np.where(z_eff >= 1, hierarchical_all_reduce_time(grad_shard, *replicas), 0.0)
     regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter, ops.total), 0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
     upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
