@@ -91,6 +91,45 @@ def test_milp_with_a_fill_share_matches_brute_force(fill: float) -> None:
         solve_inter_stage(**_random_case(0), fill=1.5)
 
 
+@pytest.mark.parametrize("fill", [1.0, 0.5])
+def test_milp_with_a_hide_table_matches_brute_force(fill: float) -> None:
+    """Deltas hidden behind the earlier stages' backward times H <= T (the executor's drain): the MILP's
+    three-way dominance (T, D and the unhidden T - H) stays exact, and H = T is Mist's objective."""
+    feasible = 0
+    for seed in range(40):
+        case = _random_case(seed)
+        rng = np.random.default_rng(1000 + seed)
+        hide = np.asarray(case["stable"]) * rng.uniform(0.5, 0.8, np.shape(case["stable"]))
+        ref = brute_force_inter_stage(**case, fill=fill, hide=hide)
+        sol = solve_inter_stage(**case, fill=fill, hide=hide)
+        assert (ref is None) == (sol is None), f"seed {seed}: feasibility disagrees"
+        if ref is None:
+            continue
+        feasible += 1
+        assert sol.objective == pytest.approx(ref.objective, rel=RTOL), f"seed {seed}"
+        T, D, H = (np.asarray(x) for x in (sol.stable, sol.delta, sol.hide))
+        expect = (case["G"] - fill) * T.max() + fill * T.sum() + max(0.0, float(np.max(D - fill * (np.cumsum(H) - H))))
+        assert sol.objective == pytest.approx(expect, rel=1e-12)
+        same = solve_inter_stage(**case, fill=fill, hide=case["stable"])
+        assert same.objective == pytest.approx(solve_inter_stage(**case, fill=fill).objective, rel=RTOL)
+    assert feasible >= 20
+
+
+def test_a_delta_hides_behind_the_earlier_stages_backward_in_the_drain() -> None:
+    """The executor's 1F1B: each stage finishes its last backward about the earlier stages' backward times
+    before the last stage to finish, so a late stage's once-per-step work hides behind those, not behind
+    whole micro-batches (equal stages: exact)."""
+    from mistjax.core.pipeline_order import group_finish_times, issue_order, op_costs
+
+    S, G = 4, 8
+    f, b, d = np.full(S, 1.0), np.full(S, 2.0), np.array([0.0, 0.0, 0.0, 30.0])
+    finish = group_finish_times(issue_order("1f1b", S, G), S, op_costs("1f1b", f, b))
+    assert list(finish.max() - finish) == [0.0, 2.0, 4.0, 6.0]
+    executor = float(np.max(finish + d))
+    assert float(pipeline_objective(f + b, d, G, hide=b)) == pytest.approx(executor)  # 57
+    assert float(pipeline_objective(f + b, d, G)) < executor  # 54: hidden behind 9 s instead of 6
+
+
 def test_fill_shares_of_the_schedules() -> None:
     from mistjax.core.pipeline_time import fill_share
 

@@ -127,7 +127,7 @@ def test_offload_lattice_rules_hold_on_whole_grids(real, budget):
         S, J, R, X = key.stages, len(tables.layer_options), tables.remat.count.size, len(tables.grid)
         slot, option, r, x = (a.ravel() for a in np.meshgrid(*map(np.arange, (S, J, R, X)), indexing="ij"))
         got = price_entries(w, cl, real, tables, slot, option, r, x)
-        stable, delta, ok, floor = (np.reshape(a, (S, J, R, X)) for a in got)
+        stable, delta, ok, floor = (np.reshape(a, (S, J, R, X)) for a in got[:4])
         lattice, grid = OffloadLattice.of(tables.grid), tables.grid
         for f, points in enumerate(lattice.strategy):
             x0 = points[points >= 0][0]
@@ -447,15 +447,15 @@ def test_table_arena_hands_out_all_inf_tables_after_any_writes():
     """The arena resets only what the previous key's tables wrote: each new table is all inf, whatever its shape."""
     arena, rng = TableArena(), np.random.default_rng(0)
     for shape in [(2, 3, 4, 5), (3, 2, 5, 4), (1, 1, 2, 3), (2, 3, 4, 5)]:
-        stable, delta = arena.tables(shape)
-        assert np.isposinf(stable).all() and np.isposinf(delta).all()
-        tables = StageTables(None, tuple(range(shape[1])), None, None, stable, delta, arena=arena)
+        stable, delta, bwd = arena.tables(shape)
+        assert np.isposinf(stable).all() and np.isposinf(delta).all() and np.isposinf(bwd).all()
+        tables = StageTables(None, tuple(range(shape[1])), None, None, stable, delta, arena=arena, bwd=bwd)
         r, x = rng.integers(0, shape[2], 3), rng.integers(0, shape[3], 3)
         tables.store(r, x, rng.random((shape[0], shape[1], 3)), rng.random((shape[0], shape[1], 3)),
-                     np.ones((shape[0], shape[1], 3), bool))
+                     np.ones((shape[0], shape[1], 3), bool), rng.random((shape[0], shape[1], 3)))
         at = tuple(rng.integers(0, n, 4) for n in shape)
-        tables.store_entries(*at, rng.random(4), rng.random(4), np.ones(4, bool))
-        assert np.isfinite(stable).sum() >= 4
+        tables.store_entries(*at, rng.random(4), rng.random(4), np.ones(4, bool), rng.random(4))
+        assert np.isfinite(stable).sum() >= 4 and np.isfinite(bwd).sum() == np.isfinite(stable).sum()
 
 
 def test_small_pages_switches_numpys_huge_pages_off_and_back():

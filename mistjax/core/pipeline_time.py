@@ -27,11 +27,18 @@ def _stages(stable: ArrayLike, delta: ArrayLike) -> tuple[np.ndarray, np.ndarray
     return t, d
 
 
-def exposed_delta(stable: ArrayLike, delta: ArrayLike, fill: float = 1.0) -> np.ndarray:
-    """``max(0, max_i (D_i - c sum_{j<i} T_j))``: the delta no earlier stage's fill hides (the MILP's D_max), with
-    ``fill`` = c the share of each stage's time in the fill (`fill_share`)."""
+def exposed_delta(stable: ArrayLike, delta: ArrayLike, fill: float = 1.0, hide: ArrayLike | None = None
+                  ) -> np.ndarray:
+    """``max(0, max_i (D_i - c sum_{j<i} H_j))``: the delta no earlier stage's drain hides (the MILP's D_max), with
+    ``fill`` = c the share of each stage's time in the fill and drain (`fill_share`).
+
+    ``hide`` = H: what of an earlier stage's micro-batch runs after stage i's last operation. The executor's
+    drain is a chain of backward passes from the last stage to the first, so a stage's once-per-step work
+    hides behind the earlier stages' backward times (`StageCost.bwd`); None: their whole micro-batch times T
+    (Mist's formula)."""
     t, d = np.asarray(stable, dtype=np.float64), np.asarray(delta, dtype=np.float64)
-    before = fill * (np.cumsum(t, axis=-1) - t)  # exclusive prefix sum
+    h = t if hide is None else np.broadcast_to(np.asarray(hide, dtype=np.float64), t.shape)
+    before = fill * (np.cumsum(h, axis=-1) - h)  # exclusive prefix sum
     return np.maximum(np.max(d - before, axis=-1), 0.0)
 
 
@@ -52,7 +59,7 @@ def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0) -> floa
 
 
 def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: ArrayLike,
-                       fill: float = 1.0) -> np.ndarray:
+                       fill: float = 1.0, hide: ArrayLike | None = None) -> np.ndarray:
     """Mist's 1F1B iteration time: ``sum T + (G-1) max T + max(0, max_i (D_i - sum_{j<i} T_j))``; with
     ``fill`` = c (`fill_share`) another schedule's: ``c sum T + (G-c) max T + max(0, max_i (D_i - c sum_{j<i} T_j))``.
 
@@ -64,6 +71,8 @@ def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: Ar
         delta: D, broadcastable to ``stable``.
         num_microbatches: G >= 1, broadcastable to ``stable.shape[:-1]``.
         fill: c in [0, 1], the schedule's `fill_share` (1: 1F1B).
+        hide: H, the part of each stage's micro-batch its successors' deltas hide behind (`exposed_delta`;
+            None: T).
 
     Returns:
         Seconds, shape ``stable.shape[:-1]`` broadcast with G.
@@ -72,7 +81,7 @@ def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: Ar
     g = np.asarray(num_microbatches, dtype=np.float64)
     if np.any(g < 1):
         raise ValueError("num_microbatches must be >= 1")
-    return fill * t.sum(axis=-1) + (g - fill) * t.max(axis=-1) + exposed_delta(t, d, fill)
+    return fill * t.sum(axis=-1) + (g - fill) * t.max(axis=-1) + exposed_delta(t, d, fill, hide)
 
 
 def pipeline_gpipe_time(

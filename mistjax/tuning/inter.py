@@ -100,10 +100,10 @@ def lower_bounds(s: np.ndarray, d: np.ndarray, G: int, layer_opts: tuple[int, ..
 def _dominated(tables: StageTables, g: int, seen: list[int]) -> bool:
     """Whether an already visited shared strategy is at least as good as strategy ``g`` everywhere.
 
-    The objective never decreases when a stage's stable or delta grows, so if strategy h has
-    ``stable <=`` and ``delta <=`` those of g for every (stage, layers, remat) where g is
-    feasible, any plan with g can switch to h without getting worse. h was either solved (its
-    optimum is kept) or pruned by a bound that then also holds for g.
+    If strategy h has ``stable <=``, ``delta <=`` and ``stable - bwd <=`` (the part no later stage's delta
+    hides behind) those of g for every (stage, layers, remat) where g is feasible, any plan with g can switch
+    to h without getting worse (`milp._undominated`). h was either solved (its optimum is kept) or pruned by a
+    bound that then also holds for g.
     """
     if not seen:
         return False
@@ -111,7 +111,11 @@ def _dominated(tables: StageTables, g: int, seen: list[int]) -> bool:
     sg, dg = tables.stable[..., g], tables.delta[..., g]
     ok = np.isfinite(sg)
     sh, dh = tables.stable[..., h][ok], tables.delta[..., h][ok]  # [n_feasible, H]
-    return bool(((sh <= sg[ok][:, None]) & (dh <= dg[ok][:, None])).all(axis=0).any())
+    better = (sh <= sg[ok][:, None]) & (dh <= dg[ok][:, None])
+    if tables.bwd.size:
+        fg, fh = sg[ok] - tables.bwd[..., g][ok], sh - tables.bwd[..., h][ok]
+        better &= fh <= fg[:, None]
+    return bool(better.all(axis=0).any())
 
 
 def _single_stage(tables: StageTables) -> KeyChoice | None:
@@ -148,7 +152,7 @@ def _solve_groups(tables: StageTables, k: int, shared: bool, best: KeyChoice | N
         optimal &= left > 0
         sol = solve_inter_stage(sampled.stable[g], sampled.delta[g], tables.layer_options, num_layers, G,
                                 time_limit=_FIRST_MILP_S if left <= 0 else max(0.05, _MILP_SHARE * left),
-                                best_cost=cut, fill=tables.fill)
+                                best_cost=cut, fill=tables.fill, hide=sampled.bwd[g])
         milps += 1
         if sol is None:
             continue
@@ -194,7 +198,7 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),
                         grid, np.empty(0), np.empty(0), memo=memo)
     probe.fill = key_fill(workload, cluster, cost, probe)
-    s, d, _ = price_pairs(workload, cluster, cost, probe, np.zeros(len(base), np.int64), base)  # [S, J, F]
+    s, d, _, _ = price_pairs(workload, cluster, cost, probe, np.zeros(len(base), np.int64), base)  # [S, J, F]
     if key.stages == 1:
         return float(np.min(key.grad_accum * s[0, 0] + d[0, 0]))
     lb = lower_bounds(np.moveaxis(s, 2, 0)[..., None], np.moveaxis(d, 2, 0)[..., None], key.grad_accum, opts, L,

@@ -50,6 +50,8 @@ class StageTables:
         remat: the R remat options (``count == -1`` means every layer of the stage).
         grid: the X strategies (family-major).
         stable / delta: ``[S, J, R, X]`` seconds per micro-batch and per step.
+        bwd: ``[S, J, R, X]`` the backward part of ``stable``: what a later stage's delta hides behind in the
+            pipeline's drain (`core.pipeline_time.exposed_delta`; empty: ``stable``).
         evaluated: strategies priced so far (for the timing report).
         truncated: the deadline stopped the pricing, so the key's best may be among unpriced strategies.
         sampled: cached Pareto samples (`sample_stage_tables`).
@@ -67,6 +69,7 @@ class StageTables:
     memo: ScheduleMemo | None = None  # prices shared with sibling keys of other schedules
     truncated: bool = False
     fill: float = 1.0
+    bwd: np.ndarray = field(default_factory=lambda: np.empty(0))
     # `sample_stage_tables` results of these tables by (k, shared): the MILP and the tuner's Pareto report
     # sample the same tables; `store` clears it.
     sampled: dict[tuple[int, bool], SampledTables] = field(default_factory=dict, repr=False)
@@ -77,20 +80,25 @@ class StageTables:
         c = int(self.remat.count[r])
         return self.layer_options[j] if c < 0 else c
 
-    def store(self, r: np.ndarray, x: np.ndarray, stable: np.ndarray, delta: np.ndarray, ok: np.ndarray) -> None:
+    def store(self, r: np.ndarray, x: np.ndarray, stable: np.ndarray, delta: np.ndarray, ok: np.ndarray,
+              bwd: np.ndarray) -> None:
         """Write priced ``[S, J, n]`` entries at remat options ``r[n]`` and strategies ``x[n]``."""
         self.stable[:, :, r, x] = np.where(ok, stable, np.inf)
         self.delta[:, :, r, x] = np.where(ok, np.maximum(delta, 0.0), np.inf)
+        if self.bwd.size:
+            self.bwd[:, :, r, x] = np.where(ok, bwd, np.inf)
         self.sampled.clear()
         if self.arena is not None:
             self.arena.written((slice(None), slice(None), r, x))
 
     def store_entries(self, slot: np.ndarray, option: np.ndarray, r: np.ndarray, x: np.ndarray, stable: np.ndarray,
-                      delta: np.ndarray, ok: np.ndarray) -> None:
+                      delta: np.ndarray, ok: np.ndarray, bwd: np.ndarray) -> None:
         """Write single priced entries (1-D arrays; infeasible ones stay ``inf``)."""
         at = (slot[ok], option[ok], r[ok], x[ok])
         self.stable[at] = stable[ok]
         self.delta[at] = np.maximum(delta[ok], 0.0)
+        if self.bwd.size:
+            self.bwd[at] = bwd[ok]
         self.sampled.clear()
         if self.arena is not None:
             self.arena.written(at)
@@ -108,9 +116,9 @@ class ScheduleMemo:
     def __init__(self, schedules: tuple[str, ...]) -> None:
         self.schedules = tuple(schedules)
         self._group: OuterKey | None = None
-        self._entries: dict[tuple[bytes, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._entries: dict[tuple[bytes, ...], PairPrices] = {}
 
-    def lookup(self, key: OuterKey, what: tuple[bytes, ...]) -> tuple[np.ndarray, ...] | None:
+    def lookup(self, key: OuterKey, what: tuple[bytes, ...]) -> PairPrices | None:
         group = dataclasses.replace(key, schedule="")
         if group != self._group:
             self._group, self._entries = group, {}
@@ -118,15 +126,24 @@ class ScheduleMemo:
         if got is None:
             return None
         i = self.schedules.index(key.schedule)
-        return tuple(a[i] for a in got)
+        return PairPrices(*(a[i] for a in got))
 
-    def store(self, what: tuple[bytes, ...], results: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    def store(self, what: tuple[bytes, ...], results: PairPrices) -> None:
         self._entries[what] = results
 
 
+class PairPrices(NamedTuple):
+    """Raw prices of (remat option, strategy) pairs (`price_pairs`), ``[S', J, n]`` each."""
+
+    stable: np.ndarray
+    delta: np.ndarray
+    bwd: np.ndarray  # the backward part of ``stable``
+    feasible: np.ndarray
+
+
 def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables, r: np.ndarray,
-                x: np.ndarray, slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw (stable, delta, feasible) ``[S', J, n]`` of (remat option ``r[n]``, strategy ``x[n]``) pairs.
+                x: np.ndarray, slots: np.ndarray | None = None) -> PairPrices:
+    """Raw (stable, delta, bwd, feasible) ``[S', J, n]`` of (remat option ``r[n]``, strategy ``x[n]``) pairs.
 
     Raw means the costs are returned even where the memory limit is exceeded (lower bounds need
     them); ``feasible`` says where they fit. Pairs whose checkpointed count exceeds a layer option
@@ -150,7 +167,7 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     inflight = np.stack([stage_inflight(slot, key, n) for n in schedules]).reshape(-1, slot.shape[0], 1, 1)
     deferred = np.stack([deferred_microbatches(slot, S, G, n) for n in schedules]).reshape(inflight.shape)
     shape = (len(schedules), slot.shape[0], layers.shape[1], len(r))
-    stable, delta = np.empty(shape), np.empty(shape)
+    stable, delta, bwd = np.empty(shape), np.empty(shape), np.empty(shape)
     feasible = np.empty(shape, dtype=bool)
     step = max(1, _CHUNK_ELEMENTS // max(1, shape[1] * shape[2]))
     for lo in range(0, len(r), step):
@@ -161,13 +178,14 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
         sub = (shape[0], shape[1], shape[2], r[sl].size)
         stable[..., sl] = np.broadcast_to(out.stable, sub)
         delta[..., sl] = np.broadcast_to(out.delta, sub)
+        bwd[..., sl] = np.broadcast_to(out.bwd, sub)
         ok = np.broadcast_to(np.asarray(out.feasible, bool) & valid, sub)
         feasible[..., sl] = ok & np.isfinite(stable[..., sl]) & np.isfinite(delta[..., sl])
     tables.evaluated += int(np.prod(shape))
     if memo is not None:
-        memo.store(what, (stable, delta, feasible))
+        memo.store(what, PairPrices(stable, delta, bwd, feasible))
     i = schedules.index(key.schedule)
-    return stable[i], delta[i], feasible[i]
+    return PairPrices(stable[i], delta[i], bwd[i], feasible[i])
 
 
 def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np.ndarray, x: np.ndarray,
@@ -194,6 +212,7 @@ class EntryPrices(NamedTuple):
     delta: np.ndarray
     feasible: np.ndarray
     offload_floor: np.ndarray
+    bwd: np.ndarray  # the backward part of ``stable``
 
 
 def price_entries(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
@@ -205,7 +224,8 @@ def price_entries(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel,
     stable, delta = np.broadcast_to(out.stable, slot.shape), np.broadcast_to(out.delta, slot.shape)
     ok = np.broadcast_to(np.asarray(out.feasible, bool), slot.shape) & valid & np.isfinite(stable) & np.isfinite(delta)
     tables.evaluated += int(slot.size)
-    return EntryPrices(stable, delta, ok, np.broadcast_to(out.offload_floor, slot.shape))
+    return EntryPrices(stable, delta, ok, np.broadcast_to(out.offload_floor, slot.shape),
+                       np.broadcast_to(out.bwd, slot.shape))
 
 
 def entries_fit(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
@@ -236,8 +256,8 @@ def price(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables:
     R, xs = tables.remat.count.size, np.asarray(xs)
     r = np.repeat(np.arange(R), len(xs))
     x = np.tile(xs, R)
-    s, d, ok = price_pairs(workload, cluster, cost, tables, r, x)
-    tables.store(r, x, s, d, ok)
+    s, d, b, ok = price_pairs(workload, cluster, cost, tables, r, x)
+    tables.store(r, x, s, d, ok, b)
     shape = (ok.shape[0], ok.shape[1], R, len(xs))
     return s.reshape(shape), d.reshape(shape), ok.reshape(shape)
 
@@ -256,7 +276,7 @@ def _prune_policies(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
     r = np.array([int(np.flatnonzero((rem.policy == p) & (rem.count != 0))[-1]) for p in pols])
     x0 = np.zeros(len(r), dtype=np.int64)
     probe = StageTables(tables.key, tables.layer_options[-1:], rem, tables.grid, tables.stable, tables.delta)
-    s, d, _ = price_pairs(workload, cluster, cost, probe, r, x0, slots=np.array([0]))
+    s, d, _, _ = price_pairs(workload, cluster, cost, probe, r, x0, slots=np.array([0]))
     tables.evaluated += probe.evaluated
     peak = _probe_peak(workload, cluster, cost, probe, r)
     s, d = s[0, 0], d[0, 0]
@@ -354,21 +374,21 @@ class TableArena:
 
     def __init__(self) -> None:
         self._memory = np.empty(0)
-        self._views: tuple[np.ndarray, np.ndarray] | None = None
+        self._views: tuple[np.ndarray, ...] | None = None
         self._written: list[tuple[np.ndarray | slice, ...]] = []
 
-    def tables(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Two ``inf``-filled arrays of ``shape``; valid until the next call."""
+    def tables(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Three ``inf``-filled arrays of ``shape`` (stable, delta, bwd); valid until the next call."""
         n = int(np.prod(shape))
-        if self._memory.size < 2 * n:
-            self._memory, self._views = np.full(2 * n, np.inf), None
+        if self._memory.size < 3 * n:
+            self._memory, self._views = np.full(3 * n, np.inf), None
         elif self._views is not None:
             for at in self._written:
                 for view in self._views:
                     view[at] = np.inf
         self._written = []
-        self._views = self._memory[:n].reshape(shape), self._memory[n:2 * n].reshape(shape)
-        return self._views
+        self._views = tuple(self._memory[i * n:(i + 1) * n].reshape(shape) for i in range(3))
+        return self._views  # type: ignore[return-value]
 
     def written(self, at: tuple[np.ndarray | slice, ...]) -> None:
         """Note that the current tables were written at the index ``at``."""
@@ -393,7 +413,7 @@ def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     tables.fill = key_fill(workload, cluster, cost, tables)
     shape = (key.stages, len(opts), tables.remat.count.size, len(grid))
     tables.arena = arena or TableArena()
-    tables.stable, tables.delta = tables.arena.tables(shape)
+    tables.stable, tables.delta, tables.bwd = tables.arena.tables(shape)
     tables.memo = memo
     return tables
 
@@ -409,12 +429,14 @@ class SampledTables:
         stable / delta: ``[groups, S, J, K]`` (``inf`` in empty slots).
         remat: ``[groups, S, J, K]`` index r of the remat option.
         strategy: ``[groups, S, J, K]`` index x of the strategy.
+        bwd: ``[groups, S, J, K]`` the backward part of ``stable`` (the MILP's hide table).
     """
 
     stable: np.ndarray
     delta: np.ndarray
     remat: np.ndarray
     strategy: np.ndarray
+    bwd: np.ndarray
 
 
 def sample_stage_tables(tables: StageTables, k: int, shared: bool, xs: np.ndarray | None = None) -> SampledTables:
@@ -448,10 +470,23 @@ def sample_stage_tables(tables: StageTables, k: int, shared: bool, xs: np.ndarra
         pick = sample_pareto(s, d, G, min(k, R * X))
         empty = pick.indices < 0
         r_idx, x_idx = np.divmod(np.take_along_axis(column, np.maximum(pick.indices, 0), axis=-1), X)
-    out = SampledTables(pick.stable, pick.delta, np.where(empty, -1, r_idx), np.where(empty, -1, x_idx))
+    out = SampledTables(pick.stable, pick.delta, np.where(empty, -1, r_idx), np.where(empty, -1, x_idx),
+                        _sampled_bwd(tables, r_idx, x_idx, empty, pick.stable))
     if cache:
         tables.sampled[(k, shared)] = out
     return out
+
+
+def _sampled_bwd(tables: StageTables, r_idx: np.ndarray, x_idx: np.ndarray, empty: np.ndarray, stable: np.ndarray
+                 ) -> np.ndarray:
+    """The bwd entries of the sampled points ``[groups, S, J, K]`` (their stable time without a bwd table)."""
+    if not tables.bwd.size:
+        return stable
+    S, J = tables.stable.shape[:2]
+    s_idx = np.arange(S).reshape(1, S, 1, 1)
+    j_idx = np.arange(J).reshape(1, 1, J, 1)
+    got = tables.bwd[s_idx, j_idx, np.maximum(r_idx, 0), np.maximum(x_idx, 0)]
+    return np.where(empty, np.inf, got)
 
 
 def _finite_by_group(tables: StageTables, group_of: np.ndarray, n_groups: int

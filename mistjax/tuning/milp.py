@@ -82,6 +82,7 @@ class InterStageSolution:
     solve_time: float
     wall_time: float
     optimal: bool
+    hide: tuple[float, ...] = ()  # H_i of the chosen candidates (empty: T_i, Mist's formula)
 
     @property
     def num_stages(self) -> int:
@@ -95,8 +96,9 @@ class InterStageSolution:
 
     @property
     def d_max(self) -> float:
-        """Exposed delta ``max(0, max_i D_i - sum_{j<i} T_j)``."""
-        return float(exposed_delta(np.asarray(self.stable), np.asarray(self.delta)))
+        """Exposed delta ``max(0, max_i D_i - sum_{j<i} H_j)`` (H: `hide`, else T) at c = 1."""
+        return float(exposed_delta(np.asarray(self.stable), np.asarray(self.delta),
+                                   hide=np.asarray(self.hide) if self.hide else None))
 
 
 def default_layer_options(num_layers: int, num_stages: int, G: int) -> tuple[int, ...]:
@@ -114,33 +116,56 @@ def default_layer_options(num_layers: int, num_stages: int, G: int) -> tuple[int
 
 
 def _normalise_tables(
-    stable: CostTable, delta: CostTable, layer_options: Sequence[int]
-) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """Per (stage, option) pair of float64 1-D cost arrays, with every non-finite pair set to inf."""
+    stable: CostTable, delta: CostTable, layer_options: Sequence[int], hide: CostTable | None = None
+) -> list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """Per (stage, option) pair of float64 1-D cost arrays (T, D, H; H = T without ``hide``), with every
+    candidate whose T or D is not finite set to inf."""
     num_options = len(layer_options)
     if num_options == 0 or any(int(x) != x or x < 0 for x in layer_options):
         raise ValueError(f"layer_options must be non-empty non-negative integers, got {layer_options}")
-    if len(stable) != len(delta):
-        raise ValueError(f"stable has {len(stable)} stages but delta has {len(delta)}")
+    if len(stable) != len(delta) or (hide is not None and len(hide) != len(stable)):
+        raise ValueError(f"stable has {len(stable)} stages but delta has {len(delta)}"
+                         + ("" if hide is None else f" and hide {len(hide)}"))
     if len(stable) == 0:
         raise ValueError("need at least one stage")
     tables = []
     for i, (s_row, d_row) in enumerate(zip(stable, delta, strict=True)):
-        if len(s_row) != num_options or len(d_row) != num_options:
+        h_row = s_row if hide is None else hide[i]
+        if len(s_row) != num_options or len(d_row) != num_options or len(h_row) != num_options:
             raise ValueError(
                 f"stage {i}: expected {num_options} layer options, got {len(s_row)} (stable) / "
-                f"{len(d_row)} (delta)"
+                f"{len(d_row)} (delta) / {len(h_row)} (hide)"
             )
         row = []
-        for j, (s_ij, d_ij) in enumerate(zip(s_row, d_row, strict=True)):
+        for j, (s_ij, d_ij, h_ij) in enumerate(zip(s_row, d_row, h_row, strict=True)):
             s = np.asarray(s_ij, dtype=np.float64).reshape(-1)
             d = np.asarray(d_ij, dtype=np.float64).reshape(-1)
-            if s.shape != d.shape:
-                raise ValueError(f"stage {i}, option {j}: stable {s.shape} vs delta {d.shape}")
+            h = np.asarray(h_ij, dtype=np.float64).reshape(-1)
+            if s.shape != d.shape or s.shape != h.shape:
+                raise ValueError(f"stage {i}, option {j}: stable {s.shape} vs delta {d.shape} vs hide {h.shape}")
             ok = np.isfinite(s) & np.isfinite(d)
-            row.append((np.where(ok, s, np.inf), np.where(ok, d, np.inf)))
+            row.append((np.where(ok, s, np.inf), np.where(ok, d, np.inf), np.where(ok, h, np.inf)))
         tables.append(row)
     return tables
+
+
+def _undominated(s: np.ndarray, d: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Candidates of one (stage, option) that no other beats in every assignment, ties kept at the lower index.
+
+    Swapping candidate k for k' changes the objective by at most ``c (T' - T) + c max(0, H - H')`` plus
+    ``D' - D`` where stage i's own delta is the exposed one: with ``T' <= T``, ``D' <= D`` and
+    ``T' - H' <= T - H`` nothing grows. With H = T (Mist's formula) this is the (T, D) Pareto frontier.
+    """
+    if np.array_equal(s, h):
+        return pareto_mask(s, d, keep_duplicates=False)
+    with np.errstate(invalid="ignore"):  # inf - inf for infeasible candidates: NaN, which dominates nothing
+        f = s - h  # what of the micro-batch hides nothing (the forward)
+    n = s.size
+    at_least = ((s[None, :] <= s[:, None]) & (d[None, :] <= d[:, None]) & (f[None, :] <= f[:, None]))
+    better = (s[None, :] < s[:, None]) | (d[None, :] < d[:, None]) | (f[None, :] < f[:, None])
+    earlier = np.arange(n)[None, :] < np.arange(n)[:, None]
+    np.fill_diagonal(at_least, False)
+    return np.isfinite(s) & np.isfinite(d) & ~np.any(at_least & (better | earlier), axis=1)
 
 
 def _layer_split_possible(usable: list[list[bool]], layer_options: Sequence[int], num_layers: int) -> bool:
@@ -220,6 +245,7 @@ class _Triples:
     candidate: np.ndarray  # k: index into the (i, j) cost arrays
     stable: np.ndarray  # s_ijk, as the tables give it (unscaled)
     delta: np.ndarray  # d_ijk, unscaled
+    hide: np.ndarray  # h_ijk, unscaled (s_ijk without a hide table)
 
     @property
     def size(self) -> int:
@@ -227,19 +253,19 @@ class _Triples:
         return int(self.stable.size)
 
 
-def _usable_triples(tables: list[list[tuple[np.ndarray, np.ndarray]]], layer_options: Sequence[int],
+def _usable_triples(tables: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]], layer_options: Sequence[int],
                     num_layers: int, G: int, best_cost: float | None, fill: float = 1.0) -> _Triples | None:
     """The triples the MILP keeps (see `_InterStageModel`), or None when they allow no layer split."""
     parts: list[tuple[np.ndarray, ...]] = []
     usable = [[False] * len(layer_options) for _ in tables]
     for i, row in enumerate(tables):
-        for j, (s, d) in enumerate(row):
-            keep = pareto_mask(s, d, keep_duplicates=False) & _cut_allows(s, G, best_cost, fill)
+        for j, (s, d, h) in enumerate(row):
+            keep = _undominated(s, d, h) & _cut_allows(s, G, best_cost, fill)
             ks = np.flatnonzero(keep)
             if ks.size == 0:
                 continue
             usable[i][j] = True
-            parts.append((np.full(ks.size, i), np.full(ks.size, j), ks, s[ks], d[ks]))
+            parts.append((np.full(ks.size, i), np.full(ks.size, j), ks, s[ks], d[ks], h[ks]))
     # No usable triple at all leaves no reachable layer sum, so `parts` is non-empty past this check.
     if not _layer_split_possible(usable, layer_options, num_layers):
         return None
@@ -251,7 +277,7 @@ class _Coefficients(NamedTuple):
 
     onehot: sp.csr_matrix  # [S, n]: row i selects stage i's triples
     stable: sp.csr_matrix  # [S, n]: T = stable @ z
-    exposed: sp.csr_matrix  # [S, n]: D_i - c sum_{j<i} T_j = exposed @ z
+    exposed: sp.csr_matrix  # [S, n]: D_i - c sum_{j<i} H_j = exposed @ z
     layers: np.ndarray  # [n]: layer count of each triple
     stable_sum: np.ndarray  # [n]: c sum_i T_i = stable_sum @ z (c: the fill share)
     scale: float  # the costs' divisor
@@ -271,8 +297,9 @@ def _coefficients(triples: _Triples, num_stages: int, layer_options: Sequence[in
     onehot = sp.csr_matrix((np.ones(n), (triples.stage, cols)), shape=(S, n))
     Ms = sp.csr_matrix((s_sc, (triples.stage, cols)), shape=(S, n))
     Md = sp.csr_matrix((d_sc, (triples.stage, cols)), shape=(S, n))
+    Mh = sp.csr_matrix((triples.hide / scale, (triples.stage, cols)), shape=(S, n))
     prefix = sp.csr_matrix(np.tril(np.ones((S, S)), k=-1))  # row i sums stages j < i
-    exposed = (Md - fill * (prefix @ Ms)).tocsr()
+    exposed = (Md - fill * (prefix @ Mh)).tocsr()
     layers = np.asarray(layer_options, dtype=np.float64)[triples.option]
     return _Coefficients(onehot, Ms, exposed, layers, fill * s_sc, scale)
 
@@ -286,7 +313,8 @@ class _InterStageModel:
       Mist's separate layer binaries ``l_ij`` (with ``z_ijk <= l_ij``) are implied by these and left
       out.
     * ``T_i = sum s_ijk z_ijk``, ``D_i = sum d_ijk z_ijk`` as affine expressions (not variables).
-    * ``T_max >= T_i``, ``D_max >= D_i - c sum_{j<i} T_j``, ``D_max >= 0``. Optionally
+    * ``T_max >= T_i``, ``D_max >= D_i - c sum_{j<i} H_j``, ``D_max >= 0`` (H: what of a stage's micro-batch
+      its successors' deltas hide behind, its backward; T without a hide table). Optionally
       ``(G-c) T_max <= best_cost``.
     * minimise ``(G-c) T_max + c sum_i T_i + D_max`` (c: the fill share, 1 for 1F1B).
 
@@ -294,9 +322,9 @@ class _InterStageModel:
 
     * Infeasible (inf/NaN) candidates get no variable, and neither do candidates that alone break the
       pruning cut.
-    * Within one (i, j) only the distinct non-dominated candidates are kept. The objective never
-      decreases when a ``D_i`` or a ``T_i`` grows: raising ``T_i`` by e adds c e to the sum and lowers
-      ``D_max`` by at most c e. So a dominated candidate can always be swapped for its dominator.
+    * Within one (i, j) only the distinct non-dominated candidates are kept (`_undominated`): a candidate
+      no worse in T, D and the unhidden part T - H can always be swapped in. With H = T: raising ``T_i`` by
+      e adds c e to the sum and lowers ``D_max`` by at most c e, so the (T, D) frontier.
 
     No stage-symmetry breaking is applied. Stage slots have their own tables, and the exposed-delta
     term depends on stage order, so swapping stages is not a symmetry in general.
@@ -348,25 +376,26 @@ def _solution(triples: _Triples, chosen: np.ndarray, layer_options: Sequence[int
     layers = tuple(int(layer_options[j]) for j in triples.option[sel])
     if sum(layers) != num_layers:
         raise RuntimeError(f"decoded layer split {layers} does not sum to {num_layers}")
-    T, D = triples.stable[sel], triples.delta[sel]
+    T, D, H = triples.stable[sel], triples.delta[sel], triples.hide[sel]
     return InterStageSolution(
         layers=layers,
         option_indices=tuple(int(j) for j in triples.option[sel]),
         candidates=tuple(int(k) for k in triples.candidate[sel]),
         stable=tuple(float(t) for t in T),
         delta=tuple(float(x) for x in D),
-        objective=float(pipeline_objective(T, D, G, fill)),
+        objective=float(pipeline_objective(T, D, G, fill, H)),
         status=str(status),
         solve_time=solve_time,
         wall_time=time.perf_counter() - t_start,
         optimal=status == cp.OPTIMAL,
+        hide=tuple(float(x) for x in H),
     )
 
 
 def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequence[int], num_layers: int, G: int, *,
                       time_limit: float = 10.0, best_cost: float | None = None, mip_rel_gap: float = 1e-6,
                       verbose: bool = False, highs_options: dict | None = None,
-                      fill: float = 1.0) -> InterStageSolution | None:
+                      fill: float = 1.0, hide: CostTable | None = None) -> InterStageSolution | None:
     """Optimal layer split and per-stage candidate choice by MILP (cvxpy + HiGHS).
 
     The model (binaries per usable (stage, option, candidate) triple, the 1F1B objective with
@@ -387,7 +416,9 @@ def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequen
         verbose: Print the HiGHS log.
         highs_options: Extra HiGHS options passed through cvxpy (e.g. ``{"threads": 1}``).
         fill: c, the schedule's `core.pipeline_time.fill_share`: the objective is
-            ``(G-c) T_max + c sum_i T_i + max(0, max_i (D_i - c sum_{j<i} T_j))`` (1: Mist's 1F1B formula).
+            ``(G-c) T_max + c sum_i T_i + max(0, max_i (D_i - c sum_{j<i} H_j))`` (1: Mist's 1F1B formula).
+        hide: H, same layout as ``stable``: what of each candidate's micro-batch a later stage's delta hides
+            behind in the drain (its backward time, `core.pipeline_time.exposed_delta`); None: T (Mist's).
 
     Returns:
         The best assignment found, or ``None`` when none exists: the problem is infeasible, the cut
@@ -398,7 +429,7 @@ def solve_inter_stage(stable: CostTable, delta: CostTable, layer_options: Sequen
     t_start = time.perf_counter()
     if G < 1:
         raise ValueError(f"G must be >= 1, got {G}")
-    tables = _normalise_tables(stable, delta, layer_options)
+    tables = _normalise_tables(stable, delta, layer_options, hide)
     if best_cost is not None and G == 1 and best_cost < 0:
         return None  # the cut reads 0 <= best_cost
     if not 0.0 <= fill <= 1.0:
@@ -454,6 +485,7 @@ def brute_force_inter_stage(
     *,
     best_cost: float | None = None,
     fill: float = 1.0,
+    hide: CostTable | None = None,
 ) -> InterStageSolution | None:
     """Exact reference for ``solve_inter_stage`` by full enumeration (tests and tiny cases only).
 
@@ -464,9 +496,9 @@ def brute_force_inter_stage(
     t_start = time.perf_counter()
     if G < 1:
         raise ValueError(f"G must be >= 1, got {G}")
-    tables = _normalise_tables(stable, delta, layer_options)
+    tables = _normalise_tables(stable, delta, layer_options, hide)
     S = len(tables)
-    best: tuple[float, tuple[int, ...], tuple[int, ...], np.ndarray, np.ndarray] | None = None
+    best: tuple[float, tuple[int, ...], tuple[int, ...], np.ndarray, np.ndarray, np.ndarray] | None = None
     for split in itertools.product(range(len(layer_options)), repeat=S):
         if sum(layer_options[j] for j in split) != num_layers:
             continue
@@ -477,15 +509,16 @@ def brute_force_inter_stage(
         combo = np.stack([g.reshape(-1) for g in grids], axis=-1)  # [N, S] candidate indices
         T = np.stack([tables[i][j][0][combo[:, i]] for i, j in enumerate(split)], axis=-1)
         D = np.stack([tables[i][j][1][combo[:, i]] for i, j in enumerate(split)], axis=-1)
-        obj = pipeline_objective(T, D, G, fill)
+        H = np.stack([tables[i][j][2][combo[:, i]] for i, j in enumerate(split)], axis=-1)
+        obj = pipeline_objective(T, D, G, fill, H)
         if best_cost is not None:
             obj = np.where((G - fill) * T.max(axis=-1) <= best_cost, obj, np.inf)
         a = int(np.argmin(obj))
         if np.isfinite(obj[a]) and (best is None or obj[a] < best[0]):
-            best = (float(obj[a]), split, tuple(int(k) for k in combo[a]), T[a], D[a])
+            best = (float(obj[a]), split, tuple(int(k) for k in combo[a]), T[a], D[a], H[a])
     if best is None:
         return None
-    objective, split, cands, T, D = best
+    objective, split, cands, T, D, H = best
     elapsed = time.perf_counter() - t_start
     return InterStageSolution(
         layers=tuple(int(layer_options[j]) for j in split),
@@ -498,4 +531,5 @@ def brute_force_inter_stage(
         solve_time=elapsed,
         wall_time=elapsed,
         optimal=True,
+        hide=tuple(float(x) for x in H),
     )

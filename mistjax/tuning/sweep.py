@@ -162,7 +162,7 @@ def _price_time_first(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMo
     """Price every point in full; store the feasible ones."""
     got = price_entries(workload, cluster, cost, tables, *at)
     keep = np.flatnonzero(got.feasible)
-    tables.store_entries(*(a[keep] for a in at), got.stable[keep], got.delta[keep], got.feasible[keep])
+    tables.store_entries(*(a[keep] for a in at), got.stable[keep], got.delta[keep], got.feasible[keep], got.bwd[keep])
     over = point_bound(entry, got.stable, got.delta) >= cut
     G = tables.key.grad_accum
     return _Priced(got.feasible, over, np.where(got.feasible, G * got.stable + got.delta, np.inf))
@@ -177,7 +177,7 @@ def _price_memory_first(workload: WorkloadLike, cluster: ClusterSpec, cost: Cost
     if fits.size:
         sub = tuple(a[fits] for a in at)
         got = price_entries(workload, cluster, cost, tables, *sub)
-        tables.store_entries(*sub, got.stable, got.delta, got.feasible)
+        tables.store_entries(*sub, got.stable, got.delta, got.feasible, got.bwd)
         feasible[fits] = got.feasible
         objective[fits] = np.where(got.feasible, tables.key.grad_accum * got.stable + got.delta, np.inf)
     return _Priced(feasible, np.zeros(n, bool), objective)
@@ -208,7 +208,7 @@ def entries_that_may_fit(workload: WorkloadLike, cluster: ClusterSpec, cost: Cos
         got = price_entries(workload, cluster, cost, tables, entries.slot[at], entries.option[at], entries.remat[at],
                             x[at])
         tables.store_entries(entries.slot[at], entries.option[at], entries.remat[at], x[at], got.stable, got.delta,
-                             got.feasible)
+                             got.feasible, got.bwd)
         floor[at] = got.offload_floor
     keep = floor <= cluster.memory_budget()
     return Entries(*(a[keep] for a in entries))
