@@ -501,3 +501,38 @@ def test_zero_bubble_on_a_plain_jax_model_with_a_tied_embedding_matches_one_devi
     step, new, metrics, ref_new, ref_metrics = run_plan(plan, "sgd", tied=True)
     check_against_reference(step, new, metrics, ref_new, ref_metrics)
     assert step._mpmd.stats.by_kind["weight_grad"] == 4 and step._mpmd.stats.by_kind["last_input"] == 4
+
+
+def test_residuals_are_counted_per_device_under_their_tensor_split():
+    """Under TP the forward's residuals are split over the tensor axis (XLA's output shardings); once the forward
+    is compiled, the executor's per-micro-batch residual bytes (read by its fit check and the XLA:GPU stage
+    report) are those pieces', not the residuals whole over the tensor axis (2x at TP 2)."""
+    from flax import nnx
+
+    import models
+    from mistjax.train.data import SyntheticTokens
+    from mistjax.train.state import TrainState
+
+    cfg = models.get_config("gpt3-tiny")
+    state = TrainState.create(models.build(cfg, rngs=nnx.Rngs(0)), optax.sgd(0.1, momentum=0.9))
+    loss_fn = models.make_loss_fn(state.graphdef)
+
+    def train_step(state, batch):
+        loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    half = cfg.num_layers // 2
+    plan = Plan(stages=(StagePlan(layers=(0, half)), StagePlan(layers=(half, cfg.num_layers))), dp=2, tp=2,
+                micro_batch=4, grad_accum=2)
+    step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
+    batch = SyntheticTokens(cfg.vocab_size, 16, 16, kind="random").batch(0)
+    step.compile_stages(state, batch, ["forward"], compile=False)  # lowered only: nothing compiled yet
+    ex = step._mpmd
+    whole = ex.programs[0].classify().device_nbytes
+    assert ex.residual_bytes()[0] == whole  # before a compile: the upper bound
+    fwd = step.compile_stages(state, batch, ["forward"])[(0, "forward")]
+    infos, shardings = jax.tree.leaves(fwd.out_info[1]), fwd.output_shardings[1]
+    pieces = sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize for a, s in zip(infos, shardings))
+    assert any("tensor" in str(s.spec) for s in shardings)
+    assert ex.residual_bytes()[0] == pieces
+    assert pieces < 0.75 * whole

@@ -210,6 +210,9 @@ class MpmdStep:
         self._replicated = [NamedSharding(m, P()) for m in self.meshes]
         self.applied: PipelineReport | None = None  # what each stage's knobs did, once set up
         self.execution: ExecutionPlan | None = None  # how the plan runs (`core.execution`), once set up
+        # Per stage: device bytes of one micro-batch's residuals under the shardings XLA gave the forward's
+        # outputs (`_note_residuals`), once a forward program was compiled for it.
+        self._residual_device_bytes: dict[int, int] = {}
         self._ready = False
 
     # ================================================================== setup
@@ -1037,8 +1040,23 @@ class MpmdStep:
     # ================================================================== inspection
     def residual_bytes(self) -> list[int]:
         """Per stage: bytes per device its forward keeps in device memory for one micro-batch (0 on the last
-        stage); the part an offload policy moves to host is `residual_host_bytes`."""
-        return [0 if k == self.K - 1 else self.programs[k].classify().device_nbytes for k in range(self.K)]
+        stage); the part an offload policy moves to host is `residual_host_bytes`.
+
+        Once the stage's forward program was compiled (`compile_stages`), each residual's bytes are those of its
+        piece under the sharding XLA gave it: a tensor-parallel residual is split over the tensor axis. Before,
+        each residual is counted whole over that axis (its data-parallel piece), an upper bound."""
+        return [0 if k == self.K - 1 else self._residual_device_bytes.get(k, self.programs[k].classify().device_nbytes)
+                for k in range(self.K)]
+
+    def _note_residuals(self, k: int, out_info: Sequence[jax.ShapeDtypeStruct],
+                        shardings: Sequence[jax.sharding.Sharding]) -> None:
+        """Record stage ``k``'s per-device residual bytes from its compiled forward's outputs (`residual_bytes`)."""
+        stored = self.programs[k].classify().avals
+        if len(stored) != len(out_info) or len(out_info) != len(shardings):
+            return  # not the layout this accounting knows: keep the upper bound
+        self._residual_device_bytes[k] = sum(
+            int(np.prod(sh.shard_shape(tuple(info.shape)))) * np.dtype(info.dtype).itemsize
+            for (_, _, _, host), info, sh in zip(stored, out_info, shardings) if not host)
 
     def residual_host_bytes(self) -> list[int]:
         """Per stage: bytes per device of one micro-batch's residuals kept in host memory (offloaded)."""
@@ -1080,6 +1098,8 @@ class MpmdStep:
                         out[(k, "forward")] = fwd_c if compile else fwd
                     res = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                            for a, s in zip(fwd.out_info[1], fwd_c.output_shardings[1])] if fwd_c is not None else []
+                    if fwd_c is not None:
+                        self._note_residuals(k, fwd.out_info[1], fwd_c.output_shardings[1])
                     if k in self.split_programs and k > 0:  # a zero-bubble stage runs its split backward instead
                         self._add_split_programs(k, add, [params, res, hf, acc], want)
                     elif want is None or "backward" in want:
