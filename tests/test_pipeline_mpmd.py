@@ -536,3 +536,7 @@ def test_residuals_are_counted_per_device_under_their_tensor_split():
     assert any("tensor" in str(s.spec) for s in shardings)
     assert ex.residual_bytes()[0] == pieces
     assert pieces < 0.75 * whole
+    ran = mistjax.autoshard(train_step, jax.devices(), plan=plan)  # a fresh executor, run instead of compiled
+    ran(ran.place(state, batch), batch)
+    assert ran._mpmd.residual_bytes()[0] == pieces
+    assert ran._mpmd.stats.residual_bytes[0] == ran._mpmd.stats.residuals_in_flight[0] * pieces

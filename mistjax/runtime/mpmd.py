@@ -211,7 +211,7 @@ class MpmdStep:
         self.applied: PipelineReport | None = None  # what each stage's knobs did, once set up
         self.execution: ExecutionPlan | None = None  # how the plan runs (`core.execution`), once set up
         # Per stage: device bytes of one micro-batch's residuals under the shardings XLA gave the forward's
-        # outputs (`_note_residuals`), once a forward program was compiled for it.
+        # outputs (`_note_residuals`), once a forward program was compiled for it or ran.
         self._residual_device_bytes: dict[int, int] = {}
         self._ready = False
 
@@ -859,6 +859,8 @@ class MpmdStep:
         args = (params, mb) if k == 0 else (params, q.h_recv.pop((k, i)), mb)
         out = self._run("forward", k, pr.forward(), *args)
         h, r = out if out is not None else (None, None)
+        if r is not None and k not in self._residual_device_bytes:  # the residuals as placed: per-device bytes
+            self._note_residuals(k, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in r], [x.sharding for x in r])
         q.res[(k, i)] = r
         q.live[k] += 1
         self.stats.residuals_in_flight[k] = max(self.stats.residuals_in_flight[k], q.live[k])
@@ -1042,7 +1044,7 @@ class MpmdStep:
         """Per stage: bytes per device its forward keeps in device memory for one micro-batch (0 on the last
         stage); the part an offload policy moves to host is `residual_host_bytes`.
 
-        Once the stage's forward program was compiled (`compile_stages`), each residual's bytes are those of its
+        Once the stage's forward program was compiled (`compile_stages`) or ran, each residual's bytes are those of its
         piece under the sharding XLA gave it: a tensor-parallel residual is split over the tensor axis. Before,
         each residual is counted whole over that axis (its data-parallel piece), an upper bound."""
         return [0 if k == self.K - 1 else self._residual_device_bytes.get(k, self.programs[k].classify().device_nbytes)
