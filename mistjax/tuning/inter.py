@@ -113,8 +113,9 @@ def _dominated(tables: StageTables, g: int, seen: list[int]) -> bool:
     sh, dh = tables.stable[..., h][ok], tables.delta[..., h][ok]  # [n_feasible, H]
     better = (sh <= sg[ok][:, None]) & (dh <= dg[ok][:, None])
     if tables.bwd.size:
-        fg, fh = sg[ok] - tables.bwd[..., g][ok], sh - tables.bwd[..., h][ok]
-        better &= fh <= fg[:, None]
+        with np.errstate(invalid="ignore"):  # inf - inf where h is infeasible: NaN, which is never better
+            fg, fh = sg[ok] - tables.bwd[..., g][ok], sh - tables.bwd[..., h][ok]
+            better &= fh <= fg[:, None]
     return bool(better.all(axis=0).any())
 
 
