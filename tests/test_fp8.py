@@ -51,6 +51,14 @@ def test_fp8_einsum_is_the_product_of_the_quantized_operands():
     assert 1e-3 < _rel(y, jnp.einsum(SPEC, x, w)) < 0.1  # fp8 rounding is there, and small
 
 
+def test_fp8_einsum_in_fp16_does_not_overflow():
+    """The scaled product reaches 448^2 x k, past fp16's 65504: an fp16 model gets the unscaled result."""
+    x, w, _ = _operands()
+    y = fp8_einsum(SPEC, x.astype(jnp.float16), w.astype(jnp.float16))
+    assert y.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(y)))
+    assert _rel(y.astype(jnp.float32), jnp.einsum(SPEC, x, w)) < 0.1
+
+
 def test_fp8_einsums_cast_the_input_once_and_sum_its_gradients():
     x, w, g = _operands()
     ws, gs = (w, 2.0 * w), (g, -g)

@@ -53,9 +53,11 @@ def _operands(spec: str) -> tuple[str, str, str]:
 
 def _gemm(spec: str, x: jax.Array, w: jax.Array, unscale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     # The GEMM accumulates in fp32 and writes ``dtype`` (a tensor-parallel partial product is reduced in it, as
-    # a bf16 matmul's is); the unscale follows in ``dtype``.
-    y = jnp.einsum(spec, x, w, preferred_element_type=dtype)
-    return y * unscale.astype(dtype)
+    # a bf16 matmul's is); the unscale follows. The scaled product reaches 448^2 x k: fp16 (max 65504) takes it
+    # in fp32 and rounds after the unscale.
+    wide = jnp.dtype(dtype) if float(jnp.finfo(dtype).max) > 1e30 else jnp.dtype(jnp.float32)
+    y = jnp.einsum(spec, x, w, preferred_element_type=wide)
+    return (y * unscale.astype(wide)).astype(dtype)
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
