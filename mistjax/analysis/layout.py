@@ -124,13 +124,25 @@ def nbytes(graph: Graph, v: jex.Var) -> Poly:
     return prod(graph.shape(v)) * int(np.dtype(v.aval.dtype).itemsize)
 
 
-def partition_spec(state: State, ndim: int, axis: str = "tensor") -> P | None:
-    """The PartitionSpec of a layout (None for a partial value: leave it to GSPMD)."""
+def partition_spec(state: State, ndim: int, axis: str = "tensor", seq: int | None = None,
+                   context: str | None = None) -> P | None:
+    """The PartitionSpec of a layout (None for a partial value: leave it to GSPMD).
+
+    Args:
+      state: the tensor-parallel layout.
+      ndim: the value's rank.
+      axis: the tensor-parallel mesh axis.
+      seq: the value's sequence dim, split over ``context`` under context parallelism (None: it has none).
+      context: the context-parallel mesh axis (None: no context parallelism). A dim split over both is
+        split over ``context`` major, then ``axis``, as the hidden state is between layers.
+    """
     if isinstance(state, Partial):
         return None
-    entries: list[str | None] = [None] * ndim
+    entries: list[str | tuple[str, str] | None] = [None] * ndim
+    if context is not None and seq is not None:
+        entries[seq] = context
     if isinstance(state, Shard):
-        entries[state.dim] = axis
+        entries[state.dim] = (context, axis) if entries[state.dim] is not None else axis
     return P(*entries)
 
 

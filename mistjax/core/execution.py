@@ -110,6 +110,15 @@ class Capabilities(NamedTuple):
         return self.async_collectives
 
 
+def collective_matmul_runs(enabled: ArrayLike, cp: ArrayLike) -> np.ndarray:
+    """Whether a layer runs its tensor-parallel collectives as collective matmuls; vectorised over plans.
+
+    Where `Capabilities.collective_matmul` enables them (``enabled``) and the sequence is split over ``tensor``
+    alone (``cp`` = 1): the rings chunk the sequence-split activation over ``tensor``, while under context
+    parallelism it is split over ``(context, tensor)``, and its gathers and reduce-scatters stay GSPMD's."""
+    return np.logical_and(np.asarray(enabled, bool), np.asarray(cp) == 1)
+
+
 # ---------------------------------------------------------------------------------------------- layer scans
 def scan_unroll(num_layers: ArrayLike, offload: ArrayLike, double_buffer: ArrayLike) -> np.ndarray:
     """Layers per iteration of a segment's scan (1 or 2); vectorised over strategies.

@@ -304,11 +304,6 @@ class Plan:
         if self.cp > 1 and self.num_stages > 1:
             raise PlanError(f"cp={self.cp} with {self.num_stages} pipeline stages: the pipeline executor does not run "
                             "context parallelism yet; use one stage with cp > 1, or cp=1 with stages")
-        if self.cp > 1 and self.tp > 1:
-            # The tensor-parallel block pins every value of the layer to its tensor layout, which would gather
-            # the sequence whole over `context` inside each layer (measured: cp 2 x tp 2 held what tp 2 holds).
-            raise PlanError(f"cp={self.cp} with tp={self.tp}: context parallelism does not run with tensor "
-                            "parallelism yet; use cp > 1 with tp=1, or tp > 1 with cp=1")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype={self.grad_dtype!r} is not supported: use one of {GRAD_DTYPES} or null "
                             "(each parameter's own dtype)")

@@ -94,7 +94,7 @@ class WorkloadLike(Protocol):
 
     def supports_tp(self, tp: int) -> bool: ...  # whether tensor parallelism of degree tp applies
 
-    def supports_cp(self, cp: int) -> bool: ...  # whether context parallelism of degree cp applies
+    def supports_cp(self, cp: int, tp: int = 1) -> bool: ...  # whether context parallelism of degree cp applies
 
 
 # A cost model is written for its own workload and cluster types (the project's: `mistjax.cost.Workload` and

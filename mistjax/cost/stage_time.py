@@ -22,7 +22,7 @@ from numpy.typing import ArrayLike
 
 from mistjax.analysis.compiled import PartValues, ProfileValues
 from mistjax.core.context import ring_traffic
-from mistjax.core.execution import Capabilities, rows_synced_in_loop
+from mistjax.core.execution import Capabilities, collective_matmul_runs, rows_synced_in_loop
 from mistjax.core.hlo import CollectiveOp
 from mistjax.cost.collectives import (
     LinkLike,
@@ -244,9 +244,16 @@ def _block_tp_time(cluster: ClusterSpec, v: ProfileValues, phase: str, k: Knobs,
                    ring_gemm: np.ndarray) -> np.ndarray:
     """Seconds of a layer's tensor-parallel collectives in one phase: serial, or as collective matmuls whose
     chunk GEMMs (``ring_gemm`` seconds in all) hide their transfers (`cost.tp_rings`)."""
+    serial = _tp_time(v.block, phase, k, link)
     if not capabilities(cluster).collective_matmul:
-        return _tp_time(v.block, phase, k, link)
-    return tp_ring_time(v.block, phase, k.tp, link, ring_gemm, _ring_overlap(cluster))
+        return serial
+    return np.where(_rings(cluster, k), tp_ring_time(v.block, phase, k.tp, link, ring_gemm, _ring_overlap(cluster)),
+                    serial)
+
+
+def _rings(cluster: ClusterSpec, k: Knobs) -> np.ndarray:
+    """Per strategy, whether its layers run collective matmuls (`core.execution.collective_matmul_runs`)."""
+    return collective_matmul_runs(capabilities(cluster).collective_matmul, k.cp)
 
 
 def _tp_recompute_time(workload: Workload, cluster: ClusterSpec, v: ProfileValues, k: Knobs, link: LinkArrays,
@@ -254,9 +261,11 @@ def _tp_recompute_time(workload: Workload, cluster: ClusterSpec, v: ProfileValue
     """Seconds of the extra tensor-parallel collectives a checkpointed layer issues when it recomputes
     (with collective matmuls: as the forward's rings, ``ring_gemm`` its GEMM seconds)."""
     nbytes = _recompute_bytes(workload, v, k)
-    if capabilities(cluster).collective_matmul:
-        return tp_ring_recompute_time(v.block, nbytes, k.tp, link, ring_gemm, _ring_overlap(cluster))
-    return sum(collective_time(kd, nbytes[kd], k.tp, link) for kd in KINDS)
+    serial = sum(collective_time(kd, nbytes[kd], k.tp, link) for kd in KINDS)
+    if not capabilities(cluster).collective_matmul:
+        return serial
+    return np.where(_rings(cluster, k),
+                    tp_ring_recompute_time(v.block, nbytes, k.tp, link, ring_gemm, _ring_overlap(cluster)), serial)
 
 
 def _pass_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, kinds: LayerKinds
@@ -337,7 +346,7 @@ def _layer_tp(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValu
     zero = np.zeros(np.shape(out["fwd"]))
     out["chunks_fwd"] = out["chunks_bwd"] = out["chunks_recompute"] = zero
     if capabilities(cluster).collective_matmul:
-        overhead = cluster.device.kernel_overhead
+        overhead = np.where(_rings(cluster, k), cluster.device.kernel_overhead, 0.0)
         out["chunks_fwd"] = chunk_overhead(c["ring_kernels_fwd"], k.tp, overhead)
         out["chunks_bwd"] = chunk_overhead(c["ring_kernels_bwd"], k.tp, overhead)
         out["chunks_recompute"] = recompute_share(v.block, _recompute_bytes(workload, v, k)) * out["chunks_fwd"]

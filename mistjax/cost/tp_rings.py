@@ -105,7 +105,7 @@ def tp_ring_recompute_time(part: PartValues, recompute: dict[str, np.ndarray], t
     return recompute_share(part, recompute) * rings + collective_time(_AR, recompute[_AR], t, link)
 
 
-def chunk_overhead(kernels: ArrayLike, t: ArrayLike, overhead: float) -> np.ndarray:
+def chunk_overhead(kernels: ArrayLike, t: ArrayLike, overhead: ArrayLike) -> np.ndarray:
     """Seconds the rings' GEMMs cost beyond the whole GEMMs they split: each of the ``kernels`` runs as ``t``
     chunk kernels, ``t - 1`` more kernel overheads (`DeviceSpec.kernel_overhead`). A chunk's roofline is
     taken as ``1 / t`` of the GEMM's (``m / t`` rows: whole tiles at the sizes TP is used with)."""

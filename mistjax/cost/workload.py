@@ -201,10 +201,11 @@ class Workload:
             return False
         return bool(np.all(self.compiled.feasible(1, self.seq_len, tp)))
 
-    def supports_cp(self, cp: int) -> bool:
-        """Whether context parallelism of degree ``cp`` applies: the sequence splits into ``2 cp`` chunks (the
-        ring's balanced causal split, docs/context-parallel.md)."""
-        return cp == 1 or self.seq_len % (2 * cp) == 0
+    def supports_cp(self, cp: int, tp: int = 1) -> bool:
+        """Whether context parallelism of degree ``cp`` applies with tensor parallelism of degree ``tp``: the
+        sequence splits into ``2 cp`` chunks (the ring's balanced causal split, docs/context-parallel.md) and each
+        device's part of it ``tp`` ways (sequence parallelism)."""
+        return cp == 1 or (self.seq_len % (2 * cp) == 0 and (self.seq_len // cp) % tp == 0)
 
     @property
     def ring_attention(self) -> bool:

@@ -62,10 +62,12 @@ def _residual_name(eqn: jex.JaxprEqn) -> str | None:
 
 
 @functools.cache
-def _warn_gathered(reason: str) -> None:
+def warn_gathered(reason: str) -> None:
+    """Warn (once per reason) that context parallelism leaves the layer's attention to GSPMD."""
     warnings.warn(f"context parallelism: {reason}; GSPMD gathers each layer's keys and values whole over "
                   "`context` for the attention (correct, but the keys / values of the whole sequence are held "
                   "per layer and the causal work is not balanced)", stacklevel=4)
+
 
 
 def context_parallel_block(traced: TracedLoss) -> BlockFn | None:
@@ -76,8 +78,8 @@ def context_parallel_block(traced: TracedLoss) -> BlockFn | None:
         return None
     calls = {i: c for i, e in enumerate(stack.body.jaxpr.eqns) if (c := attention_call(e)) is not None}
     if not calls:
-        _warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "
-                       "so it is not run as the ring kernel")
+        warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "
+                      "so it is not run as the ring kernel")
         return None
     return functools.partial(_run_layer, stack, calls)
 
@@ -101,4 +103,4 @@ def _run_layer(stack: LayerStack, calls: dict[int, AttentionCall], consts: Seque
     return out[: stack.num_carry], out[stack.num_carry:]
 
 
-__all__ = ["AttentionCall", "attention_call", "context_parallel_block"]
+__all__ = ["AttentionCall", "attention_call", "context_parallel_block", "warn_gathered"]

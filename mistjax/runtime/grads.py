@@ -400,9 +400,10 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
     synchronising pass (``sync``) the `synced` leaves' summed rows are all-reduced / reduce-scattered
     there too, each in the iteration that produced it, or one iteration later (`StageExecution.defer_sync`).
     """
-    # One block runs the layer: Megatron's TP layouts, or (cp > 1, which excludes tp > 1) the ring attention.
-    tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch)
-    if plan.cp > 1:
+    # One block runs the layer: Megatron's TP layouts (under cp > 1 with the sequence split over `context` and
+    # the ring attention inside), or with tp = 1 the ring attention alone.
+    tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch, cp=plan.cp)
+    if plan.cp > 1 and tp_block is None:
         tp_block = context_parallel_block(traced)
     layer_loop = _single_stage_loop(traced, execution, specs, plan)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()

@@ -15,8 +15,9 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.execution import collective_matmul_runs
 from mistjax.core.jaxpr import Atom, Params, Value, read
-from mistjax.core.layout import LeafLayout
+from mistjax.core.layout import CONTEXT_AXIS, LeafLayout
 from mistjax.core.types import LossFn
 from mistjax.runtime import xla_flags
 from mistjax.runtime.collective_matmul import (
@@ -27,6 +28,8 @@ from mistjax.runtime.collective_matmul import (
     matmul_reduce_scatter,
     plan_rings,
 )
+from mistjax.runtime.context_attention import ContextForm, context_attention
+from mistjax.runtime.context_block import attention_call, warn_gathered
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, bind_equation
 
 # `mistjax.analysis` is imported where a tensor-parallel block is built or run, not at import: its package
@@ -41,15 +44,25 @@ TENSOR_AXIS = "tensor"
 class TensorParallelBlock:
     """One layer evaluated under propagated tensor-parallel layouts (a `BlockFn`).
 
+    Under context parallelism (``context`` set) every value's sequence dim stays split over that mesh axis
+    too (a sequence-parallel split over ``(context, tensor)``, a gather over ``tensor`` only), and the
+    model's blockwise fused-attention calls run as the ring kernel (`runtime.context_block`).
+
     Attributes:
       graph: the layer's flattened body with symbolic dims (traced at the runtime's size).
       result: its propagated layouts and the collectives they imply.
       stack: the layer stack it replaces the body of.
+      context: the context-parallel mesh axis, or None.
     """
 
-    def __init__(self, graph: Graph, result: TPResult, stack: LayerStack, axis: str = TENSOR_AXIS):
-        self.graph, self.result, self.stack, self.axis = graph, result, stack, axis
+    def __init__(self, graph: Graph, result: TPResult, stack: LayerStack, axis: str = TENSOR_AXIS,
+                 context: str | None = None):
+        self.graph, self.result, self.stack, self.axis, self.context = graph, result, stack, axis, context
         self._rings: RingPlan | None = None
+        # The fused-attention calls the ring kernel replaces (their sites: each node of a call points to it).
+        sites = dict.fromkeys(n.call for n in graph.nodes if n.call is not None and not n.call.checkpoint)
+        self._attention = {} if context is None else {
+            site: call for site in sites if (call := attention_call(site.eqn)) is not None}
 
     def rings(self) -> RingPlan:
         """Where this layer runs collective matmuls when they are on (`mistjax.runtime.collective_matmul`)."""
@@ -63,7 +76,9 @@ class TensorParallelBlock:
         mesh = jax.sharding.get_abstract_mesh()
         device = mesh.abstract_device
         platform = None if device is None else device.platform
-        if self.axis not in mesh.axis_names or not xla_flags.use_collective_matmul(platform):
+        cp = mesh.shape.get(self.context, 1) if self.context is not None else 1
+        if self.axis not in mesh.axis_names or not collective_matmul_runs(xla_flags.use_collective_matmul(platform),
+                                                                          cp):
             return RingPlan()
         return self.rings()
 
@@ -73,12 +88,25 @@ class TensorParallelBlock:
         n = self.stack.num_carry
         return outs[:n], outs[n:]
 
-    def constrain(self, x: Value, state: State, coll: _Collectives | None = None) -> Value:
-        """``x`` constrained to ``state`` (a partial sum is left to GSPMD); through ``coll`` for a
-        sequence-split float value, so that its cotangent's gathers can be shared."""
+    @property
+    def has_ring_attention(self) -> bool:
+        """Whether the layer's attention runs as the ring kernel (context parallelism, a recognised kernel)."""
+        return bool(self._attention)
+
+    def seq_dim(self, v: Atom) -> int | None:
+        """The sequence dim of the graph value ``v`` under context parallelism (the dim of size ``s``), else None."""
+        from mistjax.analysis.poly import PS
+
+        if self.context is None or not isinstance(v, jex.Var):
+            return None
+        return next((d for d, n in enumerate(self.graph.shape(v)) if n == PS), None)
+
+    def constrain(self, x: Value, state: State, coll: _Collectives | None = None, v: Atom | None = None) -> Value:
+        """``x`` (the graph value ``v``) constrained to ``state`` (a partial sum is left to GSPMD); through
+        ``coll`` for a sequence-split float value, so that its cotangent's gathers can be shared."""
         from mistjax.analysis.layout import Shard, partition_spec
 
-        spec = partition_spec(state, np.ndim(x), self.axis)
+        spec = partition_spec(state, np.ndim(x), self.axis, None if v is None else self.seq_dim(v), self.context)
         if spec is None or not hasattr(x, "shape"):
             return x
         if coll is not None and isinstance(state, Shard) and state.seq and _is_float(x):
@@ -92,7 +120,7 @@ class TensorParallelBlock:
         g, res = self.graph, self.result
         env: dict[jex.Var, Value] = dict(g.consts)
         env.update(zip(g.invars, args))
-        coll = _Collectives(self.axis)
+        coll = _Collectives(self.axis, self.context)
         rings = self._active_rings()
         nodes, i = g.nodes, 0
         while i < len(nodes):
@@ -116,8 +144,8 @@ class TensorParallelBlock:
             o = read(env, v)
             if isinstance(v, jex.Var) and isinstance(coll.state(v, res), Partial) and isinstance(st, Shard) \
                     and _is_float(o):
-                o = coll.reduce_scatter(o, st.dim)
-            outs.append(self.constrain(o, st, coll) if isinstance(v, jex.Var) else o)
+                o = coll.reduce_scatter(o, st.dim, self.seq_dim(v))
+            outs.append(self.constrain(o, st, coll, v) if isinstance(v, jex.Var) else o)
         return outs
 
     def _run_node(self, n: Node, env: dict[jex.Var, Value], coll: _Collectives) -> None:
@@ -127,7 +155,7 @@ class TensorParallelBlock:
         res = self.result
         vals = [read(env, v) for v in n.ins]
         eff = res.node_states.get(n, ([REP] * len(n.ins), []))[0]
-        gather: dict[int, int] = {}  # input index -> split dim it is all-gathered from
+        gather: dict[int, tuple[int, int | None]] = {}  # input index -> (split dim gathered from, sequence dim)
         for k, (v, want) in enumerate(zip(n.ins, eff)):
             if not isinstance(v, jex.Var) or isinstance(want, Partial) or not hasattr(vals[k], "shape"):
                 continue
@@ -135,16 +163,16 @@ class TensorParallelBlock:
             if same_layout(cur, want):
                 continue
             if isinstance(cur, Shard) and want is REP and _is_float(vals[k]):
-                gather[k] = cur.dim
+                gather[k] = (cur.dim, self.seq_dim(v))
             elif isinstance(cur, Partial) and isinstance(want, Shard) and _is_float(vals[k]):
-                vals[k] = coll.reduce_scatter(vals[k], want.dim)
+                vals[k] = coll.reduce_scatter(vals[k], want.dim, self.seq_dim(v))
             else:
                 # A partial sum all-reduced, a local slice of a replicated value, or a re-split
                 # (all-to-all): the constraint says so, and its transpose is the mirror.
-                vals[k] = self.constrain(vals[k], want)
+                vals[k] = self.constrain(vals[k], want, v=v)
         out = coll.gatheredbind_equation(n.eqn, vals, gather) if gather else bind_equation(n.eqn, vals)
         for v, o in zip(n.outs, out):
-            env[v] = self.constrain(o, coll.state(v, res), coll)
+            env[v] = self.constrain(o, coll.state(v, res), coll, v)
 
     def _run_ring(self, ring: GatherRing | ScatterRing, env: dict[jex.Var, Value], coll: _Collectives) -> None:
         """Evaluate a collective matmul (`mistjax.runtime.collective_matmul`) in place of its nodes and the
@@ -194,23 +222,38 @@ class TensorParallelBlock:
     def _run_custom_vjp(self, site: CallSite, env: dict[jex.Var, Value], coll: _Collectives) -> None:
         """Bind an inlined ``custom_vjp`` call (the attention kernel, 16-bit probabilities) again on its
         inputs, so its own residuals and backward run. Its inside is per head (no tensor-parallel
-        collective): GSPMD carries the inputs' head split through it."""
+        collective): GSPMD carries the inputs' head split through it. Under context parallelism a
+        blockwise fused-attention call runs as the ring kernel instead."""
         from mistjax.analysis.layout import REP
 
-        out = bind_equation(site.eqn, [read(env, v) for v in site.ins])
+        vals = [read(env, v) for v in site.ins]
+        call = self._attention.get(site)
+        if call is None:
+            out = bind_equation(site.eqn, vals)
+        else:
+            out = [context_attention(*vals, axis=self.context, form=ContextForm.RING, causal=call.causal,
+                                     block_size=call.block, residual_name=call.residual_name)]
         for v, o in zip(site.outs, out):
             if isinstance(v, jex.Var) and v not in site.ins:
-                env[v] = self.constrain(o, self.result.states.get(v, REP), coll)
+                env[v] = self.constrain(o, self.result.states.get(v, REP), coll, v)
 
 
 def _is_float(x: Value) -> bool:
     return jax.dtypes.issubdtype(x.dtype, np.inexact)
 
 
-def _split(x: jax.Array, dim: int, axis: str) -> jax.Array:
-    spec: list[str | None] = [None] * x.ndim
-    spec[dim] = axis
-    return jax.lax.with_sharding_constraint(x, P(*spec))
+def _split(x: jax.Array, dim: int, axis: str, seq: int | None = None, context: str | None = None) -> jax.Array:
+    """``x`` split along ``dim`` over ``axis`` (and its sequence dim ``seq`` over ``context``)."""
+    from mistjax.analysis.layout import Shard, partition_spec
+
+    return jax.lax.with_sharding_constraint(x, partition_spec(Shard(dim), x.ndim, axis, seq, context))
+
+
+def _all_gather(x: jax.Array, seq: int | None = None, context: str | None = None) -> jax.Array:
+    """``x`` whole over ``tensor`` (its sequence dim ``seq`` still split over ``context``)."""
+    from mistjax.analysis.layout import REP, partition_spec
+
+    return jax.lax.with_sharding_constraint(x, partition_spec(REP, x.ndim, seq=seq, context=context))
 
 
 class _Collectives:
@@ -226,8 +269,8 @@ class _Collectives:
     as long as the traced layer.
     """
 
-    def __init__(self, axis: str):
-        self.axis = axis
+    def __init__(self, axis: str, context: str | None = None):
+        self.axis, self.context = axis, context
         # Values held in another layout than the analysis records: partial sums a collective matmul
         # reduce-scattered where they were made.
         self.held: dict[jex.Var, State] = {}
@@ -243,11 +286,12 @@ class _Collectives:
             x = hit[1]
         return x
 
-    def all_gather(self, x: jax.Array) -> jax.Array:
+    def all_gather(self, x: jax.Array, seq: int | None = None) -> jax.Array:
+        """``x`` gathered over ``tensor`` (its sequence dim ``seq`` kept split over ``context``), once per value."""
         root = self._root(x)
         hit = self._gathered.get(id(root))
         if hit is None or hit[0] is not root:
-            hit = (root, _all_gather(x))
+            hit = (root, _all_gather(x, seq, self.context))
             self._gathered[id(root)] = hit
         return hit[1]
 
@@ -270,26 +314,27 @@ class _Collectives:
         run.defvjp(fwd, bwd)
         return run(x)
 
-    def reduce_scatter(self, x: jax.Array, dim: int) -> jax.Array:
-        """A partial sum reduce-scattered onto ``dim`` (a row-parallel output); its transpose is
-        the explicit (shared) all-gather of the cotangent."""
+    def reduce_scatter(self, x: jax.Array, dim: int, seq: int | None = None) -> jax.Array:
+        """A partial sum reduce-scattered onto ``dim`` (a row-parallel output; ``seq`` its sequence dim);
+        its transpose is the explicit (shared) all-gather of the cotangent."""
 
         @jax.custom_vjp
         def run(v: jax.Array) -> jax.Array:
-            return _split(v, dim, self.axis)
+            return _split(v, dim, self.axis, seq, self.context)
 
         def fwd(v: jax.Array) -> tuple[jax.Array, None]:
-            return _split(v, dim, self.axis), None
+            return run(v), None
 
         def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
-            return (self.all_gather(ct),)
+            return (self.all_gather(ct, seq),)
 
         run.defvjp(fwd, bwd)
         return run(x)
 
-    def gatheredbind_equation(self, eqn: jex.JaxprEqn, vals: Sequence[Value], gather: dict[int, int]
-                              ) -> list[Value]:
-        """``eqn`` applied to ``vals`` after all-gathering the inputs in ``gather``, Megatron-style.
+    def gatheredbind_equation(self, eqn: jex.JaxprEqn, vals: Sequence[Value],
+                              gather: dict[int, tuple[int, int | None]]) -> list[Value]:
+        """``eqn`` applied to ``vals`` after all-gathering the inputs in ``gather`` (index -> the split dim
+        and the sequence dim), Megatron-style.
 
         The custom VJP keeps the split inputs (not the gathered copies: 1/t of the bytes) for the
         backward, which all-gathers them again for the weight gradient and reduce-scatters the
@@ -298,37 +343,37 @@ class _Collectives:
         """
         diff = [k for k, x in enumerate(vals) if hasattr(x, "shape") and _is_float(x)]
 
-        def apply(gathered: Callable[[jax.Array], jax.Array], *d: jax.Array) -> list[Value]:
+        def apply(gathered: Callable[[jax.Array, int | None], jax.Array], *d: jax.Array) -> list[Value]:
             full = list(vals)
             for k, x in zip(diff, d):
-                full[k] = gathered(x) if k in gather else x
+                full[k] = gathered(x, gather[k][1]) if k in gather else x
             return bind_equation(eqn, full)
+
+        def gather_once(x: jax.Array, seq: int | None) -> jax.Array:
+            return _all_gather(x, seq, self.context)
 
         @jax.custom_vjp
         def run(*d: jax.Array) -> list[Value]:
-            return apply(_all_gather, *d)
+            return apply(gather_once, *d)
 
         def fwd(*d: jax.Array) -> tuple[list[Value], tuple[jax.Array, ...]]:
-            return apply(_all_gather, *d), d
+            return apply(gather_once, *d), d
 
         def bwd(d: tuple[jax.Array, ...], ct: list[jax.Array]) -> tuple[jax.Array, ...]:
-            full = [self.all_gather(x) if k in gather else x for k, x in zip(diff, d)]
-            _, vjp = jax.vjp(lambda *f: apply(lambda y: y, *f), *full)
+            full = [self.all_gather(x, gather[k][1]) if k in gather else x for k, x in zip(diff, d)]
+            _, vjp = jax.vjp(lambda *f: apply(lambda y, _: y, *f), *full)
             cts = vjp(ct)
-            return tuple(_split(c, gather[k], self.axis) if k in gather else c for k, c in zip(diff, cts))
+            return tuple(_split(c, gather[k][0], self.axis, gather[k][1], self.context) if k in gather else c
+                         for k, c in zip(diff, cts))
 
         run.defvjp(fwd, bwd)
         return run(*[vals[k] for k in diff])
 
 
-def _all_gather(x: jax.Array) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, P(*([None] * x.ndim)))
-
-
 # ------------------------------------------------------------------------------------ construction
 
 def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[LeafLayout], tp: int,
-                          batch: Sequence[bool] | None = None) -> BlockFn | None:
+                          batch: Sequence[bool] | None = None, cp: int = 1) -> BlockFn | None:
     """A `BlockFn` running ``traced``'s layer under Megatron TP + SP layouts, or None for ``tp == 1``.
 
     Args:
@@ -337,8 +382,10 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
       layouts: the runtime's `LeafLayout` of each parameter leaf (their ``tensor_dims``).
       tp: tensor-parallel degree; 1 returns None (today's plain evaluation).
       batch: per rest leaf of ``traced``, whether it is batch data (see `block_graph`).
+      cp: context-parallel degree: above 1 the sequence stays split over ``context`` inside the layer and
+        the fused attention runs as the ring kernel (`TensorParallelBlock`).
     Returns:
-      None also when the model has no layer stack, its sequence does not split ``tp`` ways, or its
+      None also when the model has no layer stack, its sequence does not split ``tp * cp`` ways, or its
       layer cannot be analysed (with a warning): the runtime then leaves the layer to GSPMD, as
       without this block.
     """
@@ -348,7 +395,7 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
 
     stack = traced.stack
     sizes = hidden_sizes(stack)
-    if sizes is None or sizes[1] % tp:
+    if sizes is None or sizes[1] % (tp * cp):
         return None
     try:
         graph = block_graph(fun, traced, batch)
@@ -368,7 +415,11 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
     for d in result.divisors:
         if d.exact(b, s) % tp:
             return None
-    return TensorParallelBlock(graph, result, stack)
+    block = TensorParallelBlock(graph, result, stack, context=CONTEXT_AXIS if cp > 1 else None)
+    if cp > 1 and not block.has_ring_attention:
+        warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "
+                      "so it is not run as the ring kernel")
+    return block
 
 
 def per_tensor_shard(fn: Callable[[jax.Array], jax.Array], tensor_dims: Sequence[int],

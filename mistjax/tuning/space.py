@@ -54,8 +54,8 @@ class SearchSpace:
         name: label used in reports.
         micro_batches: per-device micro-batch sizes b.
         tp_degrees: tensor-parallel degrees (capped at the devices of one node; must divide the heads).
-        cp_degrees: context-parallel degrees (each sequence split over cp devices; one-stage plans without
-            tensor parallelism only, as the runtime runs them; the sequence must split into 2 cp chunks).
+        cp_degrees: context-parallel degrees (each sequence split over cp devices; one-stage plans only, as the
+            runtime runs them, with any TP degree; the sequence must split into 2 cp chunks, and each part tp ways).
         pipeline: allow more than one pipeline stage.
         max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
             computes gradients with plain ``jax.grad``, which the runtime cannot split).
@@ -223,11 +223,12 @@ def _cp_fits(cp: int, tp: int, per_node: int) -> bool:
 
 def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: int, per_node: int,
                supports_tp: Callable[[int], bool] = lambda tp: tp == 1,
-               supports_cp: Callable[[int], bool] = lambda cp: cp == 1) -> list[OuterKey]:
+               supports_cp: Callable[[int, int], bool] = lambda cp, tp: cp == 1) -> list[OuterKey]:
     """Every (tp, cp, stages, micro-batch) point of the space on ``nodes x per_node`` devices.
 
-    ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`), ``supports_cp(c)``
-    whether its sequence does (`WorkloadLike.supports_cp`); context parallelism is tried on one stage only.
+    ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`), ``supports_cp(c, t)``
+    whether its sequence does, with TP ``t`` (`WorkloadLike.supports_cp`); context parallelism is tried on one
+    stage only (with any TP degree).
 
     Ordered by stage count first (one stage is evaluated without a MILP and gives an early incumbent
     for pruning), then TP, then micro-batch size.
@@ -246,8 +247,9 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
         for tp in sorted(set(space.tp_degrees)):
             if tp > per_node or (num_devices // S) % tp or not supports_tp(tp):
                 continue
-            for cp in sorted(set(space.cp_degrees)) if S == 1 and tp == 1 else (1,):
-                if (num_devices // S) % (tp * cp) or not supports_cp(cp) or (cp > 1 and not _cp_fits(cp, tp, per_node)):
+            for cp in sorted(set(space.cp_degrees)) if S == 1 else (1,):
+                if (num_devices // S) % (tp * cp) or not supports_cp(cp, tp) \
+                        or (cp > 1 and not _cp_fits(cp, tp, per_node)):
                     continue
                 dp = num_devices // S // tp // cp
                 for b in sorted(set(space.micro_batches)):

@@ -433,9 +433,9 @@ def _outer_key(job: _SearchJob, plan: Plan, schedule: str, chunks: int = 1) -> O
     return OuterKey(plan.tp, S, plan.micro_batch, plan.dp, G, *mesh, schedule=schedule, cp=plan.cp, chunks=chunks)
 
 
-def _supports_cp(workload: WorkloadLike) -> Callable[[int], bool]:
+def _supports_cp(workload: WorkloadLike) -> Callable[[int, int], bool]:
     """`WorkloadLike.supports_cp`, or one-way only for a workload that predates context parallelism."""
-    return getattr(workload, "supports_cp", lambda cp: cp == 1)
+    return getattr(workload, "supports_cp", lambda cp, tp=1: cp == 1)
 
 
 def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | None = None, *,

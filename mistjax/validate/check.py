@@ -9,7 +9,7 @@ import functools
 from typing import TYPE_CHECKING, NotRequired, TypeAlias, TypedDict
 
 from mistjax.core import hlo
-from mistjax.core.execution import Capabilities
+from mistjax.core.execution import Capabilities, collective_matmul_runs
 from mistjax.core.plan import Plan, uniform_plan
 from mistjax.core.types import Batch, State, TrainStep
 from mistjax.cost.predict import analyze
@@ -125,7 +125,7 @@ def tp_collective_bytes(workload: Workload, plan: Plan, form: str = "xla-cpu", r
     t = plan.tp
     if t <= 1:
         return {}
-    b, s = plan.micro_batch, workload.seq_len
+    b, s = plan.micro_batch, workload.seq_len // plan.cp  # each device's part of a sequence
     best: dict[str, float] = {}
     for i, st in enumerate(plan.stages):
         c = min(st.remat_layers, st.num_layers)
@@ -231,7 +231,8 @@ def compare_cell(name: ModelName, seq: int, global_batch: int, plan: Plan, clust
     # The compile ran on this process's devices: the rings are there when the rule says so for their platform.
     import jax
 
-    rings = Capabilities.of_platform(jax.devices()[0].platform).collective_matmul
+    rings = bool(collective_matmul_runs(Capabilities.of_platform(jax.devices()[0].platform).collective_matmul,
+                                        plan.cp))
     tp_coll = tp_collective_bytes(wl, plan, "xla-cpu", rings=rings)
     pred_coll = {k: float(a.collective_bytes.get(k, 0.0)) + tp_coll.get(k, 0.0) for k in KINDS}
     if m["coll"] is None:  # a pipeline: its collectives are spread over its programs (not compared)
