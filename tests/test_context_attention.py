@@ -127,6 +127,15 @@ def test_ulysses_matches_reference(mesh: dict[str, int], spec: P, kv_heads: int)
     assert out < 1e-4 and loss < 1e-4 and max(grads) < 1e-3, (out, loss, grads)
 
 
+def test_ulysses_padded_blocks_and_non_causal() -> None:
+    """Ulysses' causal kernel reads key blocks 0..i for query block i (the masked blocks skipped): at seq 86
+    (6 blocks of 15, the last padded) and without the mask (every block)."""
+    out, loss, grads = _compare(_mesh({"context": 2}), (SEQ, SEQ), (2, 86, 4, 2), form="ulysses")
+    assert out < 1e-4 and loss < 1e-4 and max(grads) < 1e-3, (out, loss, grads)
+    out, loss, grads = _compare(_mesh({"context": 4}), (SEQ, SEQ), (2, 64, 8, 4), form="ulysses", causal=False)
+    assert out < 1e-4 and loss < 1e-4 and max(grads) < 1e-3, (out, loss, grads)
+
+
 @pytest.mark.parametrize("mesh,spec,form,want", [
     ({"context": 4}, SEQ, "ulysses", "all-to-all"),
     ({"data": 2, "context": 4}, P("data", "context"), "ulysses", "collective-permute"),

@@ -33,7 +33,9 @@ from mistjax.analysis.poly import B, Poly, S, T
 from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
 
 FORMAT = "mistjax.profile"
-VERSION = 2  # 2: a GEMM records whether its operands are fp8
+# 2: a GEMM records whether its operands are fp8; 3: the fused-attention FLOPs and bytes are kept (before, a profile
+# read from the cache had none, so context parallelism was priced as if the attention were not the ring kernel).
+VERSION = 3
 _SYMBOLS = {"b": B, "s": S, "t": T}
 # Node types a profile may contain, rebuilt by these constructors (Max / Min unevaluated, as the analysis
 # builds them: sympy would otherwise compare every pair symbolically).
@@ -107,7 +109,7 @@ def expr_from_json(doc: JSON) -> sp.Basic:
 
 # ------------------------------------------------------------------------------------ profiles
 _SCALARS = ("fwd_flops", "bwd_flops", "fwd_matmul_flops", "bwd_matmul_flops", "weight_bytes", "weight_params",
-            "output_bytes")
+            "output_bytes", "fused_flops", "fused_matmul_flops", "fused_bytes")
 _MAPS = ("recompute_flops", "saved_bytes", "stash_bytes", "fwd_peak_bytes", "bwd_peak_bytes")
 V = TypeVar("V")
 R = TypeVar("R")

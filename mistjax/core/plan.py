@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mistjax.core.context import CONTEXT_FORMS, ContextForm
 from mistjax.core.schedules import SCHEDULE_NAMES as SCHEDULES
 from mistjax.core.schedules import ZERO_BUBBLE
 from mistjax.core.stages import StageKind, offloaded_layers, stage_kind
@@ -214,6 +215,9 @@ class Plan:
     # Context-parallel degree: every sequence split over `cp` devices along its length (ring attention over
     # the `context` mesh axis; docs/context-parallel.md). Weights are replicated over it, gradients summed.
     cp: int = 1
+    # How the sequence-split attention communicates (`core.context.ContextForm`): "ring" passes key / value
+    # shards around the cp devices; "ulysses" exchanges the sequence split for a head split by all-to-all.
+    cp_form: str = "ring"
     schedule: str = "1f1b"  # pipeline schedule when there are several stages
     # Chunks of layers per pipeline device group (Megatron's interleaved 1F1B when > 1): `stages` then
     # lists len(stages) virtual stages in layer order, and virtual stage k runs on device group
@@ -301,6 +305,11 @@ class Plan:
             if self.schedule == "1f1b" and self.grad_accum % groups:
                 raise PlanError(f"interleaved 1F1B runs micro-batches in groups of the {groups} device groups: "
                                 f"grad_accum={self.grad_accum} must be a multiple of {groups}")
+        if self.cp_form not in CONTEXT_FORMS:
+            raise PlanError(f"unknown cp_form {self.cp_form!r}: use one of {CONTEXT_FORMS}")
+        if self.cp_form != ContextForm.RING and self.cp == 1:
+            raise PlanError(f"cp_form={self.cp_form!r} applies only with context parallelism: set cp > 1, or leave "
+                            "cp_form at 'ring'")
         if self.cp > 1 and self.num_stages > 1:
             raise PlanError(f"cp={self.cp} with {self.num_stages} pipeline stages: the pipeline executor does not run "
                             "context parallelism yet; use one stage with cp > 1, or cp=1 with stages")
@@ -453,8 +462,10 @@ class Plan:
         if self.tp > 1:
             lines.append("  tensor parallel: Megatron column/row split with sequence parallelism")
         if self.cp > 1:
-            lines.append(f"  context parallel: each sequence split over {self.cp} devices (ring attention for the "
-                         "blockwise kernel)")
+            how = ("ring attention" if self.cp_form == ContextForm.RING
+                   else "Ulysses: all-to-all to a head split and back")
+            lines.append(f"  context parallel: each sequence split over {self.cp} devices ({how} for the blockwise "
+                         "kernel)")
         if self.virtual_stages > 1:
             lines.append(f"  interleaved: stage k below is chunk k // {self.device_stages} of device group "
                          f"k % {self.device_stages}")
@@ -573,15 +584,15 @@ def params_fingerprint(params: Any) -> str:
 
 def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int = 1, cp: int = 1, micro_batch: int = 1,
                  grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b", grad_dtype: str | None = None,
-                 **stage_fields: Any) -> Plan:
+                 cp_form: str = "ring", **stage_fields: Any) -> Plan:
     """A plan with evenly split stages that all share `stage_fields` (handy for tests and baselines)."""
     known = {f.name for f in dataclasses.fields(StagePlan)} - {"layers"}
     for name in stage_fields:
         if name not in known:
             import difflib
 
-            close = difflib.get_close_matches(name, sorted(known) + ["stages", "tp", "cp", "micro_batch", "grad_accum",
-                                                                     "shard_group", "schedule"], n=1)
+            close = difflib.get_close_matches(name, sorted(known) + ["stages", "tp", "cp", "cp_form", "micro_batch",
+                                                                     "grad_accum", "shard_group", "schedule"], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise PlanError(f"uniform_plan got an unknown keyword {name!r}{hint}; stage fields are "
                             f"{', '.join(sorted(known))}")
@@ -598,7 +609,7 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
             fields["remat_layers"] = min(fields["remat_layers"], b - a)
         stage_plans.append(StagePlan(layers=(a, b), **fields))
     return Plan(stages=tuple(stage_plans), micro_batch=micro_batch, grad_accum=grad_accum, dp=dp, tp=tp, cp=cp,
-                shard_group=shard_group, schedule=schedule, grad_dtype=grad_dtype)
+                cp_form=cp_form, shard_group=shard_group, schedule=schedule, grad_dtype=grad_dtype)
 
 
 __all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "PlanDoesNotFit", "uniform_plan", "params_fingerprint",

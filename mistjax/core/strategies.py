@@ -39,6 +39,7 @@ class StageStrategies:
     nodes: np.ndarray  # nodes of the stage's device mesh
     per_node: np.ndarray  # devices per node of the stage's mesh
     cp: np.ndarray | int = 1  # context-parallel degree: each sequence split over cp devices (single stage)
+    ulysses: np.ndarray | int = 0  # bool: the context-parallel attention is Ulysses' all-to-all (else the ring)
     deferred: np.ndarray | int = 0  # micro-batches whose weight-gradient stash the stage holds (zero-bubble)
 
     @property
@@ -48,8 +49,9 @@ class StageStrategies:
     @classmethod
     def make(cls, **kw: object) -> StageStrategies:
         """Build with defaults for omitted fields (single stage, no offload, no remat)."""
-        d = dict(b=1, dp=1, tp=1, cp=1, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0, go=0.0, oo=0.0,
-                 ao=0.0, inflight=1, deferred=0, G=1, first=True, last=True, stages=1, nodes=1, per_node=0)
+        d = dict(b=1, dp=1, tp=1, cp=1, ulysses=0, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0,
+                 go=0.0, oo=0.0, ao=0.0, inflight=1, deferred=0, G=1, first=True, last=True, stages=1, nodes=1,
+                 per_node=0)
         d.update(kw)
         arr = {k: np.asarray(v) for k, v in d.items()}
         arr["shard_group"] = np.where(arr["shard_group"] <= 0, arr["dp"], arr["shard_group"])
@@ -95,6 +97,9 @@ class WorkloadLike(Protocol):
     def supports_tp(self, tp: int) -> bool: ...  # whether tensor parallelism of degree tp applies
 
     def supports_cp(self, cp: int, tp: int = 1) -> bool: ...  # whether context parallelism of degree cp applies
+
+    # The context-parallel forms (`core.context.CONTEXT_FORMS`) that apply at (cp, tp); () where none does.
+    def context_forms(self, cp: int, tp: int = 1) -> tuple[str, ...]: ...
 
 
 # A cost model is written for its own workload and cluster types (the project's: `mistjax.cost.Workload` and

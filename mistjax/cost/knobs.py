@@ -22,6 +22,7 @@ class Knobs:
     b: np.ndarray  # micro-batch size per data-parallel rank
     tp: np.ndarray  # tensor-parallel degree
     cp: np.ndarray  # context-parallel degree (the sequence split)
+    ulysses: np.ndarray  # bool: the context-parallel attention is Ulysses' all-to-all (else the ring)
     dp: np.ndarray  # data-parallel degree
     shard_group: np.ndarray  # MiCS partition group (the ZeRO group; dp for plain ZeRO)
     zero: np.ndarray  # ZeRO stage 0-3 (int)
@@ -57,7 +58,8 @@ class Knobs:
         a = {n: np.broadcast_to(np.asarray(getattr(st, n)), shape) for n in names}
         f = {n: a[n].astype(np.float64) for n in names}
         group = np.where(a["shard_group"] <= 0, a["dp"], a["shard_group"]).astype(np.float64)
-        return cls(b=f["b"], tp=f["tp"], cp=f["cp"], dp=f["dp"], shard_group=group, zero=a["zero"].astype(np.int64),
+        return cls(b=f["b"], tp=f["tp"], cp=f["cp"], ulysses=a["ulysses"].astype(bool), dp=f["dp"],
+                   shard_group=group, zero=a["zero"].astype(np.int64),
                    layers=f["layers"], remat=np.minimum(f["remat"], f["layers"]), policy=a["policy"].astype(np.int64),
                    wo=f["wo"], go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight),
                    deferred=np.asarray(st.deferred), G=f["G"],

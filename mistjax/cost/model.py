@@ -20,8 +20,10 @@ from mistjax.cost.knobs import Knobs, LayerKinds, StateBytes
 from mistjax.cost.layout import totals_over
 from mistjax.cost.stage_time import (
     KINDS,
+    acc_scale,
     capabilities,
     context_kv_bytes,
+    kv_repeat,
     layer_times,
     step_extras,
     synced_in_loop,
@@ -180,8 +182,10 @@ def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.nd
     # Context parallelism: the ring's key / value shards in flight (the received one and the next) and the float32
     # dK / dV travelling with them; without the ring kernel, one layer's keys and values gathered whole and their
     # gradients before the scatter.
+    # Ulysses: the head-split queries / keys / values it received (then ``do``) and the float32 dq / dK / dV.
     kv = context_kv_bytes(workload, v)
-    ring = 2.0 * kv * (1.0 + 4.0 / (4.0 if workload.compute_dtype == "float32" else 2.0))
+    acc = acc_scale(workload)
+    ring = np.where(k.ulysses, v.block.output_bytes + kv_repeat(workload, k) * kv, 2.0 * kv) * (1.0 + acc)
     gathered_kv = np.where(k.cp > 1, ring if workload.ring_attention else 2.0 * kv * k.cp, 0.0)
     return (np.maximum(blk_peak + recompute + layer_fetch + gathered_kv, part_peak) + whole_step
             + _batch_and_messages(workload, k, v) + _segment_slices(workload, k, kinds, lt))
@@ -339,7 +343,8 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"],
                      memory=m.memory, peak=m.peak, feasible=m.feasible, offload_floor=m.offload_floor, host=m.host,
                      host_acts=m.host_acts, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
-                     comm={kd: ext[f"comm.{kd}"] for kd in (*KINDS, CollectiveOp.COLLECTIVE_PERMUTE)},
+                     comm={kd: ext[f"comm.{kd}"] for kd in (*KINDS, CollectiveOp.COLLECTIVE_PERMUTE,
+                                                              CollectiveOp.ALL_TO_ALL)},
                      optimizer_step=ext["update"] + ext["regather"], wgrad=np.minimum(lay["wgrad"], lay["bwd"]))
 
 

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mistjax.core.context import ContextForm
+from mistjax.core.hlo import CollectiveOp
 from mistjax.core.pipeline_order import OpCost, charged_in_flight, group_finish_times, group_residual_peaks, issue_order
 from mistjax.core.pipeline_order import op_costs as order_op_costs
 from mistjax.core.pipeline_time import pipeline_time
-from mistjax.core.plan import Plan, Prediction
+from mistjax.core.plan import Plan, Prediction, format_bytes
 from mistjax.core.schedules import ZERO_BUBBLE, deferred_microbatches
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
@@ -78,7 +80,8 @@ def plan_strategies(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Sta
     nodes = max(math.ceil(n_dev / per_node), 1)
     st = plan.stages
     return StageStrategies.make(
-        b=plan.micro_batch, dp=plan.dp, tp=plan.tp, cp=plan.cp, shard_group=plan.shard_group, stages=S, G=G,
+        b=plan.micro_batch, dp=plan.dp, tp=plan.tp, cp=plan.cp, ulysses=int(plan.cp_form == ContextForm.ULYSSES),
+        shard_group=plan.shard_group, stages=S, G=G,
         nodes=nodes, per_node=per_node, zero=np.array([s.zero_stage for s in st]),
         layers=np.array([s.num_layers for s in st]),
         remat=np.array([s.remat_layers for s in st]),
@@ -176,6 +179,23 @@ def _interleave_note(plan: Plan, c: StageCost, shared: bool) -> str:
             f"{plan.virtual_stages}x the activations")
 
 
+def _context_note(workload: Workload, plan: Plan, cluster: ClusterSpec, c: StageCost) -> str:
+    """What context parallelism costs and why its form: the step under the other form where it applies (one
+    stage: `StageCost.stable` times the micro-batches plus `delta`), and the exchange's bytes per step."""
+    step = float(plan.grad_accum * c.stable[0] + c.delta[0])
+    moved = float(np.max(c.comm[CollectiveOp.ALL_TO_ALL]) + np.max(c.comm[CollectiveOp.COLLECTIVE_PERMUTE]))
+    text = (f"context parallelism ({plan.cp_form}, cp {plan.cp}): {format_bytes(moved)} of attention exchange per "
+            "step and device")
+    for form in workload.context_forms(plan.cp, plan.tp):
+        if form != plan.cp_form:
+            other = plan.replace(cp_form=form, prediction=None)
+            oc = stage_cost(workload, cluster, plan_strategies(workload, other, cluster))
+            t = float(plan.grad_accum * oc.stable[0] + oc.delta[0])
+            text += (f"; with cp_form {form} {t:.4g} s against {step:.4g} s ({t / step:.3f}x), peak "
+                     f"{format_bytes(float(np.max(oc.peak)))} against {format_bytes(float(np.max(c.peak)))}")
+    return text
+
+
 def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
     """Per device group: the state of every chunk it runs, the residuals its chunks hold at once along its
     operations (`core.pipeline_order.group_residual_peaks`), the largest chunk's transients."""
@@ -213,6 +233,8 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
         notes += (_zero_bubble_note(plan, c, bool(cluster.device.shared_compute)),)
     if plan.virtual_stages > 1:
         notes += (_interleave_note(plan, c, bool(cluster.device.shared_compute)),)
+    if plan.cp > 1:
+        notes += (_context_note(workload, plan, cluster, c),)
     # Mist's formula prices one chunk per stage: an interleaved plan's groups as one stage each.
     groups_c = _as_one_chunk(plan, c)[1] if plan.virtual_stages > 1 else c
     mist = float(pipeline_time(groups_c.stable, groups_c.delta, G, "gpipe" if plan.schedule == "gpipe" else "1f1b"))
@@ -220,7 +242,8 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     pred = Prediction(step_time=step, stage_stable=tuple(float(x) for x in c.stable),
                       stage_delta=tuple(float(x) for x in c.delta), stage_memory=stage_memory,
                       tokens_per_s=tokens / step if step > 0 else 0.0)
-    coll = {k: float(np.max(v)) for k, v in c.comm.items() if k != "collective-permute" or np.max(v) > 0}
+    coll = {k: float(np.max(v)) for k, v in c.comm.items()
+            if k not in ("collective-permute", "all-to-all") or np.max(v) > 0}
     if S > 1:
         coll["send"] = 2.0 * G * float(workload.compiled(plan.micro_batch, workload.seq_len, plan.tp)[
             "block.output_bytes"])

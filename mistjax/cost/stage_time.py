@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from mistjax.analysis.compiled import PartValues, ProfileValues
-from mistjax.core.context import ring_traffic
+from mistjax.core.context import ring_traffic, ulysses_traffic
 from mistjax.core.execution import Capabilities, collective_matmul_runs, rows_synced_in_loop
 from mistjax.core.hlo import CollectiveOp
 from mistjax.cost.collectives import (
@@ -140,11 +140,32 @@ def context_kv_bytes(workload: Workload, v: ProfileValues) -> np.ndarray:
     return 2.0 * workload.kv_share() * v.block.output_bytes
 
 
+def acc_scale(workload: Workload) -> float:
+    """Bytes of a float32 accumulator element over an activation element."""
+    return 4.0 / (4.0 if workload.compute_dtype == "float32" else 2.0)
+
+
+def kv_repeat(workload: Workload, k: Knobs) -> np.ndarray:
+    """How many copies of each key / value head Ulysses exchanges: ``cp / kv_heads`` where the kv heads are
+    fewer than the ``cp`` devices, else 1 (`core.context.ulysses_supported`)."""
+    heads = workload.attention_heads()
+    return np.maximum(1.0, k.cp / (heads[1] if heads is not None else k.cp))
+
+
 def context_ring_bytes(workload: Workload, k: Knobs, v: ProfileValues) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes a device sends in one layer's ring attention per micro-batch, forward and backward
-    (`core.context.ring_traffic`; the queries are as large as the layer's output)."""
-    acc_scale = 4.0 / (4.0 if workload.compute_dtype == "float32" else 2.0)
-    return ring_traffic(k.cp, v.block.output_bytes, context_kv_bytes(workload, v), acc_scale)
+    """Bytes a device sends in one layer's context-parallel attention per micro-batch, forward and backward:
+    the ring's (`core.context.ring_traffic`) or Ulysses' (`core.context.ulysses_traffic`) by ``k.ulysses``; the
+    queries are as large as the layer's output."""
+    q, kv = v.block.output_bytes, context_kv_bytes(workload, v)
+    ring = ring_traffic(k.cp, q, kv, acc_scale(workload))
+    ulysses = ulysses_traffic(k.cp, q, kv, kv_repeat(workload, k))
+    return np.where(k.ulysses, ulysses[0], ring[0]), np.where(k.ulysses, ulysses[1], ring[1])
+
+
+def _ulysses_held(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
+    """The bytes each direction's four all-to-alls of a Ulysses layer hold per device (q, k, v in and the output
+    back; ``do`` in and dq, dk, dv back): ``2 q + kv'``."""
+    return 2.0 * v.block.output_bytes + kv_repeat(workload, k) * context_kv_bytes(workload, v)
 
 
 def _cp_layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues
@@ -158,8 +179,10 @@ def _cp_layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: Profi
     if workload.ring_attention:
         f, b = context_ring_bytes(workload, k, v)
         bw, lat = link
-        return (np.where(on, f / bw + (k.cp - 1.0) * lat, 0.0),
-                np.where(on, b / bw + (2.0 * k.cp - 1.0) * lat, 0.0))
+        ring = (f / bw + (k.cp - 1.0) * lat, b / bw + (2.0 * k.cp - 1.0) * lat)
+        # Ulysses: four all-to-alls each way (`_ulysses_held`).
+        a2a = collective_time(CollectiveOp.ALL_TO_ALL, _ulysses_held(workload, k, v), k.cp, link, ops=4)
+        return tuple(np.where(on, np.where(k.ulysses, a2a, r), 0.0) for r in ring)
     full = context_kv_bytes(workload, v) * k.cp
     ag = collective_time(CollectiveOp.ALL_GATHER, full, k.cp, link)
     rs = collective_time(CollectiveOp.REDUCE_SCATTER, full, k.cp, link)
@@ -190,7 +213,13 @@ def _cp_comm(workload: Workload, k: Knobs, v: ProfileValues, kinds: LayerKinds) 
     if workload.ring_attention:
         f, b = context_ring_bytes(workload, k, v)
         ring = k.G * (k.layers * (f + b) + kinds.n_remat * f)
-        return {"collective-permute": np.where(on, ring, 0.0), "all-reduce": ar}
+        # Ulysses runs its exchanges as all-to-alls where `tensor` is one device, else as cp - 1 ppermutes each
+        # (`runtime.context_attention._all_to_all`): an all-to-all's result is what it holds, the ppermutes'
+        # what is sent.
+        a2a = k.G * (2.0 * k.layers + kinds.n_remat) * _ulysses_held(workload, k, v)
+        direct = on & k.ulysses & (k.tp == 1)
+        return {"collective-permute": np.where(on & ~direct, ring, 0.0), "all-to-all": np.where(direct, a2a, 0.0),
+                "all-reduce": ar}
     kv = context_kv_bytes(workload, v)
     return {"all-gather": np.where(on, k.G * k.layers * 2.0 * kv * k.cp, 0.0),
             "reduce-scatter": np.where(on, k.G * k.layers * kv, 0.0), "all-reduce": ar}
@@ -491,9 +520,10 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
             "comm.all-gather": ag + cp.get("all-gather", 0.0),
             "comm.reduce-scatter": rs + cp.get("reduce-scatter", 0.0), "comm.all-reduce": ar + cp["all-reduce"],
             "comm.collective-permute": cp.get("collective-permute", np.zeros_like(ar)),
+            "comm.all-to-all": cp.get("all-to-all", np.zeros_like(ar)),
             "sync": sync, "sync_bwd": sync_bwd, "regather": regather,
             "update": update, "swap": swap, "tied": tied}
 
 
-__all__ = ["capabilities", "compute_time", "context_kv_bytes", "layer_times", "layer_tp_times", "step_extras",
-           "synced_in_loop", "synced_row_bytes"]
+__all__ = ["acc_scale", "capabilities", "compute_time", "context_kv_bytes", "kv_repeat", "layer_times",
+           "layer_tp_times", "step_extras", "synced_in_loop", "synced_row_bytes"]

@@ -27,6 +27,7 @@ from mistjax.analysis.tp_roles import (
     model_tensor_axes,
 )
 from mistjax.core.axes import Axes, AxisRules, is_stacked, leaf_axes
+from mistjax.core.context import ContextForm, ulysses_supported
 from mistjax.core.layout import TENSOR_AXES
 from mistjax.core.types import LossFn, PyTree
 from mistjax.cost.kv_regimes import KVRegimes
@@ -207,6 +208,28 @@ class Workload:
         device's part of it ``tp`` ways (sequence parallelism)."""
         return cp == 1 or (self.seq_len % (2 * cp) == 0 and (self.seq_len // cp) % tp == 0)
 
+    def context_forms(self, cp: int, tp: int = 1) -> tuple[str, ...]:
+        """The context-parallel forms (`core.context.ContextForm`) that split this model's sequence ``cp`` ways
+        with TP ``tp``: the ring wherever `supports_cp`, and Ulysses where the heads split too
+        (`core.context.ulysses_supported`; only for a model whose leaves name their ``heads`` / ``kv_heads``)."""
+        if not self.supports_cp(cp, tp):
+            return ()
+        if cp == 1:
+            return (ContextForm.RING.value,)
+        heads = self.attention_heads()
+        ulysses = heads is not None and ulysses_supported(*heads, cp, tp) is None
+        return (ContextForm.RING.value, ContextForm.ULYSSES.value) if ulysses else (ContextForm.RING.value,)
+
+    def attention_heads(self) -> tuple[int, int] | None:
+        """(query heads, key / value heads) from the leaves' logical names (``heads`` / ``kv_heads`` dims; a model
+        naming only ``heads`` has as many kv heads), or None when no leaf names them."""
+        heads, kv = self._largest_dim("heads"), self._largest_dim("kv_heads")
+        return (heads, kv or heads) if heads else None
+
+    def _largest_dim(self, name: str) -> int:
+        return max((d for x in self.leaves if x.axes is not None and len(x.axes) == len(x.shape)
+                    for d, n in zip(x.shape, x.axes) if n == name), default=0)
+
     @property
     def ring_attention(self) -> bool:
         """Whether the layer's attention is the blockwise fused kernel, which the runtime runs as the ring kernel
@@ -217,11 +240,7 @@ class Workload:
         """Key / value heads per query head, from the leaves' logical names (``kv_heads`` and ``heads`` dims;
         1.0, multi-head attention, when the model names neither): the size of K and V relative to Q, which
         context parallelism moves between devices."""
-        def largest(name: str) -> int:
-            return max((d for x in self.leaves if x.axes is not None and len(x.axes) == len(x.shape)
-                        for d, n in zip(x.shape, x.axes) if n == name), default=0)
-
-        kv, heads = largest("kv_heads"), largest("heads")
+        kv, heads = self._largest_dim("kv_heads"), self._largest_dim("heads")
         return kv / heads if kv and heads else 1.0
 
     def profile_for(self, tp: int) -> ModelProfile:

@@ -25,7 +25,6 @@ this module re-implements: the runtime does not import the model zoo).
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.context import ContextForm, ulysses_supported
 from mistjax.core.layout import CONTEXT_AXIS
 
 DEFAULT_BLOCK_SIZE = 128
@@ -44,13 +44,6 @@ FWD_NAME = "context_attention_fwd"  # name prefix of the forward's jit (module d
 BWD_NAME = "context_attention_bwd"
 _SEL = -1  # a slot chosen per device and step in `_step_pairs` (see there)
 _T = TypeVar("_T")
-
-
-class ContextForm(enum.StrEnum):
-    """How the sequence-split attention communicates."""
-
-    RING = "ring"  # K/V shards passed around a ring (point-to-point), zigzag load balance
-    ULYSSES = "ulysses"  # all-to-all to a head split and back
 
 
 # ------------------------------------------------------------------------------------------ public API
@@ -98,29 +91,6 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = C
                          "form='ring', or a context axis size that divides the head counts")
     direct = form is ContextForm.ULYSSES and _direct_all_to_all(axis)
     return _attention(axis, form, cp, block_size, causal, kv_heads, direct, residual_name)(q, k, v)
-
-
-def ulysses_supported(heads: int, kv_heads: int, cp: int) -> str | None:
-    """Why Ulysses cannot split these heads over ``cp`` devices (None when it can).
-
-    Every device gets ``heads / cp`` query heads and the kv heads they read: ``kv_heads / cp`` of them when
-    ``cp`` divides ``kv_heads``, else (``kv_heads < cp``, ``kv_heads`` dividing ``cp``) each kv head is
-    repeated ``cp / kv_heads`` times before the all-to-all, so that every device gets the one kv head its
-    query heads read (the repeats' gradients are summed back).
-
-    Args:
-        heads: query heads.
-        kv_heads: key/value heads (dividing ``heads``).
-        cp: devices on the context axis.
-    """
-    if kv_heads <= 0 or heads % kv_heads:
-        return f"kv_heads {kv_heads} must divide heads {heads}"
-    if heads % cp:
-        return f"heads {heads} is not divisible by the context size cp = {cp} (Ulysses gives each device heads / cp)"
-    if kv_heads % cp and cp % kv_heads:
-        return (f"kv_heads {kv_heads} and the context size cp = {cp} do not divide one another (Ulysses needs "
-                "kv_heads / cp whole heads per device, or kv_heads dividing cp to repeat them)")
-    return None
 
 
 def ring_schedule(cp: int, causal: bool = True) -> list[list[tuple[tuple[int, int], ...]]]:
@@ -241,6 +211,33 @@ def _block_mask(sq: int, sk: int, start: jax.Array, bk: int, diagonal: bool) -> 
     return kpos <= qpos if diagonal else kpos < sk
 
 
+def _block_update(st: _State, q: jax.Array, kj: jax.Array, vj: jax.Array, bias: jax.Array, scale: float) -> _State:
+    """The online softmax ``st`` of the queries ``q`` (``[b, sq, kv, g, d]``) after one key block ``kj`` / ``vj``
+    (``[b, bk, kv, d]``); ``bias`` ``[sq, bk]`` is 0 where a key is visible and -inf where masked."""
+    logits = jnp.einsum("bskgd,btkd->bksgt", q, kj, preferred_element_type=jnp.float32) * scale
+    logits = logits + bias[:, None, :]  # an added -inf, not a select: nothing for a linearization to keep
+    # Finite: every row sees a key in the first block (key 0 on a diagonal pair, padding only at the end).
+    m_new = jnp.maximum(st.m, jnp.max(logits, axis=-1))
+    alpha = jnp.exp(st.m - m_new)
+    p = jnp.exp(logits - m_new[..., None])
+    pv = jnp.einsum("bksgt,btkd->bksgd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+    return _State(m_new, st.den * alpha + jnp.sum(p, axis=-1), st.acc * alpha[..., None] + pv)
+
+
+def _block_grads(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, kj: jax.Array, vj: jax.Array,
+                 mask: jax.Array, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq [b, kv, sq, g, d], dk [b, bk, kv, d], dv)`` in float32 of the queries ``q`` against one key block,
+    its probabilities recomputed from the log-sum-exp (FlashAttention-2's backward); ``mask`` ``[sq, bk]``."""
+    logits = jnp.einsum("bskgd,btkd->bksgt", q, kj, preferred_element_type=jnp.float32) * scale
+    p = jnp.where(mask[:, None, :], jnp.exp(logits - lse[..., None]), 0.0)
+    dv = jnp.einsum("bksgt,bskgd->btkd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bskgd,btkd->bksgt", do, vj, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
+    dq = jnp.einsum("bksgt,btkd->bksgd", ds, kj, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bksgt,bskgd->btkd", ds, q, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
 def _pair_forward(state: _State, q: jax.Array, k: jax.Array, v: jax.Array, *, diagonal: bool,
                   block_size: int) -> _State:
     """``state`` updated with the keys ``k`` (``[b, sk, kv, d]``) for the queries ``q`` (``[b, sq, kv, g, d]``).
@@ -256,16 +253,8 @@ def _pair_forward(state: _State, q: jax.Array, k: jax.Array, v: jax.Array, *, di
     def body(st: _State, start: jax.Array) -> tuple[_State, None]:
         kj = lax.dynamic_slice_in_dim(k, start, bk, axis=1)
         vj = lax.dynamic_slice_in_dim(v, start, bk, axis=1)
-        logits = jnp.einsum("bskgd,btkd->bksgt", q, kj, preferred_element_type=jnp.float32) * scale
-        # An added -inf rather than a select: nothing for a later linearization to keep (models.attention).
         bias = jnp.where(_block_mask(sq, sk, start, bk, diagonal), 0.0, -jnp.inf).astype(jnp.float32)
-        logits = logits + bias[:, None, :]
-        # Finite: every row sees a key in the first block (key 0 on a diagonal pair, padding only at the end).
-        m_new = jnp.maximum(st.m, jnp.max(logits, axis=-1))
-        alpha = jnp.exp(st.m - m_new)
-        p = jnp.exp(logits - m_new[..., None])
-        pv = jnp.einsum("bksgt,btkd->bksgd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
-        return _State(m_new, st.den * alpha + jnp.sum(p, axis=-1), st.acc * alpha[..., None] + pv), None
+        return _block_update(st, q, kj, vj, bias, scale), None
 
     return lax.scan(body, state, jnp.arange(nk, dtype=jnp.int32) * bk)[0]
 
@@ -274,8 +263,7 @@ def _pair_backward(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array
                    *, diagonal: bool, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq [b, kv, sq, g, d], dk [b, sk, kv, d], dv)`` in float32 of one (queries, keys) pair.
 
-    ``q``, ``do``: ``[b, sq, kv, g, d]``; ``lse``, ``delta``: ``[b, kv, sq, g]``. A scan over key blocks that
-    recomputes each block's probabilities from the log-sum-exp (FlashAttention-2's backward).
+    ``q``, ``do``: ``[b, sq, kv, g, d]``; ``lse``, ``delta``: ``[b, kv, sq, g]``. A scan over key blocks.
     """
     b, sq, kvh, g, d = q.shape
     sk = k.shape[1]
@@ -286,15 +274,8 @@ def _pair_backward(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array
     def body(dq: jax.Array, start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         kj = lax.dynamic_slice_in_dim(kp, start, bk, axis=1)
         vj = lax.dynamic_slice_in_dim(vp, start, bk, axis=1)
-        logits = jnp.einsum("bskgd,btkd->bksgt", q, kj, preferred_element_type=jnp.float32) * scale
-        mask = _block_mask(sq, sk, start, bk, diagonal)[:, None, :]
-        p = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
-        dv = jnp.einsum("bksgt,bskgd->btkd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bskgd,btkd->bksgt", do, vj, preferred_element_type=jnp.float32)
-        ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
-        dq = dq + jnp.einsum("bksgt,btkd->bksgd", ds, kj, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("bksgt,bskgd->btkd", ds, q, preferred_element_type=jnp.float32)
-        return dq, (dk, dv)
+        gq, dk, dv = _block_grads(q, do, lse, delta, kj, vj, _block_mask(sq, sk, start, bk, diagonal), scale)
+        return dq + gq, (dk, dv)
 
     dq, (dk, dv) = lax.scan(body, jnp.zeros((b, kvh, sq, g, d), jnp.float32), jnp.arange(nk, dtype=jnp.int32) * bk)
 
@@ -302,6 +283,80 @@ def _pair_backward(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array
         return jnp.moveaxis(x, 0, 1).reshape(b, nk * bk, kvh, d)[:, :sk]
 
     return dq, unblock(dk), unblock(dv)
+
+
+def _pad_seq(x: jax.Array, total: int, axis: int) -> jax.Array:
+    """``x`` zero-padded along ``axis`` to ``total`` positions."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, total - x.shape[axis])
+    return jnp.pad(x, pad)
+
+
+def _causal_mask(i: jax.Array, j: jax.Array, bs: int) -> jax.Array:
+    """``[bs, bs]``: in query block ``i`` and key block ``j`` (``bs`` positions each), query may read key."""
+    rows = lax.broadcasted_iota(jnp.int32, (bs, bs), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (bs, bs), 1)
+    return j * bs + cols <= i * bs + rows
+
+
+def _causal_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, block_size: int) -> _State:
+    """The online-softmax state of causal attention of the queries ``q`` (``[b, s, kv, g, d]``) over the keys of
+    the same positions (``[b, s, kv, d]``), skipping the masked blocks: query block i reads key blocks 0..i
+    only (a loop of ``i + 1`` trips), so the work is the causal half of the square, not all of it."""
+    b, s, kvh, g, d = q.shape
+    n, bs = key_blocks(s, block_size)
+    scale = 1.0 / math.sqrt(d)
+    qp, kp, vp = (_pad_seq(x, n * bs, 1) for x in (q, k, v))
+
+    def query_block(_: None, i: jax.Array) -> tuple[None, _State]:
+        qi = lax.dynamic_slice_in_dim(qp, i * bs, bs, axis=1)
+
+        def key_block(j: jax.Array, st: _State) -> _State:
+            kj, vj = (lax.dynamic_slice_in_dim(x, j * bs, bs, axis=1) for x in (kp, vp))
+            bias = jnp.where(_causal_mask(i, j, bs), 0.0, -jnp.inf).astype(jnp.float32)
+            return _block_update(st, qi, kj, vj, bias, scale)
+
+        return None, lax.fori_loop(0, i + 1, key_block, _init(qi))
+
+    _, st = lax.scan(query_block, None, jnp.arange(n, dtype=jnp.int32))
+
+    def unblock(x: jax.Array) -> jax.Array:  # [n, b, kv, bs, ...] -> [b, kv, s, ...]
+        x = jnp.moveaxis(x, 0, 2)
+        return x.reshape(x.shape[:2] + (n * bs,) + x.shape[4:])[:, :, :s]
+
+    return _State(*(unblock(x) for x in st))
+
+
+def _causal_backward(q: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array, k: jax.Array, v: jax.Array,
+                     *, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`_pair_backward` of a causal pair of the same positions, skipping the masked blocks as
+    `_causal_forward` does: ``(dq [b, kv, s, g, d], dk [b, s, kv, d], dv)`` in float32."""
+    b, s, kvh, g, d = q.shape
+    n, bs = key_blocks(s, block_size)
+    scale = 1.0 / math.sqrt(d)
+    qp, dop, kp, vp = (_pad_seq(x, n * bs, 1) for x in (q, do, k, v))
+    lsep, deltap = (_pad_seq(x, n * bs, 2) for x in (lse, delta))
+
+    def query_block(acc: tuple[jax.Array, jax.Array], i: jax.Array
+                    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+        qi, doi = (lax.dynamic_slice_in_dim(x, i * bs, bs, axis=1) for x in (qp, dop))
+        lsei, deltai = (lax.dynamic_slice_in_dim(x, i * bs, bs, axis=2) for x in (lsep, deltap))
+
+        def key_block(j: jax.Array, c: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dq, dk, dv = c
+            kj, vj = (lax.dynamic_slice_in_dim(x, j * bs, bs, axis=1) for x in (kp, vp))
+            gq, gk, gv = _block_grads(qi, doi, lsei, deltai, kj, vj, _causal_mask(i, j, bs), scale)
+            add = lambda whole, part: lax.dynamic_update_slice_in_dim(
+                whole, lax.dynamic_slice_in_dim(whole, j * bs, bs, axis=1) + part, j * bs, axis=1)
+            return dq + gq, add(dk, gk), add(dv, gv)
+
+        dq, dk, dv = lax.fori_loop(0, i + 1, key_block, (jnp.zeros((b, kvh, bs, g, d), jnp.float32), *acc))
+        return (dk, dv), dq
+
+    zeros = jnp.zeros((b, n * bs, kvh, d), jnp.float32)
+    (dk, dv), dq = lax.scan(query_block, (zeros, zeros), jnp.arange(n, dtype=jnp.int32))
+    dq = jnp.moveaxis(dq, 0, 2).reshape(b, kvh, n * bs, g, d)[:, :, :s]
+    return dq, dk[:, :s], dv[:, :s]
 
 
 def _delta(do: jax.Array, o: jax.Array) -> jax.Array:
@@ -502,7 +557,10 @@ def _ulysses_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, cp:
     units = k.shape[2]
     qh = _to_heads(q, units, axis, cp, direct)  # [b, s, kv_local, g_local, d]
     kh, vh = (_to_heads(x, units, axis, cp, direct)[:, :, :, 0] for x in (k, v))
-    oh, lse = _finish(_pair_forward(_init(qh), qh, kh, vh, diagonal=causal, block_size=block_size), q.dtype)
+    # Causal: query block i reads key blocks 0..i only; the ring's zigzag does the same by its chunk pairs.
+    state = (_causal_forward(qh, kh, vh, block_size=block_size) if causal
+             else _pair_forward(_init(qh), qh, kh, vh, diagonal=False, block_size=block_size))
+    oh, lse = _finish(state, q.dtype)
     oh = _group(oh, kh.shape[2])
     return _to_seq(oh, axis, cp, direct), (qh, kh, vh, oh, lse)
 
@@ -513,7 +571,9 @@ def _ulysses_backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, ls
     """One device's Ulysses backward: head-split residuals and the natural ``do`` in, natural grads out."""
     units = k.shape[2] * cp
     dog = _to_heads(do, units, axis, cp, direct)
-    gq, gk, gv = _pair_backward(q, dog, lse, _delta(dog, o), k, v, diagonal=causal, block_size=block_size)
+    delta = _delta(dog, o)
+    gq, gk, gv = (_causal_backward(q, dog, lse, delta, k, v, block_size=block_size) if causal
+                  else _pair_backward(q, dog, lse, delta, k, v, diagonal=False, block_size=block_size))
     dq = _to_seq(jnp.moveaxis(gq, 1, 2).astype(q.dtype), axis, cp, direct)
     # Sent in the input dtype (each device's dK/dV is complete for its heads: nothing left to accumulate).
     dk, dv = (_to_seq(x[:, :, :, None].astype(k.dtype), axis, cp, direct) for x in (gk, gv))

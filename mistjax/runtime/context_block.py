@@ -1,4 +1,4 @@
-"""Context parallelism inside the layer: the model's fused-attention calls run as the ring kernel.
+"""Context parallelism inside the layer: the model's fused-attention calls run as the ring / Ulysses kernel.
 
 Under a plan with ``cp > 1`` the layer runs in its global view with the sequence split over ``context``
 (`runtime.grads`), and GSPMD would gather each layer's keys and values whole for the attention. A layer
@@ -12,23 +12,47 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import jax
 from jax.extend import core as jex
 
+from mistjax.core.context import ContextForm, ulysses_supported
 from mistjax.core.jaxpr import Value, bind_equation, iter_eqns, read
-from mistjax.runtime.context_attention import ContextForm, context_attention
+from mistjax.core.layout import CONTEXT_AXIS
+from mistjax.core.plan import PlanError
+from mistjax.runtime.context_attention import context_attention
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss
 
 
 class AttentionCall(NamedTuple):
-    """A fused-attention call of the layer the ring kernel can replace."""
+    """A fused-attention call of the layer the context-parallel kernel can replace."""
 
     block: int  # keys per block of the model's kernel
     causal: bool  # the kernel masks later keys
     residual_name: str | None  # the checkpoint name its forward gives the saved output and log-sum-exp
+    heads: int  # query heads (the call's q is [b, s, heads, d])
+    kv_heads: int  # key / value heads
+
+
+def check_form(calls: Iterable[AttentionCall], form: ContextForm, cp: int, tp: int = 1) -> None:
+    """Raise `PlanError` naming ``cp_form`` when ``form`` cannot split the heads of one of ``calls``.
+
+    Ulysses gives each of the ``cp`` devices whole heads (`core.context.ulysses_supported`); the ring splits any."""
+    if form is not ContextForm.ULYSSES:
+        return
+    for call in calls:
+        if (reason := ulysses_supported(call.heads, call.kv_heads, cp, tp)) is not None:
+            raise PlanError(f"cp_form='ulysses' with cp={cp}, tp={tp}: {reason}; use cp_form='ring', or a cp "
+                            "(x tp) that divides the head counts")
+
+
+def run_attention(call: AttentionCall, form: ContextForm, vals: Sequence[Value], axis: str = CONTEXT_AXIS
+                  ) -> list[Value]:
+    """The fused-attention call ``call`` on ``vals`` (q, k, v) as the context-parallel kernel of ``form``."""
+    return [context_attention(*vals, axis=axis, form=form, causal=call.causal, block_size=call.block,
+                              residual_name=call.residual_name)]
 
 
 def attention_call(eqn: jex.JaxprEqn) -> AttentionCall | None:
@@ -44,7 +68,8 @@ def attention_call(eqn: jex.JaxprEqn) -> AttentionCall | None:
         if unit is not None and unit[0] == "fwd" and unit[1] is not None:
             # The kernel's mask is its only select (the analysis reads causality the same way).
             causal = any(x.primitive.name == "select_n" for x in iter_eqns(e.params["jaxpr"], bodies=True))
-            return AttentionCall(unit[1], causal, _residual_name(eqn))
+            q, k = (v.aval.shape for v in eqn.invars[:2])
+            return AttentionCall(unit[1], causal, _residual_name(eqn), int(q[2]), int(k[2]))
     return None
 
 
@@ -70,9 +95,13 @@ def warn_gathered(reason: str) -> None:
 
 
 
-def context_parallel_block(traced: TracedLoss) -> BlockFn | None:
-    """A `BlockFn` running ``traced``'s layer with its fused-attention calls as the ring kernel, or None (with a
-    warning) when the layer has none the runtime recognises."""
+def context_parallel_block(traced: TracedLoss, form: ContextForm = ContextForm.RING, cp: int = 2
+                           ) -> BlockFn | None:
+    """A `BlockFn` running ``traced``'s layer with its fused-attention calls as the context-parallel kernel of
+    ``form`` over ``cp`` devices, or None (with a warning) when the layer has none the runtime recognises.
+
+    Raises:
+      PlanError: Ulysses cannot split the layer's heads ``cp`` ways."""
     stack = traced.stack
     if stack is None:
         return None
@@ -81,26 +110,24 @@ def context_parallel_block(traced: TracedLoss) -> BlockFn | None:
         warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "
                       "so it is not run as the ring kernel")
         return None
-    return functools.partial(_run_layer, stack, calls)
+    check_form(calls.values(), form, cp)
+    return functools.partial(_run_layer, stack, calls, form)
 
 
-def _run_layer(stack: LayerStack, calls: dict[int, AttentionCall], consts: Sequence[Value], carry: Sequence[Value],
-               xs: Sequence[Value]) -> tuple[list[Value], list[Value]]:
-    """One layer: the scan body evaluated equation by equation, the attention calls through the ring."""
+def _run_layer(stack: LayerStack, calls: dict[int, AttentionCall], form: ContextForm, consts: Sequence[Value],
+               carry: Sequence[Value], xs: Sequence[Value]) -> tuple[list[Value], list[Value]]:
+    """One layer: the scan body evaluated equation by equation, the attention calls through the kernel."""
     jaxpr = stack.body.jaxpr
     env: dict[jex.Var, Value] = dict(zip(jaxpr.constvars, stack.body.consts))
     env.update(zip(jaxpr.invars, [*consts, *carry, *xs]))
     for i, eqn in enumerate(jaxpr.eqns):
         vals = [read(env, v) for v in eqn.invars]
         call = calls.get(i)
-        if call is None:
-            outs = bind_equation(eqn, vals)
-        else:
-            outs = [context_attention(*vals, form=ContextForm.RING, causal=call.causal, block_size=call.block,
-                                      residual_name=call.residual_name)]
+        outs = bind_equation(eqn, vals) if call is None else run_attention(call, form, vals)
         env.update(zip(eqn.outvars, outs))
     out = [read(env, v) for v in jaxpr.outvars]
     return out[: stack.num_carry], out[stack.num_carry:]
 
 
-__all__ = ["AttentionCall", "attention_call", "context_parallel_block", "warn_gathered"]
+__all__ = ["AttentionCall", "attention_call", "check_form", "context_parallel_block", "run_attention",
+           "warn_gathered"]

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
+from mistjax.core.context import ContextForm
 from mistjax.core.execution import (
     Capabilities,
     ExecutionPlan,
@@ -402,9 +403,10 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
     """
     # One block runs the layer: Megatron's TP layouts (under cp > 1 with the sequence split over `context` and
     # the ring attention inside), or with tp = 1 the ring attention alone.
-    tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch, cp=plan.cp)
+    form = ContextForm(plan.cp_form)
+    tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch, cp=plan.cp, form=form)
     if plan.cp > 1 and tp_block is None:
-        tp_block = context_parallel_block(traced)
+        tp_block = context_parallel_block(traced, form, plan.cp)
     layer_loop = _single_stage_loop(traced, execution, specs, plan)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 

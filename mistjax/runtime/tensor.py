@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.context import ContextForm
 from mistjax.core.execution import collective_matmul_runs
 from mistjax.core.jaxpr import Atom, Params, Value, read
 from mistjax.core.layout import CONTEXT_AXIS, LeafLayout
@@ -28,8 +29,7 @@ from mistjax.runtime.collective_matmul import (
     matmul_reduce_scatter,
     plan_rings,
 )
-from mistjax.runtime.context_attention import ContextForm, context_attention
-from mistjax.runtime.context_block import attention_call, warn_gathered
+from mistjax.runtime.context_block import AttentionCall, attention_call, check_form, run_attention, warn_gathered
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss, bind_equation
 
 # `mistjax.analysis` is imported where a tensor-parallel block is built or run, not at import: its package
@@ -56,8 +56,9 @@ class TensorParallelBlock:
     """
 
     def __init__(self, graph: Graph, result: TPResult, stack: LayerStack, axis: str = TENSOR_AXIS,
-                 context: str | None = None):
+                 context: str | None = None, form: ContextForm = ContextForm.RING):
         self.graph, self.result, self.stack, self.axis, self.context = graph, result, stack, axis, context
+        self.form = form
         self._rings: RingPlan | None = None
         # The fused-attention calls the ring kernel replaces (their sites: each node of a call points to it).
         sites = dict.fromkeys(n.call for n in graph.nodes if n.call is not None and not n.call.checkpoint)
@@ -89,9 +90,9 @@ class TensorParallelBlock:
         return outs[:n], outs[n:]
 
     @property
-    def has_ring_attention(self) -> bool:
-        """Whether the layer's attention runs as the ring kernel (context parallelism, a recognised kernel)."""
-        return bool(self._attention)
+    def attention_calls(self) -> list[AttentionCall]:
+        """The fused-attention calls that run as the context-parallel kernel (none without context parallelism)."""
+        return list(self._attention.values())
 
     def seq_dim(self, v: Atom) -> int | None:
         """The sequence dim of the graph value ``v`` under context parallelism (the dim of size ``s``), else None."""
@@ -231,8 +232,7 @@ class TensorParallelBlock:
         if call is None:
             out = bind_equation(site.eqn, vals)
         else:
-            out = [context_attention(*vals, axis=self.context, form=ContextForm.RING, causal=call.causal,
-                                     block_size=call.block, residual_name=call.residual_name)]
+            out = run_attention(call, self.form, vals, self.context)
         for v, o in zip(site.outs, out):
             if isinstance(v, jex.Var) and v not in site.ins:
                 env[v] = self.constrain(o, self.result.states.get(v, REP), coll, v)
@@ -373,7 +373,8 @@ class _Collectives:
 # ------------------------------------------------------------------------------------ construction
 
 def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[LeafLayout], tp: int,
-                          batch: Sequence[bool] | None = None, cp: int = 1) -> BlockFn | None:
+                          batch: Sequence[bool] | None = None, cp: int = 1,
+                          form: ContextForm = ContextForm.RING) -> BlockFn | None:
     """A `BlockFn` running ``traced``'s layer under Megatron TP + SP layouts, or None for ``tp == 1``.
 
     Args:
@@ -383,7 +384,7 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
       tp: tensor-parallel degree; 1 returns None (today's plain evaluation).
       batch: per rest leaf of ``traced``, whether it is batch data (see `block_graph`).
       cp: context-parallel degree: above 1 the sequence stays split over ``context`` inside the layer and
-        the fused attention runs as the ring kernel (`TensorParallelBlock`).
+        the fused attention runs as the context-parallel kernel of ``form`` (`TensorParallelBlock`).
     Returns:
       None also when the model has no layer stack, its sequence does not split ``tp * cp`` ways, or its
       layer cannot be analysed (with a warning): the runtime then leaves the layer to GSPMD, as
@@ -415,8 +416,9 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
     for d in result.divisors:
         if d.exact(b, s) % tp:
             return None
-    block = TensorParallelBlock(graph, result, stack, context=CONTEXT_AXIS if cp > 1 else None)
-    if cp > 1 and not block.has_ring_attention:
+    block = TensorParallelBlock(graph, result, stack, context=CONTEXT_AXIS if cp > 1 else None, form=form)
+    check_form(block.attention_calls, form, cp, tp)
+    if cp > 1 and not block.attention_calls:
         warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "
                       "so it is not run as the ring kernel")
     return block

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from mistjax.core.context import ContextForm
 from mistjax.core.pipeline_order import group_in_flight
 from mistjax.core.pipeline_time import fill_share
 from mistjax.core.schedules import ZERO_BUBBLE, deferred_microbatches, inflight_microbatches
@@ -197,7 +198,8 @@ def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np
     c = np.where(count < 0, layers, count)
     st = StageStrategies(
         b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp), cp=np.asarray(key.cp),
-        shard_group=grid.shard_group[x], zero=grid.zero[x], layers=layers, remat=np.minimum(c, layers),
+        ulysses=np.asarray(key.cp_form == ContextForm.ULYSSES), shard_group=grid.shard_group[x], zero=grid.zero[x],
+        layers=layers, remat=np.minimum(c, layers),
         policy=tables.remat.policy[r], wo=grid.wo[x], go=grid.go[x], oo=grid.oo[x], ao=grid.ao[x],
         inflight=inflight, deferred=deferred, G=np.asarray(key.grad_accum), first=slot == 0,
         last=slot == key.stages - 1, stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
@@ -314,7 +316,8 @@ def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, p
     layers = probe.layer_options[0]
     st = StageStrategies(
         b=np.asarray(key.micro_batch), dp=np.asarray(key.dp), tp=np.asarray(key.tp), cp=np.asarray(key.cp),
-        shard_group=np.asarray(probe.grid.shard_group[0]), zero=np.asarray(probe.grid.zero[0]),
+        ulysses=np.asarray(key.cp_form == ContextForm.ULYSSES), shard_group=np.asarray(probe.grid.shard_group[0]),
+        zero=np.asarray(probe.grid.zero[0]),
         layers=np.asarray(layers), remat=np.full(len(r), layers), policy=probe.remat.policy[r],
         wo=np.asarray(0.0), go=np.asarray(0.0), oo=np.asarray(0.0), ao=np.asarray(0.0),
         inflight=np.asarray(key_inflight(key)), G=np.asarray(key.grad_accum), first=np.asarray(True),

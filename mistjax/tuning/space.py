@@ -17,6 +17,7 @@ eighths {0, .25, .375, ..., 1}; checkpointed layers 0..l; layers per stage round
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from mistjax.core.context import CONTEXT_FORMS
 from mistjax.core.schedules import SCHEDULE_NAMES, ZERO_BUBBLE
 
 __all__ = [
@@ -56,6 +58,9 @@ class SearchSpace:
         tp_degrees: tensor-parallel degrees (capped at the devices of one node; must divide the heads).
         cp_degrees: context-parallel degrees (each sequence split over cp devices; one-stage plans only, as the
             runtime runs them, with any TP degree; the sequence must split into 2 cp chunks, and each part tp ways).
+        cp_forms: context-parallel attention forms tried for each cp > 1 (`core.context.ContextForm`): ``ring``
+            (key / value shards passed around) and ``ulysses`` (all-to-all to a head split, where the heads
+            split cp x tp ways).
         pipeline: allow more than one pipeline stage.
         max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
             computes gradients with plain ``jax.grad``, which the runtime cannot split).
@@ -92,6 +97,7 @@ class SearchSpace:
     micro_batches: tuple[int, ...] = (1, 2, 4)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     cp_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    cp_forms: tuple[str, ...] = CONTEXT_FORMS
     pipeline: bool = True
     max_grad_accum: int | None = None
     max_stages: int | None = None
@@ -118,6 +124,8 @@ class SearchSpace:
             vals = getattr(self, name)
             if not vals or any(int(v) != v or v < 1 for v in vals):
                 raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of positive integers")
+        if not self.cp_forms or any(f not in CONTEXT_FORMS for f in self.cp_forms):
+            raise ValueError(f"SearchSpace.cp_forms={self.cp_forms!r}: need a non-empty tuple of {CONTEXT_FORMS}")
         if not self.zero_levels:
             raise ValueError("SearchSpace.zero_levels=(): need a non-empty tuple of ZeRO levels 0..3")
         if self.policies is not None and not self.policies:
@@ -196,6 +204,7 @@ class OuterKey:
     per_node: int  # devices of one stage on each of its nodes
     schedule: str = "1f1b"  # pipeline schedule (`core.schedules.SCHEDULE_NAMES`); "1f1b" when S == 1
     cp: int = 1  # context-parallel degree (one stage only)
+    cp_form: str = "ring"  # how the context-parallel attention communicates (`core.context.CONTEXT_FORMS`)
     chunks: int = 1  # layer chunks per device group (interleaved 1F1B: `stages` counts device groups)
 
 
@@ -223,12 +232,13 @@ def _cp_fits(cp: int, tp: int, per_node: int) -> bool:
 
 def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: int, per_node: int,
                supports_tp: Callable[[int], bool] = lambda tp: tp == 1,
-               supports_cp: Callable[[int, int], bool] = lambda cp, tp: cp == 1) -> list[OuterKey]:
+               context_forms: Callable[[int, int], tuple[str, ...]] = lambda cp, tp: ("ring",) if cp == 1 else ()
+               ) -> list[OuterKey]:
     """Every (tp, cp, stages, micro-batch) point of the space on ``nodes x per_node`` devices.
 
-    ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`), ``supports_cp(c, t)``
-    whether its sequence does, with TP ``t`` (`WorkloadLike.supports_cp`); context parallelism is tried on one
-    stage only (with any TP degree).
+    ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`), ``context_forms(c, t)``
+    which context-parallel forms split its sequence ``c`` ways with TP ``t`` (`WorkloadLike.context_forms`; each
+    in ``space.cp_forms`` is a key); context parallelism is tried on one stage only (with any TP degree).
 
     Ordered by stage count first (one stage is evaluated without a MILP and gives an early incumbent
     for pruning), then TP, then micro-batch size.
@@ -248,8 +258,8 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
             if tp > per_node or (num_devices // S) % tp or not supports_tp(tp):
                 continue
             for cp in sorted(set(space.cp_degrees)) if S == 1 else (1,):
-                if (num_devices // S) % (tp * cp) or not supports_cp(cp, tp) \
-                        or (cp > 1 and not _cp_fits(cp, tp, per_node)):
+                forms = [f for f in context_forms(cp, tp) if cp == 1 or f in space.cp_forms]
+                if (num_devices // S) % (tp * cp) or not forms or (cp > 1 and not _cp_fits(cp, tp, per_node)):
                     continue
                 dp = num_devices // S // tp // cp
                 for b in sorted(set(space.micro_batches)):
@@ -257,9 +267,9 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
                         continue
                     if space.max_grad_accum is not None and global_batch // (b * dp) > space.max_grad_accum:
                         continue
-                    for schedule in space.schedules if S > 1 else ("1f1b",):
+                    for schedule, form in itertools.product(space.schedules if S > 1 else ("1f1b",), forms):
                         keys.append(OuterKey(tp, S, b, dp, global_batch // (b * dp), *mesh, schedule=schedule,
-                                             cp=cp))
+                                             cp=cp, cp_form=form))
     return keys
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
+from mistjax.core.context import ContextForm
 from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes
 from mistjax.core.schedules import ZERO_BUBBLE
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
@@ -178,8 +179,7 @@ def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
             offload_opt=float(tables.grid.oo[x]), offload_acts=float(tables.grid.ao[x])))
         start += n
     return Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
-                cp=key.cp,
-                shard_group=group, schedule=key.schedule)
+                cp=key.cp, cp_form=key.cp_form, shard_group=group, schedule=key.schedule)
 
 
 def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -> tuple[Record, ...]:
@@ -430,12 +430,20 @@ def _outer_key(job: _SearchJob, plan: Plan, schedule: str, chunks: int = 1) -> O
     if mesh is None or (chunks > 1 and (G % S or plan.num_layers < S * chunks or not _equal_chunks(job, plan, chunks)
                                         or max(layer_options(job.space, plan.num_layers, S, G)) < chunks)):
         return None
-    return OuterKey(plan.tp, S, plan.micro_batch, plan.dp, G, *mesh, schedule=schedule, cp=plan.cp, chunks=chunks)
+    return OuterKey(plan.tp, S, plan.micro_batch, plan.dp, G, *mesh, schedule=schedule, cp=plan.cp,
+                    cp_form=plan.cp_form, chunks=chunks)
 
 
 def _supports_cp(workload: WorkloadLike) -> Callable[[int, int], bool]:
     """`WorkloadLike.supports_cp`, or one-way only for a workload that predates context parallelism."""
     return getattr(workload, "supports_cp", lambda cp, tp=1: cp == 1)
+
+
+def _context_forms(workload: WorkloadLike) -> Callable[[int, int], tuple[str, ...]]:
+    """`WorkloadLike.context_forms`, or the ring wherever `_supports_cp` says for a workload without it."""
+    supports = _supports_cp(workload)
+    return getattr(workload, "context_forms",
+                   lambda cp, tp=1: (ContextForm.RING.value,) if supports(cp, tp) else ())
 
 
 def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | None = None, *,
@@ -468,7 +476,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     keys = outer_keys(space, int(workload.num_layers), int(workload.global_batch), cluster.nodes,
-                      cluster.devices_per_node, workload.supports_tp, _supports_cp(workload))
+                      cluster.devices_per_node, workload.supports_tp, _context_forms(workload))
     if progress is not None:
         progress(space.name, 0, len(keys))
     with small_pages():  # the key tables (`intra.small_pages`)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from mistjax.train.state import TrainState
     from models.config import ModelConfig
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 TP_FORMS = ("xla-cpu", "gspmd", "megatron")
 # One predicted tensor-parallel collective: (kind, full-buffer bytes x count, summands).
 TPRecord = tuple[str, float, int]
