@@ -91,6 +91,10 @@ class LeafLayout:
     host: bool = False  # stored in host memory (offloaded)
     stage_split: bool = False  # the layer dim is split over `stage` (pipelined plans, even layer blocks)
     layer_slice: bool = False  # one layer's leaf of an unrolled stack (laid out as a slice of a stacked leaf)
+    # The shard dim is split over `context` too (optimizer state under context parallelism: the weights are
+    # replicated over `context`, so their optimizer state is sharded over the data x context group, as
+    # Megatron-LM's distributed optimizer does).
+    context_split: bool = False
 
     def __post_init__(self) -> None:
         # Callers may name the role by its string; the field always holds the member (ValueError if unknown).
@@ -105,7 +109,8 @@ class LeafLayout:
             entries[0] = "stage"
         if storage and self.sharded and self.shard_dim is not None:
             inner = entries[self.shard_dim]
-            entries[self.shard_dim] = SHARD_SPEC if inner is None else (*SHARD_SPEC, inner)
+            split = (*SHARD_SPEC, CONTEXT_AXIS) if self.context_split else SHARD_SPEC
+            entries[self.shard_dim] = split if inner is None else (*split, inner)
         return P(*entries)
 
     def manual_spec(self, *, sharded: bool | None = None) -> P:
@@ -136,6 +141,24 @@ def choose_shard_dim(shape: tuple[int, ...], axes: Axes | None, tensor_dims: tup
         rank = SHARD_PREFERENCE.index(name) if name in SHARD_PREFERENCE else len(SHARD_PREFERENCE)
         candidates.append((rank, -size, d))
     return min(candidates)[2] if candidates else None
+
+
+def context_shards(plan: Plan) -> int:
+    """Devices of the `context` axis the optimizer state is split over besides the ZeRO / MiCS group: ``cp``
+    with ZeRO >= 1 under context parallelism, else 1."""
+    return plan.cp if plan.cp > 1 and plan.stages[0].shard_opt else 1
+
+
+def shard_split(shape: tuple[int, ...], axes: Axes | None, tensor_dims: tuple[int, ...], stacked: bool,
+                plan: Plan) -> tuple[int | None, bool]:
+    """(the dim ZeRO / MiCS splits, whether the optimizer state splits it over `context` too): a dim the
+    ``shard_group x cp`` group divides where `context_shards` says so and one exists, else
+    `choose_shard_dim` over the group alone."""
+    ctx = context_shards(plan)
+    both = choose_shard_dim(shape, axes, tensor_dims, stacked, plan.shard_group * ctx, plan.tp) if ctx > 1 else None
+    if both is not None:
+        return both, True
+    return choose_shard_dim(shape, axes, tensor_dims, stacked, plan.shard_group, plan.tp), False
 
 
 def select_offload(sizes: list[int], ratio: float) -> list[bool]:
@@ -182,10 +205,13 @@ def plan_layouts(leaves: Sequence[Shaped], roles: Sequence[LeafRole | str], stac
                         "MLP width and vocabulary")
         sharded = (role == PARAM and stage.shard_weights) or (role == OPT and stage.shard_opt)
         big = len(shape) > 0 and int(np.prod(shape)) > 1
-        shard_dim = choose_shard_dim(shape, ax, tensor_dims, stacked, plan.shard_group, plan.tp) if big else None
+        shard_dim, context_split = shard_split(shape, ax, tensor_dims, stacked, plan) if big else (None, False)
+        if role != OPT and plan.shard_group == 1:
+            shard_dim = None  # a dim chosen for the optimizer state's context split: no partition group to use it
         layouts.append(LeafLayout(role=role, shape=shape, axes=ax, tensor_dims=tensor_dims, shard_dim=shard_dim,
                                   stacked=stacked, sharded=sharded and shard_dim is not None,
-                                  stage_split=stacked and plan.num_stages > 1 and shape[0] % plan.num_stages == 0))
+                                  stage_split=stacked and plan.num_stages > 1 and shape[0] % plan.num_stages == 0,
+                                  context_split=context_split and role == OPT and sharded))
     # Offload: optimizer state by `offload_opt`, stacked (per-layer streamed) weights by `offload_weights`.
     for role, ratio, want in ((OPT, stage.offload_opt, lambda lay: True),
                               (PARAM, stage.offload_weights, lambda lay: lay.stacked)):

@@ -465,7 +465,8 @@ class Plan:
             how = ("ring attention" if self.cp_form == ContextForm.RING
                    else "Ulysses: all-to-all to a head split and back")
             lines.append(f"  context parallel: each sequence split over {self.cp} devices ({how} for the blockwise "
-                         "kernel)")
+                         "kernel)" + ("; optimizer state sharded over the data x context group"
+                                      if self.stages[0].shard_opt else ""))
         if self.virtual_stages > 1:
             lines.append(f"  interleaved: stage k below is chunk k // {self.device_stages} of device group "
                          f"k % {self.device_stages}")

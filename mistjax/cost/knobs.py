@@ -47,6 +47,12 @@ class Knobs:
         return self.stages > 1
 
     @property
+    def context_shards(self) -> np.ndarray:
+        """The `context` devices the optimizer state is split over too (`core.layout.context_shards`): ``cp``
+        with ZeRO >= 1, else 1."""
+        return np.where((self.zero >= 1) & (self.cp > 1), self.cp, 1.0)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return self.b.shape
 

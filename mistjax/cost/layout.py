@@ -100,13 +100,15 @@ def _selection(wl: Workload, kind: _Selected, ratio: float, first: bool, last: b
 
 
 def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, go: float, first: bool = True,
-                last: bool = True, layers: int | None = None) -> LeafTotals:
+                last: bool = True, layers: int | None = None, ctx: int = 1) -> LeafTotals:
     """`LeafTotals` of one stage for one knob combination (the scalar rules of `plan_layouts`).
 
     The stage holds ``layers`` rows of every stacked leaf (default: all) and the non-stacked leaves its
     parts read (`held`); offload picks whole leaves among those, largest first, as the runtime does for
     a stage's own leaves. Bytes per element: parameters in their own dtype, gradients in the workload's
-    gradient dtype, every optimizer-state copy (moments, master weights) in ``state_itemsize``.
+    gradient dtype, every optimizer-state copy (moments, master weights) in ``state_itemsize``. ``ctx``: the
+    `context` devices the optimizer state is split over too (`core.layout.context_shards`), on leaves the
+    ``p x ctx`` group divides (`core.layout.shard_split`).
     """
     L = wl.num_layers
     n = L if layers is None else layers
@@ -126,6 +128,9 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
     g_sh = np.where(shardable, g_bytes / p, g_bytes)
     o_bytes = elems * wl.state_itemsize
     o = np.where(shardable & (zero >= 1), o_bytes / p, o_bytes)
+    if ctx > 1 and zero >= 1:
+        both = _cached(wl, ("local", tp, p * ctx), lambda: _local_elements(wl, tp, p * ctx))[1]
+        o = np.where(both, o_bytes / (p * ctx), o)
     o_host = opt_host.sum(axis=0)  # copies of each leaf on host
     layer, other = stacked, held_other
     fetched = w_host | (shardable & (zero >= 3))
@@ -184,7 +189,7 @@ def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """`leaf_totals` for every row of the broadcast columns ``(tp, p, zero, wo, oo, go, first, last, layers)``.
+    """`leaf_totals` for every row of the broadcast columns ``(tp, p, zero, wo, oo, go, first, last, layers, ctx)``.
 
     Distinct rows are few (TP degrees x group sizes x ZeRO stages x offload ratios x stage positions), so
     the Python loop runs over those, never per strategy.
@@ -195,7 +200,8 @@ def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.nda
     rows = []
     cache = wl.layout_cache  # lives (and dies) with the workload
     for r in uniq.tolist():
-        key = ("totals", int(r[0]), int(r[1]), int(r[2]), r[3], r[4], r[5], bool(r[6]), bool(r[7]), int(r[8]))
+        key = ("totals", int(r[0]), int(r[1]), int(r[2]), r[3], r[4], r[5], bool(r[6]), bool(r[7]), int(r[8]),
+               int(r[9]))
         row = cache.get(key)
         if row is None:
             lt = leaf_totals(wl, *key[1:])

@@ -315,7 +315,7 @@ def stage_memory(workload: Workload, cluster: ClusterSpec, st: StageStrategies) 
     # A single stage holds everything; a pipeline stage its own rows and parts (`cost.layout.held`).
     one = ~k.pipelined
     lt = totals_over(workload, (k.tp, np.where(k.zero >= 1, k.shard_group, 1), k.zero, k.wo, k.oo, k.go, k.first | one,
-                                k.last | one, np.where(one, workload.num_layers, k.layers)))
+                                k.last | one, np.where(one, workload.num_layers, k.layers), k.context_shards))
     kinds = layer_kinds(workload, k, v)
     activations, act_host = _activations(k, v, kinds)
     states = state_bytes(workload, k, v, lt, deferred=capabilities(cluster).defers_row_sync)

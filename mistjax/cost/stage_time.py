@@ -483,9 +483,15 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     sync = _grad_sync_time(cluster, k, np.maximum(grad_full - nl * row, 0.0),
                            np.where(row > 0, ops.other, ops.total))
     sync = sync + np.where(z_eff >= 1, hierarchical_all_reduce_time(grad_shard, *replicas), 0.0)
+    # After the update the weights are gathered from the optimizer state's shards: under context parallelism
+    # first over `context` (the state is split over the data x context group: `core.layout.shard_split`) to
+    # the partition group's shard, then (ZeRO-1 / 2) over the partition group, as XLA does it.
+    ctx = k.context_shards
     regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter, ops.total), 0.0)
+    regather = regather + np.where(ctx > 1, _ag(states.param_full / p, *_group_link(cluster, ctx, k.tp, k.per_node),
+                                                ops.total), 0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
-    upd_bytes = np.where(zero >= 1, grad_shard, grad_full)  # the update runs on shards under ZeRO >= 1
+    upd_bytes = np.where(zero >= 1, grad_shard / ctx, grad_full)  # the update runs on shards under ZeRO >= 1
     dev = cluster.device
     # The update overwrites the donated state in place (`DeviceSpec.update_bandwidth`).
     update = upd_bytes * (3 + 2 * copies) / (dev.update_bandwidth * dev.memory_efficiency)
@@ -509,6 +515,7 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     # loop-invariant gather of the non-stacked weights out of the micro-batch scan.
     ag = np.where(z3, G * 2.0 * nl * fetch + other, 0.0)
     ag = ag + np.where((zero >= 1) & (zero <= 2) & (p > 1), states.param_full, 0.0)
+    ag = ag + np.where(k.context_shards > 1, states.param_full / p, 0.0)
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mistjax.core.execution import StageExecution, host_accumulators
-from mistjax.core.layout import OPT, PARAM, LeafLayout
+from mistjax.core.layout import OPT, PARAM, LeafLayout, context_shards
 from mistjax.core.plan import Plan, StagePlan, format_bytes
 
 
@@ -79,7 +79,7 @@ def _per_device(lay: LeafLayout, itemsize: int, plan: Plan) -> float:
     if lay.tensor_dims:
         n /= plan.tp
     if lay.sharded and lay.shard_dim is not None:
-        n /= plan.shard_group
+        n /= plan.shard_group * (plan.cp if lay.context_split else 1)
     if lay.stage_split:
         n /= plan.num_stages
     return n
@@ -101,14 +101,17 @@ def _sharding_knobs(params: _Pool, opts: _Pool, plan: Plan) -> list[KnobReport]:
     stage = plan.stages[0]
     p_total, o_total = _total(params), _total(opts)
     o_sh = [(lay, s) for lay, s in opts if lay.sharded]
+    o_ctx = sum(lay.context_split for lay, _ in o_sh)
     o_dev = sum(_per_device(lay, s, plan) for lay, s in opts)
+    ways = f"{plan.shard_group} ways" + (f" ({o_ctx} of them {plan.shard_group * plan.cp} ways: x cp over `context`)"
+                                         if o_ctx else "")
     g_sh = [(lay, s) for lay, s in params if lay.shard_dim is not None]
     w_sh = [(lay, s) for lay, s in params if lay.sharded]
     p_dev = sum(_per_device(lay, s, plan) for lay, s in params)
     t_sp = [(lay, s) for lay, s in params if lay.tensor_dims]
     return [
-        KnobReport("shard_opt (ZeRO-1)", stage.shard_opt and plan.shard_group > 1, bool(o_sh),
-                   f"{len(o_sh)} of {len(opts)} optimizer leaves sharded {plan.shard_group} ways "
+        KnobReport("shard_opt (ZeRO-1)", stage.shard_opt and plan.shard_group * context_shards(plan) > 1, bool(o_sh),
+                   f"{len(o_sh)} of {len(opts)} optimizer leaves sharded {ways} "
                    f"({_frac(_total(o_sh), o_total)} of {format_bytes(o_total)}); "
                    f"optimizer state per device {format_bytes(o_dev)}"),
         KnobReport("shard_grads (ZeRO-2)", stage.shard_grads and plan.shard_group > 1,
