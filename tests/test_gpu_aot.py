@@ -113,6 +113,44 @@ def _report(cluster: str, **plan_kwargs):
     return gpu_aot.verify_model(TINY, 32, 16, plan, cl)
 
 
+def test_a_triton_gemm_without_tile_sizes_is_compiled_with_cublas():
+    """Deviceless, XLA's Triton GEMM emitter can find no tile sizes for a dot: `compile_plan` compiles again
+    with Triton GEMMs off (and says so); any other compile error is raised as it is."""
+    calls = []
+
+    class Lowered:
+        def __init__(self, error: str):
+            self.error = error
+
+        def compile(self, compiler_options=None):
+            calls.append(compiler_options)
+            if len(calls) == 1:
+                raise RuntimeError(self.error)
+            return "compiled"
+
+    assert gpu_aot._compile_gemms(Lowered("INTERNAL: Couldn't find output tile sizes for dot"), {}) == \
+        ("compiled", True)
+    assert calls == [None, {"xla_gpu_enable_triton_gemm": False}]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gpu_aot._compile_gemms(Lowered("RESOURCE_EXHAUSTED: out of memory"), {"xla_dump_to": "/tmp/x"})
+    assert calls == [{"xla_dump_to": "/tmp/x"}]
+
+
+@needs_plugin
+def test_cublas_gemms_are_an_option_xla_gpu_takes():
+    """The retry's option is one XLA:GPU's deviceless compile accepts: the GEMMs become cuBLAS calls."""
+    from mistjax.runtime.step import ShardedStep
+
+    cl = ClusterSpec.parse("l4:1x2")
+    state, batch, step = gpu_aot.zoo_step(TINY, 32, 4)
+    devices = gpu_aot.compile_only_devices(gpu_aot.target_for(cl), 1, 2)
+    lowered = ShardedStep(step, gpu_aot.device_mesh(devices, 1), uniform_plan(TINY.num_layers, 2, micro_batch=2)).lower(
+        state, batch)
+    text = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+    assert "__cublas$" in text and "__triton_gemm" not in text
+
+
 @needs_plugin
 def test_zero3_shards_the_state_over_eight_h100s():
     z0 = _report("h100:1x8", micro_batch=2, shard_opt=False)

@@ -382,13 +382,16 @@ def compile_plan(train_step: TrainStep, state: State, batch: Batch, plan: Plan, 
     with tempfile.TemporaryDirectory(prefix="mistjax-gpu-aot-") as tmp:
         dump = str(keep_dump or tmp)
         options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True} if breakdown or keep_dump else {}
-        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        compiled, cublas = _compile_gemms(lowered, options)
         seconds = time.perf_counter() - t0
         peak = tuple(peak_from_dump(dump)) if options else ()
     text = compiled.as_text()
     cost = xla_cost_analysis(compiled)
     offloaded = _offloaded_state_bytes(step, state)
     notes = []
+    if cublas:
+        notes.append("compiled with cuBLAS GEMMs: without autotuning XLA's Triton GEMM emitter found no tile sizes "
+                     "for a dot (what autotuning may pick on the GPU too)")
     if offloaded:
         notes.append(f"the plan keeps {format_bytes(offloaded)} of state per device in host memory; compile-only "
                      "devices have no host memory space, so XLA:GPU counts it in the device arguments")
@@ -466,6 +469,18 @@ def report_from_dict(d: Mapping[str, object]) -> Verification:
     return GpuAotReport.from_dict(d)
 
 
+def _compile_gemms(lowered: jax.stages.Lowered, options: dict[str, object]) -> tuple[jax.stages.Compiled, bool]:
+    """``lowered`` compiled with ``options``, and whether it took cuBLAS GEMMs: without autotuning (deviceless),
+    XLA's Triton GEMM emitter can find no tile sizes for some dots, and the compile is retried with Triton
+    GEMMs off."""
+    try:
+        return lowered.compile(compiler_options=options or None), False
+    except Exception as e:  # noqa: BLE001 -- XLA raises its runtime error type; only this message is retried
+        if _NO_TILES not in str(e):
+            raise
+    return lowered.compile(compiler_options={**options, "xla_gpu_enable_triton_gemm": False}), True
+
+
 def verify_in_subprocess(config: ModelConfig, seq_len: int, global_batch: int, plan: Plan, cluster: ClusterSpec, *,
                          timeout: float = 1800.0) -> Verification:
     """`verify_any` in a fresh ``JAX_PLATFORMS=cpu`` Python process (safe whatever this process's JAX
@@ -485,8 +500,8 @@ def verify_in_subprocess(config: ModelConfig, seq_len: int, global_batch: int, p
                "--global-batch", str(global_batch), "--out", str(paths["out"])]
         proc = _compile_process(cmd, {}, timeout)
         if proc.returncode != 0 and _NO_TILES in proc.stderr:
-            # Without autotuning (deviceless), XLA's Triton GEMM emitter can find no tile sizes for some dots;
-            # cuBLAS GEMMs compile them (what XLA autotuning may pick on the GPU too).
+            # `compile_plan` retries this in-process (`_compile_gemms`); a pipeline's stage programs are compiled
+            # by the executor (`MpmdStep.compile_stages`), so the whole process runs again with Triton GEMMs off.
             proc = _compile_process(cmd, {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, timeout)
         if proc.returncode != 0 or not paths["out"].is_file():
             raise GpuAotUnavailable("the XLA:GPU compile failed: " + _failure(proc.stderr))
