@@ -189,7 +189,7 @@ def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """`leaf_totals` for every row of the broadcast columns ``(tp, p, zero, wo, oo, go, first, last, layers, ctx)``.
+    """`leaf_totals` for every row of the broadcast columns ``(tp, p, zero, wo, oo, go, first, last, layers[, ctx])``.
 
     Distinct rows are few (TP degrees x group sizes x ZeRO stages x offload ratios x stage positions), so
     the Python loop runs over those, never per strategy.
@@ -201,7 +201,7 @@ def totals_over(wl: Workload, columns: Sequence[np.ndarray]) -> dict[str, np.nda
     cache = wl.layout_cache  # lives (and dies) with the workload
     for r in uniq.tolist():
         key = ("totals", int(r[0]), int(r[1]), int(r[2]), r[3], r[4], r[5], bool(r[6]), bool(r[7]), int(r[8]),
-               int(r[9]))
+               int(r[9]) if len(r) > 9 else 1)
         row = cache.get(key)
         if row is None:
             lt = leaf_totals(wl, *key[1:])
