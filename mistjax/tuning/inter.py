@@ -193,8 +193,7 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     without remat and without the memory limit (an offload or a checkpointed layer never saves time)."""
     L = int(workload.num_layers)
     opts = layer_options(space, L, key.stages, key.grad_accum)
-    grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1,
-                         accumulates=key.grad_accum > 1 or key.stages > 1)
+    grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1)
     base = _base_strategies(grid)
     none = tuple(workload.policies).index("none") if "none" in tuple(workload.policies) else 0
     probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),

@@ -409,8 +409,7 @@ def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     if key.chunks > 1:  # every chunk of a group holds a layer at least
         opts = tuple(n for n in opts if n >= key.chunks)
     remat = remat_options(space, max(opts), tuple(workload.policies))
-    grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1,
-                         accumulates=key.grad_accum > 1 or key.stages > 1)
+    grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1)
     tables = StageTables(key, opts, remat, grid, np.empty(0), np.empty(0))
     if space.policies is None:
         tables.remat = _prune_policies(workload, cluster, cost, tables)

@@ -302,23 +302,18 @@ class StrategyGrid:
         return StrategyGrid(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
 
 
-def strategy_grid(space: SearchSpace, dp: int, tp: int, per_node: int, pipelined: bool,
-                  accumulates: bool = True) -> StrategyGrid:
-    """The ZeRO x MiCS x offload grid of one stage (every stage of a pipeline chooses its own).
-
-    ``accumulates``: the stage keeps gradient accumulators (several micro-batches, or a pipeline stage); without
-    them gradient offload has nothing to move (the runtime would warn that the knob applies to nothing), so the
-    grid keeps ``go = 0`` only, and Mist's weight-needs-grad-offload rule does not apply."""
+def strategy_grid(space: SearchSpace, dp: int, tp: int, per_node: int, pipelined: bool) -> StrategyGrid:
+    """The ZeRO x MiCS x offload grid of one stage (every stage of a pipeline chooses its own)."""
     zero_groups = []
     for z in sorted(set(space.zero_levels)) if dp > 1 else [1]:
         for p in shard_groups(dp, tp, per_node, space.mics) if z > 0 and dp > 1 else [dp]:
             zero_groups.append((z, p))
-    go_vals = tuple(sorted(set(space.grad_offload))) if accumulates else (0.0,)
+    go_vals = tuple(sorted(set(space.grad_offload)))
     ao_vals = tuple(sorted(set(space.act_offload)))
     wo_vals = tuple(sorted(set(space.weight_offload)))
     oo_vals = tuple(sorted(set(space.opt_offload)))
     wo, go = (a.ravel() for a in np.meshgrid(wo_vals, go_vals, indexing="ij"))
-    if space.weight_needs_grad_offload and accumulates:
+    if space.weight_needs_grad_offload:
         keep = ~((wo > 0) & (go == 0))
         wo, go = wo[keep], go[keep]
     zg = np.asarray(zero_groups, dtype=np.int64)
