@@ -12,8 +12,9 @@ that axis only, so that other axes (``data`` on the batch, ``tensor`` on the hea
   natural order, so the caller never sees the zigzag layout. The backward is a second ring that carries the
   key/value shards and their float32 dK/dV accumulators, which arrive home after ``cp`` hops.
 * `ContextForm.ULYSSES` (DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all from the sequence split to
-  a head split, a plain blockwise attention over the whole sequence for ``heads / cp`` heads, and an
-  all-to-all back (`ulysses_supported` says which head counts work).
+  a head split, a blockwise attention over the whole sequence for ``heads / cp`` heads (causal: query block i
+  reads key blocks 0..i only, `_causal_forward`), and an all-to-all back (`ulysses_supported` says which head
+  counts work).
 
 Both run under a ``jax.custom_vjp`` whose residuals are q, k, v, the output and the float32 log-sum-exp
 (FlashAttention-2, Dao 2023), with every step blocked over ``block_size`` keys: O(local seq x block)

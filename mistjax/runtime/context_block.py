@@ -95,8 +95,7 @@ def warn_gathered(reason: str) -> None:
 
 
 
-def context_parallel_block(traced: TracedLoss, form: ContextForm = ContextForm.RING, cp: int = 2
-                           ) -> BlockFn | None:
+def context_parallel_block(traced: TracedLoss, form: ContextForm, cp: int) -> BlockFn | None:
     """A `BlockFn` running ``traced``'s layer with its fused-attention calls as the context-parallel kernel of
     ``form`` over ``cp`` devices, or None (with a warning) when the layer has none the runtime recognises.
 
