@@ -11,11 +11,14 @@ Run: python scripts/bench_attention.py [--json FILE] [--model gpt3-7b] [--seq-le
    the same), plus the block's FLOPs.
 3. ``--time``: wall time of value-and-VJP of one attention core on this CPU ([1, s, 8 heads, 4 kv heads,
    64] fp32), the blockwise kernel at a few block sizes against XLA's unfused attention (best of 3).
+4. ``--context`` (only this): the context-parallel kernels side by side, ring against Ulysses, on two host
+   devices (`XLA_FLAGS=--xla_force_host_platform_device_count=2`; s 4096, block 256).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -25,10 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import models  # noqa: E402
 from mistjax.analysis import analyze_model, compile_profile  # noqa: E402
+from mistjax.runtime.context_attention import context_attention  # noqa: E402
 from models import make_loss_fn  # noqa: E402
 from models.attention import blockwise_attention  # noqa: E402
 from models.layers import Attention, xla_attention  # noqa: E402
@@ -60,11 +67,14 @@ def block_costs(name: str, attention: str, s: int) -> dict[str, float]:
     return {k: float(v[f"block.{k}"]) for k in keys}
 
 
-def core_time(fn: object, s: int) -> float:
-    """Best-of-3 seconds of a jitted value-and-VJP of ``fn`` on [1, s, 8, 64] queries, 4 kv heads (fp32)."""
+def core_time(fn: object, s: int, sharding: NamedSharding | None = None) -> float:
+    """Best-of-3 seconds of a jitted value-and-VJP of ``fn`` on [1, s, 8, 64] queries, 4 kv heads (fp32), the
+    inputs placed with ``sharding`` when given."""
     ks = jax.random.split(jax.random.key(0), 4)
     q, do = (jax.random.normal(k, (1, s, 8, 64)) for k in ks[:2])
     k, v = (jax.random.normal(key, (1, s, 4, 64)) for key in ks[2:])
+    if sharding is not None:
+        q, k, v, do = (jax.device_put(x, sharding) for x in (q, k, v, do))
 
     def step(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array) -> tuple:
         o, vjp = jax.vjp(fn, q, k, v)
@@ -86,8 +96,14 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--lengths", default="256,1024", help="two sequence lengths for the compiled layer")
     p.add_argument("--time", action="store_true", help="also time the attention core on this CPU")
+    p.add_argument("--context", action="store_true",
+                   help="only time the context-parallel kernels (ring vs Ulysses, cp 2, s 4096, block 256) on two "
+                        "host devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=2")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.context:
+        context_times(a.json)
+        return
     lengths = [int(x) for x in a.lengths.split(",")]
 
     print("XLA:CPU temp of value_and_grad through one llama-tiny attention layer (fp32, b=1), MB")
@@ -118,6 +134,24 @@ def main() -> None:
                "block": {"model": a.model, "seq_len": a.seq_len, "b": 1, **blocks}, "core_seconds": times}
         Path(a.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.json}")
+
+
+def context_times(json_path: str | None) -> None:
+    """Value-and-VJP seconds of the context-parallel kernels side by side (`runtime.context_attention`)."""
+    if len(jax.devices()) < 2:
+        raise SystemExit("--context needs two devices: XLA_FLAGS=--xla_force_host_platform_device_count=2")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("context",), axis_types=(AxisType.Auto,))
+    times = {}
+    with jax.set_mesh(mesh):
+        for form in ("ring", "ulysses"):
+            fn = functools.partial(context_attention, form=form, block_size=256)
+            times[form] = core_time(fn, 4096, NamedSharding(mesh, P(None, "context")))
+    print("value-and-VJP of one attention core split over 2 host devices (s 4096, 8 / 4 heads of 64), s "
+          f"(best of 3): ring {times['ring']:.3f}, ulysses {times['ulysses']:.3f}, "
+          f"ulysses / ring {times['ulysses'] / times['ring']:.3f}")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"context_seconds": times}, indent=1))
+        print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":
