@@ -17,9 +17,10 @@ from mistjax.cost import COST_MODEL, analyze
 from mistjax.hardware import ClusterSpec
 from mistjax.plan import Plan, PlanError, StagePlan, uniform_plan
 from mistjax.runtime.mpmd_memory import residuals_beside
+from mistjax.tuning.inter import tune_key
 from mistjax.tuning.intra import ScheduleMemo, stage_inflight
 from mistjax.tuning.space import OuterKey, SearchSpace
-from mistjax.tuning.tuner import _reschedule, _searched_again, _SearchJob
+from mistjax.tuning.tuner import _reschedule, _SearchJob, build_plan
 
 
 def test_interleaved_splits_each_group_into_chunks_in_layer_order():
@@ -118,8 +119,7 @@ def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
     plan = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16)
     plan = plan.replace(prediction=COST_MODEL.predict(wl, plan, cluster))
     space = SearchSpace(zero_bubble=False)
-    out = _reschedule(_SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True), plan,
-                      time.perf_counter() + 120)
+    out = _reschedule(_SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True), plan)
     assert out.virtual_stages in space.interleave and out.device_stages == 4
     assert out.prediction.step_time < plan.prediction.step_time
     assert out.prediction.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget()
@@ -132,23 +132,23 @@ def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
     one_chunk = float(re.search(r"against ([0-9.]+) s with each group's chunks", note).group(1))
     assert report.mist_step_time == pytest.approx(one_chunk, rel=0.02) and report.mist_step_time > report.step_time
     assert f"interleaved 1F1B ({out.virtual_stages} chunks per device group)" in note and "bubble" in note
-    # the key searched again (one of the candidates) holds the interleaved residuals and fits
-    job = _SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True)
-    (again,) = _searched_again(job, plan, "1f1b", 4, time.perf_counter() + 120, 0.0)
+    # the interleaved key searched as a key of its own holds the interleaved residuals and fits
+    key = OuterKey(2, 4, 2, 4, 16, 1, 8, chunks=4)
+    tables, choice = tune_key(wl, cluster, COST_MODEL, key, space, None, time.perf_counter() + 120)
+    again = build_plan(tables, choice)
     assert again.virtual_stages == 4 and again.device_stages == 4 and again.grad_accum == plan.grad_accum
     pred = COST_MODEL.predict(wl, again, cluster)
     assert pred.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget() * 1.01
-    assert out.prediction.step_time <= pred.step_time
+    assert pred.step_time == pytest.approx(choice.objective, rel=0.05)  # the key's objective prices it as it runs
     # interleaving starts from 1F1B only: a GPipe plan is left as it is (no error)
     gpipe = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, schedule="gpipe")
     gpipe = gpipe.replace(prediction=COST_MODEL.predict(wl, gpipe, cluster))
     kept = _reschedule(_SearchJob(wl, cluster, COST_MODEL, SearchSpace(zero_bubble=False, schedules=("1f1b", "gpipe")),
-                                  ScheduleMemo(("1f1b", "gpipe")), True), gpipe, time.perf_counter() + 120)
+                                  ScheduleMemo(("1f1b", "gpipe")), True), gpipe)
     assert kept.virtual_stages == 1 and kept.schedule == "gpipe"
     # a space without it keeps the plan
     off = SearchSpace(zero_bubble=False, interleave=())
-    assert _reschedule(_SearchJob(wl, cluster, COST_MODEL, off, ScheduleMemo(("1f1b",)), True), plan,
-                       time.perf_counter() + 120) is plan
+    assert _reschedule(_SearchJob(wl, cluster, COST_MODEL, off, ScheduleMemo(("1f1b",)), True), plan) is plan
 
 
 def test_chunk_counts_below_two_or_not_integers_are_refused():
@@ -174,10 +174,31 @@ def test_megatron_interleaves_equal_chunks_only():
 
     def rescheduled(space: SearchSpace) -> Plan:
         job = _SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True)
-        return _reschedule(job, plan, time.perf_counter() + 120)
+        return _reschedule(job, plan)
 
     assert rescheduled(SearchSpace.megatron().replace(interleave=(4,))) is plan
     out = rescheduled(SearchSpace.megatron())
     assert out.virtual_stages == 2 and out.prediction.step_time < plan.prediction.step_time
     assert {st.num_layers for st in out.stages} == {3}
     assert rescheduled(SearchSpace(zero_bubble=False, interleave=(4,))).virtual_stages == 4
+
+
+def test_a_device_group_of_chunks_sends_once_per_chunk():
+    """The tuner's view of an interleaved key (`StageStrategies.chunks`): each chunk sends its activation forward
+    and its cotangent back, so a group's micro-batch takes the extra chunks' sends, the time `predict` charges
+    the same layers run as chunks of their own; one stage sends nothing."""
+    from mistjax.core.strategies import StageStrategies
+    from mistjax.cost.collectives import p2p_time
+
+    wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
+    cluster = ClusterSpec.preset("l4", 1, 8)
+    common = dict(b=2, dp=2, layers=8, G=16, first=False, last=False, nodes=1, per_node=2)
+    one, two, four = (COST_MODEL.stage_cost(wl, cluster, StageStrategies.make(stages=4, chunks=v, **common))
+                      for v in (1, 2, 4))
+    send = p2p_time(float(wl.compiled(2, 2048, 1)["block.output_bytes"]), cluster.p2p_link(False))
+    assert send > 0
+    assert float(two.stable - one.stable) == pytest.approx(2 * send, rel=1e-9)
+    assert float(four.stable - one.stable) == pytest.approx(6 * send, rel=1e-9)
+    alone = [COST_MODEL.stage_cost(wl, cluster, StageStrategies.make(stages=1, chunks=v, **common)).stable
+             for v in (1, 4)]
+    assert float(alone[0]) == float(alone[1])

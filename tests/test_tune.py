@@ -7,6 +7,7 @@ feasibility and end-to-end tests use the project's cost model (`mistjax.cost.mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -59,11 +60,24 @@ def test_mics_groups_are_powers_of_two_inside_a_node():
 
 def test_pipelined_keys_try_every_schedule():
     keys = outer_keys(SearchSpace(), 8, 16, nodes=1, per_node=8)
-    assert {k.schedule for k in keys if k.stages == 1} == {"1f1b"}
-    assert {k.schedule for k in keys if k.stages > 1} == {"1f1b"}  # the default space
+    assert {(k.schedule, k.chunks) for k in keys if k.stages == 1} == {("1f1b", 1)}
+    # the default space: 1F1B, ZB-H1 and interleaved 1F1B keys, each searched (or pruned by its bound)
+    assert {(k.schedule, k.chunks) for k in keys if k.stages > 1} == {("1f1b", 1), ("zb-h1", 1), ("1f1b", 2),
+                                                                        ("1f1b", 4)}
+    one_chunk = {dataclasses.replace(k, schedule="1f1b") for k in keys if k.stages > 1 and k.chunks == 1}
+    for k in (k for k in keys if k.chunks > 1):
+        # interleaving needs micro-batches in multiples of the device groups and a layer in every chunk
+        assert k.grad_accum % k.stages == 0 and k.stages * k.chunks <= 8
+        assert dataclasses.replace(k, chunks=1) in one_chunk
+    assert {k for k in one_chunk if k.grad_accum % k.stages == 0 and 2 * k.stages <= 8} == {
+        dataclasses.replace(k, chunks=1) for k in keys if k.chunks == 2}
     both = outer_keys(SearchSpace(schedules=("1f1b", "gpipe")), 8, 16, nodes=1, per_node=8)
-    assert {k.schedule for k in both if k.stages > 1} == {"1f1b", "gpipe"}
-    assert {k.schedule for k in outer_keys(SearchSpace.mist(), 8, 16, nodes=1, per_node=8)} == {"1f1b"}
+    assert {k.schedule for k in both if k.stages > 1} == {"1f1b", "gpipe", "zb-h1"}
+    assert {(k.schedule, k.chunks) for k in outer_keys(SearchSpace.mist(), 8, 16, nodes=1, per_node=8)} == {
+        ("1f1b", 1)}
+    # Megatron-LM's virtual stages hold equal chunks: 8 layers on 2 groups split 2 or 4 ways, on 4 groups 2 ways
+    meg = outer_keys(SearchSpace.megatron(), 8, 16, nodes=1, per_node=8)
+    assert {(k.stages, k.chunks) for k in meg if k.chunks > 1} == {(2, 2), (2, 4), (4, 2)}
     with pytest.raises(ValueError, match="schedules"):
         SearchSpace(schedules=("interleaved",))
 
@@ -484,3 +498,37 @@ def test_each_key_is_priced_with_its_schedules_fill_share():
     assert fills == {("1f1b", 1): 1.0, ("1f1b", 2): 0.5, ("zb-h1", 1): 0.5}
     one_stage = prepare_key(w, cl, stub.COST_MODEL, OuterKey(1, 1, 1, 8, 2, 1, 8), SearchSpace())
     assert one_stage.fill == 1.0
+
+
+def test_rising_bounds_price_less_and_keep_the_plan(monkeypatch):
+    """The sweep's bounds rising level by level (`sweep.Tightening`: each entry's floor follows its open points)
+    find the same plan as the bounds fixed at the start, pricing fewer points (GPT-3 2.7B on 4 L4s)."""
+    from mistjax.tuning import inter
+
+    w = models.workload(models.get_config("gpt3-2.7b").replace(dtype="bfloat16"), 2048, 64)
+    cl = ClusterSpec.parse("l4:1x4")
+    rising = search(w, cl, SearchSpace(), time_limit=600)
+    plain = inter.sweep_offloads
+    monkeypatch.setattr(inter, "sweep_offloads", lambda *args: plain(*args[:8]))  # no tightening
+    fixed = search(w, cl, SearchSpace(), time_limit=600)
+    assert rising.complete and fixed.complete
+    assert rising.objective == pytest.approx(fixed.objective, rel=1e-12)
+    assert rising.evaluated < 0.8 * fixed.evaluated
+
+
+def test_schedules_are_keys_of_the_complete_search():
+    """ZB-H1 and interleaved 1F1B keys are searched or pruned like any key: the space with them returns a plan
+    at least as fast as without, here a ZB-H1 plan found as a key (Falcon 2.7B on 4 L4s), priced by `predict`
+    as the search priced it."""
+    w = models.workload(models.get_config("falcon-2.7b").replace(dtype="bfloat16"), 2048, 64)
+    cl = ClusterSpec.parse("l4:1x4")
+    full = search(w, cl, SearchSpace(), time_limit=600)
+    without = search(w, cl, SearchSpace(zero_bubble=False, interleave=()), time_limit=600)
+    assert full.complete and without.complete and full.objective < without.objective
+    assert full.plan.schedule == "zb-h1" and full.prediction.step_time == pytest.approx(full.objective, rel=0.03)
+    status = {(r["schedule"], r["chunks"]): set() for r in full.frontier}
+    for r in full.frontier:
+        status[(r["schedule"], r["chunks"])].add(r["status"])
+    assert set(status) == {("1f1b", 1), ("zb-h1", 1), ("1f1b", 2), ("1f1b", 4)}
+    assert all(s <= {"searched", "pruned"} for s in status.values())
+    assert "searched" in status[("zb-h1", 1)] and "searched" in status[("1f1b", 2)]

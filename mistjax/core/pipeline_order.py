@@ -397,9 +397,11 @@ def group_residual_peaks(issue: Sequence[Op], num_groups: int, per_microbatch: A
 @functools.lru_cache(maxsize=256)
 def charged_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
     """Per virtual stage, the micro-batches of residuals it holds at its peak in the issue order
-    (`residuals_in_flight`), at least one (the last stage's fused forward + backward holds one transiently).
-    Read-only (cached)."""
+    (`residuals_in_flight`), at least one; the last stage's fused forward + backward holds one, transiently
+    (under a zero-bubble schedule its deferred weight passes hold their stash, not the residuals:
+    `deferred_in_flight`). Read-only (cached)."""
     out = np.maximum(residuals_in_flight(issue_order(schedule, num_groups, num_microbatches, chunks)), 1)
+    out[-1] = 1
     out.flags.writeable = False
     return out
 

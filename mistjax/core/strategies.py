@@ -41,6 +41,7 @@ class StageStrategies:
     cp: np.ndarray | int = 1  # context-parallel degree: each sequence split over cp devices (single stage)
     ulysses: np.ndarray | int = 0  # bool: the context-parallel attention is Ulysses' all-to-all (else the ring)
     deferred: np.ndarray | int = 0  # micro-batches whose weight-gradient stash the stage holds (zero-bubble)
+    chunks: np.ndarray | int = 1  # layer chunks the stage's device group runs (interleaved 1F1B): each sends
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,8 +51,8 @@ class StageStrategies:
     def make(cls, **kw: object) -> StageStrategies:
         """Build with defaults for omitted fields (single stage, no offload, no remat)."""
         d = dict(b=1, dp=1, tp=1, cp=1, ulysses=0, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0,
-                 go=0.0, oo=0.0, ao=0.0, inflight=1, deferred=0, G=1, first=True, last=True, stages=1, nodes=1,
-                 per_node=0)
+                 go=0.0, oo=0.0, ao=0.0, inflight=1, deferred=0, chunks=1, G=1, first=True, last=True, stages=1,
+                 nodes=1, per_node=0)
         d.update(kw)
         arr = {k: np.asarray(v) for k, v in d.items()}
         arr["shard_group"] = np.where(arr["shard_group"] <= 0, arr["dp"], arr["shard_group"])

@@ -41,6 +41,7 @@ class Knobs:
     last: np.ndarray  # bool: runs the post part
     nodes: np.ndarray  # nodes of the stage's mesh
     per_node: np.ndarray  # devices per node of the stage's mesh
+    chunks: np.ndarray  # layer chunks the stage's device group runs (interleaved 1F1B)
 
     @property
     def pipelined(self) -> np.ndarray:
@@ -70,7 +71,7 @@ class Knobs:
                    wo=f["wo"], go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight),
                    deferred=np.asarray(st.deferred), G=f["G"],
                    stages=f["stages"], first=a["first"].astype(bool), last=a["last"].astype(bool), nodes=f["nodes"],
-                   per_node=f["per_node"])
+                   per_node=f["per_node"], chunks=f["chunks"])
 
 
 @dataclass(frozen=True)

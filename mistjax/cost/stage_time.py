@@ -453,8 +453,9 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     other_ag = np.where(z3, _ag(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
     fwd = fwd + np.where(G > 1, 0.0, other_ag)  # with G > 1 XLA hoists it out of the loop: once per step
     bwd = bwd + np.where(z3, _rs(lt["w_other_fetch"], gk, gm, intra, inter, ops.other), 0.0)
-    # Pipeline sends: the activation forward, its cotangent backward (ppermute each tick).
-    send = np.where(k.pipelined, p2p_time(blk.output_bytes, cluster.p2p_link(False)), 0.0)
+    # Pipeline sends: the activation forward, its cotangent backward (ppermute each tick), once per chunk the
+    # device group runs.
+    send = np.where(k.pipelined, k.chunks * p2p_time(blk.output_bytes, cluster.p2p_link(False)), 0.0)
     # The weight-gradient GEMMs (half of the layer's backward weight GEMMs; the head's about half its backward;
     # the embedding's whole backward): what a zero-bubble schedule's W pass runs.
     wgrad = k.layers * c["ring_bwd"] + np.where(k.last, 0.5 * c["post_bwd"], 0.0) + np.where(k.first, c["pre_bwd"], 0.0)

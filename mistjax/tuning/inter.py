@@ -13,6 +13,7 @@ strategies are swept (`sweep`) only where its zero-offload strategy does not fit
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mistjax.core.pipeline_time import fill_share
 from mistjax.core.strategies import CostModel, WorkloadLike
 from mistjax.tuning.intra import (
     ScheduleMemo,
@@ -33,8 +35,8 @@ from mistjax.tuning.intra import (
     sample_stage_tables,
 )
 from mistjax.tuning.milp import solve_inter_stage
-from mistjax.tuning.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, layer_options, strategy_grid
-from mistjax.tuning.sweep import Entries, PointBound, entries_that_may_fit, sweep_offloads
+from mistjax.tuning.space import OuterKey, RematOptions, SearchSpace, StrategyGrid, key_layer_options, strategy_grid
+from mistjax.tuning.sweep import Entries, PointBound, Tightening, entries_that_may_fit, sweep_offloads
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -190,15 +192,22 @@ def _base_strategies(grid: StrategyGrid) -> np.ndarray:
 def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
               memo: ScheduleMemo | None = None) -> float:
     """A lower bound of a key's best objective, from its families' least-offloaded strategies
-    without remat and without the memory limit (an offload or a checkpointed layer never saves time)."""
+    without remat and without the memory limit (an offload or a checkpointed layer never saves time).
+
+    An interleaved key is bounded with its one-chunk 1F1B sibling's prices (shared with it through ``memo``)
+    under its own fill share: each chunk's sends only add time, and its layer counts are among the sibling's.
+    """
     L = int(workload.num_layers)
-    opts = layer_options(space, L, key.stages, key.grad_accum)
+    chunks = key.chunks
+    if chunks > 1:
+        key = dataclasses.replace(key, chunks=1)
+    opts = key_layer_options(space, L, key)
     grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1)
     base = _base_strategies(grid)
     none = tuple(workload.policies).index("none") if "none" in tuple(workload.policies) else 0
     probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),
                         grid, np.empty(0), np.empty(0), memo=memo)
-    probe.fill = key_fill(workload, cluster, cost, probe)
+    probe.fill = key_fill(workload, cluster, cost, probe) if chunks == 1 else fill_share(key.schedule, chunks)
     s, d, _, _ = price_pairs(workload, cluster, cost, probe, np.zeros(len(base), np.int64), base)  # [S, J, F]
     if key.stages == 1:
         return float(np.min(key.grad_accum * s[0, 0] + d[0, 0]))
@@ -317,6 +326,17 @@ def _point_bound(tables: StageTables, entries: Entries, bound: Callable[..., np.
     return lambda e, stable, delta: bound(entries.slot[e], entries.option[e], stable)
 
 
+def _rebound(tables: StageTables, entries: Entries, fixed: np.ndarray, num_layers: int, floor: np.ndarray
+             ) -> tuple[np.ndarray, PointBound]:
+    """`sweep.Tightening.rebound`: the entries' bounds at their ``floor`` and the point bound, with each stage's
+    least time the smaller of ``fixed`` (``[S, J]``, the entries not swept: their zero-offload point fits) and the
+    floors of the swept entries there."""
+    least = fixed.copy()
+    np.minimum.at(least, (entries.slot, entries.option), floor)
+    bound = partial(entry_bounds, least, tables.key.grad_accum, tables.layer_options, num_layers, tables.fill)
+    return bound(entries.slot, entries.option, floor), _point_bound(tables, entries, bound)
+
+
 def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
              best_cost: float | None, deadline: float, prune: bool = True, memo: ScheduleMemo | None = None,
              arena: TableArena | None = None) -> tuple[StageTables, KeyChoice | None]:
@@ -344,20 +364,23 @@ def tune_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key:
     if S == 1:
         cut = min(cut, float(np.min(np.where(ok0[0, 0], G * s0[0, 0] + d0[0, 0], np.inf))))
     entries = entries_that_may_fit(workload, cluster, cost, tables, _open_entries(tables, s0, d0, ok0))
-    bound = None
+    bound, tightening = None, None
     if S > 1:  # sound bounds that count memory: the zero-offload prices where some point of the family may fit
         least = np.where(fitting_entries(s0, ok0, entries), s0, np.inf).min(axis=(2, 3))  # [S, J]
         at = np.nonzero(np.isfinite(least))
         bound = partial(entry_bounds, least, G, tables.layer_options, L, tables.fill)
         if bound(at[0], at[1], least[at]).min(initial=np.inf) >= cut:
             return tables, None
-        entries = entries._replace(bound=bound(entries.slot, entries.option,
-                                               s0[entries.slot, entries.option, entries.remat, entries.family]))
+        floor = s0[entries.slot, entries.option, entries.remat, entries.family]
+        entries = entries._replace(bound=bound(entries.slot, entries.option, floor))
+        tightening = Tightening(floor, partial(_rebound, tables, entries, np.where(ok0, s0, np.inf).min(axis=(2, 3)),
+                                               L))
     incumbent = None
     if S > 1:  # a plan from the zero- and most-offloaded points: its objective cuts the sweep
         incumbent = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
         cut = min(cut, np.inf if incumbent is None else incumbent.objective)
-    sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline, _point_bound(tables, entries, bound))
+    sweep_offloads(workload, cluster, cost, tables, entries, cut, deadline, _point_bound(tables, entries, bound),
+                   tightening)
     choice = solve_key(tables, space.pareto_k, False, best_cost, deadline, L)
     if incumbent is not None and (choice is None or incumbent.objective < choice.objective):
         choice = incumbent  # Pareto sampling of the larger tables can miss it

@@ -24,7 +24,7 @@ from mistjax.tuning.space import (
     RematOptions,
     SearchSpace,
     StrategyGrid,
-    layer_options,
+    key_layer_options,
     remat_options,
     strategy_grid,
 )
@@ -153,7 +153,8 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     key = tables.key
     S, G = key.stages, key.grad_accum
     r, x = np.asarray(r, np.int64), np.asarray(x, np.int64)
-    memo = tables.memo if S > 1 and tables.memo is not None and key.schedule in tables.memo.schedules else None
+    memo = (tables.memo if S > 1 and key.chunks == 1 and tables.memo is not None
+            and key.schedule in tables.memo.schedules else None)
     what = (b"" if slots is None else np.asarray(slots, np.int64).tobytes(), r.tobytes(), x.tobytes(),
             tables.remat.count.tobytes(), tables.remat.policy.tobytes(), repr(tables.layer_options).encode())
     if memo is not None:
@@ -201,7 +202,8 @@ def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np
         ulysses=np.asarray(key.cp_form == ContextForm.ULYSSES), shard_group=grid.shard_group[x], zero=grid.zero[x],
         layers=layers, remat=np.minimum(c, layers),
         policy=tables.remat.policy[r], wo=grid.wo[x], go=grid.go[x], oo=grid.oo[x], ao=grid.ao[x],
-        inflight=inflight, deferred=deferred, G=np.asarray(key.grad_accum), first=slot == 0,
+        inflight=inflight, deferred=deferred, chunks=np.asarray(key.chunks), G=np.asarray(key.grad_accum),
+        first=slot == 0,
         last=slot == key.stages - 1, stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
         per_node=np.asarray(key.per_node))
     return st, c <= layers
@@ -320,7 +322,8 @@ def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, p
         zero=np.asarray(probe.grid.zero[0]),
         layers=np.asarray(layers), remat=np.full(len(r), layers), policy=probe.remat.policy[r],
         wo=np.asarray(0.0), go=np.asarray(0.0), oo=np.asarray(0.0), ao=np.asarray(0.0),
-        inflight=np.asarray(key_inflight(key)), G=np.asarray(key.grad_accum), first=np.asarray(True),
+        inflight=np.asarray(key_inflight(key)), chunks=np.asarray(key.chunks), G=np.asarray(key.grad_accum),
+        first=np.asarray(True),
         last=np.asarray(key.stages == 1), stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
         per_node=np.asarray(key.per_node))
     return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))
@@ -397,6 +400,20 @@ class TableArena:
         """Note that the current tables were written at the index ``at``."""
         self._written.append(at)
 
+    def written_flat(self) -> np.ndarray:
+        """The flat positions (ascending, each once) the current tables were written at."""
+        if self._views is None or not self._written:
+            return np.empty(0, np.int64)
+        shape = self._views[0].shape
+        flat = []
+        for at in self._written:
+            grids = [np.arange(n) if isinstance(a, slice) else np.asarray(a) for a, n in zip(at, shape)]
+            if any(isinstance(a, slice) for a in at):  # (every slot, every option, pairs r[n], x[n])
+                s, j, n = np.meshgrid(grids[0], grids[1], np.arange(grids[2].size), indexing="ij")
+                grids = [s.ravel(), j.ravel(), grids[2][n.ravel()], grids[3][n.ravel()]]
+            flat.append(np.ravel_multi_index(tuple(grids), shape))
+        return np.unique(np.concatenate(flat))
+
 
 def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key: OuterKey, space: SearchSpace,
                 memo: ScheduleMemo | None = None, arena: TableArena | None = None) -> StageTables:
@@ -405,9 +422,7 @@ def prepare_key(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
     With an ``arena`` the tables live in its memory, valid until it hands out the next key's.
     """
     L = int(workload.num_layers)
-    opts = layer_options(space, L, key.stages, key.grad_accum)
-    if key.chunks > 1:  # every chunk of a group holds a layer at least
-        opts = tuple(n for n in opts if n >= key.chunks)
+    opts = key_layer_options(space, L, key)
     remat = remat_options(space, max(opts), tuple(workload.policies))
     grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1)
     tables = StageTables(key, opts, remat, grid, np.empty(0), np.empty(0))
@@ -505,7 +520,12 @@ def _finite_by_group(tables: StageTables, group_of: np.ndarray, n_groups: int
     S, J, R, X = tables.stable.shape
     flat_s = tables.stable.reshape(S * J, R * X)
     flat_d = tables.delta.reshape(S * J, R * X)
-    row, col = np.nonzero(np.isfinite(flat_s) & np.isfinite(flat_d))  # row-major: columns ascend in a row
+    if tables.arena is not None:  # only the entries written can be finite: no scan of the whole tables
+        at = tables.arena.written_flat()
+        at = at[np.isfinite(tables.stable.ravel()[at]) & np.isfinite(tables.delta.ravel()[at])]
+        row, col = np.divmod(at, R * X)
+    else:
+        row, col = np.nonzero(np.isfinite(flat_s) & np.isfinite(flat_d))  # row-major: columns ascend in a row
     dest = group_of[col % X] * (S * J) + row
     order = np.argsort(dest, kind="stable")  # group-major, the column order kept within a row
     row, col, dest = row[order], col[order], dest[order]

@@ -36,8 +36,10 @@ __all__ = [
     "RematOptions",
     "SearchSpace",
     "StrategyGrid",
+    "key_layer_options",
     "outer_keys",
     "remat_options",
+    "schedule_variants",
     "shard_groups",
     "stage_mesh",
     "strategy_grid",
@@ -83,14 +85,14 @@ class SearchSpace:
         schedules: pipeline schedules tried for S > 1. On the asynchronous MPMD executor classic 1F1B
             runs at the ideal pace and bounds the micro-batches in flight, so it is the default; GPipe and
             ``1f1b-eager`` run as fast and keep more (`mistjax.core.schedules`).
-        zero_bubble: re-schedule the best pipelined plan with ZB-H1 (each backward split into input- and
-            weight-gradient programs, the latter deferred into the bubbles) where `predict` prices it faster
-            and it still fits (its stash is more activation memory).
-        interleave: chunks per device group tried for the best pipelined plan as interleaved 1F1B (virtual
-            stages: the bubble shrinks by the chunk count, each group holds more micro-batches' residuals and
-            sends ``chunks`` times the activations); ``()`` turns it off. Like ``zero_bubble``, the best plan
-            is re-scheduled and its outer key searched again with the interleaved residuals in memory, and a
-            candidate is kept where `predict` prices it faster and it fits.
+        zero_bubble: also search every pipelined key under ZB-H1 (each backward split into input- and
+            weight-gradient programs, the latter deferred into the bubbles; the deferred passes' stash is more
+            activation memory).
+        interleave: chunks per device group searched as interleaved 1F1B keys (virtual stages: the bubble shrinks
+            by the chunk count, each group holds more micro-batches' residuals and sends ``chunks`` times the
+            activations) beside each 1F1B key whose micro-batches are a multiple of its stages; ``()`` turns it
+            off. Every key of every schedule is searched or pruned by its bound, so a space with these contains
+            the space without (`schedule_variants`).
     """
 
     name: str = "mistjax"
@@ -140,8 +142,8 @@ class SearchSpace:
         searched = tuple(x for x in SCHEDULE_NAMES if x not in ZERO_BUBBLE)
         bad = [x for x in self.schedules if x not in searched]
         if not self.schedules or bad:
-            hint = (" (zero-bubble schedules are not searched key by key: SearchSpace.zero_bubble re-schedules the "
-                    "best pipelined plan with ZB-H1 where it is predicted faster)" if set(bad) & ZERO_BUBBLE else "")
+            hint = (" (zero-bubble keys are switched on by SearchSpace.zero_bubble=True)" if set(bad) & ZERO_BUBBLE
+                    else "")
             raise ValueError(f"SearchSpace.schedules={self.schedules!r}: use a non-empty tuple of {searched}{hint}")
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in self.interleave):
             raise ValueError(f"SearchSpace.interleave={self.interleave!r}: chunks per device group are integers >= 2 "
@@ -267,10 +269,37 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
                         continue
                     if space.max_grad_accum is not None and global_batch // (b * dp) > space.max_grad_accum:
                         continue
-                    for schedule, form in itertools.product(space.schedules if S > 1 else ("1f1b",), forms):
-                        keys.append(OuterKey(tp, S, b, dp, global_batch // (b * dp), *mesh, schedule=schedule,
-                                             cp=cp, cp_form=form))
+                    G = global_batch // (b * dp)
+                    for (schedule, chunks), form in itertools.product(schedule_variants(space, num_layers, S, G),
+                                                                      forms):
+                        keys.append(OuterKey(tp, S, b, dp, G, *mesh, schedule=schedule, cp=cp, cp_form=form,
+                                             chunks=chunks))
     return keys
+
+
+def schedule_variants(space: SearchSpace, num_layers: int, stages: int, grad_accum: int
+                      ) -> list[tuple[str, int]]:
+    """The (pipeline schedule, chunks per device group) pairs of one (stages, micro-batches) point: the space's
+    ``schedules``, ZB-H1 (``zero_bubble``) and interleaved 1F1B with each of ``interleave``'s chunk counts that
+    the point can run (micro-batches a multiple of the stages, every chunk a layer at least, equal chunks where
+    the space's stages are uniform); ``("1f1b", 1)`` alone for one stage."""
+    if stages == 1:
+        return [("1f1b", 1)]
+    out = [(schedule, 1) for schedule in space.schedules]
+    if space.zero_bubble:
+        out += [(schedule, 1) for schedule in sorted(ZERO_BUBBLE)]
+    if "1f1b" in space.schedules and grad_accum % stages == 0:
+        most = max(layer_options(space, num_layers, stages, grad_accum))
+        out += [("1f1b", v) for v in sorted(set(space.interleave))
+                if num_layers >= stages * v and most >= v
+                and (not space.uniform_layers or (num_layers // stages) % v == 0)]
+    return out
+
+
+def key_layer_options(space: SearchSpace, num_layers: int, key: OuterKey) -> tuple[int, ...]:
+    """`layer_options` of ``key``'s device groups: those that give each of its chunks a layer at least."""
+    opts = layer_options(space, num_layers, key.stages, key.grad_accum)
+    return tuple(n for n in opts if n >= key.chunks)
 
 
 def shard_groups(dp: int, tp: int, per_node: int, mics: bool) -> tuple[int, ...]:

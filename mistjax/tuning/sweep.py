@@ -31,7 +31,7 @@ from mistjax.tuning.space import StrategyGrid
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-__all__ = ["Entries", "OffloadLattice", "entries_that_may_fit", "sweep_offloads"]
+__all__ = ["Entries", "OffloadLattice", "Tightening", "entries_that_may_fit", "sweep_offloads"]
 
 _RATIOS = ("wo", "go", "oo", "ao")
 _CHUNK = 1 << 16  # (entry, point) pairs priced per call: the deadline is checked that often
@@ -85,6 +85,20 @@ class OffloadLattice:
 PointBound = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (entry index, stable, delta) -> bound
 
 
+class Tightening(NamedTuple):
+    """How the sweep raises its bounds as it climbs (time first, pipelines).
+
+    Attributes:
+        floor: ``[E]`` a lower bound of the stable time of any point of each entry that a plan beating the cut can
+            use (at the start, its zero-offload point's).
+        rebound: ``rebound(floor)`` -> (each entry's bound at its floor, the `PointBound`) with the other stages'
+            least times taken from the floors.
+    """
+
+    floor: np.ndarray
+    rebound: Callable[[np.ndarray], tuple[np.ndarray, PointBound]]
+
+
 class Entries(NamedTuple):
     """(slot, layer option, remat option, family) entries of a key's tables whose offloaded points are swept;
     ``bound`` is a lower bound of the objective of any plan using the entry (compared with the cut)."""
@@ -97,7 +111,8 @@ class Entries(NamedTuple):
 
 
 def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
-                   entries: Entries, cut: float, deadline: float, point_bound: PointBound | None = None) -> None:
+                   entries: Entries, cut: float, deadline: float, point_bound: PointBound | None = None,
+                   tightening: Tightening | None = None) -> None:
     """Price the undominated offloaded points of ``entries`` into ``tables`` (dominated ones stay ``inf``).
 
     An entry leaves the sweep once its ``bound`` reaches ``cut``; with one stage the cut falls to the best
@@ -108,13 +123,23 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
     Where that closes too little (`_MIN_DEAD_SHARE` of the points priced, once `_PROBE_POINTS` are), it goes
     on *memory first*: a point is first asked whether it fits (`cost.stage_memory`, about a third of its
     price) and only the fitting ones are priced. Sets ``tables.truncated`` when the deadline stops it.
+
+    With a ``tightening`` the bounds rise level by level while it goes time first: every point of an entry that
+    is still open lies above one of the level's open points along ratios whose times never fall, so the least
+    stable time of the entry's feasible points found and of its open points bounds what is left of it below;
+    an entry out of the sweep (its bound reached the cut) holds nothing a plan beating the cut can use. The
+    floors give the other stages' least times (`Tightening.rebound`).
     """
     lattice = OffloadLattice.of(tables.grid)
-    live = entries.bound < cut
+    bound_now = entries.bound
+    live = bound_now < cut
     ordered = _ordered_ratios(tables, entries)  # [E, 4]
     reached = np.zeros((entries.slot.size, lattice.strategy.shape[1]), bool)  # a closing point <= here
     single = tables.key.stages == 1
     priced = dead = 0  # points priced time first, and how many of them closed on their bound alone
+    floor = tightening.floor.copy() if tightening is not None else np.empty(0)
+    found = np.full(entries.slot.size, np.inf)  # least stable time of each entry's feasible points priced
+    tight = ordered.all(axis=1)  # entries whose times never fall along any ratio
     for points in lattice.levels:
         if not live.any():
             return
@@ -127,6 +152,7 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
         e, p = np.nonzero(live[:, None] & (xs >= 0) & ~below)
         closes = np.zeros(e.size, bool)
         time_first = point_bound is not None and (priced < _PROBE_POINTS or dead >= _MIN_DEAD_SHARE * priced)
+        stable = np.full(e.size, np.inf)
         for lo in range(0, e.size, _CHUNK):
             if lo and time.perf_counter() >= deadline:
                 tables.truncated = True
@@ -139,11 +165,28 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
             else:
                 got = _price_memory_first(workload, cluster, cost, tables, at)
             closes[lo:lo + ee.size] = got.feasible | got.over
+            stable[lo:lo + ee.size] = got.stable
+            np.minimum.at(found, ee, np.where(got.feasible, got.stable, np.inf))
             if single and got.feasible.any():
                 cut = min(cut, float(got.objective.min()))
         below[e, p] |= closes
         reached[:, points] = below
-        live &= entries.bound < cut
+        if tightening is not None and time_first:
+            floor, bound_now, point_bound = _tighten(tightening, floor, found, live & tight, live, e[~closes],
+                                                     stable[~closes])
+        live &= bound_now < cut
+
+
+def _tighten(tightening: Tightening, floor: np.ndarray, found: np.ndarray, rising: np.ndarray, live: np.ndarray,
+             open_entry: np.ndarray, open_stable: np.ndarray) -> tuple[np.ndarray, np.ndarray, PointBound]:
+    """The floors after a level priced time first (``open_*``: its points left open), and the bounds they give.
+    ``rising``: the entries whose floor follows the level (see `sweep_offloads`); the others keep theirs, and
+    those out of the sweep hold none."""
+    level = found.copy()
+    np.minimum.at(level, open_entry, open_stable)
+    floor = np.where(rising, np.maximum(floor, level), np.where(live, floor, np.inf))
+    bound, point_bound = tightening.rebound(floor)
+    return floor, bound, point_bound
 
 
 class _Priced(NamedTuple):
@@ -152,6 +195,7 @@ class _Priced(NamedTuple):
     feasible: np.ndarray  # fits (and was priced in full)
     over: np.ndarray  # its `PointBound` reaches the cut (time first only)
     objective: np.ndarray  # ``G * stable + delta`` where feasible, ``inf`` elsewhere (the single-stage cut)
+    stable: np.ndarray  # its stable time where priced in full, ``inf`` elsewhere
 
 
 _Point = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # (slot, layer option, remat option, strategy)
@@ -165,7 +209,7 @@ def _price_time_first(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMo
     tables.store_entries(*(a[keep] for a in at), got.stable[keep], got.delta[keep], got.feasible[keep], got.bwd[keep])
     over = point_bound(entry, got.stable, got.delta) >= cut
     G = tables.key.grad_accum
-    return _Priced(got.feasible, over, np.where(got.feasible, G * got.stable + got.delta, np.inf))
+    return _Priced(got.feasible, over, np.where(got.feasible, G * got.stable + got.delta, np.inf), got.stable)
 
 
 def _price_memory_first(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
@@ -180,7 +224,7 @@ def _price_memory_first(workload: WorkloadLike, cluster: ClusterSpec, cost: Cost
         tables.store_entries(*sub, got.stable, got.delta, got.feasible, got.bwd)
         feasible[fits] = got.feasible
         objective[fits] = np.where(got.feasible, tables.key.grad_accum * got.stable + got.delta, np.inf)
-    return _Priced(feasible, np.zeros(n, bool), objective)
+    return _Priced(feasible, np.zeros(n, bool), objective, np.full(n, np.inf))
 
 
 def _ordered_ratios(tables: StageTables, entries: Entries) -> np.ndarray:

@@ -26,7 +26,7 @@ from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
 from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
 from mistjax.tuning.intra import ScheduleMemo, StageTables, TableArena, sample_stage_tables, small_pages
-from mistjax.tuning.space import OuterKey, SearchSpace, layer_options, outer_keys, stage_mesh
+from mistjax.tuning.space import OuterKey, SearchSpace, outer_keys
 
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
@@ -178,8 +178,9 @@ def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
             offload_weights=float(tables.grid.wo[x]), offload_grads=float(tables.grid.go[x]),
             offload_opt=float(tables.grid.oo[x]), offload_acts=float(tables.grid.ao[x])))
         start += n
-    return Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
+    plan = Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
                 cp=key.cp, cp_form=key.cp_form, shard_group=group, schedule=key.schedule)
+    return plan.interleaved(key.chunks) if key.chunks > 1 else plan
 
 
 def _pareto_data(tables: StageTables, choice: KeyChoice, k: int, shared: bool) -> tuple[Record, ...]:
@@ -228,15 +229,17 @@ def _key_bounds(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
 
 
 def _visit_order(keys: list[OuterKey], bounds: list[float]) -> list[int]:
-    """Best bound first, but a key's siblings of other pipeline schedules right after it.
+    """Best bound first, but a key's siblings of other pipeline schedules (and chunk counts) right after it.
 
-    The siblings reuse its prices (`intra.ScheduleMemo`), and the pruning test still applies to each of them.
+    The siblings of other one-chunk schedules reuse its prices (`intra.ScheduleMemo`), and the pruning test still
+    applies to each of them.
     """
-    group = [dataclasses.replace(k, schedule="") for k in keys]
+    group = [dataclasses.replace(k, schedule="", chunks=1) for k in keys]
     group_bound: dict[OuterKey, tuple[float, int]] = {}
     for i, (g, b) in enumerate(zip(group, bounds)):
         group_bound[g] = min(group_bound.get(g, (math.inf, i)), (b, i))
-    return sorted(range(len(keys)), key=lambda i: (group_bound[group[i]], bounds[i], i))
+    variant = [int(k.chunks > 1 or k.schedule in ZERO_BUBBLE) for k in keys]
+    return sorted(range(len(keys)), key=lambda i: (variant[i], group_bound[group[i]], bounds[i], i))
 
 
 @dataclass(frozen=True)
@@ -354,66 +357,28 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     return objective, plan.replace(prediction=pred), pareto
 
 
-def _reschedule(job: _SearchJob, plan: Plan, deadline: float, key_seconds: float = 0.0,
-                objective: float | None = None) -> Plan:
-    """``plan`` or a plan of its outer key under another pipeline schedule, where the full prediction is faster
-    and fits: ZB-H1 (`SearchSpace.zero_bubble`) and interleaved 1F1B (`SearchSpace.interleave`).
+def _reschedule(job: _SearchJob, plan: Plan) -> Plan:
+    """``plan`` or ``plan`` itself under another pipeline schedule of the space (ZB-H1, interleaved 1F1B) where the
+    full prediction is faster and fits.
 
-    Candidates: ``plan`` re-scheduled, and the key searched again with the schedule's memory in every stage
-    (ZB-H1's deferred weight passes' stash, the interleaved groups' residuals in flight) and its objective
-    (`core.pipeline_time.fill_share`), cut at ``plan``'s search ``objective`` where given: only a plan that the
-    schedule's formula prices faster than ``plan`` is by its own comes back. `predict` prices each candidate.
-    Never slower: a space with them contains the space without. A key is searched again only with
-    ``key_seconds`` (the quickest key's time so far) left before the deadline, as `_search_keys` starts a key,
-    and for one chunk count only: the one whose re-scheduled ``plan`` is fastest (memory aside), if that beats
-    ``plan`` (a heuristic, not a bound: the key searched again holds more in memory, so its stages are rarely
-    faster than ``plan``'s), or the least chunk count where ``plan``'s stages are too short to split.
-    Interleaving starts from a 1F1B ``plan`` only."""
+    Every key of every schedule was searched (`space.schedule_variants`); this only re-prices the winner as it is
+    under the others, because `predict` prices the executor's issue order where the search's objective uses the
+    schedule's fill share (`core.pipeline_time.fill_share`), and the two may rank near plans differently.
+    """
     if plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
         return plan
-    priced: list[tuple[Plan, Prediction]] = []
-    if job.space.zero_bubble:
-        zb = plan.replace(schedule=sorted(ZERO_BUBBLE)[0], prediction=None)
-        priced += _priced([zb, *_searched_again(job, plan, zb.schedule, 1, deadline, key_seconds, objective)], job)
-    counts = job.space.interleave if plan.schedule == "1f1b" else ()
-    splittable = min(st.num_layers for st in plan.stages)
-    as_is = _priced([plan.interleaved(v) for v in counts
-                     if v <= splittable and plan.grad_accum % plan.num_stages == 0 and _equal_chunks(job, plan, v)],
-                    job)
-    priced += as_is
-    ahead = sorted((p for p in as_is if p[1].step_time < plan.prediction.step_time), key=lambda p: p[1].step_time)
-    if ahead:
-        again = [ahead[0][0].virtual_stages]
-    else:  # none beats the plan as it is; where none could be split as it is, try the least count
-        again = [] if as_is else sorted(counts)[:1]
-    for v in again:
-        priced += _priced(_searched_again(job, plan, "1f1b", v, deadline, key_seconds, objective), job)
+    candidates = [plan.replace(schedule=s, prediction=None) for s in sorted(ZERO_BUBBLE) if job.space.zero_bubble]
+    if plan.schedule == "1f1b" and plan.grad_accum % plan.num_stages == 0:
+        splittable = min(st.num_layers for st in plan.stages)
+        candidates += [plan.interleaved(v) for v in job.space.interleave
+                       if v <= splittable and _equal_chunks(job, plan, v)]
     budget = job.cluster.memory_budget() * (1 + 1e-9)
     best = plan
-    for cand, pred in priced:
+    for cand in candidates:
+        pred = job.cost.predict(job.workload, cand, job.cluster)
         if pred.guarded_peak(job.cluster.device.memory_margin) <= budget and pred.step_time < best.prediction.step_time:
             best = cand.replace(prediction=pred)
     return best
-
-
-def _priced(plans: list[Plan], job: _SearchJob) -> list[tuple[Plan, Prediction]]:
-    return [(p, job.cost.predict(job.workload, p, job.cluster)) for p in plans]
-
-
-def _searched_again(job: _SearchJob, plan: Plan, schedule: str, chunks: int, deadline: float, key_seconds: float,
-                    best_cost: float | None = None) -> list[Plan]:
-    """``plan``'s key searched again under ``schedule`` with ``chunks`` chunks per device group, for a plan whose
-    objective beats ``best_cost`` (none where there is none, the key cannot run them, less than ``key_seconds``
-    is left, or the search was cut)."""
-    key = _outer_key(job, plan, schedule, chunks)
-    if key is None or deadline - time.perf_counter() < key_seconds:
-        return []
-    tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, best_cost, deadline, job.prune,
-                              None, job.arena)
-    if choice is None or not choice.optimal:
-        return []
-    found = build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
-    return [found.interleaved(chunks) if chunks > 1 else found.replace(schedule=schedule)]
 
 
 def _equal_chunks(job: _SearchJob, plan: Plan, chunks: int) -> bool:
@@ -422,16 +387,9 @@ def _equal_chunks(job: _SearchJob, plan: Plan, chunks: int) -> bool:
     return not job.space.uniform_layers or all(st.num_layers % chunks == 0 for st in plan.stages)
 
 
-def _outer_key(job: _SearchJob, plan: Plan, schedule: str, chunks: int = 1) -> OuterKey | None:
-    """The outer key of a one-chunk pipelined ``plan`` under ``schedule`` with ``chunks`` chunks per device group
-    (None: its stage mesh is not one, or the layers or micro-batches cannot fill the chunks)."""
-    S, G = plan.num_stages, plan.grad_accum
-    mesh = stage_mesh(S * plan.dp * plan.tp * plan.cp, S, job.cluster.nodes, job.cluster.devices_per_node)
-    if mesh is None or (chunks > 1 and (G % S or plan.num_layers < S * chunks or not _equal_chunks(job, plan, chunks)
-                                        or max(layer_options(job.space, plan.num_layers, S, G)) < chunks)):
-        return None
-    return OuterKey(plan.tp, S, plan.micro_batch, plan.dp, G, *mesh, schedule=schedule, cp=plan.cp,
-                    cp_form=plan.cp_form, chunks=chunks)
+def _memo_schedules(space: SearchSpace) -> tuple[str, ...]:
+    """The one-chunk schedules of the space's keys, priced at once (`intra.ScheduleMemo`)."""
+    return tuple(space.schedules) + (tuple(sorted(ZERO_BUBBLE)) if space.zero_bubble else ())
 
 
 def _supports_cp(workload: WorkloadLike) -> Callable[[int, int], bool]:
@@ -472,7 +430,8 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     """
     space = space or SearchSpace()
     check_time_limit(time_limit)
-    job = _SearchJob(workload, cluster, cost or default_cost_model(), space, ScheduleMemo(space.schedules), prune)
+    job = _SearchJob(workload, cluster, cost or default_cost_model(), space, ScheduleMemo(_memo_schedules(space)),
+                     prune)
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     keys = outer_keys(space, int(workload.num_layers), int(workload.global_batch), cluster.nodes,
@@ -488,8 +447,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
         winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
         if winner is not None:
             objective, plan, pareto = winner
-            plan = _reschedule(job, plan, deadline, tally.fastest_key if math.isfinite(tally.fastest_key) else 0.0,
-                               objective)
+            plan = _reschedule(job, plan)
             plan = plan.replace(fingerprints=fingerprints(workload, cluster))
             winner = objective, plan, pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
