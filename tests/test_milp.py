@@ -135,10 +135,27 @@ def test_fill_shares_of_the_schedules() -> None:
 
     assert fill_share("1f1b") == fill_share("gpipe") == 1.0
     assert fill_share("1f1b", 4) == 0.25  # interleaved: (G + (S-1)/v) T for equal stages
-    assert fill_share("zb-h1", 1, 0.25) == pytest.approx(0.5)  # (S-1)(F + B - W) with W = T/4
+    assert fill_share("zb-h1", 1, 0.25, 2) == pytest.approx(0.5)  # (S-1)(F + B) - W with W = T/4, S = 2
     assert fill_share("zb-h1", 1, 0.7) == 0.0 and fill_share("zb-h1", 1, -1.0) == 1.0
     # equal stages: the interleaved bubble is (S-1)/v stage times
     assert float(pipeline_objective([1.0] * 4, [0.0] * 4, 8, fill_share("1f1b", 2))) == pytest.approx(8 + 3 / 2)
+
+
+@pytest.mark.parametrize("S,G", [(4, 16), (8, 64), (16, 32)])
+@pytest.mark.parametrize("schedule,chunks,F,B,W", [("1f1b", 1, 1.0, 2.0, 0.0), ("1f1b", 2, 1.0, 2.0, 0.0),
+                                                   ("1f1b", 4, 1.0, 2.0, 0.0), ("zb-h1", 1, 1.0, 1.0, 1.0),
+                                                   ("zb-h1", 1, 1.0, 1.4, 0.6)])
+def test_fill_shares_are_the_executors_bubbles(S, G, schedule, chunks, F, B, W) -> None:
+    """Equal stages of F + B + W per micro-batch: the objective with the schedule's fill share is the makespan of
+    the executor's issue order (ZB-H1's B the input gradient, W the deferred weight passes)."""
+    from mistjax.core.pipeline_order import group_finish_times, issue_order, op_costs
+    from mistjax.core.pipeline_time import fill_share
+
+    T, K = F + B + W, S * chunks
+    costs = op_costs(schedule, np.full(K, F / chunks), np.full(K, (B + W) / chunks), np.full(K, W / chunks))
+    executor = float(group_finish_times(issue_order(schedule, S, G, chunks), S, costs).max())
+    c = fill_share(schedule, chunks, W / T, S)
+    assert float(pipeline_objective([T] * S, [0.0] * S, G, c)) == pytest.approx(executor, rel=1e-9)
 
 
 def test_ragged_candidate_lists() -> None:

@@ -42,17 +42,19 @@ def exposed_delta(stable: ArrayLike, delta: ArrayLike, fill: float = 1.0, hide: 
     return np.maximum(np.max(d - before, axis=-1), 0.0)
 
 
-def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0) -> float:
+def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages: int = 2) -> float:
     """The share ``c`` of a stage's micro-batch time that the pipeline's fill and drain expose, in
-    ``T_iter = (G - c) max T + c sum T + D_max`` (`pipeline_1f1b_time` with ``fill``).
+    ``T_iter = (G - c) max T + c sum T + D_max`` (`pipeline_1f1b_time` with ``fill``), as the MPMD executor's
+    issue order runs the schedule (`core.pipeline_order`; equal to its simulated makespan for equal stages).
 
     1F1B, 1F1B-eager and GPipe expose it all (c = 1, Mist's formula). Interleaved 1F1B with ``chunks`` = v
     chunks per device group fills with chunks v times shorter (c = 1/v: ``(G + (S-1)/v) T`` for equal stages,
-    Narayanan et al. 2021). ZB-H1 leaves each stage's weight passes W to fill the drain, a bubble of
-    ``(S-1)(F + B - W)`` (Qi et al. 2024): c = 1 - 2w with ``wgrad_share`` = w = W / T.
+    Narayanan et al. 2021). ZB-H1 leaves the weight passes W to fill the drain: the executor's order, whose
+    last stage runs F and B as one program, has a bubble of ``(S-1)(F + B) - W`` (Qi et al.'s ideal is
+    ``(S-1)(F + B - W)``): c = 1 - w S / (S-1) with ``wgrad_share`` = w = W / T and ``stages`` = S.
     """
     if schedule in ZERO_BUBBLE:
-        return float(min(1.0, max(0.0, 1.0 - 2.0 * wgrad_share)))
+        return float(min(1.0, max(0.0, 1.0 - wgrad_share * stages / max(stages - 1, 1))))
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     return 1.0 / chunks

@@ -345,7 +345,7 @@ def key_fill(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tabl
           np.array([int(np.argmin(tables.remat.count))]), np.array([0]))
     out = cost.stage_cost(workload, cluster, _entry_strategies(tables, *at)[0])
     stable, wgrad = float(np.ravel(out.stable)[0]), float(np.ravel(out.wgrad)[0])
-    return fill_share(key.schedule, 1, wgrad / stable if np.isfinite(stable) and stable > 0 else 0.0)
+    return fill_share(key.schedule, 1, wgrad / stable if np.isfinite(stable) and stable > 0 else 0.0, key.stages)
 
 
 @contextlib.contextmanager
