@@ -130,16 +130,15 @@ def test_against_xla_small_grid():
     _check(records, mem_median=0.05, mem_max=0.15, flops_max=0.02, coll_max=0.01)
 
 
-@pytest.mark.xfail(reason="pipelined plans now run on the MPMD executor (one program per stage and phase); "
-                          "the cost model and its compiled-program check still describe the lock-step SPMD "
-                          "program (mistjax/cost is being updated by the lead)", strict=True, raises=Exception)
 def test_against_xla_pipelined():
-    """A pipelined plan: every stage kind's code counted once for FLOPs; tick sends and the stage sum of
-    embedding / head gradients in the collectives; no resharding of the stacked parameters."""
+    """A pipelined plan runs on the MPMD executor, one program per (stage, phase): its stages' compiled peaks
+    (each program with the residuals and state its stage holds beside it) against the predicted ones, within
+    the grid's 15%. The per-stage programs' FLOPs and collectives are not compared (`compare_cell` leaves them
+    NaN; `bench_costmodel` counts such cells as skipped)."""
     name, seq, gb, kw = next(c for c in FULL_GRID if c[3].get("stages") == 2)
     rec = compare_cell(name, seq, gb, grid_plan(name, kw), CPU)
-    assert rec["coll_xla"]["collective-permute"] > 0 and rec["coll_xla"]["all-reduce"] > 0, rec
-    _check([rec], mem_median=0.15, mem_max=0.15, flops_max=0.02, coll_max=0.01)
+    assert abs(rec["mem_err"]) <= 0.15, rec
+    assert rec["mem_xla"] > 0 and np.isnan(rec["flops_err"]), rec
 
 
 @pytest.mark.slow
