@@ -79,7 +79,10 @@ def layer_kinds(workload: Workload, k: Knobs, v: ProfileValues) -> LayerKinds:
     # A deferred weight-gradient pass's stash per layer under the layer's policy (`analysis` stash_bytes).
     stash = (n_plain * v.block.stash_bytes("none") + n_off * v.block.stash_bytes(off_pol)
              + np.where(c > 0, c * v.block.pick(v.block.stash_bytes, workload.policies, k.policy), 0.0))
-    return LayerKinds(n_off=n_off, n_plain=n_plain, n_remat=c, saved_plain=v.block.saved_bytes("none"),
+    # Ulysses keeps its head-split keys / values as residuals, each kv head repeated where there are fewer than
+    # cp devices (`runtime.context_attention._ulysses_forward`): (repeat - 1) more copies than the profile's.
+    repeated = np.where(k.ulysses & (k.cp > 1), (kv_repeat(workload, k) - 1.0) * context_kv_bytes(workload, v), 0.0)
+    return LayerKinds(n_off=n_off, n_plain=n_plain, n_remat=c, saved_plain=v.block.saved_bytes("none") + repeated,
                       saved_remat=saved_c,
                       saved_off_host=np.maximum(v.block.saved_bytes(off_pol) - v.block.output_bytes, 0.0),
                       offload_policy=off_pol, stash=stash)
