@@ -229,10 +229,11 @@ def _key_bounds(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, k
 
 
 def _visit_order(keys: list[OuterKey], bounds: list[float]) -> list[int]:
-    """Best bound first, but a key's siblings of other pipeline schedules (and chunk counts) right after it.
+    """One-chunk keys of the space's schedules first, then the ZB-H1 and interleaved keys; in each part best bound
+    first, a key's siblings of other schedules (and chunk counts) right after it.
 
-    The siblings of other one-chunk schedules reuse its prices (`intra.ScheduleMemo`), and the pruning test still
-    applies to each of them.
+    The other schedules' keys rarely beat the one-chunk plans, which then cut their sweeps; siblings of other
+    one-chunk schedules reuse each other's prices (`intra.ScheduleMemo`). Every key still faces the pruning test.
     """
     group = [dataclasses.replace(k, schedule="", chunks=1) for k in keys]
     group_bound: dict[OuterKey, tuple[float, int]] = {}
