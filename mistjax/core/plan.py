@@ -310,9 +310,6 @@ class Plan:
         if self.cp_form != ContextForm.RING and self.cp == 1:
             raise PlanError(f"cp_form={self.cp_form!r} applies only with context parallelism: set cp > 1, or leave "
                             "cp_form at 'ring'")
-        if self.cp > 1 and self.num_stages > 1:
-            raise PlanError(f"cp={self.cp} with {self.num_stages} pipeline stages: the pipeline executor does not run "
-                            "context parallelism yet; use one stage with cp > 1, or cp=1 with stages")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype={self.grad_dtype!r} is not supported: use one of {GRAD_DTYPES} or null "
                             "(each parameter's own dtype)")

@@ -35,7 +35,7 @@ from mistjax.runtime.accumulate import SliceGrad
 from mistjax.runtime.context_block import context_parallel_block
 from mistjax.runtime.remat import Body, LayerLoop, LoopSinks
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
-from mistjax.trace.split import TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
+from mistjax.trace.split import BlockFn, TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
 
 MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
@@ -204,13 +204,19 @@ def _seq_axes(tp: int, cp: int) -> tuple[str, ...]:
     return tuple(a for a, n in ((CONTEXT_AXIS, cp), ("tensor", tp)) if n > 1)
 
 
+def sequence_axes(shape: tuple[int, ...], tp: int, cp: int) -> tuple[str, ...] | None:
+    """The mesh axes a hidden state ``[b, s, d]`` of ``shape`` is split over along its sequence between layers
+    (`_seq_axes`), or None for a value that is not one or does not split ``tp * cp`` ways (left whole)."""
+    axes = _seq_axes(tp, cp)
+    return axes if axes and len(shape) == 3 and shape[1] % (tp * cp) == 0 else None
+
+
 def _sp_constraint(tp: int, cp: int = 1) -> Callable[[jax.Array], jax.Array]:
     """Sequence parallelism between layers: the hidden state split along the sequence over ``context`` and
     ``tensor``."""
-    axes = _seq_axes(tp, cp)
 
     def constrain(c: jax.Array) -> jax.Array:
-        if axes and c.ndim == 3 and c.shape[1] % (tp * cp) == 0:
+        if (axes := sequence_axes(c.shape, tp, cp)) is not None:
             return lax.with_sharding_constraint(c, P(None, axes, None))
         return c
 
@@ -390,6 +396,18 @@ def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Seq
     return dataclasses.replace(loop, enter=_sequence_split(plan.tp, plan.cp)) if plan.tp * plan.cp > 1 else loop
 
 
+def layer_block(fun: LossFn, traced: TracedLoss, layouts: Sequence[LeafLayout], plan: Plan,
+                is_batch: Sequence[bool]) -> BlockFn | None:
+    """The block that runs one layer under ``plan`` (the single-stage step and every pipeline stage alike):
+    Megatron's TP layouts (under cp > 1 with the sequence split over `context` and the context-parallel
+    attention inside), with tp = 1 and cp > 1 the context-parallel attention alone, else None (plain)."""
+    form = ContextForm(plan.cp_form)
+    block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch, cp=plan.cp, form=form)
+    if plan.cp > 1 and block is None:
+        block = context_parallel_block(traced, form, plan.cp)
+    return block
+
+
 def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequence[StageLeaf],
                      layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool],
                      execution: StageExecution, mesh: Mesh) -> MicrobatchGrad:
@@ -401,12 +419,7 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
     synchronising pass (``sync``) the `synced` leaves' summed rows are all-reduced / reduce-scattered
     there too, each in the iteration that produced it, or one iteration later (`StageExecution.defer_sync`).
     """
-    # One block runs the layer: Megatron's TP layouts (under cp > 1 with the sequence split over `context` and
-    # the ring attention inside), or with tp = 1 the ring attention alone.
-    form = ContextForm(plan.cp_form)
-    tp_block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch, cp=plan.cp, form=form)
-    if plan.cp > 1 and tp_block is None:
-        tp_block = context_parallel_block(traced, form, plan.cp)
+    tp_block = layer_block(fun, traced, layouts, plan, is_batch)
     layer_loop = _single_stage_loop(traced, execution, specs, plan)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 

@@ -24,7 +24,7 @@ from mistjax.core.types import PyTree
 
 NODE_AXIS_NAMES = ("node", "nodes", "host", "hosts", "dcn", "slice")
 __all__ = ["NODE_AXIS_NAMES", "RUNTIME_MESH_AXES", "SHARD_AXES", "SHARD_SPEC", "batch_spec", "build_plan_mesh",
-           "devices_of", "shard_split"]
+           "devices_of", "shard_split", "split_batch_spec"]
 
 
 def devices_of(mesh_or_devices: Mesh | Sequence[jax.Device] | None) -> tuple[list[jax.Device], int | None]:
@@ -104,8 +104,16 @@ def batch_spec(shape: tuple[int, ...], global_batch: int, cp: int) -> P:
       PlanError: under context parallelism, a batch leaf of two or more dims whose dim 1 (the sequence)
         does not split ``cp`` ways.
     """
-    if not is_batch_leaf(shape, global_batch):
-        return P()
+    return split_batch_spec(shape, cp) if is_batch_leaf(shape, global_batch) else P()
+
+
+def split_batch_spec(shape: tuple[int, ...], cp: int) -> P:
+    """The `PartitionSpec` of batch data of ``shape``: rows over the data-parallel axes, and under context
+    parallelism the sequence (dim 1) over ``context``.
+
+    Raises:
+      PlanError: under context parallelism, a leaf of two or more dims whose dim 1 does not split ``cp`` ways.
+    """
     if cp == 1 or len(shape) < 2:
         return P(DP_AXES)
     if shape[1] % cp:

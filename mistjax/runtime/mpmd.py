@@ -39,9 +39,9 @@ from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
 from mistjax.core.types import Batch, Metrics, PyTree, State, TrainStep
 from mistjax.runtime import xla_flags
-from mistjax.runtime.grads import mesh_capabilities, regather_updated_params
+from mistjax.runtime.grads import layer_block, mesh_capabilities, regather_updated_params
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles, tensor_split_axes
-from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, build_plan_mesh
+from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, batch_spec, build_plan_mesh
 from mistjax.runtime.mpmd_split import SplitPrograms
 from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
@@ -65,7 +65,6 @@ from mistjax.runtime.mpmd_update import (
     twin_key,
 )
 from mistjax.runtime.report import PipelineReport, StageReport, applied_report, pipeline_report
-from mistjax.runtime.tensor import tensor_parallel_block
 from mistjax.trace.split import (
     NoLayerStackError,
     PartUsage,
@@ -254,9 +253,8 @@ class MpmdStep:
         tp_layouts = self._tensor_layouts(loss.p_avals, self.stacked, [self.axes[i] for i in self.param_index])
         info = LossInfo(fun=call.fun, has_aux=call.has_aux, traced=traced, usage=usage, is_batch=loss.is_batch,
                         mb_avals=loss.mb_avals, h_avals=h_avals, aux_avals=aux_avals, grad_accum=plan.grad_accum,
-                        dp=plan.dp, tp=plan.tp)
-        info.tp_block = tensor_parallel_block(call.fun, traced, layouts=tp_layouts, tp=plan.tp,
-                                              batch=loss.is_batch)
+                        dp=plan.dp, tp=plan.tp, cp=plan.cp)
+        info.tp_block = layer_block(call.fun, traced, tp_layouts, plan, loss.is_batch)
         self.info = info
         self._build_programs(checkpoint_names(stack.body))
 
@@ -323,8 +321,8 @@ class MpmdStep:
         """Global layouts of the parameters (their tensor-parallel dims, for the Megatron block)."""
         plan = self.plan
         whole = Plan(stages=(dataclasses.replace(plan.stages[0], layers=(0, plan.num_layers)),),
-                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp,
-                     shard_group=plan.shard_group)
+                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, cp=plan.cp,
+                     cp_form=plan.cp_form, shard_group=plan.shard_group)
         return plan_layouts(list(p_avals), [PARAM] * len(p_avals), [j in stacked for j in range(len(p_avals))], whole,
                             list(axes))
 
@@ -357,7 +355,8 @@ class MpmdStep:
             roles = [PARAM if i in param_of else OPT if self.axes[i] is not None or prop.state_layout[i] !=
                      Whole(prop.ALL) else OTHER for i in held]
             one = Plan(stages=(dataclasses.replace(sp, layers=(0, n)),), micro_batch=plan.micro_batch,
-                       grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, shard_group=plan.shard_group)
+                       grad_accum=plan.grad_accum, dp=plan.dp, tp=plan.tp, cp=plan.cp, cp_form=plan.cp_form,
+                       shard_group=plan.shard_group)
             # An offload ratio that moves nothing on this stage warns with the stage's report (`_applied_report`).
             if self.leaf_roles is None:
                 lays = plan_layouts(local, roles, [infos[i].rows for i in held], one, [self.axes[i] for i in held])
@@ -455,7 +454,7 @@ class MpmdStep:
             return [jax.ShapeDtypeStruct(piece.shape, piece.dtype, sharding=prog.grad_shardings()[jj])] * len(sources)
         if g.source is Source.BATCH:
             v = self.ts.batch_vars[g.ref]
-            spec = P(DP_AXES) if is_batch_leaf(v.aval.shape, self.plan.global_batch) else P()
+            spec = batch_spec(v.aval.shape, self.plan.global_batch, self.plan.cp)
             return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))]
         v = g.ref
         lay = self.prop.layout[v]

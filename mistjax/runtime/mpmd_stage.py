@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from mistjax.core.execution import StageExecution, StageLeaf
-from mistjax.core.layout import DP_AXES, PARAM, LeafLayout
+from mistjax.core.layout import DP_AXES, PARAM, LeafLayout, shard_split
 from mistjax.core.plan import Plan
 from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime import xla_flags
@@ -55,12 +55,14 @@ from mistjax.runtime.grads import (
     make_fetch,
     psum_live,
     scatter_grad,
+    sequence_axes,
     split_microbatches,
     stage_execution,
     stage_layer_loop,
     to_device,
     to_host,
 )
+from mistjax.runtime.mesh import split_batch_spec
 from mistjax.runtime.remat import LayerLoop, LoopSinks
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import (
@@ -91,7 +93,8 @@ class LossInfo:
     grad_accum: int  # G
     dp: int  # data-parallel degree of every stage
     tp: int  # tensor-parallel degree of every stage
-    tp_block: BlockFn | None = None  # Megatron layer block (tp > 1)
+    cp: int = 1  # context-parallel degree of every stage
+    tp_block: BlockFn | None = None  # the layer's block (`grads.layer_block`: Megatron TP, context attention)
 
     @property
     def num_params(self) -> int:
@@ -136,12 +139,13 @@ class StageSpec:
         return self.layers[1] - self.layers[0]
 
 
-def activation_sharding(mesh: Mesh, aval: jax.ShapeDtypeStruct, tp: int) -> NamedSharding:
-    """How an activation leaves one stage and enters the next: batch over DP, sequence over tensor (SP)."""
+def activation_sharding(mesh: Mesh, aval: jax.ShapeDtypeStruct, tp: int, cp: int = 1) -> NamedSharding:
+    """How an activation leaves one stage and enters the next: batch over DP, a hidden state's sequence over
+    ``context`` and ``tensor`` as between the layers (`grads.sequence_axes`)."""
     if not aval.shape:
         return NamedSharding(mesh, P())
-    if tp > 1 and len(aval.shape) == 3 and aval.shape[1] % tp == 0 and jnp.issubdtype(aval.dtype, jnp.inexact):
-        return NamedSharding(mesh, P(DP_AXES, "tensor", None))
+    if jnp.issubdtype(aval.dtype, jnp.inexact) and (axes := sequence_axes(aval.shape, tp, cp)) is not None:
+        return NamedSharding(mesh, P(DP_AXES, axes, None))
     return NamedSharding(mesh, P(DP_AXES))
 
 
@@ -189,7 +193,7 @@ class StagePrograms:
 
     def h_shardings(self) -> list[NamedSharding]:
         if "h_shardings" not in self._cache:  # looked up per dispatched op: computed once
-            self._cache["h_shardings"] = [activation_sharding(self.spec.mesh, a, self.info.tp)
+            self._cache["h_shardings"] = [activation_sharding(self.spec.mesh, a, self.info.tp, self.info.cp)
                                           for a in self.info.h_avals]
         return self._cache["h_shardings"]
 
@@ -236,11 +240,20 @@ class StagePrograms:
     def grad_shardings(self) -> list[NamedSharding]:
         """Where `finish` leaves each gradient: the ZeRO >= 1 split over the partition group, TP dims."""
         if "grad_shardings" not in self._cache:
-            self._cache["grad_shardings"] = [
-                NamedSharding(self.spec.mesh, dataclasses.replace(g.layout, sharded=g.out_sharded, host=False,
-                                                                  stage_split=False).spec())
-                for g in self.grad_specs]
+            self._cache["grad_shardings"] = [NamedSharding(self.spec.mesh, self._grad_layout(g).spec())
+                                             for g in self.grad_specs]
         return self._cache["grad_shardings"]
+
+    def _grad_layout(self, g: StageLeaf) -> LeafLayout:
+        """Where `finish` leaves one gradient: split over the partition group under ZeRO >= 1 and, where the
+        optimizer state is split over ``context`` too (`core.layout.shard_split`), over ``context`` as well: the
+        update reads only its slice (each context device holds the whole reduced gradient, so the slice moves
+        nothing), not the whole gradient beside the state."""
+        lay = dataclasses.replace(g.layout, sharded=g.out_sharded, host=False, stage_split=False)
+        if lay.role != PARAM or g.zero < 1 or not lay.shape or int(np.prod(lay.shape)) <= 1:
+            return lay
+        dim, context_split = shard_split(lay.shape, lay.axes, lay.tensor_dims, lay.stacked, self.spec.plan)
+        return dataclasses.replace(lay, shard_dim=dim, sharded=True, context_split=True) if context_split else lay
 
     # ------------------------------------------------------------------ the stage function
     @property
@@ -384,10 +397,13 @@ class StagePrograms:
 
     def mb_global_avals(self) -> list[jax.ShapeDtypeStruct]:
         """One micro-batch's rest leaves as global arrays on this stage."""
-        mesh = self.spec.mesh
         return [jax.ShapeDtypeStruct(_dp_global(a.shape, self.info.dp) if b else a.shape, a.dtype,
-                                     sharding=NamedSharding(mesh, P(DP_AXES) if b else P()))
+                                     sharding=self._mb_sharding(a) if b else NamedSharding(self.spec.mesh, P()))
                 for a, b in zip(self.mb_avals, self.info.is_batch)]
+
+    def _mb_sharding(self, aval: jax.ShapeDtypeStruct) -> NamedSharding:
+        """A micro-batch's batch leaf: rows over DP, its sequence over ``context`` (`mesh.split_batch_spec`)."""
+        return NamedSharding(self.spec.mesh, split_batch_spec(aval.shape, self.info.cp))
 
     def classify(self) -> Residuals:
         """Which of the stage's vjp residual leaves `forward` keeps (traced abstractly inside the
@@ -572,10 +588,10 @@ class StagePrograms:
             parts = [split_microbatches(x, G) for x in xs]
             return [[p[i] for p in parts] for i in range(G)]
 
-        n = sum(self.info.is_batch)
+        avals = [a for a, b in zip(self.info.mb_avals, self.info.is_batch) if b]
+        n = len(avals)
         run = self._shard_map(body, ([P(DP_AXES)] * n,), [[P(DP_AXES)] * n] * G)
-        sh = NamedSharding(self.spec.mesh, P(DP_AXES))
-        prog = self._jit(run, out_shardings=[[sh] * n] * G)
+        prog = self._jit(run, out_shardings=[[self._mb_sharding(a) for a in avals]] * G)
         self._cache["split"] = prog
         return prog
 

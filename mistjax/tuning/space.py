@@ -259,7 +259,7 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
         for tp in sorted(set(space.tp_degrees)):
             if tp > per_node or (num_devices // S) % tp or not supports_tp(tp):
                 continue
-            for cp in sorted(set(space.cp_degrees)) if S == 1 else (1,):
+            for cp in sorted(set(space.cp_degrees)):
                 forms = [f for f in context_forms(cp, tp) if cp == 1 or f in space.cp_forms]
                 if (num_devices // S) % (tp * cp) or not forms or (cp > 1 and not _cp_fits(cp, tp, per_node)):
                     continue
@@ -270,8 +270,9 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
                     if space.max_grad_accum is not None and global_batch // (b * dp) > space.max_grad_accum:
                         continue
                     G = global_batch // (b * dp)
-                    for (schedule, chunks), form in itertools.product(schedule_variants(space, num_layers, S, G),
-                                                                      forms):
+                    # Forms outer: a form's schedule siblings one after another share their prices (`ScheduleMemo`).
+                    for form, (schedule, chunks) in itertools.product(forms,
+                                                                      schedule_variants(space, num_layers, S, G)):
                         keys.append(OuterKey(tp, S, b, dp, G, *mesh, schedule=schedule, cp=cp, cp_form=form,
                                              chunks=chunks))
     return keys
