@@ -132,6 +132,14 @@ def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> fl
     return max(float(np.sum(work)) / groups, makespan / groups)
 
 
+def _devices_time(plan: Plan, c: StageCost, shared_compute: bool = False) -> float:
+    """The devices' step time (host dispatch aside): one stage's micro-batches plus its once-per-step work, or
+    the pipeline's `_pipeline_step`."""
+    if plan.num_stages == 1:
+        return float(plan.grad_accum * c.stable[0] + c.delta[0])
+    return _pipeline_step(plan, c, shared_compute)
+
+
 def bubble_fraction(plan: Plan, c: StageCost) -> float:
     """Idle share of the device groups over the pipeline's operations (once-per-step work left out):
     ``1 - mean busy / makespan`` of the executor's issue order."""
@@ -180,9 +188,10 @@ def _interleave_note(plan: Plan, c: StageCost, shared: bool) -> str:
 
 
 def _context_note(workload: Workload, plan: Plan, cluster: ClusterSpec, c: StageCost) -> str:
-    """What context parallelism costs and why its form: the step under the other form where it applies (one
-    stage: `StageCost.stable` times the micro-batches plus `delta`), and the exchange's bytes per step."""
-    step = float(plan.grad_accum * c.stable[0] + c.delta[0])
+    """What context parallelism costs and why its form: the step under the other form where it applies
+    (`_devices_time`), and the exchange's bytes per step."""
+    shared = bool(cluster.device.shared_compute)
+    step = _devices_time(plan, c, shared)
     moved = float(np.max(c.comm[CollectiveOp.ALL_TO_ALL]) + np.max(c.comm[CollectiveOp.COLLECTIVE_PERMUTE]))
     text = (f"context parallelism ({plan.cp_form}, cp {plan.cp}): {format_bytes(moved)} of attention exchange per "
             "step and device")
@@ -190,7 +199,7 @@ def _context_note(workload: Workload, plan: Plan, cluster: ClusterSpec, c: Stage
         if form != plan.cp_form:
             other = plan.replace(cp_form=form, prediction=None)
             oc = stage_cost(workload, cluster, plan_strategies(workload, other, cluster))
-            t = float(plan.grad_accum * oc.stable[0] + oc.delta[0])
+            t = _devices_time(other, oc, shared)
             text += (f"; with cp_form {form} {t:.4g} s against {step:.4g} s ({t / step:.3f}x), peak "
                      f"{format_bytes(float(np.max(oc.peak)))} against {format_bytes(float(np.max(c.peak)))}")
     return text
@@ -221,11 +230,9 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     mem = {k: np.broadcast_to(np.asarray(v, dtype=np.float64), (S,)) for k, v in c.memory.items()}
     stage_memory = tuple(_group_memory(plan, mem))
     dispatch = dispatched_ops(plan) * float(cluster.device.dispatch_seconds)
-    if S == 1:
-        step = float(G * c.stable[0] + c.delta[0])
-    else:
-        # The host issues the step while the devices run it: it costs time only where it is slower.
-        step = max(_pipeline_step(plan, c, bool(cluster.device.shared_compute)), dispatch)
+    # The host issues a pipeline's step while the devices run it: it costs time only where it is slower.
+    step = _devices_time(plan, c, bool(cluster.device.shared_compute))
+    step = step if S == 1 else max(step, dispatch)
     pooled = S > 1 and cluster.device.shared_compute
     notes = (("the devices share one pool of compute (DeviceSpec.shared_compute): the pipeline is priced as its "
               "total work over the pool, not its lock-step makespan"),) if pooled else ()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from mistjax.core.context import ContextForm
-from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes
+from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes, lowered_budget
 from mistjax.core.schedules import ZERO_BUBBLE
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
@@ -270,25 +270,31 @@ class _Tally:
     cut_bounds: list[float] = field(default_factory=list)  # lower bounds of the keys cut by the limit
     fastest_key: float = math.inf  # seconds the quickest key searched so far took
 
-    def add(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, bound: float) -> None:
-        """Count one searched key and keep its choice when it beats the best so far."""
-        self.evaluated += tables.evaluated
+    def add(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, bound: float,
+            plan: Plan | None = None) -> None:
+        """Count one searched key and keep its choice when it beats the best so far (``plan``: its plan, with the
+        full prediction attached, when `_fitting_choice` checked it)."""
+        self.count(tables, choice)
         self.done += 1
         partial = tables.truncated or (choice is not None and not choice.optimal)
         self.timed_out |= partial
-        if choice is not None:
-            self.milps += choice.milps
         if partial:
             self.cut_bounds.append(bound)
         self.frontier.append(_key_record(tables.key, choice.objective if choice is not None else None, bound,
                                          "partial" if partial else "searched"))
-        self.keep(job, tables, choice)
+        self.keep(job, tables, choice, plan)
 
-    def keep(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None) -> None:
+    def count(self, tables: StageTables, choice: KeyChoice | None) -> None:
+        """Add one search of a key to the strategies priced and MILPs solved."""
+        self.evaluated += tables.evaluated
+        if choice is not None:
+            self.milps += choice.milps
+
+    def keep(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, plan: Plan | None = None) -> None:
         """Keep ``choice`` (a plan of ``tables``' key) when it beats the best so far."""
         if choice is not None and (self.best is None or choice.objective < self.best.objective):
             self.best = choice
-            plan = build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
+            plan = plan or build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
             self.found.append((choice.objective, plan, _pareto_data(tables, choice, job.space.pareto_k, False)))
 
     def result(self, space: SearchSpace, keys: int, seconds: float,
@@ -332,8 +338,44 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
         tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, cut, deadline, job.prune,
                                   job.memo, job.arena)
         tally.fastest_key = min(tally.fastest_key, time.perf_counter() - now)
-        tally.add(job, tables, choice, bounds[i])
+        tables, choice, plan = _fitting_choice(job, tables, choice, cut, deadline, tally)
+        tally.add(job, tables, choice, bounds[i], plan)
     return tally
+
+
+_REFITS = 3  # searches of one key again under a lower budget when its best plan did not fit under `predict`
+
+
+def _fitting_choice(job: _SearchJob, tables: StageTables, choice: KeyChoice | None, cut: float | None,
+                    deadline: float, tally: _Tally) -> tuple[StageTables, KeyChoice | None, Plan | None]:
+    """A key's choice that would become the best plan, checked against the full prediction first: (its tables,
+    the choice, its plan with the prediction), or the choice as it is where it beats nothing.
+
+    The search's memory view of a key is approximate where its chunks differ (`intra.stage_inflight`), and a
+    plan the full prediction does not fit would prune other keys by an objective no fitting plan reaches. So
+    the key is searched again for a budget lowered by the overshoot (`core.plan.lowered_budget`), up to
+    `_REFITS` times; if none fits, the key offers no plan. The other searches are counted in ``tally``.
+    """
+    budget = job.cluster.memory_budget()
+    margin = job.cluster.device.memory_margin
+    cluster = job.cluster
+    for attempt in range(_REFITS + 1):
+        if choice is None or (cut is not None and choice.objective >= cut):
+            return tables, choice, None
+        plan = build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
+        pred = job.cost.predict(job.workload, plan, job.cluster)
+        need = pred.guarded_peak(margin)
+        if need <= budget * (1 + 1e-9):
+            return tables, choice, plan.replace(prediction=pred)
+        if attempt == _REFITS or time.perf_counter() >= deadline:
+            break
+        tally.count(tables, choice)
+        lowered = lowered_budget(cluster.memory_budget(), need, need, budget)
+        cluster = cluster.with_budget(lowered)
+        # A fresh memo: the shared one's prices say what fits the cluster's own budget.
+        tables, choice = tune_key(job.workload, cluster, job.cost, tables.key, job.space, cut, deadline, job.prune,
+                                  ScheduleMemo(job.memo.schedules), job.arena)
+    return tables, None, None
 
 
 def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improvement | None:
@@ -345,7 +387,7 @@ def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improve
     budget = job.cluster.memory_budget()
     for rank in range(len(found)):
         objective, plan, pareto = found[-1 - rank]
-        pred = job.cost.predict(job.workload, plan, job.cluster)
+        pred = plan.prediction or job.cost.predict(job.workload, plan, job.cluster)
         if pred.guarded_peak(job.cluster.device.memory_margin) <= budget * (1 + 1e-9):
             break
     else:
