@@ -58,8 +58,8 @@ class SearchSpace:
         name: label used in reports.
         micro_batches: per-device micro-batch sizes b.
         tp_degrees: tensor-parallel degrees (capped at the devices of one node; must divide the heads).
-        cp_degrees: context-parallel degrees (each sequence split over cp devices; one-stage plans only, as the
-            runtime runs them, with any TP degree; the sequence must split into 2 cp chunks, and each part tp ways).
+        cp_degrees: context-parallel degrees (each sequence split over cp devices, on one stage or in every stage
+            of a pipeline, with any TP degree; the sequence must split into 2 cp chunks, and each part tp ways).
         cp_forms: context-parallel attention forms tried for each cp > 1 (`core.context.ContextForm`): ``ring``
             (key / value shards passed around) and ``ulysses`` (all-to-all to a head split, where the heads
             split cp x tp ways).
@@ -205,7 +205,7 @@ class OuterKey:
     nodes: int  # nodes of one stage's mesh
     per_node: int  # devices of one stage on each of its nodes
     schedule: str = "1f1b"  # pipeline schedule (`core.schedules.SCHEDULE_NAMES`); "1f1b" when S == 1
-    cp: int = 1  # context-parallel degree (one stage only)
+    cp: int = 1  # context-parallel degree (every stage's)
     cp_form: str = "ring"  # how the context-parallel attention communicates (`core.context.CONTEXT_FORMS`)
     chunks: int = 1  # layer chunks per device group (interleaved 1F1B: `stages` counts device groups)
 
@@ -240,7 +240,7 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
 
     ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`), ``context_forms(c, t)``
     which context-parallel forms split its sequence ``c`` ways with TP ``t`` (`WorkloadLike.context_forms`; each
-    in ``space.cp_forms`` is a key); context parallelism is tried on one stage only (with any TP degree).
+    in ``space.cp_forms`` is a key), with any stage count and TP degree.
 
     Ordered by stage count first (one stage is evaluated without a MILP and gives an early incumbent
     for pruning), then TP, then micro-batch size.

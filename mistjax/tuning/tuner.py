@@ -261,6 +261,7 @@ class _Tally:
     """What the loop over outer keys gathered so far (the loop adds to it key by key)."""
 
     best: KeyChoice | None = None  # the key's tables are not kept: the next key reuses their memory
+    best_time: float = math.inf  # the best plan's step time under `predict` (what later keys must beat)
     found: list[_Improvement] = field(default_factory=list)  # every improvement, best last
     frontier: list[Record] = field(default_factory=list)
     evaluated: int = 0
@@ -290,11 +291,11 @@ class _Tally:
         if choice is not None:
             self.milps += choice.milps
 
-    def keep(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, plan: Plan | None = None) -> None:
-        """Keep ``choice`` (a plan of ``tables``' key) when it beats the best so far."""
-        if choice is not None and (self.best is None or choice.objective < self.best.objective):
-            self.best = choice
-            plan = plan or build_plan(tables, choice).replace(grad_dtype=job.workload.grad_dtype)
+    def keep(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, plan: Plan | None) -> None:
+        """Keep ``choice`` (a plan of ``tables``' key; ``plan``: it with its full prediction, None where it does not
+        fit) when its predicted step time beats the best so far."""
+        if choice is not None and plan is not None and plan.prediction.step_time < self.best_time:
+            self.best, self.best_time = choice, plan.prediction.step_time
             self.found.append((choice.objective, plan, _pareto_data(tables, choice, job.space.pareto_k, False)))
 
     def result(self, space: SearchSpace, keys: int, seconds: float,
@@ -322,7 +323,7 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
         if progress is not None and visited:
             progress(job.space.name, visited, len(keys))
         key = keys[i]
-        cut = tally.best.objective if tally.best is not None else best_cost
+        cut = tally.best_time if tally.best is not None else best_cost
         if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
             tally.frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
@@ -348,13 +349,15 @@ _REFITS = 3  # searches of one key again under a lower budget when its best plan
 
 def _fitting_choice(job: _SearchJob, tables: StageTables, choice: KeyChoice | None, cut: float | None,
                     deadline: float, tally: _Tally) -> tuple[StageTables, KeyChoice | None, Plan | None]:
-    """A key's choice that would become the best plan, checked against the full prediction first: (its tables,
-    the choice, its plan with the prediction), or the choice as it is where it beats nothing.
+    """A key's choice that may become the best plan, checked against the full prediction first: (its tables,
+    the choice, its plan with the prediction), or without a plan where the choice beats nothing.
 
-    The search's memory view of a key is approximate where its chunks differ (`intra.stage_inflight`), and a
-    plan the full prediction does not fit would prune other keys by an objective no fitting plan reaches. So
-    the key is searched again for a budget lowered by the overshoot (`core.plan.lowered_budget`), up to
-    `_REFITS` times; if none fits, the key offers no plan. The other searches are counted in ``tally``.
+    The search's view of a key is approximate where its chunks differ (`intra.stage_inflight`; an interleaved
+    key's fill share assumes equal chunks), and a plan the full prediction does not fit, or prices slower than
+    its objective, would prune other keys by a time no plan reaches. So the incumbent is ranked by its predicted
+    step time (`_Tally.keep`), and a key whose plan does not fit is searched again for a budget lowered by the
+    overshoot (`core.plan.lowered_budget`), up to `_REFITS` times; if none fits, the key offers no plan. The
+    other searches are counted in ``tally``.
     """
     budget = job.cluster.memory_budget()
     margin = job.cluster.device.memory_margin
