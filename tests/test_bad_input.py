@@ -322,7 +322,8 @@ def test_pipelining_an_unrolled_model_with_the_wrong_layer_count_names_it(zoo3p)
 
 @pytest.mark.parametrize("field,value", [("micro_batches", ()), ("micro_batches", (0,)), ("tp_degrees", ()),
                                          ("zero_levels", ()), ("policies", ()), ("act_offload", ()),
-                                         ("schedules", ())])
+                                         ("schedules", ()), ("min_context_tokens", 0),
+                                         ("min_context_tokens", 1.5)])
 def test_a_search_space_with_an_empty_dimension_names_it(field, value):
     from mistjax.tuning import SearchSpace
 

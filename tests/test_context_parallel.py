@@ -197,7 +197,7 @@ def test_the_optimizer_state_is_sharded_over_context_too():
     assert sizes[4] == pytest.approx(sizes[1] / 4, rel=0.05), sizes
 
 
-def test_the_space_pairs_context_with_tensor_parallelism_on_one_stage():
+def test_the_space_pairs_context_with_tensor_parallelism_and_pipelines():
     from mistjax.tuning.space import outer_keys
 
     def forms(cp: int, tp: int) -> tuple[str, ...]:
@@ -206,7 +206,15 @@ def test_the_space_pairs_context_with_tensor_parallelism_on_one_stage():
     keys = outer_keys(SearchSpace(), 8, 16, nodes=1, per_node=8, supports_tp=lambda t: True, context_forms=forms)
     assert {(k.cp, k.tp, k.cp_form) for k in keys if k.stages == 1 and k.cp > 1} == {
         (2, 1, "ring"), (2, 1, "ulysses"), (4, 1, "ring"), (4, 1, "ulysses"), (2, 2, "ring")}
-    assert all(k.cp == 1 and k.cp_form == "ring" for k in keys if k.stages > 1)
+    # Pipelined keys take every cp x tp the devices of a stage hold (4 of the 8 on 2 stages).
+    assert {(k.cp, k.tp, k.cp_form) for k in keys if k.stages == 2 and k.cp > 1} == {
+        (2, 1, "ring"), (2, 1, "ulysses"), (4, 1, "ring"), (4, 1, "ulysses"), (2, 2, "ring")}
+    # The tuner's space tries cp where each device holds `min_context_tokens` of a sequence at least.
+    from mistjax.tuning.tuner import _context_forms
+
+    w = _llama3_8b(4096, 8)
+    assert _context_forms(w, SearchSpace())(4, 1) and not _context_forms(w, SearchSpace())(8, 1)
+    assert _context_forms(w, SearchSpace(min_context_tokens=512))(8, 1)
     rings = outer_keys(SearchSpace(cp_forms=("ring",)), 8, 16, nodes=1, per_node=8, supports_tp=lambda t: True,
                        context_forms=forms)
     assert {k.cp_form for k in rings} == {"ring"}

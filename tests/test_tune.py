@@ -551,3 +551,26 @@ def test_a_plan_that_does_not_fit_under_predict_never_prunes_other_keys():
     assert found.complete and found.plan is not None
     assert found.prediction.guarded_peak(cl.device.memory_margin) <= cl.memory_budget()
     assert found.prediction.tokens_per_s > 1.2 * 4597, found.plan.summary()
+
+
+def test_the_incumbent_is_ranked_by_predict_not_by_the_search_objective():
+    """Where `predict` prices a key's plan slower than the search's objective said (an interleaved key assumes
+    equal chunks: GPT-3 1T's 48 x 2-chunk plan scored 74.98 s against `predict`'s 84.77 s), that plan must not
+    stand as the incumbent: it pruned the ZB-H1 plan (76.42 s by `predict`). Here `predict` charges one-stage
+    plans more than their objective; the search returns the fastest pipelined plan, which `predict` ranks first
+    (the same plan as when one-stage plans are priced out altogether)."""
+    w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
+    cl = _cpu(2e7)
+    space = SearchSpace(zero_bubble=False, interleave=())  # the stub's `predict` prices 1F1B only
+    best = search(w, cl, space, cost=stub.COST_MODEL)
+    assert best.plan.num_stages == 1
+
+    def charging(factor: float):
+        def predict(workload, plan, cluster):
+            pred = stub.predict(workload, plan, cluster)
+            return dataclasses.replace(pred, step_time=pred.step_time * (factor if plan.num_stages == 1 else 1.0))
+        return stub.COST_MODEL._replace(predict=predict)
+
+    found, only_piped = (search(w, cl, space, cost=charging(f)) for f in (1.5, 1e6))
+    assert found.plan.num_stages > 1 and found.prediction.step_time < 1.5 * best.objective
+    assert found.prediction.step_time == pytest.approx(only_piped.prediction.step_time, rel=1e-9)

@@ -63,6 +63,10 @@ class SearchSpace:
         cp_forms: context-parallel attention forms tried for each cp > 1 (`core.context.ContextForm`): ``ring``
             (key / value shards passed around) and ``ulysses`` (all-to-all to a head split, where the heads
             split cp x tp ways).
+        min_context_tokens: the fewest tokens of a sequence a device holds under context parallelism (cp > 1 is
+            tried only where seq / cp is at least this): a bound on the space, as the degrees are. Below a
+            thousand tokens a device's attention is a few key blocks, little work to hide its exchange behind,
+            and every such key costs its bound: at 2,048 tokens on 3,072 GPUs, 4,200 pipelined CP keys, 12 s.
         pipeline: allow more than one pipeline stage.
         max_grad_accum: largest number of micro-batches per step (None: any; 1 for a step that
             computes gradients with plain ``jax.grad``, which the runtime cannot split).
@@ -100,6 +104,7 @@ class SearchSpace:
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     cp_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     cp_forms: tuple[str, ...] = CONTEXT_FORMS
+    min_context_tokens: int = 1024
     pipeline: bool = True
     max_grad_accum: int | None = None
     max_stages: int | None = None
@@ -126,6 +131,10 @@ class SearchSpace:
             vals = getattr(self, name)
             if not vals or any(int(v) != v or v < 1 for v in vals):
                 raise ValueError(f"SearchSpace.{name}={vals!r}: need a non-empty tuple of positive integers")
+        if isinstance(self.min_context_tokens, bool) or not isinstance(self.min_context_tokens, int) \
+                or self.min_context_tokens < 1:
+            raise ValueError(f"SearchSpace.min_context_tokens={self.min_context_tokens!r}: need a positive integer "
+                             "(tokens of a sequence per device under context parallelism; 1 allows every cp)")
         if not self.cp_forms or any(f not in CONTEXT_FORMS for f in self.cp_forms):
             raise ValueError(f"SearchSpace.cp_forms={self.cp_forms!r}: need a non-empty tuple of {CONTEXT_FORMS}")
         if not self.zero_levels:

@@ -285,6 +285,14 @@ class _Tally:
                                          "partial" if partial else "searched"))
         self.keep(job, tables, choice, plan)
 
+    @property
+    def cut(self) -> float:
+        """What a key must beat: the best plan's objective or its predicted step time, whichever is larger. Its
+        predicted time, where the search's objective was optimistic (an interleaved key assumes equal chunks); its
+        objective, where that was pessimistic (ZB-H1's fill share from one strategy's weight-gradient share): a key
+        whose objective is below it may still be faster under `predict`, which ranks the plans (`keep`)."""
+        return max(self.best.objective, self.best_time) if self.best is not None else math.inf
+
     def count(self, tables: StageTables, choice: KeyChoice | None) -> None:
         """Add one search of a key to the strategies priced and MILPs solved."""
         self.evaluated += tables.evaluated
@@ -323,7 +331,7 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
         if progress is not None and visited:
             progress(job.space.name, visited, len(keys))
         key = keys[i]
-        cut = tally.best_time if tally.best is not None else best_cost
+        cut = tally.cut if tally.best is not None else best_cost
         if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
             tally.frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
@@ -370,7 +378,8 @@ def _fitting_choice(job: _SearchJob, tables: StageTables, choice: KeyChoice | No
         need = pred.guarded_peak(margin)
         if need <= budget * (1 + 1e-9):
             return tables, choice, plan.replace(prediction=pred)
-        if attempt == _REFITS or time.perf_counter() >= deadline:
+        # A lower budget only slows the key's plans: search again only if this one would beat the cut as it is.
+        if attempt == _REFITS or time.perf_counter() >= deadline or (cut is not None and pred.step_time >= cut):
             break
         tally.count(tables, choice)
         lowered = lowered_budget(cluster.memory_budget(), need, need, budget)
@@ -443,11 +452,16 @@ def _supports_cp(workload: WorkloadLike) -> Callable[[int, int], bool]:
     return getattr(workload, "supports_cp", lambda cp, tp=1: cp == 1)
 
 
-def _context_forms(workload: WorkloadLike) -> Callable[[int, int], tuple[str, ...]]:
-    """`WorkloadLike.context_forms`, or the ring wherever `_supports_cp` says for a workload without it."""
+def _context_forms(workload: WorkloadLike, space: SearchSpace) -> Callable[[int, int], tuple[str, ...]]:
+    """`WorkloadLike.context_forms` (or the ring wherever `_supports_cp` says, for a workload without it) where
+    each device holds ``space.min_context_tokens`` of a sequence at least, else none."""
     supports = _supports_cp(workload)
-    return getattr(workload, "context_forms",
-                   lambda cp, tp=1: (ContextForm.RING.value,) if supports(cp, tp) else ())
+    forms = getattr(workload, "context_forms", lambda cp, tp=1: (ContextForm.RING.value,) if supports(cp, tp) else ())
+
+    def spaced(cp: int, tp: int) -> tuple[str, ...]:
+        return () if cp > 1 and int(workload.seq_len) < cp * space.min_context_tokens else forms(cp, tp)
+
+    return spaced
 
 
 def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | None = None, *,
@@ -481,7 +495,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     keys = outer_keys(space, int(workload.num_layers), int(workload.global_batch), cluster.nodes,
-                      cluster.devices_per_node, workload.supports_tp, _context_forms(workload))
+                      cluster.devices_per_node, workload.supports_tp, _context_forms(workload, space))
     if progress is not None:
         progress(space.name, 0, len(keys))
     with small_pages():  # the key tables (`intra.small_pages`)
