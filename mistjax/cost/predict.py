@@ -201,8 +201,14 @@ def _context_note(workload: Workload, plan: Plan, cluster: ClusterSpec, c: Stage
             oc = stage_cost(workload, cluster, plan_strategies(workload, other, cluster))
             t = _devices_time(other, oc, shared)
             text += (f"; with cp_form {form} {t:.4g} s against {step:.4g} s ({t / step:.3f}x), peak "
-                     f"{format_bytes(float(np.max(oc.peak)))} against {format_bytes(float(np.max(c.peak)))}")
+                     f"{format_bytes(_device_peak(other, oc))} against {format_bytes(_device_peak(plan, c))}")
     return text
+
+
+def _device_peak(plan: Plan, c: StageCost) -> float:
+    """The largest device group's bytes (`_group_memory`: an interleaved group holds all its chunks)."""
+    mem = {k: np.broadcast_to(np.asarray(v, dtype=np.float64), (plan.num_stages,)) for k, v in c.memory.items()}
+    return max(sum(group.values()) for group in _group_memory(plan, mem))
 
 
 def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
