@@ -174,9 +174,10 @@ def _ulysses_held(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
 def _cp_layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of one layer's context-parallel traffic, forward and backward, charged serially: the ring's
-    neighbour transfers (`context_ring_bytes`; XLA:GPU did not schedule them beside compute in the deviceless
-    compile, docs/benchmarks.md), or without the ring kernel the keys and values GSPMD gathers over the ``cp``
-    group (again in the backward, which also reduce-scatters their gradients)."""
+    neighbour transfers (`context_ring_bytes`), or without the ring kernel the keys and values GSPMD gathers
+    over the ``cp`` group (again in the backward, which also reduce-scatters their gradients). Serial is the safe
+    side: XLA:GPU's deviceless compile of the one-stage cp 4 cell scheduled 55 of its 84 permutes beside compute
+    (docs/benchmarks.md), which this does not credit."""
     link = _cp_link(cluster, k)
     on = k.cp > 1
     if workload.ring_attention:
