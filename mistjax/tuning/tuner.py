@@ -390,28 +390,6 @@ def _fitting_choice(job: _SearchJob, tables: StageTables, choice: KeyChoice | No
     return tables, None, None
 
 
-def _fitting_improvement(job: _SearchJob, found: list[_Improvement]) -> _Improvement | None:
-    """The best improvement whose full prediction fits the memory budget, its prediction attached.
-
-    The full prediction is the runtime's memory view (e.g. the pipeline's shared activation pools), which
-    the search objective's per-stage peaks leave out; earlier improvements are the fallback.
-    """
-    budget = job.cluster.memory_budget()
-    for rank in range(len(found)):
-        objective, plan, pareto = found[-1 - rank]
-        pred = plan.prediction or job.cost.predict(job.workload, plan, job.cluster)
-        if pred.guarded_peak(job.cluster.device.memory_margin) <= budget * (1 + 1e-9):
-            break
-    else:
-        warnings.warn(f"space {job.space.name!r}: every plan found exceeds the memory budget under the full "
-                      "prediction; no plan returned", RuntimeWarning, stacklevel=3)
-        return None
-    if rank:
-        warnings.warn(f"space {job.space.name!r}: the best {rank} plan(s) exceed the memory budget under the full "
-                      "prediction; returning the next best", RuntimeWarning, stacklevel=3)
-    return objective, plan.replace(prediction=pred), pareto
-
-
 def _reschedule(job: _SearchJob, plan: Plan) -> Plan:
     """``plan`` or ``plan`` itself under another pipeline schedule of the space (ZB-H1, interleaved 1F1B) where the
     full prediction is faster and fits.
@@ -504,7 +482,8 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
         tally = _search_keys(job, keys, bounds, deadline, best_cost, progress)
         if progress is not None:
             progress(space.name, len(keys), len(keys))
-        winner = _fitting_improvement(job, tally.found) if tally.best is not None else None
+        # Every improvement kept fits under `predict` and carries its prediction (`_fitting_choice`); the last is best.
+        winner = tally.found[-1] if tally.found else None
         if winner is not None:
             objective, plan, pareto = winner
             plan = _reschedule(job, plan)
