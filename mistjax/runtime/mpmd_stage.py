@@ -238,7 +238,8 @@ class StagePrograms:
                 for a in (jax.ShapeDtypeStruct((), np.float32), *self.info.aux_avals)]
 
     def grad_shardings(self) -> list[NamedSharding]:
-        """Where `finish` leaves each gradient: the ZeRO >= 1 split over the partition group, TP dims."""
+        """Where `finish` leaves each gradient: the ZeRO >= 1 split over the partition group (and over ``context``
+        where the optimizer state is: `_grad_layout`), TP dims."""
         if "grad_shardings" not in self._cache:
             self._cache["grad_shardings"] = [NamedSharding(self.spec.mesh, self._grad_layout(g).spec())
                                              for g in self.grad_specs]
