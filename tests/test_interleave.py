@@ -100,6 +100,7 @@ def test_the_runtime_check_charges_what_predict_charges(groups, micro, chunks):
     holds it itself; the last stage's fused program sees the other chunks' residuals at that moment."""
     sizes = np.arange(1, groups * chunks + 1) * 1000  # one micro-batch's residual bytes per virtual stage
     ex = SimpleNamespace(issue=po.issue_order("1f1b", groups, micro, chunks), S=groups, K=groups * chunks,
+                         group=tuple(k % groups for k in range(groups * chunks)),
                          residual_bytes=lambda: [int(x) for x in sizes])
     beside = residuals_beside(ex)
     peaks = po.group_residual_peaks(ex.issue, groups, sizes)

@@ -61,18 +61,20 @@ def test_mics_groups_are_powers_of_two_inside_a_node():
 def test_pipelined_keys_try_every_schedule():
     keys = outer_keys(SearchSpace(), 8, 16, nodes=1, per_node=8)
     assert {(k.schedule, k.chunks) for k in keys if k.stages == 1} == {("1f1b", 1)}
-    # the default space: 1F1B, ZB-H1 and interleaved 1F1B keys, each searched (or pruned by its bound)
-    assert {(k.schedule, k.chunks) for k in keys if k.stages > 1} == {("1f1b", 1), ("zb-h1", 1), ("1f1b", 2),
-                                                                        ("1f1b", 4)}
+    # the default space: 1F1B, ZB-H1, ZB-V and interleaved 1F1B keys, each searched (or pruned by its bound)
+    assert {(k.schedule, k.chunks) for k in keys if k.stages > 1} == {("1f1b", 1), ("zb-h1", 1), ("zb-v", 2),
+                                                                        ("1f1b", 2), ("1f1b", 4)}
+    # ZB-V needs two layers per group, not micro-batches in multiples of the groups
+    assert {k.stages for k in keys if k.schedule == "zb-v"} == {2, 4}
     one_chunk = {dataclasses.replace(k, schedule="1f1b") for k in keys if k.stages > 1 and k.chunks == 1}
-    for k in (k for k in keys if k.chunks > 1):
+    for k in (k for k in keys if k.chunks > 1 and k.schedule == "1f1b"):
         # interleaving needs micro-batches in multiples of the device groups and a layer in every chunk
         assert k.grad_accum % k.stages == 0 and k.stages * k.chunks <= 8
         assert dataclasses.replace(k, chunks=1) in one_chunk
     assert {k for k in one_chunk if k.grad_accum % k.stages == 0 and 2 * k.stages <= 8} == {
-        dataclasses.replace(k, chunks=1) for k in keys if k.chunks == 2}
+        dataclasses.replace(k, chunks=1) for k in keys if k.chunks == 2 and k.schedule == "1f1b"}
     both = outer_keys(SearchSpace(schedules=("1f1b", "gpipe")), 8, 16, nodes=1, per_node=8)
-    assert {k.schedule for k in both if k.stages > 1} == {"1f1b", "gpipe", "zb-h1"}
+    assert {k.schedule for k in both if k.stages > 1} == {"1f1b", "gpipe", "zb-h1", "zb-v"}
     assert {(k.schedule, k.chunks) for k in outer_keys(SearchSpace.mist(), 8, 16, nodes=1, per_node=8)} == {
         ("1f1b", 1)}
     # Megatron-LM's virtual stages hold equal chunks: 8 layers on 2 groups split 2 or 4 ways, on 4 groups 2 ways
@@ -529,7 +531,7 @@ def test_schedules_are_keys_of_the_complete_search():
     status = {(r["schedule"], r["chunks"]): set() for r in full.frontier}
     for r in full.frontier:
         status[(r["schedule"], r["chunks"])].add(r["status"])
-    assert set(status) == {("1f1b", 1), ("zb-h1", 1), ("1f1b", 2), ("1f1b", 4)}
+    assert set(status) == {("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("1f1b", 2), ("1f1b", 4)}
     assert all(s <= {"searched", "pruned"} for s in status.values())
     assert "searched" in status[("zb-h1", 1)] and "searched" in status[("1f1b", 2)]
 

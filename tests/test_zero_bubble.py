@@ -198,7 +198,10 @@ def test_the_tuner_adopts_zero_bubble_where_faster_and_fitting():
         rescheduled = COST_MODEL.predict(wl, plan.replace(schedule="zb-h1", prediction=None), cluster)
         assert rescheduled.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget()
         assert rescheduled.step_time < plan.prediction.step_time
-        assert out.schedule == "zb-h1" and out.prediction.step_time == rescheduled.step_time
+        # ZB-V (each group's layers as two chunks in a V) is faster still here, and fits
+        v_shaped = COST_MODEL.predict(wl, plan.v_shaped(), cluster)
+        assert v_shaped.step_time < rescheduled.step_time
+        assert out.schedule == "zb-v" and out.prediction.step_time == v_shaped.step_time
         off = _SearchJob(wl, cluster, COST_MODEL, SearchSpace(zero_bubble=False, interleave=()),
                          ScheduleMemo(("1f1b",)), True)
         assert _reschedule(off, plan) is plan
@@ -215,3 +218,74 @@ def test_zero_bubble_memory_against_the_compiled_stages():
     for name, seq, gb, kw in cells:
         rec = compare_cell(name, seq, gb, grid_plan(name, kw), cpu)
         assert abs(rec["mem_err"]) <= 0.15, rec
+
+
+# ---------------------------------------------------------------- ZB-V: two chunks per group in a V
+
+
+@pytest.mark.parametrize("S,G", [(2, 1), (2, 4), (3, 5), (4, 8), (8, 32)])
+def test_zb_v_order_is_valid_holds_1f1b_peak_and_beats_the_other_schedules(S, G):
+    issue = po.issue_order("zb-v", S, G, 2)
+    V = 2 * S
+    groups = po.stage_groups(V, S, "zb-v")
+    np.testing.assert_array_equal(groups, [*range(S), *reversed(range(S))])
+    assert len(issue) == 3 * V * G - G  # F, B, W per micro-batch and chunk; the last chunk's F and B fused
+    done = set()
+    for op in issue:  # every operation after what it reads
+        assert all(d in done for d in po.dependencies(op, V)), op
+        done.add(op)
+    # Residuals: at most 2 S chunk micro-batches per group, 1F1B's first stage (S whole micro-batches).
+    peaks = po.group_residual_peaks(issue, S, schedule="zb-v")
+    assert peaks.max() <= 2 * S
+    # Bubbles on the same work (a group's stage is two chunks), F = B = W per chunk and W at a quarter of a
+    # micro-batch (its share on the grid): under 0.6 of 1F1B's, no more than ZB-H1's (three groups and more at a
+    # quarter) and, at F = B = W, no more than interleaved 1F1B's, which sends twice the activations.
+    for w in (1.0, 0.75):
+        zbv = po.simulated_time(issue, S, po.op_costs("zb-v", np.ones(V), np.full(V, 2.0), np.full(V, w)), "zb-v")
+        one = po.simulated_time(po.issue_order("1f1b", S, G), S, po.op_costs("1f1b", np.full(S, 2.0), np.full(S, 4.0)))
+        h1 = po.simulated_time(po.issue_order("zb-h1", S, G), S,
+                               po.op_costs("zb-h1", np.full(S, 2.0), np.full(S, 4.0), np.full(S, 2 * w)))
+        work = 6 * G
+        assert zbv < one and (G < S or zbv - work < 0.6 * (one - work))
+        if w == 1.0 or S >= 3:
+            assert zbv <= h1
+        if w == 1.0 and G % S == 0:
+            inter = po.simulated_time(po.issue_order("1f1b", S, G, 2), S,
+                                      po.op_costs("1f1b", np.ones(V), np.full(V, 2.0)))
+            assert zbv <= inter
+
+
+def test_zb_v_plans_place_their_chunks_in_a_v():
+    plan = uniform_plan(8, 4, stages=2, grad_accum=4, remat_layers=3).v_shaped()
+    assert plan.schedule == "zb-v" and plan.virtual_stages == 2 and plan.device_stages == 2
+    assert [st.layers for st in plan.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert plan.stage_groups == (0, 1, 1, 0)  # the first group runs the embedding and the head
+    assert [st.remat_layers for st in plan.stages] == [2, 2, 1, 1]
+    assert "V-shaped" in plan.summary()
+    with pytest.raises(PlanError, match="virtual_stages=2"):
+        dataclasses.replace(uniform_plan(8, 8, stages=4, grad_accum=4), schedule="zb-v")
+    with pytest.raises(PlanError, match="fewer than 2 layers"):
+        uniform_plan(4, 4, stages=4, grad_accum=4).v_shaped()
+
+
+def test_zb_v_matches_one_device(train_steps):
+    cfg = models.get_config("llama-tiny")
+    ref_losses, ref_params = train_steps(cfg, 2)
+    plan = uniform_plan(cfg.num_layers, 4, stages=2, micro_batch=2, grad_accum=4, remat_layers=1,
+                        shard_opt=True, shard_grads=True).v_shaped()  # dp 2, ZeRO-2
+    losses, params = train_steps(cfg, 2, jax.devices()[:4], plan)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(params, ref_params):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_zb_v_runs_its_split_programs_in_a_v():
+    G = 4
+    step, state, batch = _gpt3_tiny_step(uniform_plan(4, 2, stages=2, micro_batch=4, grad_accum=G).v_shaped())
+    step(state, batch)
+    ex = step._mpmd
+    assert [m.devices.flat[0] for m in ex.meshes] == [ex.group_meshes[g].devices.flat[0] for g in (0, 1, 1, 0)]
+    assert ex.stats.by_kind["backward"] == G and ex.stats.by_kind["input_grad"] == 2 * G
+    assert ex.stats.by_kind["last_input"] == G and ex.stats.by_kind["weight_grad"] == 3 * G
+    # chunks 1 and 2 share group 1: nothing is sent between them
+    assert ex.meshes[1] is ex.meshes[2]

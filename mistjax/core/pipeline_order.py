@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from mistjax.core.schedules import SCHEDULE_NAMES as MPMD_SCHEDULES
-from mistjax.core.schedules import ZERO_BUBBLE, ScheduleError
+from mistjax.core.schedules import V_SHAPED, ZERO_BUBBLE, ScheduleError, stage_groups
 
 
 class OpKind(enum.StrEnum):
@@ -45,6 +45,12 @@ NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.FB: 3.0, 
 # only receives the cotangent and its W runs the whole backward, deferrable into the bubbles.
 ZB_NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 1.0, OpKind.FB: 2.0, OpKind.W: 1.0}
 
+# ZB-V's order is built with the weight passes at a quarter of a micro-batch's time (B 1.25, W 0.75 against F 1):
+# the share measured on the Mist grid and the large cells is 0.24-0.29 (`cost.model.StageCost.wgrad`, the
+# weight-gradient GEMMs; attention's backward has none). Built with F = B = W instead, the order leaves each W
+# a third of the time, and at a quarter its bubble is worse than ZB-H1's (docs/pipelines.md).
+ZBV_NOMINAL_COST: dict[str, float] = {OpKind.F: 1.0, OpKind.B: 1.25, OpKind.FB: 2.25, OpKind.W: 0.75}
+
 
 class Op(NamedTuple):
     """One pipeline operation: ``kind`` F / B / FB on virtual stage ``stage`` for micro-batch ``mb``."""
@@ -64,8 +70,11 @@ def _check(num_groups: int, chunks: int, num_microbatches: int, schedule: str) -
     if num_groups < 1 or chunks < 1 or num_microbatches < 1:
         raise ScheduleError(f"need at least one device group, chunk and micro-batch, got S={num_groups}, "
                             f"v={chunks}, G={num_microbatches}")
-    if chunks > 1 and schedule in ZERO_BUBBLE:
-        raise ScheduleError(f"{schedule} has no interleaved form here; use virtual_stages=1 with it")
+    if schedule in V_SHAPED and (chunks != 2 or num_groups < 2):
+        raise ScheduleError(f"{schedule} runs two chunks on each of at least two device groups, got S={num_groups}, "
+                            f"v={chunks}: use virtual_stages=2 with it")
+    if chunks > 1 and schedule in ZERO_BUBBLE - V_SHAPED:
+        raise ScheduleError(f"{schedule} has no interleaved form here; use virtual_stages=1 with it, or zb-v")
     if chunks > 1 and schedule == "1f1b-eager":
         raise ScheduleError("1f1b-eager has no interleaved form; use schedule 1f1b (Megatron's interleaved "
                             "1F1B) or gpipe with virtual_stages > 1")
@@ -117,6 +126,8 @@ def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks:
     """
     S, v, G = num_groups, chunks, num_microbatches
     _check(S, v, G, schedule)
+    if schedule in V_SHAPED:
+        return zero_bubble_v_orders(S, G)
     if schedule in ZERO_BUBBLE:
         return zero_bubble_orders(S, G)
     last = S * v - 1
@@ -221,6 +232,90 @@ def zero_bubble_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]
     return orders
 
 
+def zero_bubble_v_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]:
+    """ZB-V (Qi et al., ICLR'24): two chunks per device group placed in a V (group ``d`` runs virtual stages ``d``
+    and ``2S - 1 - d``; `core.schedules.stage_groups`), every backward split into B and W, and each group holding
+    at most ``2S`` chunk micro-batches' residuals, 1F1B's peak (its first stage's ``S`` whole micro-batches).
+
+    Built by simulating every group with `ZBV_NOMINAL_COST` (the order, not the times, is the schedule): a free
+    group runs, of the operations whose inputs have arrived, a backward first, then a forward while it holds
+    fewer than ``2S`` chunk micro-batches' residuals, the chunk nearer the loss first in both, then its oldest
+    pending W; with nothing ready it waits for the earliest input. The last virtual stage (on the first group)
+    runs F and B as one program and defers its W like the others.
+    """
+    S, G = num_groups, num_microbatches
+    V, limit = 2 * S, 2 * S
+    chunks = [(V - 1 - d, d) for d in range(S)]  # each group's stages, the one nearer the loss first
+    next_f, next_b = [0] * V, [0] * V
+    finish: dict[Op, float] = {}
+    free = [0.0] * S
+    live = [0] * S
+    pending: list[deque[Op]] = [deque() for _ in range(S)]
+    orders: list[list[Op]] = [[] for _ in range(S)]
+
+    def op_cost(op: Op) -> float:
+        if op.stage == 0 and op.kind in (OpKind.B, OpKind.W):
+            return 0.0 if op.kind == OpKind.B else ZBV_NOMINAL_COST[OpKind.B] + ZBV_NOMINAL_COST[OpKind.W]
+        return ZBV_NOMINAL_COST[op.kind]
+
+    def arrival(op: Op) -> float | None:
+        deps = dependencies(op, V)
+        return max([0.0, *(finish[d] for d in deps)]) if all(d in finish for d in deps) else None
+
+    def choice(d: int) -> tuple[float, Op] | None:
+        """(start, operation) group d runs next, or None while it waits for an input not yet computed."""
+        ready: list[tuple[float, int, Op]] = []  # (start, rank: backward 0, forward 1, W 2, op)
+        for k in chunks[d]:
+            if k != V - 1 and next_b[k] < next_f[k]:
+                op = Op(OpKind.B, k, next_b[k])
+                if (t := arrival(op)) is not None:
+                    ready.append((max(t, free[d]), 0, op))
+            if next_f[k] < G and live[d] < limit:
+                op = Op(OpKind.FB if k == V - 1 else OpKind.F, k, next_f[k])
+                if (t := arrival(op)) is not None:
+                    ready.append((max(t, free[d]), 1, op))
+        if pending[d]:
+            ready.append((free[d], 2, pending[d][0]))
+        if not ready:
+            return None
+        now = [r for r in ready if r[0] <= free[d]]
+        start, _, op = min(now or ready, key=lambda r: r[:2])  # stable: the chunk nearer the loss wins ties
+        return start, op
+
+    options: list[tuple[float, int, Op] | None] = [None] * S
+
+    def refresh(d: int) -> None:
+        c = choice(d)
+        options[d] = None if c is None else (c[0], d, c[1])
+
+    for d in range(S):
+        refresh(d)
+    for _ in range(3 * V * G - G):  # F, B and W per micro-batch and virtual stage; FB on the last
+        ready = [o for o in options if o is not None]
+        if not ready:
+            raise ScheduleError("internal: the ZB-V simulation deadlocked")
+        start, d, op = min(ready, key=lambda o: o[:2])
+        finish[op] = start + op_cost(op)
+        free[d] = finish[op]
+        orders[d].append(op)
+        if op.kind == OpKind.W:
+            pending[d].popleft()
+            live[d] -= 1
+        elif op.kind == OpKind.B:
+            next_b[op.stage] += 1
+            pending[d].append(Op(OpKind.W, op.stage, op.mb))
+        else:
+            next_f[op.stage] += 1
+            live[d] += 1
+            if op.kind == OpKind.FB:
+                next_b[op.stage] += 1
+                pending[d].append(Op(OpKind.W, op.stage, op.mb))
+        for g in (d - 1, d, d + 1):
+            if 0 <= g < S:
+                refresh(g)
+    return orders
+
+
 def dependencies(op: Op, num_virtual: int) -> list[Op]:
     """The operations whose outputs `op` reads (activation, cotangent, its own residuals)."""
     kind, k, i = op
@@ -296,15 +391,21 @@ def _readers(op: Op, num_virtual: int) -> list[Op]:
     return [*ahead, Op(OpKind.B, k, i), *behind]
 
 
-def group_queues(issue: Sequence[Op], num_groups: int) -> list[list[Op]]:
-    """Each device group's queue: the issue order restricted to its operations."""
+def _groups(issue: Sequence[Op], num_groups: int, schedule: str) -> np.ndarray:
+    """The device group of each virtual stage of ``issue`` (`core.schedules.stage_groups`)."""
+    return stage_groups(1 + max(op.stage for op in issue), num_groups, schedule)
+
+
+def group_queues(issue: Sequence[Op], num_groups: int, schedule: str = "1f1b") -> list[list[Op]]:
+    """Each device group's queue: the issue order restricted to its operations (``schedule`` places them)."""
+    group = _groups(issue, num_groups, schedule)
     queues: list[list[Op]] = [[] for _ in range(num_groups)]
     for op in issue:
-        queues[op.stage % num_groups].append(op)
+        queues[group[op.stage]].append(op)
     return queues
 
 
-def dependency_depth(issue: Sequence[Op], num_groups: int) -> dict[str, int]:
+def dependency_depth(issue: Sequence[Op], num_groups: int, schedule: str = "1f1b") -> dict[str, int]:
     """Longest chains of the issue order's dependency graph (data edges + each group's queue order).
 
     Returns ``{"forward": n, "backward": m}``: the most forward (F, FB) and backward (B, FB) operations
@@ -312,7 +413,7 @@ def dependency_depth(issue: Sequence[Op], num_groups: int) -> dict[str, int]:
     """
     num_virtual = 1 + max(op.stage for op in issue)
     prev: dict[Op, Op] = {}
-    for queue in group_queues(issue, num_groups):
+    for queue in group_queues(issue, num_groups, schedule):
         for a, b in zip(queue, queue[1:]):
             prev[b] = a
     out = {}
@@ -367,30 +468,38 @@ def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: i
 @functools.lru_cache(maxsize=256)
 def _issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: int) -> tuple[Op, ...]:
     # Cached: the cost model asks for the same order several times per plan (time, memory, the explanation).
-    cost = ZB_NOMINAL_COST if schedule in ZERO_BUBBLE else None
+    cost = ZBV_NOMINAL_COST if schedule in V_SHAPED else ZB_NOMINAL_COST if schedule in ZERO_BUBBLE else None
     return tuple(list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost))
 
 
-def group_residual_peaks(issue: Sequence[Op], num_groups: int, per_microbatch: ArrayLike = 1.0) -> np.ndarray:
+def group_residual_peaks(issue: Sequence[Op], num_groups: int, per_microbatch: ArrayLike = 1.0,
+                         stash: ArrayLike = 0.0, schedule: str = "1f1b") -> np.ndarray:
     """Per device group, the most residuals its chunks hold at once along its operations: the micro-batches
     each chunk holds (as `residuals_in_flight` counts them) times ``per_microbatch[chunk]`` (one micro-batch's
     residuals of each virtual stage), summed over the group's chunks, with a fused forward + backward's own
-    transient residuals while it runs. With one chunk per group, `residuals_in_flight` (at least 1) times
-    ``per_microbatch``; with several, at most the sum of the chunks' peaks, which need not coincide."""
+    transient residuals while it runs. Under a zero-bubble schedule a micro-batch also holds ``stash[chunk]``
+    from its B (or fused FB) to its W. With one chunk per group and no stash, `residuals_in_flight` (at least 1)
+    times ``per_microbatch``; with several, at most the sum of the chunks' peaks, which need not coincide."""
     num_virtual = 1 + max(op.stage for op in issue)
     size = np.broadcast_to(np.asarray(per_microbatch, np.float64), (num_virtual,))
+    kept = np.broadcast_to(np.asarray(stash, np.float64), (num_virtual,))
     split = {op.stage for op in issue if op.kind == OpKind.W}
+    group = _groups(issue, num_groups, schedule)
     held = np.zeros(num_groups)
     peak = np.zeros(num_groups)
     for op in issue:
-        k, g = op.stage, op.stage % num_groups
-        if op.kind == OpKind.F or (op.kind == OpKind.FB and k in split):
+        k, g = op.stage, group[op.stage]
+        if op.kind == OpKind.FB:  # its residuals are the fused program's own; it keeps the stash for W
+            peak[g] = max(peak[g], held[g] + size[k])
+            held[g] += kept[k] if k in split else 0.0
+        elif op.kind == OpKind.F:
             held[g] += size[k]
             peak[g] = max(peak[g], held[g])
-        elif op.kind == OpKind.FB:
-            peak[g] = max(peak[g], held[g] + size[k])
+        elif op.kind == OpKind.B and k in split:
+            held[g] += kept[k]
+            peak[g] = max(peak[g], held[g])
         elif op.kind == (OpKind.W if k in split else OpKind.B):
-            held[g] -= size[k]
+            held[g] -= (0.0 if k == num_virtual - 1 else size[k]) + (kept[k] if k in split else 0.0)
     return peak
 
 
@@ -412,7 +521,35 @@ def group_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunk
     chunks holds an equal share of the group's layers (`group_residual_peaks` / ``chunks``; the tuner's view of
     an interleaved key): `charged_in_flight` with one chunk. Read-only (cached)."""
     issue = issue_order(schedule, num_groups, num_microbatches, chunks)
-    out = group_residual_peaks(issue, num_groups) / chunks
+    out = group_residual_peaks(issue, num_groups, schedule=schedule) / chunks
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def charged_deferred(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
+    """Per virtual stage, the deferred weight passes whose stash it holds at its peak (`deferred_in_flight`),
+    none on the first stage, whose W is its whole backward (its residuals stay counted in flight until then, and
+    it keeps no stash); zero outside zero-bubble schedules. Read-only (cached)."""
+    if schedule not in ZERO_BUBBLE:
+        out = np.zeros(num_groups * chunks, np.int64)
+    else:
+        out = deferred_in_flight(issue_order(schedule, num_groups, num_microbatches, chunks))
+        out[0] = 0
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def group_deferred(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
+    """Per device group, whole-group weight-pass stashes held at its peak when each chunk's stash is an equal
+    share of the group's (the tuner's view of a key, as `group_in_flight` for residuals): `charged_deferred`
+    with one chunk. Read-only (cached)."""
+    if chunks == 1:
+        return charged_deferred(schedule, num_groups, num_microbatches)
+    issue = issue_order(schedule, num_groups, num_microbatches, chunks)
+    stash = np.where(np.arange(num_groups * chunks) == 0, 0.0, 1.0 / chunks)
+    out = group_residual_peaks(issue, num_groups, 0.0, stash, schedule)
     out.flags.writeable = False
     return out
 
@@ -430,19 +567,20 @@ def op_costs(schedule: str, fwd: ArrayLike, bwd: ArrayLike, wgrad: ArrayLike = 0
     return {OpKind.F: fwd, OpKind.B: bwd - w, OpKind.FB: fwd + bwd - w, OpKind.W: w}
 
 
-def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None
-             ) -> dict[Op, tuple[float, float]]:
+def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None,
+             schedule: str = "1f1b") -> dict[Op, tuple[float, float]]:
     """(start, end) seconds of every operation, each device group running its operations in issue order
     as soon as its inputs arrive. ``cost[kind]`` is a scalar or a per-virtual-stage sequence of seconds,
-    or a callable ``cost[kind](op) -> seconds``."""
+    or a callable ``cost[kind](op) -> seconds``; ``schedule`` places the virtual stages on the groups."""
     cost = cost or NOMINAL_COST
     num_virtual = 1 + max(op.stage for op in issue)
     per_stage = {kind: c if callable(c) else np.broadcast_to(np.asarray(c, dtype=np.float64), (num_virtual,))
                  for kind, c in cost.items()}
     spans: dict[Op, tuple[float, float]] = {}
     free = [0.0] * num_groups
+    group = _groups(issue, num_groups, schedule)
     for op in issue:
-        g = op.stage % num_groups
+        g = group[op.stage]
         start = max([free[g], *(spans[d][1] for d in dependencies(op, num_virtual))])
         c = per_stage[op.kind]
         free[g] = start + float(c(op) if callable(c) else c[op.stage])
@@ -450,22 +588,24 @@ def op_spans(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | 
     return spans
 
 
-def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None
-                       ) -> np.ndarray:
+def group_finish_times(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None,
+                       schedule: str = "1f1b") -> np.ndarray:
     """When each device group finishes its last operation (`op_spans`)."""
     finish = np.zeros(num_groups)
-    for op, (_, end) in op_spans(issue, num_groups, cost).items():
-        g = op.stage % num_groups
-        finish[g] = max(finish[g], end)
+    group = _groups(issue, num_groups, schedule)
+    for op, (_, end) in op_spans(issue, num_groups, cost, schedule).items():
+        finish[group[op.stage]] = max(finish[group[op.stage]], end)
     return finish
 
 
-def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None) -> float:
+def simulated_time(issue: Sequence[Op], num_groups: int, cost: Mapping[str, OpCost] | None = None,
+                   schedule: str = "1f1b") -> float:
     """Makespan of the issue order (`group_finish_times`)."""
-    return float(group_finish_times(issue, num_groups, cost).max())
+    return float(group_finish_times(issue, num_groups, cost, schedule).max())
 
 
-__all__ = ["MPMD_SCHEDULES", "Op", "OpCost", "OpKind", "ScheduleError", "ZERO_BUBBLE", "charged_in_flight",
+__all__ = ["MPMD_SCHEDULES", "Op", "OpCost", "OpKind", "ScheduleError", "ZERO_BUBBLE", "charged_deferred",
+           "charged_in_flight", "group_deferred",
            "deferred_in_flight", "dependencies", "dependency_depth", "device_orders", "group_finish_times",
            "group_in_flight", "group_queues", "group_residual_peaks", "issue_order", "list_schedule", "op_costs",
-           "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders"]
+           "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders", "zero_bubble_v_orders"]

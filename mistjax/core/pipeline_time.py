@@ -8,12 +8,14 @@ micro-batch on stage i, ``delta[..., i]`` (D_i) the extra time of its first and 
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mistjax.core.schedules import SCHEDULE_NAMES, ZERO_BUBBLE, ScheduleError
+from mistjax.core.pipeline_order import issue_order, op_costs, simulated_time
+from mistjax.core.schedules import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE, ScheduleError
 
 ScheduleName = Literal["1f1b", "gpipe", "1f1b-eager"]
 
@@ -42,7 +44,8 @@ def exposed_delta(stable: ArrayLike, delta: ArrayLike, fill: float = 1.0, hide: 
     return np.maximum(np.max(d - before, axis=-1), 0.0)
 
 
-def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages: int = 2) -> float:
+def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages: int = 2,
+               microbatches: int | None = None) -> float:
     """The share ``c`` of a stage's micro-batch time that the pipeline's fill and drain expose, in
     ``T_iter = (G - c) max T + c sum T + D_max`` (`pipeline_1f1b_time` with ``fill``), as the MPMD executor's
     issue order runs the schedule (`core.pipeline_order`; equal to its simulated makespan for equal stages).
@@ -52,12 +55,32 @@ def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages:
     Narayanan et al. 2021). ZB-H1 leaves the weight passes W to fill the drain: the executor's order, whose
     last stage runs F and B as one program, has a bubble of ``(S-1)(F + B) - W`` (Qi et al.'s ideal is
     ``(S-1)(F + B - W)``): c = 1 - w S / (S-1) with ``wgrad_share`` = w = W / T and ``stages`` = S.
+    ZB-V has no closed form here: its share is the executor's order simulated for equal chunks
+    (`v_fill_share`) at ``microbatches`` (G; at most 4 S of them are simulated, for time: the order's steady
+    state leaves no bubble, so the share moves little past its fill and first memory-bound wave).
     """
+    if schedule in V_SHAPED:
+        g = min(microbatches or 4 * stages, 4 * stages)
+        return v_fill_share(stages, g, round(float(wgrad_share), 2))
     if schedule in ZERO_BUBBLE:
         return float(min(1.0, max(0.0, 1.0 - wgrad_share * stages / max(stages - 1, 1))))
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     return 1.0 / chunks
+
+
+@functools.lru_cache(maxsize=1024)
+def v_fill_share(stages: int, microbatches: int, wgrad_share: float) -> float:
+    """ZB-V's `fill_share` for ``stages`` device groups of equal chunks, each chunk's forward a third of its
+    micro-batch time and its weight passes ``wgrad_share`` of it: ``(makespan - G T) / ((S - 1) T)`` of the
+    executor's order (`core.pipeline_order.zero_bubble_v_orders`), T a group's micro-batch time."""
+    S, G, V = stages, microbatches, 2 * stages
+    if S < 2:
+        return 1.0
+    w = min(max(wgrad_share, 0.0), 2.0 / 3.0)
+    cost = op_costs("zb-v", np.full(V, 1.0 / 3.0), np.full(V, 2.0 / 3.0), np.full(V, w))
+    makespan = simulated_time(issue_order("zb-v", S, G, 2), S, cost, "zb-v")
+    return float(min(1.0, max(0.0, (makespan - 2.0 * G) / (2.0 * (S - 1)))))
 
 
 def pipeline_1f1b_time(stable: ArrayLike, delta: ArrayLike, num_microbatches: ArrayLike,
@@ -147,4 +170,4 @@ def bubble_fraction(num_stages: ArrayLike, num_microbatches: ArrayLike, schedule
 
 
 __all__ = ["bubble_fraction", "exposed_delta", "fill_share", "pipeline_1f1b_time", "pipeline_gpipe_time",
-           "pipeline_time"]
+           "pipeline_time", "v_fill_share"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mistjax.core.context import CONTEXT_FORMS, ContextForm
 from mistjax.core.schedules import SCHEDULE_NAMES as SCHEDULES
-from mistjax.core.schedules import ZERO_BUBBLE
+from mistjax.core.schedules import V_SHAPED, ZERO_BUBBLE, stage_groups
 from mistjax.core.stages import StageKind, offloaded_layers, stage_kind
 
 if TYPE_CHECKING:
@@ -219,9 +219,9 @@ class Plan:
     # shards around the cp devices; "ulysses" exchanges the sequence split for a head split by all-to-all.
     cp_form: str = "ring"
     schedule: str = "1f1b"  # pipeline schedule when there are several stages
-    # Chunks of layers per pipeline device group (Megatron's interleaved 1F1B when > 1): `stages` then
-    # lists len(stages) virtual stages in layer order, and virtual stage k runs on device group
-    # k % (len(stages) // virtual_stages).
+    # Chunks of layers per pipeline device group (Megatron's interleaved 1F1B when > 1; 2 under "zb-v"):
+    # `stages` then lists len(stages) virtual stages in layer order, and virtual stage k runs on device group
+    # k % (len(stages) // virtual_stages), or under "zb-v" in a V (`core.schedules.stage_groups`).
     virtual_stages: int = 1
     # dtype gradients are accumulated and reduced in (None: each parameter's own dtype; Megatron-LM
     # accumulates and reduces bf16 models' gradients in "float32", Mist keeps them in the 16-bit dtype)
@@ -245,6 +245,11 @@ class Plan:
     def device_stages(self) -> int:
         """Pipeline device groups (physical stages): ``num_stages / virtual_stages``."""
         return self.num_stages // self.virtual_stages
+
+    @property
+    def stage_groups(self) -> tuple[int, ...]:
+        """The device group each (virtual) stage runs on (`core.schedules.stage_groups`)."""
+        return tuple(int(g) for g in stage_groups(self.num_stages, self.device_stages, self.schedule))
 
     @property
     def num_devices(self) -> int:
@@ -299,12 +304,15 @@ class Plan:
             if self.schedule == "1f1b-eager":
                 raise PlanError("schedule 1f1b-eager has no interleaved form; use 1f1b (interleaved 1F1B) or "
                                 "gpipe with virtual_stages > 1")
-            if self.schedule in ZERO_BUBBLE:
+            if self.schedule in ZERO_BUBBLE - V_SHAPED:
                 raise PlanError(f"schedule {self.schedule} runs one chunk per device group here; use "
-                                "virtual_stages=1 with it, or schedule 1f1b (interleaved 1F1B)")
+                                "virtual_stages=1 with it, or schedule 1f1b (interleaved 1F1B) or zb-v")
             if self.schedule == "1f1b" and self.grad_accum % groups:
                 raise PlanError(f"interleaved 1F1B runs micro-batches in groups of the {groups} device groups: "
                                 f"grad_accum={self.grad_accum} must be a multiple of {groups}")
+        if self.schedule in V_SHAPED and self.num_stages > 1 and self.virtual_stages != 2:
+            raise PlanError(f"schedule {self.schedule} runs two chunks per device group placed in a V: set "
+                            f"virtual_stages=2 (this plan has {self.virtual_stages}), e.g. with Plan.v_shaped()")
         if self.cp_form not in CONTEXT_FORMS:
             raise PlanError(f"unknown cp_form {self.cp_form!r}: use one of {CONTEXT_FORMS}")
         if self.cp_form != ContextForm.RING and self.cp == 1:
@@ -442,10 +450,39 @@ class Plan:
                 start += n
         return self.replace(stages=tuple(stages), virtual_stages=chunks, schedule="1f1b", prediction=None)
 
+    def v_shaped(self) -> Plan:
+        """This one-chunk pipelined plan run as ZB-V: each device group's layers split into two virtual stages
+        (the larger first) placed in a V, group ``g`` running virtual stages ``g`` and ``2S - 1 - g`` (so the
+        first group also runs the head), its checkpointed layers spread the same way, every other knob kept.
+        Layers run in virtual-stage order. The prediction is dropped.
+
+        Raises:
+            PlanError: the plan is not a one-chunk plan of several stages, or a group holds fewer than two
+                layers.
+        """
+        if self.virtual_stages != 1 or self.num_stages < 2:
+            raise PlanError(f"v_shaped() needs a one-chunk plan of several stages (this plan: {self.num_stages} "
+                            f"stage(s) of {self.virtual_stages} chunk(s))")
+        short = [i for i, st in enumerate(self.stages) if st.num_layers < 2]
+        if short:
+            raise PlanError(f"v_shaped(): stage(s) {short} hold fewer than 2 layers; ZB-V gives each device group "
+                            "two chunks of at least one layer")
+        S = self.num_stages
+        parts = [[dataclasses.replace(st, layers=(0, n), remat_layers=r)
+                  for n, r in zip(_spread(st.num_layers, 2), _spread(st.remat_layers, 2))]
+                 for st in self.stages]
+        stages, start = [], 0
+        for k in range(2 * S):
+            part = parts[k][0] if k < S else parts[2 * S - 1 - k][1]
+            stages.append(dataclasses.replace(part, layers=(start, start + part.num_layers)))
+            start += part.num_layers
+        return self.replace(stages=tuple(stages), virtual_stages=2, schedule="zb-v", prediction=None)
+
     # ---------------------------------------------------------------- display
     def summary(self) -> str:
         """A human-readable description of the plan and its prediction."""
-        groups = (f"{self.device_stages} stage(s) of {self.virtual_stages} interleaved chunks"
+        groups = (f"{self.device_stages} stage(s) of {self.virtual_stages} "
+                  f"{'V-shaped' if self.schedule in V_SHAPED else 'interleaved'} chunks"
                   if self.virtual_stages > 1 else f"{self.num_stages} stage(s)")
         lines = [
             f"Plan: {groups} x dp {self.dp} x {f'cp {self.cp} x ' if self.cp > 1 else ''}tp {self.tp} = "
@@ -464,7 +501,10 @@ class Plan:
             lines.append(f"  context parallel: each sequence split over {self.cp} devices ({how} for the blockwise "
                          "kernel)" + ("; optimizer state sharded over the data x context group"
                                       if self.stages[0].shard_opt else ""))
-        if self.virtual_stages > 1:
+        if self.schedule in V_SHAPED and self.virtual_stages > 1:
+            lines.append(f"  V-shaped (zb-v): stage k below runs on device group k for k < {self.device_stages}, "
+                         f"on {2 * self.device_stages - 1} - k after")
+        elif self.virtual_stages > 1:
             lines.append(f"  interleaved: stage k below is chunk k // {self.device_stages} of device group "
                          f"k % {self.device_stages}")
         if self.grad_dtype is not None:

@@ -4,7 +4,9 @@
 (PipeDream-flush) warms up with ``min(S - s - 1, G)`` forwards and then alternates (``min(S - s, G)`` in
 flight); ``"1f1b-eager"`` puts every backward at its earliest slot (``min(2 (S - s) - 1, G)`` in flight);
 ``"zb-h1"`` splits each backward into its input-gradient and weight-gradient halves and defers the latter
-into the bubbles (Qi et al., ICLR'24), with 1F1B's micro-batches in flight. The
+into the bubbles (Qi et al., ICLR'24), with 1F1B's micro-batches in flight; ``"zb-v"`` runs two chunks per device
+group placed in a V (group ``d`` holds virtual stages ``d`` and ``2S - 1 - d``, so the first group also computes
+the loss) with split backwards, filling the pipeline with the weight passes at about 1F1B's peak memory. The
 executor's operation order is `mistjax.core.pipeline_order`'s; trade-offs and measurements: docs/internals.md.
 """
 
@@ -13,13 +15,32 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-SCHEDULE_NAMES = ("1f1b", "gpipe", "1f1b-eager", "zb-h1")
-ZERO_BUBBLE = frozenset({"zb-h1"})
+SCHEDULE_NAMES = ("1f1b", "gpipe", "1f1b-eager", "zb-h1", "zb-v")
+ZERO_BUBBLE = frozenset({"zb-h1", "zb-v"})
 """Schedules whose backward runs as B (input gradient) then W (weight gradients), W deferred into bubbles."""
+V_SHAPED = frozenset({"zb-v"})
+"""Schedules of two chunks per device group placed in a V (`stage_groups`)."""
 
 
 class ScheduleError(ValueError):
     """A pipeline schedule is unknown, or its sizes cannot be run."""
+
+
+def stage_groups(num_virtual: int, num_groups: int, schedule: str) -> np.ndarray:
+    """The device group of each virtual stage. Round robin (virtual stage ``k`` on group ``k % S``: one chunk per
+    group, or Megatron's interleaving) except under a V-shaped schedule, whose ``2S`` virtual stages go down the
+    groups and back up: ``k`` on group ``k`` for ``k < S``, on ``2S - 1 - k`` after.
+
+    Raises:
+      ScheduleError: a V-shaped schedule with other than two chunks per group.
+    """
+    k = np.arange(num_virtual)
+    if schedule not in V_SHAPED:
+        return k % num_groups
+    if num_virtual != 2 * num_groups:
+        raise ScheduleError(f"{schedule} runs two chunks per device group: {num_virtual} virtual stages on "
+                            f"{num_groups} group(s) cannot be placed in a V")
+    return np.where(k < num_groups, k, 2 * num_groups - 1 - k)
 
 
 def inflight_microbatches(
@@ -34,6 +55,7 @@ def inflight_microbatches(
     1F1B-eager: ``min(2 (S - stage) - 1, G)`` (backward i waits ``2 (S - stage) - 2`` ticks after forward i).
     The last stage runs each micro-batch's forward and backward in one program: one, transiently.
     """
+    _one_chunk(schedule)
     st = np.asarray(stage, dtype=np.int64)
     s = np.asarray(num_stages, dtype=np.int64)
     g = np.asarray(num_microbatches, dtype=np.int64)
@@ -60,6 +82,7 @@ def deferred_microbatches(stage: ArrayLike, num_stages: ArrayLike, num_microbatc
     (its next fused forward + input gradient runs before it), none on the first stage, whose deferred pass is
     its whole backward (its residuals are counted in flight until then, and it has no stash).
     """
+    _one_chunk(schedule)
     st = np.asarray(stage, dtype=np.int64)
     s = np.asarray(num_stages, dtype=np.int64)
     g = np.asarray(num_microbatches, dtype=np.int64)
@@ -71,4 +94,11 @@ def deferred_microbatches(stage: ArrayLike, num_stages: ArrayLike, num_microbatc
     return np.where((st == 0) | (s == 1), 0, n)
 
 
-__all__ = ["SCHEDULE_NAMES", "ZERO_BUBBLE", "ScheduleError", "deferred_microbatches", "inflight_microbatches"]
+def _one_chunk(schedule: str) -> None:
+    if schedule in V_SHAPED:
+        raise ScheduleError(f"{schedule} holds its micro-batches per device group, not per stage: read them from its "
+                            "issue order (core.pipeline_order.group_in_flight / deferred_in_flight)")
+
+
+__all__ = ["SCHEDULE_NAMES", "V_SHAPED", "ZERO_BUBBLE", "ScheduleError", "deferred_microbatches",
+           "inflight_microbatches", "stage_groups"]

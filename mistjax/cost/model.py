@@ -62,6 +62,10 @@ class StageCost:
     # step: the update and the ZeRO-1/2 re-gather of the updated parameters
     wgrad: np.ndarray = field(default_factory=lambda: np.zeros(()))  # part of `bwd` in the weight-gradient
     # GEMMs (what a zero-bubble schedule defers)
+    # One micro-batch's residuals in device memory, and one deferred weight pass's stash (zero-bubble): what a
+    # device group's peak along its operations adds up (`cost.predict`, `core.pipeline_order.group_residual_peaks`)
+    residual: np.ndarray = field(default_factory=lambda: np.zeros(()))
+    stash: np.ndarray = field(default_factory=lambda: np.zeros(()))
 
     @property
     def xla_cpu_peak(self) -> np.ndarray:
@@ -88,14 +92,19 @@ def layer_kinds(workload: Workload, k: Knobs, v: ProfileValues) -> LayerKinds:
                       offload_policy=off_pol, stash=stash)
 
 
-def _activations(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> tuple[np.ndarray, np.ndarray]:
-    """(device, host) activation bytes: residuals of ``inflight`` micro-batches."""
+def _residual(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> np.ndarray:
+    """Device bytes of one micro-batch's residuals on the stage."""
     # Plain layers keep only activation-dependent residuals; fetched weights are re-fetched in backward.
     per_mb = (kinds.n_plain * kinds.saved_plain + kinds.n_remat * kinds.saved_remat
               + kinds.n_off * v.block.output_bytes)
     per_mb = per_mb + np.where(k.first, v.pre.saved_bytes("none"), 0.0)
-    per_mb = per_mb + np.where(k.last, v.post.saved_bytes("none"), 0.0)
-    return k.inflight * per_mb + k.deferred * _stash(k, v, kinds), k.inflight * kinds.n_off * kinds.saved_off_host
+    return per_mb + np.where(k.last, v.post.saved_bytes("none"), 0.0)
+
+
+def _activations(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> tuple[np.ndarray, np.ndarray]:
+    """(device, host) activation bytes: residuals of ``inflight`` micro-batches."""
+    return (k.inflight * _residual(k, v, kinds) + k.deferred * _stash(k, v, kinds),
+            k.inflight * kinds.n_off * kinds.saved_off_host)
 
 
 def _stash(k: Knobs, v: ProfileValues, kinds: LayerKinds) -> np.ndarray:
@@ -348,7 +357,8 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
                      host_acts=m.host_acts, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
                      comm={kd: ext[f"comm.{kd}"] for kd in (*KINDS, CollectiveOp.COLLECTIVE_PERMUTE,
                                                               CollectiveOp.ALL_TO_ALL)},
-                     optimizer_step=ext["update"] + ext["regather"], wgrad=np.minimum(lay["wgrad"], lay["bwd"]))
+                     optimizer_step=ext["update"] + ext["regather"], wgrad=np.minimum(lay["wgrad"], lay["bwd"]),
+                     residual=_residual(k, v, kinds), stash=_stash(k, v, kinds))
 
 
 __all__ = ["MEMORY_CATEGORIES", "StageCost", "StageMemory", "StageStrategies", "layer_kinds", "stage_cost",

@@ -13,11 +13,18 @@ import numpy as np
 
 from mistjax.core.context import ContextForm
 from mistjax.core.hlo import CollectiveOp
-from mistjax.core.pipeline_order import OpCost, charged_in_flight, group_finish_times, group_residual_peaks, issue_order
+from mistjax.core.pipeline_order import (
+    OpCost,
+    charged_deferred,
+    charged_in_flight,
+    group_finish_times,
+    group_residual_peaks,
+    issue_order,
+)
 from mistjax.core.pipeline_order import op_costs as order_op_costs
 from mistjax.core.pipeline_time import pipeline_time
 from mistjax.core.plan import Plan, Prediction, format_bytes
-from mistjax.core.schedules import ZERO_BUBBLE, deferred_microbatches
+from mistjax.core.schedules import V_SHAPED, ZERO_BUBBLE
 from mistjax.core.strategies import StageStrategies
 from mistjax.cost.model import MEMORY_CATEGORIES, StageCost, stage_cost
 from mistjax.cost.workload import Workload
@@ -89,7 +96,8 @@ def plan_strategies(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Sta
         wo=np.array([s.offload_weights for s in st]), go=np.array([s.offload_grads for s in st]),
         oo=np.array([s.offload_opt for s in st]), ao=np.array([s.offload_acts for s in st]),
         inflight=_inflight(plan), first=np.arange(S) == 0, last=np.arange(S) == S - 1,
-        deferred=deferred_microbatches(np.arange(S), S, G, plan.schedule))
+        deferred=(charged_deferred(plan.schedule, plan.device_stages, G, plan.virtual_stages) if S > 1
+                  else np.zeros(1, np.int64)))
 
 
 def dispatched_ops(plan: Plan, update_rounds: int = 1) -> int:
@@ -101,7 +109,9 @@ def dispatched_ops(plan: Plan, update_rounds: int = 1) -> int:
     if K == 1:
         return 1
     pipeline = (3 * K - 2) * G if plan.schedule in ZERO_BUBBLE else (2 * K - 1) * G
-    return pipeline + K + K * update_rounds + 2 + 2 * (K - 1) * G
+    groups = np.asarray(plan.stage_groups)
+    hops = int(np.sum(groups[1:] != groups[:-1]))  # a V's turn stays on its group: nothing is sent there
+    return pipeline + K + K * update_rounds + 2 + 2 * hops * G
 
 
 def op_costs(plan: Plan, c: StageCost) -> dict[str, OpCost]:
@@ -122,8 +132,8 @@ def _pipeline_step(plan: Plan, c: StageCost, shared_compute: bool = False) -> fl
     groups = plan.device_stages
     issue = issue_order(plan.schedule, groups, plan.grad_accum, plan.virtual_stages)
     fwd, bwd = np.asarray(c.fwd, np.float64), np.asarray(c.bwd, np.float64)
-    finish = group_finish_times(issue, groups, op_costs(plan, c))
-    group = np.arange(plan.num_stages) % groups
+    finish = group_finish_times(issue, groups, op_costs(plan, c), plan.schedule)
+    group = np.asarray(plan.stage_groups)
     delta = np.bincount(group, weights=np.asarray(c.delta, np.float64), minlength=groups)
     makespan = float(np.max(finish + delta))
     if not shared_compute:
@@ -145,20 +155,23 @@ def bubble_fraction(plan: Plan, c: StageCost) -> float:
     ``1 - mean busy / makespan`` of the executor's issue order."""
     groups = plan.device_stages
     issue = issue_order(plan.schedule, groups, plan.grad_accum, plan.virtual_stages)
-    makespan = float(np.max(group_finish_times(issue, groups, op_costs(plan, c))))
+    makespan = float(np.max(group_finish_times(issue, groups, op_costs(plan, c), plan.schedule)))
     S = plan.num_stages
-    busy = np.bincount(np.arange(S) % groups, weights=plan.grad_accum * (np.broadcast_to(c.fwd, (S,))
+    busy = np.bincount(np.asarray(plan.stage_groups), weights=plan.grad_accum * (np.broadcast_to(c.fwd, (S,))
                                                                          + np.broadcast_to(c.bwd, (S,))),
                        minlength=groups)
     return float(1.0 - np.mean(busy) / makespan) if makespan > 0 else 0.0
 
 
 def _zero_bubble_note(plan: Plan, c: StageCost, shared: bool) -> str:
-    """Why a zero-bubble schedule: its pipeline time and bubble against 1F1B's on the same stages."""
-    one_plan = plan.replace(schedule="1f1b")
-    zb, one = _pipeline_step(plan, c, shared), _pipeline_step(one_plan, c, shared)
+    """Why a zero-bubble schedule: its pipeline time and bubble against 1F1B's on the same stages (ZB-V: on
+    each device group's chunks as one stage)."""
+    one_plan, one_c = (_as_one_chunk(plan, c) if plan.schedule in V_SHAPED else (plan, c))
+    one_plan = one_plan.replace(schedule="1f1b")
+    zb, one = _pipeline_step(plan, c, shared), _pipeline_step(one_plan, one_c, shared)
+    against = "with each group's chunks as one stage under 1F1B" if plan.schedule in V_SHAPED else "under 1F1B"
     return (f"{plan.schedule}: the weight-gradient passes fill the pipeline's bubbles: {zb:.4g} s against "
-            f"{one:.4g} s under 1F1B ({one / zb:.3f}x), bubble {bubble_fraction(one_plan, c):.1%} -> "
+            f"{one:.4g} s {against} ({one / zb:.3f}x), bubble {bubble_fraction(one_plan, one_c):.1%} -> "
             f"{bubble_fraction(plan, c):.1%}; each deferred pass holds its stash (activation memory)")
 
 
@@ -168,12 +181,13 @@ def _as_one_chunk(plan: Plan, c: StageCost) -> tuple[Plan, StageCost]:
     groups, S = plan.device_stages, plan.num_stages
 
     def merged(x: np.ndarray | float) -> np.ndarray:
-        return np.bincount(np.arange(S) % groups, weights=np.broadcast_to(np.asarray(x, np.float64), (S,)),
+        return np.bincount(np.asarray(plan.stage_groups), weights=np.broadcast_to(np.asarray(x, np.float64), (S,)),
                            minlength=groups)
 
     one = dataclasses.replace(c, fwd=merged(c.fwd), bwd=merged(c.bwd), wgrad=merged(c.wgrad), delta=merged(c.delta),
                               stable=merged(c.stable))
-    return plan.replace(stages=plan.stages[:groups], virtual_stages=1), one
+    return plan.replace(stages=plan.stages[:groups], virtual_stages=1,
+                        schedule="1f1b" if plan.schedule in V_SHAPED else plan.schedule), one
 
 
 def _interleave_note(plan: Plan, c: StageCost, shared: bool) -> str:
@@ -207,22 +221,27 @@ def _context_note(workload: Workload, plan: Plan, cluster: ClusterSpec, c: Stage
 
 def _device_peak(plan: Plan, c: StageCost) -> float:
     """The largest device group's bytes (`_group_memory`: an interleaved group holds all its chunks)."""
-    mem = {k: np.broadcast_to(np.asarray(v, dtype=np.float64), (plan.num_stages,)) for k, v in c.memory.items()}
-    return max(sum(group.values()) for group in _group_memory(plan, mem))
+    return max(sum(group.values()) for group in _group_memory(plan, c))
 
 
-def _group_memory(plan: Plan, mem: dict[str, np.ndarray]) -> list[dict[str, float]]:
-    """Per device group: the state of every chunk it runs, the residuals its chunks hold at once along its
-    operations (`core.pipeline_order.group_residual_peaks`), the largest chunk's transients."""
-    groups = plan.device_stages
+def _group_memory(plan: Plan, c: StageCost) -> list[dict[str, float]]:
+    """Per device group: the state of every chunk it runs, the residuals (and zero-bubble stashes) its chunks
+    hold at once along its operations (`core.pipeline_order.group_residual_peaks`), the largest chunk's
+    transients."""
+    S, groups = plan.num_stages, plan.device_stages
+    mem = {k: np.broadcast_to(np.asarray(v, dtype=np.float64), (S,)) for k, v in c.memory.items()}
+    placed = np.asarray(plan.stage_groups)
     out = []
     for g in range(groups):
-        chunks = np.arange(g, plan.num_stages, groups)
+        chunks = np.flatnonzero(placed == g)
         out.append({k: float(np.sum(mem[k][chunks]) if k in _PER_CHUNK else np.max(mem[k][chunks]))
                     for k in MEMORY_CATEGORIES})
-    if plan.virtual_stages > 1:  # interleaved (no deferred stash): one micro-batch's residuals per chunk
+    if plan.virtual_stages > 1:
         issue = issue_order(plan.schedule, groups, plan.grad_accum, plan.virtual_stages)
-        held = group_residual_peaks(issue, groups, mem["activations"] / _inflight(plan))
+        stash = np.where(charged_deferred(plan.schedule, groups, plan.grad_accum, plan.virtual_stages) > 0,
+                         np.broadcast_to(np.asarray(c.stash, np.float64), (S,)), 0.0)
+        held = group_residual_peaks(issue, groups, np.broadcast_to(np.asarray(c.residual, np.float64), (S,)), stash,
+                                    plan.schedule)
         for g in range(groups):
             out[g]["activations"] = float(held[g])
     return out
@@ -233,8 +252,7 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     st = plan_strategies(workload, plan, cluster)
     c: StageCost = stage_cost(workload, cluster, st)
     S, G = plan.num_stages, plan.grad_accum
-    mem = {k: np.broadcast_to(np.asarray(v, dtype=np.float64), (S,)) for k, v in c.memory.items()}
-    stage_memory = tuple(_group_memory(plan, mem))
+    stage_memory = tuple(_group_memory(plan, c))
     dispatch = dispatched_ops(plan) * float(cluster.device.dispatch_seconds)
     # The host issues a pipeline's step while the devices run it: it costs time only where it is slower.
     step = _devices_time(plan, c, bool(cluster.device.shared_compute))
@@ -244,7 +262,7 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
               "total work over the pool, not its lock-step makespan"),) if pooled else ()
     if S > 1 and plan.schedule in ZERO_BUBBLE:
         notes += (_zero_bubble_note(plan, c, bool(cluster.device.shared_compute)),)
-    if plan.virtual_stages > 1:
+    if plan.virtual_stages > 1 and plan.schedule not in V_SHAPED:
         notes += (_interleave_note(plan, c, bool(cluster.device.shared_compute)),)
     if plan.cp > 1:
         notes += (_context_note(workload, plan, cluster, c),)
@@ -261,7 +279,7 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
         coll["send"] = 2.0 * G * float(workload.compiled(plan.micro_batch, workload.seq_len, plan.tp)[
             "block.output_bytes"])
     host = np.broadcast_to(np.asarray(c.host, np.float64), (S,))
-    host = np.bincount(np.arange(S) % plan.device_stages, weights=host, minlength=plan.device_stages)
+    host = np.bincount(np.asarray(plan.stage_groups), weights=host, minlength=plan.device_stages)
     peak = np.array([sum(m.values()) for m in stage_memory])
     return Analysis(prediction=pred, step_time=step, mist_step_time=mist, stage_fwd=tuple(map(float, c.fwd)),
                     stage_bwd=tuple(map(float, c.bwd)),

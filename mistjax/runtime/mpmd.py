@@ -196,7 +196,8 @@ class MpmdStep:
         self.S, self.K = plan.device_stages, plan.num_stages
         self.group_meshes = [Mesh(self.mesh.devices[d: d + 1], RUNTIME_MESH_AXES, axis_types=self.mesh.axis_types)
                              for d in range(self.S)]
-        self.meshes = [self.group_meshes[k % self.S] for k in range(self.K)]
+        self.group: tuple[int, ...] = plan.stage_groups  # the device group of each (virtual) stage
+        self.meshes = [self.group_meshes[self.group[k]] for k in range(self.K)]
         me = jax.process_index()
         # Compile-only devices (deviceless XLA:GPU compiles of a multi-host topology) belong to no running
         # process: this process lowers and compiles every stage's programs.
@@ -313,7 +314,7 @@ class MpmdStep:
                                      checkpoint_tags=tags, warn=False,
                                      grads_on_host=[acc_host.get(param_of.get(i, -1), False) for i in held])
             applied = dataclasses.replace(applied, execution=pr.execution)
-            stages.append(StageReport(k, self.plan.stages[k].layers, k % self.S, self.meshes[k].size, one, applied))
+            stages.append(StageReport(k, self.plan.stages[k].layers, self.group[k], self.meshes[k].size, one, applied))
         return pipeline_report(stages)
 
     def _tensor_layouts(self, p_avals: Sequence[jax.ShapeDtypeStruct], stacked: set[int],
@@ -772,7 +773,7 @@ class MpmdStep:
                 out.append(jax.device_put(jnp.asarray(v.val, v.aval.dtype), NamedSharding(self.meshes[k], P()))
                            if self.local[k] else None)
             elif v in batch_pos:
-                out.append(groups_batch[k % self.S][batch_pos[v]])
+                out.append(groups_batch[self.group[k]][batch_pos[v]])
             elif r in computed:
                 out.append(computed[r])
             else:
@@ -789,7 +790,7 @@ class MpmdStep:
             if not self.programs[k].spec.uses_batch:
                 out.append([[] for _ in range(G)])
                 continue
-            d = k % self.S
+            d = self.group[k]
             if d not in per_group:
                 rest = self._rest_leaves(k, pieces, groups_batch)
                 split = self._run("split", k, self.programs[k].split(), [x for x, b in zip(rest, is_batch) if b])
@@ -966,7 +967,7 @@ class MpmdStep:
                 case Source.GRAD:
                     args.extend(grads[(k, g.ref)])
                 case Source.BATCH:
-                    args.append(groups_batch[k % self.S][g.ref])
+                    args.append(groups_batch[self.group[k]][g.ref])
                 case _:
                     args.extend(twins[(k, g.ref)])
         return args
@@ -1158,7 +1159,7 @@ class MpmdStep:
                 lay = self.layouts[k][i]
                 kinds[lay.role + ("@host" if lay.host else "")] = kinds.get(lay.role + ("@host" if lay.host else ""),
                                                                             0) + lay.nbytes_elems
-            out.append({"stage": k, "group": k % self.S, "layers": self.plan.stages[k].layers,
+            out.append({"stage": k, "group": self.group[k], "layers": self.plan.stages[k].layers,
                         "leaves": [self.infos[i] for i in self.held[k]], "elements": kinds})
         return out
 

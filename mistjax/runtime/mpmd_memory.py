@@ -55,7 +55,7 @@ def residuals_beside(ex: MpmdStep) -> dict[tuple[int, str], int]:
     out: dict[tuple[int, str], int] = {}
     for op in ex.issue:
         k = op.stage
-        peers = list(range(k % ex.S, ex.K, ex.S))
+        peers = [j for j in range(ex.K) if ex.group[j] == ex.group[k]]
         held = sum(chunk[j] for j in peers)
         if op.kind == "FB":  # the last stage's fused program: its own residuals are its temporaries
             out[(k, "FB")] = max(out.get((k, "FB"), 0), held)
@@ -141,7 +141,7 @@ def resident_parts(ex: MpmdStep, k: int, phase: str, mine: Persistent, others: l
 
 def group_peers(ex: MpmdStep, k: int, pers: list[Persistent]) -> list[Persistent]:
     """The persistent bytes of the other chunks on stage ``k``'s device group (virtual stages)."""
-    return [pers[j] for j in range(ex.K) if j != k and j % ex.S == k % ex.S]
+    return [pers[j] for j in range(ex.K) if j != k and ex.group[j] == ex.group[k]]
 
 
 def stage_peaks(ex: MpmdStep, compiled: dict[tuple[int, str], jax.stages.Compiled]) -> dict[int, tuple[int, str]]:

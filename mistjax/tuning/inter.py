@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mistjax.core.pipeline_time import fill_share
+from mistjax.core.schedules import V_SHAPED
 from mistjax.core.strategies import CostModel, WorkloadLike
 from mistjax.tuning.intra import (
     ScheduleMemo,
@@ -198,16 +198,16 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     under its own fill share: each chunk's sends only add time, and its layer counts are among the sibling's.
     """
     L = int(workload.num_layers)
-    chunks = key.chunks
-    if chunks > 1:
-        key = dataclasses.replace(key, chunks=1)
+    whole = key
+    if key.chunks > 1:  # a V-shaped key's sibling is its one-chunk ZB-H1 key (each group's chunks as one stage)
+        key = dataclasses.replace(key, chunks=1, schedule="zb-h1" if key.schedule in V_SHAPED else key.schedule)
     opts = key_layer_options(space, L, key)
     grid = strategy_grid(space, key.dp, key.tp * key.cp, cluster.devices_per_node, pipelined=key.stages > 1)
     base = _base_strategies(grid)
     none = tuple(workload.policies).index("none") if "none" in tuple(workload.policies) else 0
     probe = StageTables(key, opts, RematOptions(np.zeros(1, np.int64), np.full(1, none), tuple(workload.policies)),
                         grid, np.empty(0), np.empty(0), memo=memo)
-    probe.fill = key_fill(workload, cluster, cost, probe) if chunks == 1 else fill_share(key.schedule, chunks)
+    probe.fill = key_fill(workload, cluster, cost, dataclasses.replace(probe, key=whole))  # the key's own share
     s, d, _, _ = price_pairs(workload, cluster, cost, probe, np.zeros(len(base), np.int64), base)  # [S, J, F]
     if key.stages == 1:
         return float(np.min(key.grad_accum * s[0, 0] + d[0, 0]))

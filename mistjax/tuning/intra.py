@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from mistjax.core.context import ContextForm
-from mistjax.core.pipeline_order import group_in_flight
+from mistjax.core.pipeline_order import group_deferred, group_in_flight
 from mistjax.core.pipeline_time import fill_share
-from mistjax.core.schedules import ZERO_BUBBLE, deferred_microbatches, inflight_microbatches
+from mistjax.core.schedules import V_SHAPED, ZERO_BUBBLE, deferred_microbatches, inflight_microbatches
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.pareto import sample_pareto
 from mistjax.tuning.space import (
@@ -151,7 +151,7 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     are infeasible.
     """
     key = tables.key
-    S, G = key.stages, key.grad_accum
+    S = key.stages
     r, x = np.asarray(r, np.int64), np.asarray(x, np.int64)
     memo = (tables.memo if S > 1 and key.chunks == 1 and tables.memo is not None
             and key.schedule in tables.memo.schedules else None)
@@ -167,7 +167,7 @@ def price_pairs(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     # Each stage holds its own micro-batches in flight under each schedule (the MPMD executor). One
     # leading axis per schedule.
     inflight = np.stack([stage_inflight(slot, key, n) for n in schedules]).reshape(-1, slot.shape[0], 1, 1)
-    deferred = np.stack([deferred_microbatches(slot, S, G, n) for n in schedules]).reshape(inflight.shape)
+    deferred = np.stack([stage_deferred(slot, key, n) for n in schedules]).reshape(inflight.shape)
     shape = (len(schedules), slot.shape[0], layers.shape[1], len(r))
     stable, delta, bwd = np.empty(shape), np.empty(shape), np.empty(shape)
     feasible = np.empty(shape, dtype=bool)
@@ -204,9 +204,14 @@ def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np
         policy=tables.remat.policy[r], wo=grid.wo[x], go=grid.go[x], oo=grid.oo[x], ao=grid.ao[x],
         inflight=inflight, deferred=deferred, chunks=np.asarray(key.chunks), G=np.asarray(key.grad_accum),
         first=slot == 0,
-        last=slot == key.stages - 1, stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
+        last=slot == last_slot(key), stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
         per_node=np.asarray(key.per_node))
     return st, c <= layers
+
+
+def last_slot(key: OuterKey) -> int:
+    """The device group that runs the head: the last, or under a V-shaped schedule the first (its last chunk)."""
+    return 0 if key.schedule in V_SHAPED else key.stages - 1
 
 
 class EntryPrices(NamedTuple):
@@ -246,7 +251,7 @@ def _entry_strategies(tables: StageTables, slot: np.ndarray, option: np.ndarray,
     key = tables.key
     layers = np.asarray(tables.layer_options, np.int64)[option]
     inflight = stage_inflight(slot, key, key.schedule)
-    deferred = deferred_microbatches(slot, key.stages, key.grad_accum, key.schedule)
+    deferred = stage_deferred(slot, key, key.schedule)
     return _strategies(tables, slot, layers, r, x, np.asarray(inflight), deferred)
 
 
@@ -307,6 +312,15 @@ def stage_inflight(slot: np.ndarray, key: OuterKey, schedule: str) -> np.ndarray
     return group_in_flight(schedule, key.stages, key.grad_accum, key.chunks)[np.asarray(slot)]
 
 
+def stage_deferred(slot: np.ndarray, key: OuterKey, schedule: str) -> np.ndarray:
+    """Deferred weight passes whose stash each stage slot of ``key`` holds under ``schedule``
+    (`core.schedules.deferred_microbatches`; a group's peak over its chunks for a V-shaped key,
+    `core.pipeline_order.group_deferred`, each chunk's stash an equal share of the group's)."""
+    if key.chunks == 1:
+        return deferred_microbatches(slot, key.stages, key.grad_accum, schedule)
+    return group_deferred(schedule, key.stages, key.grad_accum, key.chunks)[np.asarray(slot)]
+
+
 def key_inflight(key: OuterKey) -> float:
     """Micro-batches in flight on the first stage (the largest pool) under the key's schedule."""
     return float(stage_inflight(np.zeros((), np.int64), key, key.schedule))
@@ -341,11 +355,22 @@ def key_fill(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tabl
         return 1.0
     if key.schedule not in ZERO_BUBBLE:
         return fill_share(key.schedule, key.chunks)
+    if key.schedule in V_SHAPED:  # a V-shaped key prices each group's chunks as one stage
+        key = dataclasses.replace(key, schedule="zb-h1", chunks=1)
+        tables = StageTables(key, tables.layer_options, tables.remat, tables.grid, tables.stable, tables.delta)
+        share = _wgrad_share(workload, cluster, cost, tables)
+        return fill_share("zb-v", 2, share, key.stages, key.grad_accum)
+    return fill_share(key.schedule, 1, _wgrad_share(workload, cluster, cost, tables), key.stages)
+
+
+def _wgrad_share(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables) -> float:
+    """The weight passes' share of a micro-batch (`key_fill`)."""
+    key = tables.key
     at = (np.array([key.stages // 2]), np.array([len(tables.layer_options) // 2]),
           np.array([int(np.argmin(tables.remat.count))]), np.array([0]))
     out = cost.stage_cost(workload, cluster, _entry_strategies(tables, *at)[0])
     stable, wgrad = float(np.ravel(out.stable)[0]), float(np.ravel(out.wgrad)[0])
-    return fill_share(key.schedule, 1, wgrad / stable if np.isfinite(stable) and stable > 0 else 0.0, key.stages)
+    return wgrad / stable if np.isfinite(stable) and stable > 0 else 0.0
 
 
 @contextlib.contextmanager

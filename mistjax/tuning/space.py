@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mistjax.core.context import CONTEXT_FORMS
-from mistjax.core.schedules import SCHEDULE_NAMES, ZERO_BUBBLE
+from mistjax.core.schedules import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE
 
 __all__ = [
     "MIST_OFFLOAD",
@@ -290,20 +290,26 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
 def schedule_variants(space: SearchSpace, num_layers: int, stages: int, grad_accum: int
                       ) -> list[tuple[str, int]]:
     """The (pipeline schedule, chunks per device group) pairs of one (stages, micro-batches) point: the space's
-    ``schedules``, ZB-H1 (``zero_bubble``) and interleaved 1F1B with each of ``interleave``'s chunk counts that
-    the point can run (micro-batches a multiple of the stages, every chunk a layer at least, equal chunks where
-    the space's stages are uniform); ``("1f1b", 1)`` alone for one stage."""
+    ``schedules``; ZB-H1 and ZB-V (``zero_bubble``; ZB-V with two chunks per group); interleaved 1F1B with each of
+    ``interleave``'s chunk counts that the point can run (micro-batches a multiple of the stages, every chunk a
+    layer at least, equal chunks where the space's stages are uniform); ``("1f1b", 1)`` alone for one stage."""
     if stages == 1:
         return [("1f1b", 1)]
     out = [(schedule, 1) for schedule in space.schedules]
+    most = max(layer_options(space, num_layers, stages, grad_accum))
     if space.zero_bubble:
-        out += [(schedule, 1) for schedule in sorted(ZERO_BUBBLE)]
+        out += [(schedule, 1) for schedule in sorted(ZERO_BUBBLE - V_SHAPED)]
+        out += [(schedule, 2) for schedule in sorted(V_SHAPED) if _chunks_fit(space, num_layers, stages, most, 2)]
     if "1f1b" in space.schedules and grad_accum % stages == 0:
-        most = max(layer_options(space, num_layers, stages, grad_accum))
-        out += [("1f1b", v) for v in sorted(set(space.interleave))
-                if num_layers >= stages * v and most >= v
-                and (not space.uniform_layers or (num_layers // stages) % v == 0)]
+        out += [("1f1b", v) for v in sorted(set(space.interleave)) if _chunks_fit(space, num_layers, stages, most, v)]
     return out
+
+
+def _chunks_fit(space: SearchSpace, num_layers: int, stages: int, most: int, chunks: int) -> bool:
+    """Whether ``stages`` device groups of at most ``most`` layers each can run ``chunks`` chunks of a layer at
+    least (equal chunks where the space's stages are uniform)."""
+    return (num_layers >= stages * chunks and most >= chunks
+            and (not space.uniform_layers or (num_layers // stages) % chunks == 0))
 
 
 def key_layer_options(space: SearchSpace, num_layers: int, key: OuterKey) -> tuple[int, ...]:

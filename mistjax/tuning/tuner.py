@@ -21,7 +21,7 @@ import numpy as np
 
 from mistjax.core.context import ContextForm
 from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes, lowered_budget
-from mistjax.core.schedules import ZERO_BUBBLE
+from mistjax.core.schedules import V_SHAPED, ZERO_BUBBLE
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
 from mistjax.tuning.inter import KeyChoice, key_bound, tune_key
@@ -179,7 +179,10 @@ def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
             offload_opt=float(tables.grid.oo[x]), offload_acts=float(tables.grid.ao[x])))
         start += n
     plan = Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
-                cp=key.cp, cp_form=key.cp_form, shard_group=group, schedule=key.schedule)
+                cp=key.cp, cp_form=key.cp_form, shard_group=group,
+                schedule="1f1b" if key.schedule in V_SHAPED else key.schedule)
+    if key.schedule in V_SHAPED:
+        return plan.v_shaped()
     return plan.interleaved(key.chunks) if key.chunks > 1 else plan
 
 
@@ -391,8 +394,8 @@ def _fitting_choice(job: _SearchJob, tables: StageTables, choice: KeyChoice | No
 
 
 def _reschedule(job: _SearchJob, plan: Plan) -> Plan:
-    """``plan`` or ``plan`` itself under another pipeline schedule of the space (ZB-H1, interleaved 1F1B) where the
-    full prediction is faster and fits.
+    """``plan`` or ``plan`` itself under another pipeline schedule of the space (ZB-H1, ZB-V, interleaved 1F1B)
+    where the full prediction is faster and fits.
 
     Every key of every schedule was searched (`space.schedule_variants`); this only re-prices the winner as it is
     under the others, because `predict` prices the executor's issue order where the search's objective uses the
@@ -400,7 +403,10 @@ def _reschedule(job: _SearchJob, plan: Plan) -> Plan:
     """
     if plan.num_stages < 2 or plan.virtual_stages > 1 or plan.schedule in ZERO_BUBBLE:
         return plan
-    candidates = [plan.replace(schedule=s, prediction=None) for s in sorted(ZERO_BUBBLE) if job.space.zero_bubble]
+    candidates = [plan.replace(schedule=s, prediction=None) for s in sorted(ZERO_BUBBLE - V_SHAPED)
+                  if job.space.zero_bubble]
+    if job.space.zero_bubble and min(st.num_layers for st in plan.stages) >= 2 and _equal_chunks(job, plan, 2):
+        candidates.append(plan.v_shaped())
     if plan.schedule == "1f1b" and plan.grad_accum % plan.num_stages == 0:
         splittable = min(st.num_layers for st in plan.stages)
         candidates += [plan.interleaved(v) for v in job.space.interleave
@@ -422,7 +428,7 @@ def _equal_chunks(job: _SearchJob, plan: Plan, chunks: int) -> bool:
 
 def _memo_schedules(space: SearchSpace) -> tuple[str, ...]:
     """The one-chunk schedules of the space's keys, priced at once (`intra.ScheduleMemo`)."""
-    return tuple(space.schedules) + (tuple(sorted(ZERO_BUBBLE)) if space.zero_bubble else ())
+    return tuple(space.schedules) + (tuple(sorted(ZERO_BUBBLE - V_SHAPED)) if space.zero_bubble else ())
 
 
 def _supports_cp(workload: WorkloadLike) -> Callable[[int, int], bool]:

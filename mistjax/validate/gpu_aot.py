@@ -294,10 +294,16 @@ class Verification(Protocol):
 
 
 def group_peaks(report: Verification, groups: int) -> tuple[float, ...]:
-    """XLA's peak per device group: a pipeline's stages g, g + groups, ... share group g's devices (each
-    stage's peak already counts what the group's other stages keep resident)."""
+    """XLA's peak per device group: the stages placed on group g share its devices (each stage's peak already
+    counts what the group's other stages keep resident)."""
     peaks = report.peak_per_stage
-    return tuple(float(max(peaks[g::groups])) for g in range(groups))
+    stages = getattr(report, "stages", None)
+    if not stages or not hasattr(stages[0], "group"):
+        return tuple(float(max(peaks[g::groups])) for g in range(groups))
+    from mistjax.validate.gpu_aot_pipeline import stage_group
+
+    placed = [stage_group(s, groups) for s in stages]
+    return tuple(float(max(p for p, h in zip(peaks, placed) if h == g)) for g in range(groups))
 
 
 def xla_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float] | None:

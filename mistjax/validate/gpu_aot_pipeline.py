@@ -93,6 +93,7 @@ class StageAot:
     accumulators: int  # gradient accumulators and loss sums (device-placed)
     residual_bytes: int  # one micro-batch's residuals (`MpmdStep.residual_bytes`)
     in_flight: int  # most micro-batches' residuals held at once on the stage
+    group: int = -1  # the device group it runs on (`Plan.stage_groups`); -1: read before groups were recorded
 
     @property
     def peak(self) -> int:
@@ -139,7 +140,7 @@ class PipelineAotReport:
 
         def stage(s: Mapping[str, object]) -> StageAot:
             return StageAot(s["stage"], tuple(s["layers"]), tuple(program(p) for p in s["programs"]), s["state"],
-                            s["offloaded"], s["accumulators"], s["residual_bytes"], s["in_flight"])
+                            s["offloaded"], s["accumulators"], s["residual_bytes"], s["in_flight"], s.get("group", -1))
 
         return cls(d["cluster"], d["device_kind"], d["num_devices"], tuple(stage(s) for s in d["stages"]),
                    d["capacity"], d["compile_seconds"], d.get("budget", 0.0))
@@ -155,6 +156,11 @@ class PipelineAotReport:
         return out
 
 
+def stage_group(stage: StageAot, groups: int) -> int:
+    """The device group ``stage`` ran on: as recorded, or round robin for a report written before groups were."""
+    return stage.group if stage.group >= 0 else stage.stage % groups
+
+
 def format_pipeline(report: PipelineAotReport, predicted: list[float], unit: float, uname: str) -> list[str]:
     """Per device group: the predicted peak next to XLA:GPU's, the program at XLA's peak and what lives
     beside it (`resident_parts`)."""
@@ -162,7 +168,7 @@ def format_pipeline(report: PipelineAotReport, predicted: list[float], unit: flo
              f"+ resident state / accumulators / residuals ({uname})"]
     xla = group_peaks(report, len(predicted))
     for g, (p, x) in enumerate(zip(predicted, xla)):
-        st = max((s for s in report.stages if s.stage % len(predicted) == g), key=lambda s: s.peak_host_kept)
+        st = max((s for s in report.stages if stage_group(s, len(predicted)) == g), key=lambda s: s.peak_host_kept)
         prog = max(st.programs, key=lambda q: q.peak_host_kept)
         m, r = prog.memory, prog.resident_parts
         label = f"{g} (layers {st.layers[0]}-{st.layers[1]})"
@@ -189,7 +195,7 @@ def stage_reports(ex: MpmdStep, compiled: Mapping[tuple[int, str], MemoryAnalyze
             host_in += ex.residual_host_bytes()[k] if phase in ("forward", "backward") else 0
             progs.append(ProgramAot(phase, DeviceMemory.of(c), sum(parts.values()), parts, host_in))
         out.append(StageAot(k, tuple(ex.plan.stages[k].layers), tuple(progs), sum(pers[k].state.values()),
-                            sum(pers[k].host.values()), pers[k].acc, pers[k].residual, most[k]))
+                            sum(pers[k].host.values()), pers[k].acc, pers[k].residual, most[k], ex.group[k]))
     return tuple(out)
 
 

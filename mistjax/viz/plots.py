@@ -14,6 +14,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from mistjax.core.pipeline_order import Op, issue_order, op_costs, op_spans  # noqa: E402
+from mistjax.core.schedules import stage_groups  # noqa: E402
 
 MEMORY_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
                   "buffers": "#8172b3"}
@@ -44,10 +45,11 @@ def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_mi
     f, b = np.asarray(stage_fwd, float), np.asarray(stage_bwd, float)
     extra = sum(np.zeros(S) if e is None else np.asarray(e, float) for e in (first_extra, last_extra))
     costs = op_costs(schedule, f, b, 0.0 if stage_wgrad is None else np.asarray(stage_wgrad, float))
-    spans = op_spans(issue_order(schedule, G, num_microbatches, S // G), G, costs)
+    spans = op_spans(issue_order(schedule, G, num_microbatches, S // G), G, costs, schedule)
+    placed = stage_groups(S, G, schedule)
     fig, ax = plt.subplots(figsize=(11, 1.1 + 0.75 * G), dpi=120)
-    _draw_ops(ax, spans, f, costs["B"], G, num_microbatches <= 16, channels)
-    step = _draw_step_work(ax, spans, extra, G)
+    _draw_ops(ax, spans, f, costs["B"], placed, num_microbatches <= 16, channels)
+    step = _draw_step_work(ax, spans, extra, placed, G)
     ax.set_yticks(range(G), [f"stage {g}" for g in range(G)] if G == S else [f"group {g}" for g in range(G)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (each device group runs its operations as soon as their inputs arrive)")
@@ -65,13 +67,13 @@ def plot_timeline(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_mi
     return _save(fig, path)
 
 
-def _draw_ops(ax: Axes, spans: dict[Op, tuple[float, float]], f: np.ndarray, b: np.ndarray, G: int, labels: bool,
-              channels: Sequence[Mapping[str, float]] | None) -> None:
+def _draw_ops(ax: Axes, spans: dict[Op, tuple[float, float]], f: np.ndarray, b: np.ndarray, placed: np.ndarray,
+              labels: bool, channels: Sequence[Mapping[str, float]] | None) -> None:
     """One bar per operation on its device group's row (a fused FB as its forward then its backward), the
     micro-batch written on forwards when ``labels``, and each forward's channel times as thin bars under it."""
     colour = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
     for op, (start, end) in spans.items():
-        row = op.stage % G
+        row = placed[op.stage]
         parts = [("F", f[op.stage]), ("B", b[op.stage])] if op.kind == "FB" else [(op.kind, end - start)]
         for kind, dur in parts:
             ax.barh(row, dur, left=start, height=0.6, color=colour[kind], edgecolor="white", linewidth=0.4)
@@ -85,12 +87,13 @@ def _draw_ops(ax: Axes, spans: dict[Op, tuple[float, float]], f: np.ndarray, b: 
             start += dur
 
 
-def _draw_step_work(ax: Axes, spans: dict[Op, tuple[float, float]], extra: np.ndarray, G: int) -> float:
+def _draw_step_work(ax: Axes, spans: dict[Op, tuple[float, float]], extra: np.ndarray, placed: np.ndarray,
+                    G: int) -> float:
     """Each group's once-per-step seconds (``extra`` per stage), hatched after its last operation; the step time."""
     finish = np.zeros(G)
     for op, (_, end) in spans.items():
-        finish[op.stage % G] = max(finish[op.stage % G], end)
-    delta = np.bincount(np.arange(len(extra)) % G, weights=extra, minlength=G)
+        finish[placed[op.stage]] = max(finish[placed[op.stage]], end)
+    delta = np.bincount(placed, weights=extra, minlength=G)
     for g in range(G):
         if delta[g] > 0:
             ax.barh(g, delta[g], left=finish[g], height=0.6, color="white", edgecolor="black", hatch="//",
