@@ -4,10 +4,10 @@ Run: python scripts/bench_mpmd.py [--json FILE] [--steps N] [--model gpt3-tiny]
 
 8 simulated CPU devices, 4 pipeline stages x dp 2, an 8-layer tiny GPT, AdamW with global-norm clipping
 (the update splits into two rounds per stage). For GPipe, classic 1F1B and interleaved 1F1B (2 chunks
-per device group) and ZB-H1 (zero-bubble: each backward split into input- and weight-gradient programs)
-at G = 8 and 16 it reports the operations the host issues per step (programs and
-``jax.device_put`` transfers), the host seconds spent issuing one step (the devices run asynchronously),
-host time per op, and the step's wall time. Then, for 1F1B and ZB-H1 at G = 8, every stage's programs' compiled
+per device group), ZB-H1 (zero-bubble: each backward split into input- and weight-gradient programs) and ZB-V
+(two chunks per group in a V, backwards split) at G = 8 and 16 it reports the operations the host issues per step
+(programs and ``jax.device_put`` transfers), the host seconds spent issuing one step (the devices run asynchronously),
+host time per op, and the step's wall time. Then, for 1F1B, ZB-H1 and ZB-V at G = 8, every stage's programs' compiled
 ``memory_analysis()`` (argument / output / temp bytes per device): each stage's own buffers.
 
 On this CPU machine the simulated devices' compute threads share the cores with the host thread, so the
@@ -41,10 +41,12 @@ from mistjax.train.loop import make_train_step  # noqa: E402
 from mistjax.train.state import TrainState, make_optimizer  # noqa: E402
 from models import make_loss_fn  # noqa: E402
 
-CONFIGS = [("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)]  # (schedule, chunks per device group)
+CONFIGS = [("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]  # (schedule, chunks per device group)
 
 
 def plan_for(num_layers: int, groups: int, chunks: int, dp: int, G: int, schedule: str) -> Plan:
+    if schedule == "zb-v":  # each group's layers as two chunks placed in a V
+        return plan_for(num_layers, groups, 1, dp, G, "1f1b").v_shaped()
     k = groups * chunks
     bounds = [round(i * num_layers / k) for i in range(k + 1)]
     stages = tuple(StagePlan((a, b), shard_opt=True) for a, b in zip(bounds[:-1], bounds[1:]))
@@ -133,9 +135,10 @@ def main() -> None:
                 records.append(rec)
                 print(f"{kind:<5} G={G:<3} {schedule:<6} v={chunks}  ops/step {ops:4d}  host {1e3 * host:7.1f} ms  "
                       f"{rec['host_ms_per_op']:.3f} ms/op  step {1e3 * wall:7.1f} ms", flush=True)
-                if kind == "model" and G == 8 and schedule in ("1f1b", "zb-h1") and chunks == 1:
+                if kind == "model" and G == 8 and (schedule, chunks) in (("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)):
                     for (k, phase), c in sorted(step.compile_stages(state, batch).items()):
-                        memory.append({"schedule": schedule, "stage": k, "phase": phase, **hlo.memory_stats(c)})
+                        memory.append({"schedule": schedule, "stage": k, "group": step._mpmd.group[k], "phase": phase,
+                                       **hlo.memory_stats(c)})
     print()
     head = f"{'run':<5} {'G':>3} {'schedule':<16} {'ops/step':>8} {'programs':>8} {'host ms':>8} {'ms/op':>6} " \
            f"{'step ms':>8}"
@@ -146,9 +149,10 @@ def main() -> None:
         print(f"{r['kind']:<5} {r['grad_accum']:>3} {sched:<16} {r['ops']:>8} {r['programs']:>8} "
               f"{1e3 * r['host_s']:>8.1f} {r['host_ms_per_op']:>6.3f} {1e3 * r['step_s']:>8.1f}")
     print()
-    print(f"{'schedule':<8} {'stage':>5} {'phase':<12} {'argument KiB':>12} {'output KiB':>10} {'temp KiB':>9}")
+    print(f"{'schedule':<8} {'stage':>5} {'group':>5} {'phase':<12} {'argument KiB':>12} {'output KiB':>10} "
+          f"{'temp KiB':>9}")
     for m in memory:
-        print(f"{m['schedule']:<8} {m['stage']:>5} {m['phase']:<12} {m['argument'] / 1024:>12.1f} "
+        print(f"{m['schedule']:<8} {m['stage']:>5} {m['group']:>5} {m['phase']:<12} {m['argument'] / 1024:>12.1f} "
               f"{m['output'] / 1024:>10.1f} {m['temp'] / 1024:>9.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": records, "stage_memory": memory, "devices": n,

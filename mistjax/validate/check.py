@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NotRequired, TypeAlias, TypedDict
 from mistjax.core import hlo
 from mistjax.core.execution import Capabilities, collective_matmul_runs
 from mistjax.core.plan import Plan, uniform_plan
+from mistjax.core.schedules import V_SHAPED
 from mistjax.core.types import Batch, State, TrainStep
 from mistjax.cost.predict import analyze
 from mistjax.cost.workload import Workload
@@ -307,13 +308,18 @@ FULL_GRID: tuple[GridCell, ...] = SMALL_GRID + (
     ("llama-tiny", 16, 16, dict(micro_batch=1, stages=4, grad_accum=8, remat_layers=1, schedule="zb-h1", **Z0)),
     ("llama-tiny", 16, 16, dict(micro_batch=1, stages=2, grad_accum=4, chunks=2, **Z1)),
     ("gpt3-tiny", 16, 16, dict(micro_batch=1, stages=2, grad_accum=4, chunks=2, remat_layers=2, **Z0)),
+    ("llama-tiny", 16, 16, dict(micro_batch=1, stages=2, grad_accum=4, schedule="zb-v", **Z1)),
+    ("gpt3-tiny", 16, 32, dict(micro_batch=1, stages=2, grad_accum=8, remat_layers=2, schedule="zb-v", **Z0)),
 )
 
 
 def grid_plan(name: ModelName, kwargs: PlanKwargs, devices: int = 8) -> Plan:
-    """The uniform plan of a grid entry (``chunks``: `Plan.interleaved` into that many chunks per group)."""
+    """The uniform plan of a grid entry (``chunks``: `Plan.interleaved` into that many chunks per group; schedule
+    ``zb-v``: `Plan.v_shaped`)."""
     kw = dict(kwargs)
     chunks = int(kw.pop("chunks", 1))
+    if kw.get("schedule") in V_SHAPED:
+        return uniform_plan(grid_config(name).num_layers, devices, **{**kw, "schedule": "1f1b"}).v_shaped()
     plan = uniform_plan(grid_config(name).num_layers, devices, **kw)
     return plan.interleaved(chunks) if chunks > 1 else plan
 
