@@ -289,3 +289,17 @@ def test_zb_v_runs_its_split_programs_in_a_v():
     assert ex.stats.by_kind["last_input"] == G and ex.stats.by_kind["weight_grad"] == 3 * G
     # chunks 1 and 2 share group 1: nothing is sent between them
     assert ex.meshes[1] is ex.meshes[2]
+
+
+def test_zb_v_per_group_peaks_settle_within_four_micro_batches_per_group():
+    """The tuner's view of a ZB-V key simulates at most 4 S micro-batches (`_key_view_microbatches`): the
+    residuals in flight of the whole order are the same, its stashes the same at the most-loaded group and within
+    one micro-batch's on the others (the first groups' backlog of W's grows slowly with G)."""
+    for S in (2, 4, 8):
+        for G in (4 * S + 3, 8 * S):
+            issue = po.issue_order("zb-v", S, G, 2)
+            np.testing.assert_array_equal(po.group_residual_peaks(issue, S, schedule="zb-v") / 2,
+                                          po.group_in_flight("zb-v", S, G, 2))
+            stash = np.where(np.arange(2 * S) == 0, 0.0, 0.5)
+            whole, view = po.group_residual_peaks(issue, S, 0.0, stash, "zb-v"), po.group_deferred("zb-v", S, G, 2)
+            assert whole.max() == view.max() and np.all(np.abs(whole - view) <= 1.0)

@@ -233,6 +233,11 @@ def zero_bubble_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]
 
 
 def zero_bubble_v_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]:
+    """Per device group, its operations in ZB-V's order (`zero_bubble_v_issue` restricted to each group)."""
+    return group_queues(zero_bubble_v_issue(num_groups, num_microbatches), num_groups, "zb-v")
+
+
+def zero_bubble_v_issue(num_groups: int, num_microbatches: int) -> list[Op]:
     """ZB-V (Qi et al., ICLR'24): two chunks per device group placed in a V (group ``d`` runs virtual stages ``d``
     and ``2S - 1 - d``; `core.schedules.stage_groups`), every backward split into B and W, and each group holding
     at most ``2S`` chunk micro-batches' residuals, 1F1B's peak (its first stage's ``S`` whole micro-batches).
@@ -241,17 +246,19 @@ def zero_bubble_v_orders(num_groups: int, num_microbatches: int) -> list[list[Op
     group runs, of the operations whose inputs have arrived, a backward first, then a forward while it holds
     fewer than ``2S`` chunk micro-batches' residuals, the chunk nearer the loss first in both, then its oldest
     pending W; with nothing ready it waits for the earliest input. The last virtual stage (on the first group)
-    runs F and B as one program and defers its W like the others.
+    runs F and B as one program and defers its W like the others. Returns the operations in the order the
+    simulation starts them, the host's issue order (what `list_schedule` would make of the groups' orders).
     """
     S, G = num_groups, num_microbatches
     V, limit = 2 * S, 2 * S
     chunks = [(V - 1 - d, d) for d in range(S)]  # each group's stages, the one nearer the loss first
     next_f, next_b = [0] * V, [0] * V
-    finish: dict[Op, float] = {}
+    done_f: list[list[float]] = [[] for _ in range(V)]  # per stage, when each micro-batch's F (or FB) finished
+    done_b: list[list[float]] = [[] for _ in range(V)]  # ... its B (or FB)
     free = [0.0] * S
     live = [0] * S
     pending: list[deque[Op]] = [deque() for _ in range(S)]
-    orders: list[list[Op]] = [[] for _ in range(S)]
+    issue: list[Op] = []
 
     def op_cost(op: Op) -> float:
         if op.stage == 0 and op.kind in (OpKind.B, OpKind.W):
@@ -259,8 +266,13 @@ def zero_bubble_v_orders(num_groups: int, num_microbatches: int) -> list[list[Op
         return ZBV_NOMINAL_COST[op.kind]
 
     def arrival(op: Op) -> float | None:
-        deps = dependencies(op, V)
-        return max([0.0, *(finish[d] for d in deps)]) if all(d in finish for d in deps) else None
+        """When ``op``'s inputs (`dependencies`) are all computed, or None."""
+        k, i = op.stage, op.mb
+        if op.kind == OpKind.B:  # its own forward has run; the cotangent comes from stage k + 1
+            return max(done_f[k][i], done_b[k + 1][i]) if len(done_b[k + 1]) > i else None
+        if k == 0:
+            return 0.0
+        return done_f[k - 1][i] if len(done_f[k - 1]) > i else None
 
     def choice(d: int) -> tuple[float, Op] | None:
         """(start, operation) group d runs next, or None while it waits for an input not yet computed."""
@@ -295,9 +307,12 @@ def zero_bubble_v_orders(num_groups: int, num_microbatches: int) -> list[list[Op
         if not ready:
             raise ScheduleError("internal: the ZB-V simulation deadlocked")
         start, d, op = min(ready, key=lambda o: o[:2])
-        finish[op] = start + op_cost(op)
-        free[d] = finish[op]
-        orders[d].append(op)
+        free[d] = start + op_cost(op)
+        issue.append(op)
+        if op.kind in (OpKind.F, OpKind.FB):
+            done_f[op.stage].append(free[d])
+        if op.kind in (OpKind.B, OpKind.FB):
+            done_b[op.stage].append(free[d])
         if op.kind == OpKind.W:
             pending[d].popleft()
             live[d] -= 1
@@ -313,7 +328,7 @@ def zero_bubble_v_orders(num_groups: int, num_microbatches: int) -> list[list[Op
         for g in (d - 1, d, d + 1):
             if 0 <= g < S:
                 refresh(g)
-    return orders
+    return issue
 
 
 def dependencies(op: Op, num_virtual: int) -> list[Op]:
@@ -468,7 +483,10 @@ def issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: i
 @functools.lru_cache(maxsize=256)
 def _issue_order(schedule: str, num_groups: int, num_microbatches: int, chunks: int) -> tuple[Op, ...]:
     # Cached: the cost model asks for the same order several times per plan (time, memory, the explanation).
-    cost = ZBV_NOMINAL_COST if schedule in V_SHAPED else ZB_NOMINAL_COST if schedule in ZERO_BUBBLE else None
+    if schedule in V_SHAPED:  # its simulation's own start order (`list_schedule` of its orders, computed once)
+        _check(num_groups, chunks, num_microbatches, schedule)
+        return tuple(zero_bubble_v_issue(num_groups, num_microbatches))
+    cost = ZB_NOMINAL_COST if schedule in ZERO_BUBBLE else None
     return tuple(list_schedule(device_orders(schedule, num_groups, num_microbatches, chunks), cost))
 
 
@@ -515,12 +533,20 @@ def charged_in_flight(schedule: str, num_groups: int, num_microbatches: int, chu
     return out
 
 
+def _key_view_microbatches(schedule: str, num_groups: int, num_microbatches: int) -> int:
+    """Micro-batches whose order gives the tuner's per-group view: ZB-V's peaks are its first ``4 S`` micro-batches'
+    (its residuals in flight are ``S`` whole micro-batches per group from ``G = 2 S`` on; its stashes peak there on
+    the most-loaded group, within one micro-batch's on the first groups: `tests/test_zero_bubble.py`), so longer
+    steps are not simulated for each key; `predict` runs the whole order."""
+    return min(num_microbatches, 4 * num_groups) if schedule in V_SHAPED else num_microbatches
+
+
 @functools.lru_cache(maxsize=256)
 def group_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> np.ndarray:
     """Per device group, whole-group micro-batches of residuals held at its peak when each of its ``chunks``
     chunks holds an equal share of the group's layers (`group_residual_peaks` / ``chunks``; the tuner's view of
     an interleaved key): `charged_in_flight` with one chunk. Read-only (cached)."""
-    issue = issue_order(schedule, num_groups, num_microbatches, chunks)
+    issue = issue_order(schedule, num_groups, _key_view_microbatches(schedule, num_groups, num_microbatches), chunks)
     out = group_residual_peaks(issue, num_groups, schedule=schedule) / chunks
     out.flags.writeable = False
     return out
@@ -547,7 +573,7 @@ def group_deferred(schedule: str, num_groups: int, num_microbatches: int, chunks
     with one chunk. Read-only (cached)."""
     if chunks == 1:
         return charged_deferred(schedule, num_groups, num_microbatches)
-    issue = issue_order(schedule, num_groups, num_microbatches, chunks)
+    issue = issue_order(schedule, num_groups, _key_view_microbatches(schedule, num_groups, num_microbatches), chunks)
     stash = np.where(np.arange(num_groups * chunks) == 0, 0.0, 1.0 / chunks)
     out = group_residual_peaks(issue, num_groups, 0.0, stash, schedule)
     out.flags.writeable = False
@@ -608,4 +634,5 @@ __all__ = ["MPMD_SCHEDULES", "Op", "OpCost", "OpKind", "ScheduleError", "ZERO_BU
            "charged_in_flight", "group_deferred",
            "deferred_in_flight", "dependencies", "dependency_depth", "device_orders", "group_finish_times",
            "group_in_flight", "group_queues", "group_residual_peaks", "issue_order", "list_schedule", "op_costs",
-           "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders", "zero_bubble_v_orders"]
+           "op_spans", "residuals_in_flight", "simulated_time", "zero_bubble_orders", "zero_bubble_v_issue",
+           "zero_bubble_v_orders"]

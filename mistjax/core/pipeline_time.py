@@ -56,12 +56,13 @@ def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages:
     last stage runs F and B as one program, has a bubble of ``(S-1)(F + B) - W`` (Qi et al.'s ideal is
     ``(S-1)(F + B - W)``): c = 1 - w S / (S-1) with ``wgrad_share`` = w = W / T and ``stages`` = S.
     ZB-V has no closed form here: its share is the executor's order simulated for equal chunks
-    (`v_fill_share`) at ``microbatches`` (G; at most 4 S of them are simulated, for time: the order's steady
-    state leaves no bubble, so the share moves little past its fill and first memory-bound wave).
+    (`v_fill_share`), for time on at most 8 groups, 4 micro-batches per group and the weight share rounded to
+    0.02: the order's steady state leaves no bubble, so the share moves little with S and G past its fill and
+    first memory-bound wave (0.375-0.43 from S 4 to 32 at G = 2 S and a quarter; docs/pipelines.md).
     """
     if schedule in V_SHAPED:
-        g = min(microbatches or 4 * stages, 4 * stages)
-        return v_fill_share(stages, g, round(float(wgrad_share), 2))
+        s = min(stages, 8)
+        return v_fill_share(s, min(microbatches or 4 * s, 4 * s), round(float(wgrad_share) / 0.02) * 0.02)
     if schedule in ZERO_BUBBLE:
         return float(min(1.0, max(0.0, 1.0 - wgrad_share * stages / max(stages - 1, 1))))
     if chunks < 1:
