@@ -220,9 +220,9 @@ def _save_cached(path: Path, plan: TunedPlan, fps: dict[str, str]) -> None:
 def _lowered_budget(plan: Plan, err: PlanDoesNotFit, budget: float) -> float:
     """The per-device budget to re-tune for after ``plan`` did not fit (`mistjax.core.plan.lowered_budget`)."""
     pred = plan.prediction
-    # stage_memory is per device group; a pipeline's stage k runs on group k % groups (virtual stages).
-    predicted = sum(pred.stage_memory[err.stage % len(pred.stage_memory)].values()) if pred and pred.stage_memory \
-        else 0.0
+    # stage_memory is per device group; a pipeline's stage k runs on group plan.stage_groups[k].
+    group = plan.stage_groups[err.stage] if 0 <= err.stage < plan.num_stages else 0
+    predicted = sum(pred.stage_memory[group].values()) if pred and pred.stage_memory else 0.0
     return lowered_budget(budget, predicted, err.need, err.available)
 
 
