@@ -195,7 +195,9 @@ def key_bound(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, key
     without remat and without the memory limit (an offload or a checkpointed layer never saves time).
 
     An interleaved key is bounded with its one-chunk 1F1B sibling's prices (shared with it through ``memo``)
-    under its own fill share: each chunk's sends only add time, and its layer counts are among the sibling's.
+    under its own fill share: each chunk's sends only add time, and its layer counts are among the sibling's. A
+    ZB-V key is bounded with its one-chunk ZB-H1 sibling's prices under ZB-V's share; that is not a proven bound,
+    since the sibling charges the head to the last group and ZB-V to the first (docs/pipelines.md).
     """
     L = int(workload.num_layers)
     whole = key
