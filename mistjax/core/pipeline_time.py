@@ -74,7 +74,7 @@ def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages:
 def v_fill_share(stages: int, microbatches: int, wgrad_share: float) -> float:
     """ZB-V's `fill_share` for ``stages`` device groups of equal chunks, each chunk's forward a third of its
     micro-batch time and its weight passes ``wgrad_share`` of it: ``(makespan - G T) / ((S - 1) T)`` of the
-    executor's order (`core.pipeline_order.zero_bubble_v_orders`), T a group's micro-batch time."""
+    executor's order (`core.pipeline_order.zero_bubble_v_issue`), T a group's micro-batch time."""
     S, G, V = stages, microbatches, 2 * stages
     if S < 2:
         return 1.0
