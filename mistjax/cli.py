@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -133,6 +134,8 @@ class ExplainArgs(WorkloadArgs):
 
     plan: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="PLAN")]  # plan JSON file
     global_batch: Annotated[int | None, _hint("(default: the plan's)")] = None  # sequences per step
+    # tokens per sequence; a value other than the one the plan was tuned for is refused (re-plan for it)
+    seq_len: Annotated[int | None, _hint("(default: the plan's, else 2048)")] = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,14 +359,13 @@ def cmd_explain(args: ExplainArgs) -> int:
     print(plan.summary())
     if args.model is None:
         if args.verify:
-            raise CliError("--verify compiles the plan for a model: pass --model (and --cluster, --seq-len)")
-        print("(pass --model, --cluster, --seq-len and --global-batch for the predicted time and memory)")
+            raise CliError("--verify compiles the plan for a model: pass --model (and --cluster)")
+        print("(pass --model and --cluster for the predicted time and memory)")
         return 0
     cluster = load_cluster(args.cluster, args.memory_gib)
     if args.verify:
         _verify_ready(cluster)
-    if args.global_batch is None:
-        args = dataclasses.replace(args, global_batch=plan.global_batch)
+    args = _explain_shape(args, plan)
     config = _model_config(args)
     workload = _workload(args, config)
     try:
@@ -377,6 +379,37 @@ def cmd_explain(args: ExplainArgs) -> int:
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
     return _verify(config, workload, plan, cluster, report) if args.verify else 0
+
+
+DEFAULT_SEQ_LEN = 2048  # `explain`'s sequence length for a plan that records none (a hand-written one)
+
+
+def recorded_shape(plan: Plan) -> tuple[int, int] | None:
+    """The (global batch, sequence length) the plan was tuned for (its ``batch`` fingerprint, ``"128x4096"``),
+    or None when it records none (a plan written by hand or by `uniform_plan`)."""
+    match = re.fullmatch(r"(\d+)x(\d+)", plan.fingerprints.get("batch", ""))
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _explain_shape(args: ExplainArgs, plan: Plan) -> ExplainArgs:
+    """``args`` with the batch and sequence length to price the plan at: the plan's own unless given. A
+    ``--seq-len`` other than the one the plan was tuned for is an error: the plan's recorded prediction (its
+    summary) is for its own shape, and a plan tuned for one length is no plan for another (re-plan for it).
+    A ``--global-batch`` other than the plan's is refused by `Plan.check_batch`."""
+    batch = plan.global_batch if args.global_batch is None else args.global_batch
+    recorded = recorded_shape(plan)
+    if recorded is None:
+        seq = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
+        how = "the default: the plan records none; pass --seq-len" if args.seq_len is None else "--seq-len"
+    else:
+        seq = recorded[1] if args.seq_len is None else args.seq_len
+        if seq != recorded[1]:
+            raise CliError(f"--seq-len {seq} differs from the {recorded[1]} tokens the plan was tuned for (global "
+                           f"batch x sequence {recorded[0]}x{recorded[1]}); omit --seq-len to explain it at its "
+                           f"own shape, or re-plan: mistjax plan --seq-len {seq} ...")
+        how = "the plan's" if args.seq_len is None else "--seq-len, as the plan records"
+    print(f"priced at global batch {batch} x sequence {seq} ({how})")
+    return dataclasses.replace(args, global_batch=batch, seq_len=seq)
 
 
 def _can_verify(cluster: ClusterSpec) -> bool:
