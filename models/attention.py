@@ -32,8 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-# The key blocking both blockwise kernels share (this one and the context-parallel ring).
-from mistjax.runtime.context_attention import check_attention_args, key_blocks, pad_keys
+# The key blocking both blockwise kernels share (this one and the context-parallel ring), in the core so that
+# the model zoo never imports the runtime.
+from mistjax.core.attention_blocks import check_attention_args, key_blocks, pad_keys
 
 DEFAULT_BLOCK_SIZE = 128  # keys per block: the fastest on CPU at s = 1-2k, ahead of XLA unfused (docs/guide.md)
 FWD_NAME = "fused_attention_fwd"  # name prefix of the blockwise forward's jit (see the module docstring)

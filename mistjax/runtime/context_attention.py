@@ -37,6 +37,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from mistjax.core.attention_blocks import check_attention_args, key_blocks, pad_keys
 from mistjax.core.context import ContextForm, ulysses_supported
 from mistjax.core.layout import CONTEXT_AXIS
 
@@ -132,23 +133,6 @@ def _form(form: ContextForm | str) -> ContextForm:
                          f"got {form!r}") from None
 
 
-def check_attention_args(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, who: str = "") -> None:
-    """Raise ValueError (prefixed ``who: ``) unless q ``[b, s, heads, d]``, k, v ``[b, s, kv_heads, d]`` of one
-    dtype, kv heads dividing heads, and a positive integer ``block_size`` (both blockwise kernels' inputs)."""
-    pre = f"{who}: " if who else ""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"{pre}block_size must be a positive integer, got {block_size!r}")
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"{pre}expected q [b, s, heads, d] and k, v [b, s, kv_heads, d]; got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    b, s, n, d = q.shape
-    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d or n % k.shape[2]:
-        raise ValueError(f"{pre}k/v {k.shape} do not match q {q.shape}: need the same batch, seq "
-                         "and head_dim, and kv_heads dividing heads")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{pre}q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-
-
 def _context_size(axis: str) -> int:
     """Devices on ``axis`` of the current (abstract) mesh."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -191,18 +175,6 @@ def _init(q: jax.Array) -> _State:
 def _finish(state: _State, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """``(o [b, s, n, d] in dtype, lse [b, kv, s, g] float32)``."""
     return _ungroup(state.acc / state.den[..., None]).astype(dtype), state.m + jnp.log(state.den)
-
-
-def key_blocks(s: int, block_size: int) -> tuple[int, int]:
-    """(number of key blocks, keys per block): balanced blocks of at most ``block_size`` keys."""
-    nk = -(-s // block_size)
-    return nk, -(-s // nk)
-
-
-def pad_keys(x: jax.Array, total: int) -> jax.Array:
-    """``x`` ``[b, s, kv, d]`` zero-padded along the sequence to ``total`` keys (the last block's padding)."""
-    pad = total - x.shape[1]
-    return x if pad == 0 else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
 
 
 def _block_mask(sq: int, sk: int, start: jax.Array, bk: int, diagonal: bool) -> jax.Array:
