@@ -28,9 +28,9 @@ All sizes are exact `Poly` in ``(b, s, 1/t)`` (the graph's fitted dims with the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeAlias
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import sympy as sp
@@ -41,9 +41,6 @@ from mistjax.analysis.flops import REDUCTIONS, SCATTERS, count_graph
 from mistjax.analysis.graph import Graph, Node, constant_nodes, names
 from mistjax.analysis.poly import ONE, ZERO, Poly, prod
 from mistjax.core.jaxpr import Atom, is_var
-
-if TYPE_CHECKING:  # profile.py reads this module's tables
-    from mistjax.analysis.profile import PartProfile
 
 GEMM = frozenset({"dot_general", "conv_general_dilated"})
 # Views: no data of their own (the value is its operand's buffer, or a broadcast computed in place).
@@ -480,7 +477,18 @@ def pass_keys(policies: Sequence[str]) -> tuple[str, ...]:
     return tuple(f"{ph}[{p}]" for p in policies for ph in ("fwd", "bwd"))
 
 
-def kernel_values(part: PartProfile, key: str, b: float, s: float, t: float = 1) -> dict[str, float]:
+class KernelTables(Protocol):
+    """What `kernel_values` and `compile_kernels` read of a part (a `mistjax.analysis.profile.PartProfile`):
+    typed structurally so that this module, which the profile reads, does not import it back."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kernels(self) -> Mapping[str, PassKernels]: ...
+
+
+def kernel_values(part: KernelTables, key: str, b: float, s: float, t: float = 1) -> dict[str, float]:
     """A part's kernel totals of one pass (``fwd[none]``, ``bwd[full]``, ...) at one size, as floats."""
     k: PassKernels = part.kernels[key]
     u = k.unit
@@ -531,7 +539,7 @@ class CompiledKernels:
         return out
 
 
-def compile_kernels(parts: Sequence[PartProfile]) -> CompiledKernels:
+def compile_kernels(parts: Sequence[KernelTables]) -> CompiledKernels:
     """Lambdify the kernel tables of ``parts`` (`PartProfile`s) into one function (`CompiledKernels`)."""
     from mistjax.analysis.poly import B, S, T
 

@@ -9,15 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import sympy as sp
 
 from mistjax.analysis.poly import B, S, T
 
-if TYPE_CHECKING:  # both modules build profiles
-    from mistjax.analysis.analyze import PassAnalysis
+if TYPE_CHECKING:  # neither imports this module (the analysis builds profiles, the kernels are read by them)
+    from mistjax.analysis.graph import Graph
     from mistjax.analysis.kernels import PassKernels
+    from mistjax.analysis.tp import TPResult
+
+
+class AnalysedPass(Protocol):
+    """One analysed pass as `ModelProfile.passes` holds it (a `mistjax.analysis.analyze.PassAnalysis`): typed
+    structurally so that this module, which the analysis imports, does not import it back."""
+
+    @property
+    def g(self) -> Graph: ...
+
+    @property
+    def res(self) -> TPResult: ...
+
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 PHASES = ("fwd", "bwd")
@@ -206,7 +219,7 @@ class ModelProfile:
     sequence_parallel: bool = True
     tags: tuple[str, ...] = ()
     symbols: tuple[sp.Symbol, sp.Symbol, sp.Symbol] = field(default=(B, S, T))
-    passes: Mapping[str, Mapping[str, tuple[PassAnalysis, PassAnalysis]]] | None = field(
+    passes: Mapping[str, Mapping[str, tuple[AnalysedPass, AnalysedPass]]] | None = field(
         default=None, compare=False, repr=False
     )
 
