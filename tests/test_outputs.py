@@ -3,9 +3,19 @@ defaults are stated, unverified plans say so, messages state what they counted, 
 
 from __future__ import annotations
 
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.ad_checkpoint import checkpoint_name
+
+import mistjax
 from mistjax.cli import main
 from mistjax.plan import uniform_plan
 
+TX = optax.adam(1e-2)
 TINY_MODEL = ["--model", "gpt3-tiny", "--cluster", "cpu:1x8", "--dtype", "float32"]
 
 
@@ -50,3 +60,81 @@ def test_explain_refuses_another_global_batch(tmp_path, capsys):
     plan = _plan_file(tmp_path, batch="16x48")
     assert main(["explain", str(plan), *TINY_MODEL, "--global-batch", "32"]) == 2
     assert "global batch 32 != micro_batch 2" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- no-op knobs
+L, D, F, B = 4, 16, 32, 8
+
+
+def _scan_model(tag: bool):
+    """A 4-layer MLP stack under lax.scan; with ``tag`` its hidden activation is named ``mlp_in``."""
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w_in": jax.random.normal(k[0], (L, D, F)) / 4, "w_out": jax.random.normal(k[1], (L, F, D)) / 6}
+
+    def loss_fn(params, batch):
+        def layer(h, w):
+            a = h @ w["w_in"]
+            a = checkpoint_name(a, "mlp_in") if tag else a
+            return h + jnp.tanh(a) @ w["w_out"], None
+
+        h, _ = jax.lax.scan(layer, batch["x"], params)
+        return jnp.mean(h**2)
+
+    def step_fn(state, batch):
+        loss, g = mistjax.value_and_grad(loss_fn)(state["params"], batch)
+        u, opt = TX.update(g, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], u), "opt": opt}, {"loss": loss}
+
+    state = {"params": params, "opt": TX.init(params)}
+    batch = {"x": jax.random.normal(k[2], (B, D))}
+    return step_fn, state, batch
+
+
+def _run(step_fn, state, batch, plan, devices):
+    """The autosharded step's loss and its report, with the NoOpWarnings raised while placing it."""
+    ref = jax.jit(step_fn)(state, batch)[1]["loss"]  # first: the sharded step donates the state
+    step = mistjax.autoshard(step_fn, devices, plan=plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, metrics = step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref), rtol=1e-5)
+    return step, [str(w.message) for w in caught if issubclass(w.category, mistjax.NoOpWarning)]
+
+
+def test_a_names_policy_that_matches_no_tag_warns_and_says_it_acts_as_full():
+    step_fn, state, batch = _scan_model(tag=False)
+    plan = uniform_plan(L, 8, micro_batch=1, remat_layers=L, remat_policy="names:mlp_in")
+    step, noops = _run(step_fn, state, batch, plan, jax.devices())
+    assert any(n.startswith("remat_policy applies to nothing in this step: mlp_in match no checkpoint_name tag")
+               for n in noops), noops
+    report = step.summary()
+    assert "[NO ] remat_policy: mlp_in match no checkpoint_name tag of the layer (its tags: none)" in report
+    assert "4 of 4 layers checkpointed (names:mlp_in; no name matches a tag: acts as full)" in report
+
+
+def test_a_names_policy_that_matches_a_tag_applies():
+    step_fn, state, batch = _scan_model(tag=True)
+    plan = uniform_plan(L, 8, micro_batch=1, remat_layers=L, remat_policy="names:mlp_in,mlp_out")
+    step, noops = _run(step_fn, state, batch, plan, jax.devices())
+    assert noops == ["remat_policy: saves the activations tagged mlp_in in the 4 checkpointed layer(s); mlp_out tag "
+                     "nothing (the layer's checkpoint_name tags: mlp_in)"]
+    assert step.applied["remat_policy"].applied and "acts as full" not in step.summary()
+
+
+def test_zero_at_dp_1_warns_and_claims_no_sharding():
+    step_fn, state, batch = _scan_model(tag=False)
+    plan = uniform_plan(L, 1, micro_batch=B, shard_opt=True, shard_grads=True, shard_weights=True)
+    step, noops = _run(step_fn, state, batch, plan, jax.devices()[:1])
+    assert noops == ["ZeRO-3 (shard_weights, shard_grads, shard_opt) applies to nothing in this step: nothing "
+                     "sharded: the partition group is 1 device (dp 1, MiCS group 1), so every device holds the "
+                     "whole state; set them False, or use dp > 1 to shard"]
+    summary = step.summary()
+    assert "[yes] shard" not in summary and "[NO ] shard_weights (ZeRO-3): nothing sharded" in summary
+    assert "the stages' ZeRO-3 flags shard nothing: the partition group is 1 device (dp 1)" in summary
+
+
+def test_zero_1_at_dp_1_is_reported_without_a_warning():
+    """ZeRO-1 is StagePlan's default and what the tuner records at dp 1: the report says it shards nothing."""
+    step_fn, state, batch = _scan_model(tag=False)
+    step, noops = _run(step_fn, state, batch, uniform_plan(L, 1, micro_batch=B, shard_opt=True), jax.devices()[:1])
+    assert noops == [] and "[NO ] shard_opt (ZeRO-1): nothing sharded" in step.summary()

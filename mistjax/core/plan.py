@@ -509,6 +509,10 @@ class Plan:
                          f"k % {self.device_stages}")
         if self.grad_dtype is not None:
             lines.append(f"  gradients accumulated and reduced in {self.grad_dtype}")
+        zero = max(s.zero_stage for s in self.stages)
+        if zero and self.shard_group * (self.cp if self.cp > 1 and self.stages[0].shard_opt else 1) == 1:
+            lines.append(f"  ZeRO: the stages' ZeRO-{zero} flags shard nothing: the partition group is 1 device "
+                         f"(dp {self.dp}), so every device holds the whole state")
         hdr = f"  {'stage':>5} {'layers':>9} {'ZeRO':>4} {'remat':>12} {'off w/g/o/a':>19}"
         lines.append(hdr)
         for i, s in enumerate(self.stages):

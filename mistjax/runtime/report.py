@@ -96,8 +96,31 @@ def _total(pool: _Pool) -> int:
     return sum(_bytes(lay, s) for lay, s in pool)
 
 
+def _partition_devices(plan: Plan) -> int:
+    """Devices ZeRO splits the optimizer state over: the MiCS partition group (x cp under context parallelism)."""
+    return plan.shard_group * context_shards(plan)
+
+
+def _unsharded(what: str, plan: Plan) -> str:
+    """Why a ZeRO knob shards nothing: its partition group is one device."""
+    return (f"nothing sharded: the partition group is 1 device (dp {plan.dp}, MiCS group {plan.shard_group}"
+            f"{f', cp {plan.cp}' if plan.cp > 1 else ''}), so every device holds the whole {what}")
+
+
 def _sharding_knobs(params: _Pool, opts: _Pool, plan: Plan) -> list[KnobReport]:
-    """ZeRO-1/2/3 (over the MiCS partition group) and tensor parallelism, as placed."""
+    """ZeRO-1/2/3 (over the MiCS partition group) and tensor parallelism, as placed. A ZeRO flag the stage
+    sets over a partition group of one device is requested and applies to nothing (`zero_noop_note`)."""
+    stage = plan.stages[0]
+    if _partition_devices(plan) == 1:
+        return [KnobReport("shard_opt (ZeRO-1)", stage.shard_opt, False, _unsharded("optimizer state", plan)),
+                KnobReport("shard_grads (ZeRO-2)", stage.shard_grads, False, _unsharded("gradients", plan)),
+                KnobReport("shard_weights (ZeRO-3)", stage.shard_weights, False, _unsharded("parameters", plan)),
+                *_sharding_knobs_split(params, opts, plan)[3:]]
+    return _sharding_knobs_split(params, opts, plan)
+
+
+def _sharding_knobs_split(params: _Pool, opts: _Pool, plan: Plan) -> list[KnobReport]:
+    """`_sharding_knobs` over a partition group of several devices."""
     stage = plan.stages[0]
     p_total, o_total = _total(params), _total(opts)
     o_sh = [(lay, s) for lay, s in opts if lay.sharded]
@@ -140,15 +163,47 @@ def _offload_knobs(params: _Pool, opts: _Pool, grads_host: _Pool, stage: StagePl
     return knobs
 
 
+def _policy_names(policy: str) -> tuple[str, ...]:
+    """The ``checkpoint_name`` tags a ``names:a,b`` remat policy saves (none for ``full`` / ``dots``)."""
+    if not policy.startswith("names:"):
+        return ()
+    return tuple(n.strip() for n in policy[len("names:"):].split(",") if n.strip())
+
+
+def remat_policy_knob(plan: Plan, remat: int, checkpoint_tags: Sequence[str]) -> KnobReport | None:
+    """The ``names:a,b`` remat policy as applied (None unless a checkpointed stage names one): it applies when
+    at least one of its names tags an activation of the layer; one that matches no tag saves nothing, and the
+    checkpointed layers then recompute everything, as ``full`` does."""
+    named = [n for s in plan.stages if s.remat_layers for n in _policy_names(s.remat_policy)]
+    if not named or remat == 0:  # no layer checkpointed: remat_layers's own report says so
+        return None
+    unmatched = sorted({n for n in named if n not in checkpoint_tags})
+    matched = sorted(set(named) - set(unmatched))
+    tags = ", ".join(checkpoint_tags) if checkpoint_tags else "none"
+    if matched:
+        detail = f"saves the activations tagged {', '.join(matched)} in the {remat} checkpointed layer(s)"
+        if unmatched:
+            detail += f"; {', '.join(unmatched)} tag nothing (the layer's checkpoint_name tags: {tags})"
+    else:
+        detail = (f"{', '.join(unmatched)} match no checkpoint_name tag of the layer (its tags: {tags}), so the "
+                  f"{remat} checkpointed layer(s) save nothing and recompute everything, as remat_policy 'full'; "
+                  "tag the activations with jax.ad_checkpoint.checkpoint_name or use 'full' / 'dots'")
+    return KnobReport("remat_policy", True, bool(matched), detail)
+
+
 def _layer_knobs(plan: Plan, num_layers: int | None, uses_mistjax_grad: bool,
-                 checkpoint_tags: Sequence[str]) -> tuple[KnobReport, KnobReport, KnobReport]:
-    """Remat, activation offload and micro-batching: what the layer loop and the accumulation run."""
+                 checkpoint_tags: Sequence[str]) -> tuple[KnobReport, KnobReport | None, KnobReport, KnobReport]:
+    """Remat (and its named policy, if any), activation offload and micro-batching: what the layer loop and the
+    accumulation run."""
     stage = plan.stages[0]
     remat = sum(s.remat_layers for s in plan.stages) if num_layers is not None and uses_mistjax_grad else 0
     acts = sum(s.offloaded_layers for s in plan.stages) if checkpoint_tags and uses_mistjax_grad else 0
+    policy = remat_policy_knob(plan, remat, checkpoint_tags)
+    acts_as = "; no name matches a tag: acts as full" if policy is not None and not policy.applied else ""
     return (
         KnobReport("remat_layers", any(s.remat_layers for s in plan.stages), remat > 0,
-                   f"{remat} of {num_layers or 0} layers checkpointed ({stage.remat_policy})"),
+                   f"{remat} of {num_layers or 0} layers checkpointed ({stage.remat_policy}{acts_as})"),
+        policy,
         KnobReport("offload_acts", any(s.offload_acts for s in plan.stages), acts > 0,
                    f"{acts} layers offload their activations tagged {', '.join(checkpoint_tags)}" if checkpoint_tags
                    else "the layer tags no activation with jax.ad_checkpoint.checkpoint_name, so none is offloaded "
@@ -177,10 +232,11 @@ def applied_report(layouts: Sequence[LeafLayout], itemsizes: Sequence[int], plan
     params = [(lay, s) for lay, s in lays if lay.role == PARAM]
     opts = [(lay, s) for lay, s in lays if lay.role == OPT]
     grads_host = [(lay, s) for (lay, s), h in zip(lays, host_acc) if h and lay.role == PARAM]
-    remat, acts, accum = _layer_knobs(plan, num_layers, uses_mistjax_grad, checkpoint_tags)
+    remat, policy, acts, accum = _layer_knobs(plan, num_layers, uses_mistjax_grad, checkpoint_tags)
     weights, grads, opt = _offload_knobs(params, opts, grads_host, plan.stages[0])
-    knobs = [*_sharding_knobs(params, opts, plan), remat, weights, grads, opt, acts, accum]
-    notes = [f"{k.knob} applies to nothing in this step: {k.detail}" for k in knobs if k.requested and not k.applied]
+    knobs = [*_sharding_knobs(params, opts, plan), remat, *([policy] if policy is not None else []), weights, grads,
+             opt, acts, accum]
+    notes = _noop_notes(knobs, plan)
     if not uses_mistjax_grad:
         gspmd = [k.knob for k in knobs if k.requested and k.knob.split(" ")[0] in
                  ("shard_grads", "shard_weights", "tp", "offload_weights")]
@@ -192,6 +248,27 @@ def applied_report(layouts: Sequence[LeafLayout], itemsizes: Sequence[int], plan
         for n in notes:
             warnings.warn(n, NoOpWarning, stacklevel=4)
     return AppliedReport(tuple(knobs), tuple(notes))
+
+
+_ZERO_KNOBS = ("shard_opt", "shard_grads", "shard_weights")
+
+
+def _noop_notes(knobs: Sequence[KnobReport], plan: Plan) -> list[str]:
+    """One note per requested knob that applies to nothing; the ZeRO flags over a partition group of one
+    device as one note for the stage's ZeRO level (ZeRO-1 alone there is no note: it is `StagePlan`'s default
+    and what the tuner records for dp 1, and the report's ``[NO ]`` line says it shards nothing)."""
+    stage = plan.stages[0]
+    zero_noop = _partition_devices(plan) == 1 and stage.zero_stage > 0
+    notes = [f"{k.knob} applies to nothing in this step: {k.detail}" for k in knobs
+             if k.requested and not k.applied and not (zero_noop and k.knob.split(" ")[0] in _ZERO_KNOBS)]
+    if zero_noop and stage.zero_stage > 1:
+        flags = ", ".join(k for k in _ZERO_KNOBS[:stage.zero_stage][::-1])
+        notes.insert(0, f"ZeRO-{stage.zero_stage} ({flags}) applies to nothing in this step: "
+                        f"{_unsharded('state', plan)}; set them False, or use dp > 1 to shard")
+    remat = next((k for k in knobs if k.knob == "remat_policy" and k.applied), None)
+    if remat is not None and "tag nothing" in remat.detail:
+        notes.append(f"remat_policy: {remat.detail}")
+    return notes
 
 
 def grad_accumulators_on_host(layouts: Sequence[LeafLayout], plan: Plan, uses_mistjax_grad: bool) -> list[bool]:
@@ -225,6 +302,8 @@ class StageReport:
         sp, plan = self.plan.stages[0], self.plan
         group = f"MiCS group {plan.shard_group} of dp {plan.dp}" if plan.shard_group != plan.dp else f"dp {plan.dp}"
         zero = f"ZeRO-{sp.zero_stage} over {group}" if sp.zero_stage else f"ZeRO-0 (replicated over dp {plan.dp})"
+        if sp.zero_stage and _partition_devices(plan) == 1:
+            zero = f"ZeRO-{sp.zero_stage} asked, nothing sharded (partition group of 1 device)"
         return (f"stage {self.stage}: layers {self.layers[0]}-{self.layers[1]} on device group {self.group} "
                 f"({self.devices} devices); {zero}; remat {sp.remat_layers} of "
                 f"{sp.num_layers} layers ({sp.remat_policy}); offload weights {sp.offload_weights:g}, grads "
