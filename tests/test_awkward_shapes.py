@@ -114,7 +114,7 @@ CELLS = [
 @pytest.mark.parametrize("cfg,devices,knobs", [c[1:] for c in CELLS], ids=[c[0] for c in CELLS])
 def test_tensor_parallel_training_matches_one_device(train_steps, cfg, devices, knobs):
     """Losses of every step and the parameters after them, gathered, equal the single-device run's."""
-    plan = uniform_plan(cfg.num_layers, devices, **knobs)
+    plan = uniform_plan(cfg.num_layers, devices, **{"shard_opt": True, **knobs})
     ref_losses, ref_params = train_steps(cfg, STEPS)
     losses, params = train_steps(cfg, STEPS, jax.devices()[:devices], plan)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -129,7 +129,8 @@ def test_kv_heads_the_degree_does_not_divide_are_replicated():
     def specs(cfg, tp):
         state = nnx.eval_shape(lambda: nnx.state(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param))
         step = mistjax.autoshard(lambda s, b: (s, {}), jax.devices(), plan=uniform_plan(cfg.num_layers, 8, tp=tp,
-                                                                                        micro_batch=16 // (8 // tp)))
+                                                                                        micro_batch=16 // (8 // tp),
+                                                                                        shard_opt=True))
         placed = step.place({"params": jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state)})
         attn = placed["params"]["layers"]["attn"]
         return {k: attn[k][...].sharding.spec for k in ("wq", "wk", "wv")}
@@ -169,7 +170,7 @@ def test_cost_model_prices_replicated_kv_heads():
             alone = src.kernels([2], [16], [t])[key]
             assert pass_seconds(ka, CPU.device, True)[i] == pytest.approx(pass_seconds(alone, CPU.device, True)[0])
     # The stored state: every leaf split 4 ways but the kv projections (and the norms / embeddings' whole dims).
-    a = analyze(wl, uniform_plan(MQA.num_layers, 8, tp=4, micro_batch=8), CPU)
+    a = analyze(wl, uniform_plan(MQA.num_layers, 8, tp=4, micro_batch=8, shard_opt=True), CPU)
     want = 0.0
     for leaf in wl.leaves:
         split_leaf = leaf.axes is not None and any(n in ("heads", "mlp", "vocab") for n in leaf.axes)
@@ -212,6 +213,7 @@ def test_a_degree_that_cannot_split_the_heads_is_a_clear_error():
         VOCAB.replace(vocab_multiple=1).check_tensor_parallel(2)
     # The runtime says which dim of which parameter refuses, before any tracing of the sharded step.
     state = nnx.eval_shape(lambda: nnx.state(models.build(three, rngs=nnx.Rngs(0)), nnx.Param))
-    step = mistjax.autoshard(lambda s, b: (s, {}), jax.devices(), plan=uniform_plan(5, 8, tp=2, micro_batch=4))
+    step = mistjax.autoshard(lambda s, b: (s, {}), jax.devices(), plan=uniform_plan(5, 8, tp=2, micro_batch=4,
+                                                                                    shard_opt=True))
     with pytest.raises(PlanError, match=r"tensor parallelism 2 does not divide dim \d \(heads=3\)"):
         step.place({"params": jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state)})

@@ -26,7 +26,7 @@ def lax_scan(zoo3p):
 
 
 def plan8(**kw) -> Plan:
-    return uniform_plan(2, 8, micro_batch=2, **kw)
+    return uniform_plan(2, 8, micro_batch=2, **{"shard_opt": True, **kw})
 
 
 # ---------------------------------------------------------------------------------------------- plans
@@ -79,7 +79,7 @@ def test_plan_json_keeps_the_plans_own_checks():
 
 def test_misspelt_uniform_plan_keyword():
     with pytest.raises(PlanError, match="unknown keyword 'shard_weight' .did you mean 'shard_weights'"):
-        uniform_plan(2, 8, shard_weight=True)
+        uniform_plan(2, 8, shard_weight=True, shard_opt=True)
 
 
 def test_batch_size_message_says_the_plan_runs_exactly_its_batch(lax_scan):
@@ -185,7 +185,7 @@ def test_tensor_parallel_plan_on_a_model_with_nothing_to_split():
         u, opt = TX.update(g, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], u), "opt": opt}, {"loss": loss}
 
-    plan = uniform_plan(1, 8, tp=2, micro_batch=4)
+    plan = uniform_plan(1, 8, tp=2, micro_batch=4, shard_opt=True)
     with pytest.raises(PlanError, match="tensor parallelism tp=2, but no weight of this model can be split"):
         mistjax.autoshard(step_fn, jax.devices(), plan=plan).place(state, batch)
 
@@ -315,7 +315,7 @@ def test_pipelining_an_unrolled_model_with_the_wrong_layer_count_names_it(zoo3p)
     cover another number of layers than the Python loop runs is refused with both counts."""
     fam = zoo3p.nnx_loop()
     state, step_fn = zoo3p.optax_state(fam.params, TX), zoo3p.optax_step(fam.loss_fn, TX)
-    plan = uniform_plan(4, 8, stages=2, micro_batch=2, grad_accum=2)
+    plan = uniform_plan(4, 8, stages=2, micro_batch=2, grad_accum=2, shard_opt=True)
     with pytest.raises(PlanError, match=r"4 layers.*2|2.*4 layers"):
         mistjax.autoshard(step_fn, jax.devices(), plan=plan).place(state, fam.batch)
 

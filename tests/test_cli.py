@@ -101,7 +101,7 @@ def test_bad_flags_exit_2_without_a_traceback(capsys):
 def test_bad_plan_file_names_the_field(tmp_path, capsys):
     from mistjax.plan import uniform_plan
 
-    doc = uniform_plan(2, 8, micro_batch=2).to_dict()
+    doc = uniform_plan(2, 8, micro_batch=2, shard_opt=True).to_dict()
     doc["stages"][0]["shard_opt"] = "false"
     doc["stages"][0]["zero"] = 3
     bad = tmp_path / "plan.json"

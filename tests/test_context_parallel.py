@@ -64,7 +64,8 @@ def test_context_parallel_plans_match_the_reference(train_steps, name, knobs):
     cfg = models.get_config(name)
     ref_losses, ref_params = train_steps(cfg, 2)
     dp = 8 // (knobs["cp"] * knobs.get("tp", 1))
-    plan = uniform_plan(cfg.num_layers, 8, micro_batch=16 // (dp * knobs.get("grad_accum", 1)), **knobs)
+    plan = uniform_plan(cfg.num_layers, 8, micro_batch=16 // (dp * knobs.get("grad_accum", 1)),
+                        **{"shard_opt": True, **knobs})
     losses, params = train_steps(cfg, 2, jax.devices(), plan)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for p, r in zip(params, ref_params):
@@ -84,7 +85,8 @@ def test_pipelined_context_parallel_plans_match_the_reference(train_steps, name,
     ref_losses, ref_params = train_steps(cfg, 2)
     groups = knobs["stages"] // chunks
     dp = 8 // (groups * knobs["cp"] * knobs.get("tp", 1))
-    plan = uniform_plan(cfg.num_layers, 8 * chunks, micro_batch=16 // (dp * knobs["grad_accum"]), **knobs)
+    plan = uniform_plan(cfg.num_layers, 8 * chunks, micro_batch=16 // (dp * knobs["grad_accum"]),
+                        **{"shard_opt": True, **knobs})
     plan = dataclasses.replace(plan, virtual_stages=chunks)
     losses, params = train_steps(cfg, 2, jax.devices(), plan)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -137,7 +139,7 @@ def test_the_sequence_is_split_over_context_and_attention_runs_as_a_ring():
 
 def test_attention_that_is_not_the_fused_kernel_is_gathered_with_a_warning():
     cfg, state, data, train_step, ref_loss = _setup("gpt3-tiny", attention="xla")
-    plan = uniform_plan(cfg.num_layers, 8, cp=2, micro_batch=2)
+    plan = uniform_plan(cfg.num_layers, 8, cp=2, micro_batch=2, shard_opt=True)
     with pytest.warns(UserWarning, match="not run as the ring kernel"):
         step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
         _, metrics = step(jax.tree.map(jnp.copy, state), data)
@@ -149,7 +151,7 @@ def test_per_device_temporaries_fall_with_cp():
     cfg, state, data, train_step, *_ = _setup("llama-tiny", seq=seq, batch=2, layers=2)
     temps = {}
     for cp in (1, 4):
-        plan = uniform_plan(cfg.num_layers, cp, cp=cp, micro_batch=2)
+        plan = uniform_plan(cfg.num_layers, cp, cp=cp, micro_batch=2, shard_opt=True)
         step = mistjax.autoshard(train_step, jax.devices()[:cp], plan=plan)
         temps[cp] = step.lower(state, data).compile().memory_analysis().temp_size_in_bytes
     assert temps[4] < 0.4 * temps[1], temps
@@ -164,7 +166,7 @@ def test_context_parallelism_composes_with_tensor_parallelism():
     cfg, state, data, train_step, *_ = _setup("llama-tiny", seq=seq, batch=2, layers=2)
     temps, texts = {}, {}
     for cp in (1, 2):
-        plan = uniform_plan(cfg.num_layers, 2 * cp, cp=cp, tp=2, micro_batch=2)
+        plan = uniform_plan(cfg.num_layers, 2 * cp, cp=cp, tp=2, micro_batch=2, shard_opt=True)
         step = mistjax.autoshard(train_step, jax.devices()[:2 * cp], plan=plan)
         compiled = step.lower(state, data).compile()
         temps[cp], texts[cp] = compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
@@ -227,15 +229,15 @@ def test_the_space_pairs_context_with_tensor_parallelism_and_pipelines():
 
 def test_bad_context_parallel_plans_are_refused_with_the_fix():
     with pytest.raises(PlanError, match="unknown cp_form"):
-        uniform_plan(4, 8, cp=2, cp_form="zigzag")
+        uniform_plan(4, 8, cp=2, cp_form="zigzag", shard_opt=True)
     with pytest.raises(PlanError, match="applies only with context parallelism"):
-        uniform_plan(4, 8, cp_form="ulysses")
+        uniform_plan(4, 8, cp_form="ulysses", shard_opt=True)
     cfg, state, data, train_step, *_ = _setup("llama-tiny")  # 4 kv heads: not cp 2 x tp 4 ways
     with pytest.raises(PlanError, match="cp_form='ring'"):
-        plan = uniform_plan(cfg.num_layers, 8, cp=2, tp=4, micro_batch=8, cp_form="ulysses")
+        plan = uniform_plan(cfg.num_layers, 8, cp=2, tp=4, micro_batch=8, cp_form="ulysses", shard_opt=True)
         mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, data)
     cfg, state, data, train_step, *_ = _setup("gpt3-tiny")
-    plan = uniform_plan(cfg.num_layers, 8, cp=8, micro_batch=8)
+    plan = uniform_plan(cfg.num_layers, 8, cp=8, micro_batch=8, shard_opt=True)
     step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
     odd = jax.tree.map(lambda x: x[:, :SEQ - 4], data)  # 28 tokens: not 8 parts
     with pytest.raises(PlanError, match="cp=8"):

@@ -73,7 +73,7 @@ def test_predict_and_analyze(wl):
     assert a.step_time == p.step_time and set(a.stage_memory[0]) == {"params", "optimizer", "grads", "activations",
                                                                       "buffers"}
     assert a.collective_bytes["reduce-scatter"] > 0 and "step" in a.summary()
-    pipe = analyze(wl, uniform_plan(4, 8, micro_batch=1, stages=2, grad_accum=4), A100)
+    pipe = analyze(wl, uniform_plan(4, 8, micro_batch=1, stages=2, grad_accum=4, shard_opt=True), A100)
     assert len(pipe.stage_fwd) == 2 and pipe.mist_step_time > 0
     acts = [m["activations"] for m in pipe.stage_memory]
     # MPMD: stage 0 holds min(S, G) = 2 micro-batches' residuals, the last stage (fused F+B program) one
@@ -83,7 +83,7 @@ def test_predict_and_analyze(wl):
 def test_shared_compute_pipeline_spreads_its_work_over_the_pool(wl):
     """On devices that share one pool of compute (XLA:CPU), an idle stage lends its share to the busy one:
     the pipeline costs its total work over the groups, between the lock-step makespan's 1 / groups and 1x."""
-    plan = uniform_plan(4, 8, micro_batch=1, stages=2, grad_accum=4)
+    plan = uniform_plan(4, 8, micro_batch=1, stages=2, grad_accum=4, shard_opt=True)
     own = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, shared_compute=False))
     pooled = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, shared_compute=True))
     lock, pool = analyze(wl, plan, own), analyze(wl, plan, pooled)
@@ -92,7 +92,7 @@ def test_shared_compute_pipeline_spreads_its_work_over_the_pool(wl):
     assert lock.step_time / 2 <= pool.step_time < lock.step_time
     assert pool.step_time == pytest.approx(max(work / 2, lock.step_time / 2))
     assert "one pool of compute" in pool.summary() and not lock.notes  # the user is told why
-    single = uniform_plan(4, 8, micro_batch=2)  # one program: every device busy, nothing to lend
+    single = uniform_plan(4, 8, micro_batch=2, shard_opt=True)  # one program: every device busy, nothing to lend
     assert analyze(wl, single, pooled).step_time == analyze(wl, single, own).step_time
 
 
@@ -281,7 +281,7 @@ def test_tied_embedding_gradient_swap_is_priced_on_the_end_stages():
 
     cfg = models.get_config("llama-tiny")
     tied, untied = (models.workload(cfg.replace(tie_embeddings=t), 16, 16) for t in (True, False))
-    plan = uniform_plan(4, 8, stages=4, grad_accum=8, micro_batch=1)
+    plan = uniform_plan(4, 8, stages=4, grad_accum=8, micro_batch=1, shard_opt=True)
     pt, pu = analyze(tied, plan, A100), analyze(untied, plan, A100)
     swap = np.subtract(pt.prediction.stage_delta, pu.prediction.stage_delta)
     link = A100.p2p_link(False)

@@ -20,7 +20,7 @@ def test_plain_jax_grad_with_a_plan_that_needs_mistjax_grad():
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES // 2, grad_accum=2)
+    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES // 2, grad_accum=2, shard_opt=True)
     with pytest.raises(PlanError, match="needs the step to compute gradients with mistjax.value_and_grad"):
         mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
 
@@ -34,7 +34,7 @@ def test_value_and_grad_of_a_transformed_copy():
         loss, grads = mistjax.value_and_grad(loss_fn)(params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES)
+    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES, shard_opt=True)
     with pytest.raises(PlanError, match="as they come from the train state"):
         mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
 
@@ -46,7 +46,7 @@ def test_value_and_grad_other_argnums_inside_autoshard():
         loss, g = mistjax.value_and_grad(lambda b, p: jnp.sum(b["inputs"]) * 0.0 + 1.0, argnums=1)(batch, 1.0)
         return state, {"loss": loss}
 
-    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES)
+    plan = uniform_plan(cfg.num_layers, DEVICES, micro_batch=BATCH // DEVICES, shard_opt=True)
     with pytest.raises(ValueError, match="differentiates the first argument"):
         mistjax.autoshard(train_step, jax.devices(), plan=plan)(state, batch)
 

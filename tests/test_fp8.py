@@ -88,7 +88,7 @@ def test_fp8_models_train_under_a_plan_as_on_one_device(train_steps):
     run. (Under data parallelism each replica scales its own micro-batch, as torchao and Transformer Engine do.)"""
     cfg = models.get_config("llama-tiny").replace(fp8=True)
     ref_losses, ref_params = train_steps(cfg, 2)
-    plan = mistjax.uniform_plan(cfg.num_layers, 4, micro_batch=16, tp=4, remat_layers=2)
+    plan = mistjax.uniform_plan(cfg.num_layers, 4, micro_batch=16, tp=4, remat_layers=2, shard_opt=True)
     losses, params = train_steps(cfg, 2, jax.devices()[:4], plan)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     full_losses, full_params = train_steps(cfg.replace(fp8=False), 2)
@@ -147,7 +147,7 @@ def test_xla_gpu_compiles_the_projections_to_fp8_gemms_on_h100():
         pytest.skip(f"deviceless XLA:GPU compile unavailable: {problem}")
     cfg = models.get_config("llama-tiny").replace(dtype="bfloat16", param_dtype="bfloat16", fp8=True)
     state, batch, step = gpu_aot.zoo_step(cfg, 64, 4)
-    plan = mistjax.uniform_plan(cfg.num_layers, 2, micro_batch=4, tp=2)
+    plan = mistjax.uniform_plan(cfg.num_layers, 2, micro_batch=4, tp=2, shard_opt=True)
     text = gpu_aot.compile_plan(step, state, batch, plan, ClusterSpec.parse("h100:1x2"), breakdown=False).hlo_text
     gemms = [line for line in text.splitlines() if "gemm_fusion" in line and "_computation (" in line]
     fp8 = [line for line in gemms if line.count("f8e") >= 2]

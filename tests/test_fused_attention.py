@@ -316,7 +316,7 @@ def test_fused_attention_tp2_trains_like_one_device():
         loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss, "grads": grads}
 
-    plan = mistjax.uniform_plan(cfg.num_layers, DEVICES, tp=2, micro_batch=BATCH // (DEVICES // 2))
+    plan = mistjax.uniform_plan(cfg.num_layers, DEVICES, tp=2, micro_batch=BATCH // (DEVICES // 2), shard_opt=True)
     step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
     _, metrics = step(jax.tree.map(jnp.copy, state), batch)
     assert_matches_reference(metrics, float(ref_loss), ref_grads)

@@ -99,7 +99,7 @@ def test_missing_plugin_is_a_clear_error(monkeypatch, tmp_path, capsys):
     with pytest.raises(gpu_aot.GpuAotUnavailable, match="jax-cuda12-plugin"):
         gpu_aot.compile_only_devices(gpu_aot.load_target("l4"), 1, 2)
     plan = tmp_path / "plan.json"
-    uniform_plan(TINY.num_layers, 2, micro_batch=2).save(plan)
+    uniform_plan(TINY.num_layers, 2, micro_batch=2, shard_opt=True).save(plan)
     args = ["explain", str(plan), "--model", "gpt3-tiny", "--cluster", "l4:1x2", "--global-batch", "4",
             "--seq-len", "32", "--verify"]
     assert main(args) == 2
@@ -109,7 +109,7 @@ def test_missing_plugin_is_a_clear_error(monkeypatch, tmp_path, capsys):
 @functools.cache
 def _report(cluster: str, **plan_kwargs):
     cl = ClusterSpec.parse(cluster)
-    plan = uniform_plan(TINY.num_layers, cl.num_devices, **plan_kwargs)
+    plan = uniform_plan(TINY.num_layers, cl.num_devices, **{"shard_opt": True, **plan_kwargs})
     return gpu_aot.verify_model(TINY, 32, 16, plan, cl)
 
 
@@ -145,7 +145,8 @@ def test_cublas_gemms_are_an_option_xla_gpu_takes():
     cl = ClusterSpec.parse("l4:1x2")
     state, batch, step = gpu_aot.zoo_step(TINY, 32, 4)
     devices = gpu_aot.compile_only_devices(gpu_aot.target_for(cl), 1, 2)
-    lowered = ShardedStep(step, gpu_aot.device_mesh(devices, 1), uniform_plan(TINY.num_layers, 2, micro_batch=2)).lower(
+    lowered = ShardedStep(step, gpu_aot.device_mesh(devices, 1), uniform_plan(TINY.num_layers, 2, micro_batch=2,
+                                                                              shard_opt=True)).lower(
         state, batch)
     text = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
     assert "__cublas$" in text and "__triton_gemm" not in text
@@ -206,7 +207,8 @@ def test_tensor_parallel_collective_matmuls_on_two_l4s_when_switched_on():
 
     cl = ClusterSpec.parse("l4:1x2")
     with collective_matmul(True):
-        r = gpu_aot.verify_model(TINY, 32, 16, uniform_plan(TINY.num_layers, 2, micro_batch=16, tp=2), cl)
+        r = gpu_aot.verify_model(TINY, 32, 16, uniform_plan(TINY.num_layers, 2, micro_batch=16, tp=2,
+                                                            shard_opt=True), cl)
     rings = r.collectives["collective-permute"]
     assert rings.async_pairs > 0 and rings.overlapped > 0 and rings.in_loops > 0, rings
     assert any("collective matmuls" in n for n in r.notes), r.notes
@@ -215,7 +217,7 @@ def test_tensor_parallel_collective_matmuls_on_two_l4s_when_switched_on():
 @needs_plugin
 def test_cli_verify_flags_a_plan_that_does_not_fit(tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    uniform_plan(TINY.num_layers, 2, micro_batch=2).save(plan)
+    uniform_plan(TINY.num_layers, 2, micro_batch=2, shard_opt=True).save(plan)
     args = ["explain", str(plan), "--model", "gpt3-tiny", "--cluster", "l4:1x2", "--global-batch", "4",
             "--seq-len", "32", "--memory-gib", "0.001", "--verify"]
     assert main(args) == 1

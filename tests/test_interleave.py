@@ -74,7 +74,7 @@ def test_group_in_flight_is_the_peak_of_the_groups_chunks(groups, micro, chunks)
 def test_predict_charges_an_interleaved_group_its_chunks_peak():
     wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
     cluster = ClusterSpec.preset("a100-80gb", 4, 8)
-    one = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16)
+    one = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, shard_opt=True)
     plan = one.interleaved(2)  # 8 layers per group, 4 per chunk: equal chunks but the first / last
     a, b = analyze(wl, plan, cluster), analyze(wl, one, cluster)
     per_mb = np.array([m["activations"] for m in b.stage_memory]) / po.group_in_flight("1f1b", 4, 16)
@@ -117,7 +117,7 @@ def test_the_runtime_check_charges_what_predict_charges(groups, micro, chunks):
 def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
     wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
     cluster = ClusterSpec.preset("a100-80gb", 4, 8)
-    plan = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16)
+    plan = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, shard_opt=True)
     plan = plan.replace(prediction=COST_MODEL.predict(wl, plan, cluster))
     space = SearchSpace(zero_bubble=False)
     out = _reschedule(_SearchJob(wl, cluster, COST_MODEL, space, ScheduleMemo(("1f1b",)), True), plan)
@@ -142,7 +142,7 @@ def test_the_tuner_adopts_interleaving_where_faster_and_fitting():
     assert pred.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget() * 1.01
     assert pred.step_time == pytest.approx(choice.objective, rel=0.05)  # the key's objective prices it as it runs
     # interleaving starts from 1F1B only: a GPipe plan is left as it is (no error)
-    gpipe = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, schedule="gpipe")
+    gpipe = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, schedule="gpipe", shard_opt=True)
     gpipe = gpipe.replace(prediction=COST_MODEL.predict(wl, gpipe, cluster))
     kept = _reschedule(_SearchJob(wl, cluster, COST_MODEL, SearchSpace(zero_bubble=False, schedules=("1f1b", "gpipe")),
                                   ScheduleMemo(("1f1b", "gpipe")), True), gpipe)
@@ -156,7 +156,7 @@ def test_chunk_counts_below_two_or_not_integers_are_refused():
     for bad in ((1, 2), (2.0,), (True,)):
         with pytest.raises(ValueError, match="SearchSpace.interleave"):
             SearchSpace(interleave=bad)
-    plan = uniform_plan(8, 2, stages=2, grad_accum=4)
+    plan = uniform_plan(8, 2, stages=2, grad_accum=4, shard_opt=True)
     for bad in (1, 2.0):
         with pytest.raises(PlanError, match="integer >= 2"):
             plan.interleaved(bad)
@@ -170,7 +170,8 @@ def test_megatron_interleaves_equal_chunks_only():
     stage's layers split evenly (6 layers: 2 chunks, not 4), where mistjax's splits within one layer."""
     wl = models.workload(models.get_config("gpt3-1.3b"), 2048, 64)
     cluster = ClusterSpec.preset("a100-80gb", 1, 8)
-    plan = uniform_plan(24, 8, tp=2, micro_batch=2, stages=4, grad_accum=8, remat_layers=6)  # 6 layers per stage
+    plan = uniform_plan(24, 8, tp=2, micro_batch=2, stages=4, grad_accum=8, remat_layers=6,
+                        shard_opt=True)  # 6 layers per stage
     plan = plan.replace(prediction=COST_MODEL.predict(wl, plan, cluster))
 
     def rescheduled(space: SearchSpace) -> Plan:

@@ -61,7 +61,8 @@ def two_stages(cfg) -> Plan:
 def test_without_a_memory_limit_nothing_is_checked():
     cfg, state, batch, train_step = setup()
     assert fit.capacities(jax.devices()) == {}  # CPU: memory_stats() has no bytes_limit
-    step = mistjax.autoshard(train_step, jax.devices(), plan=uniform_plan(cfg.num_layers, 8, micro_batch=2))
+    step = mistjax.autoshard(train_step, jax.devices(), plan=uniform_plan(cfg.num_layers, 8, micro_batch=2,
+                                                                          shard_opt=True))
     _, metrics = step(fresh(state), batch)
     assert math.isfinite(float(metrics["loss"]))
     assert step.fit is not None and not step.fit.checked and "memory check" not in step.summary()
@@ -69,7 +70,7 @@ def test_without_a_memory_limit_nothing_is_checked():
 
 def test_single_stage_misfit_names_the_stage_and_knobs(monkeypatch):
     cfg, state, batch, train_step = setup()
-    plan = uniform_plan(cfg.num_layers, 8, micro_batch=2)
+    plan = uniform_plan(cfg.num_layers, 8, micro_batch=2, shard_opt=True)
     step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
     capacity(monkeypatch, MiB)
     with pytest.raises(PlanDoesNotFit, match=r"stage 0 \(the whole step, layers 0-4\) needs .* MiB per device") as e:
@@ -89,7 +90,8 @@ def test_single_stage_misfit_names_the_stage_and_knobs(monkeypatch):
 def test_bytes_in_use_count_once(monkeypatch):
     """What the placed state and batch hold is in bytes_in_use and in the program's arguments: counted once."""
     cfg, state, batch, train_step = setup()
-    step = mistjax.autoshard(train_step, jax.devices(), plan=uniform_plan(cfg.num_layers, 8, micro_batch=2))
+    step = mistjax.autoshard(train_step, jax.devices(), plan=uniform_plan(cfg.num_layers, 8, micro_batch=2,
+                                                                          shard_opt=True))
     limit, in_use = 2**40, 2**40 - MiB
     capacity(monkeypatch, limit)
     monkeypatch.setattr(fit, "device_in_use", lambda d: in_use)

@@ -138,3 +138,15 @@ def test_zero_1_at_dp_1_is_reported_without_a_warning():
     step_fn, state, batch = _scan_model(tag=False)
     step, noops = _run(step_fn, state, batch, uniform_plan(L, 1, micro_batch=B, shard_opt=True), jax.devices()[:1])
     assert noops == [] and "[NO ] shard_opt (ZeRO-1): nothing sharded" in step.summary()
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+def test_uniform_plan_turns_nothing_on_unasked():
+    plan = uniform_plan(4, 8)
+    assert [s.zero_stage for s in plan.stages] == [0]
+    assert (plan.dp, plan.tp, plan.cp, plan.micro_batch, plan.grad_accum, plan.num_stages) == (8, 1, 1, 1, 1, 1)
+    stage = plan.stages[0]
+    assert stage.remat_layers == 0 and all(getattr(stage, f) == 0 for f in mistjax.plan.OFFLOAD_FIELDS)
+    assert uniform_plan(4, 8, shard_opt=True).stages[0].zero_stage == 1
+    assert uniform_plan(4, 8, shard_opt=True, shard_grads=True, shard_weights=True).stages[0].zero_stage == 3
+    assert "no ZeRO" in uniform_plan.__doc__ and "shard_opt=True" in uniform_plan.__doc__

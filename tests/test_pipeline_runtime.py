@@ -21,7 +21,8 @@ def pipelined_plan(name, stages, *, grad_accum, tp=1, layers=None, schedule="1f1
     cfg = setup(name)[0]
     dp = DEVICES // (tp * stages)
     plan = uniform_plan(cfg.num_layers, DEVICES, stages=stages, tp=tp, grad_accum=grad_accum,
-                        shard_group=shard_group, micro_batch=BATCH // (dp * grad_accum), schedule=schedule, **stage)
+                        shard_group=shard_group, micro_batch=BATCH // (dp * grad_accum), schedule=schedule,
+                        **{"shard_opt": True, **stage})
     if layers:
         plan = plan.replace(stages=tuple(dataclasses.replace(s, layers=ls) for s, ls in zip(plan.stages, layers)))
     return plan
@@ -140,7 +141,7 @@ def test_pipelining_a_model_without_layer_stack_is_refused():
         return {"params": jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads)}, {"loss": loss}
 
     state = {"params": {"w": jnp.ones((4, 4))}}
-    plan = uniform_plan(2, DEVICES, stages=2, micro_batch=1, grad_accum=1)
+    plan = uniform_plan(2, DEVICES, stages=2, micro_batch=1, grad_accum=1, shard_opt=True)
     step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
     with pytest.raises(PlanError, match="no scan over stacked layer"):
         step(state, {"x": jnp.ones((4, 4))})

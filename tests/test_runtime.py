@@ -54,7 +54,7 @@ def loss_only_step(name: str):
 def make_plan(cfg, *, tp=1, grad_accum=1, shard_group=0, **stage) -> Plan:
     dp = DEVICES // tp
     return uniform_plan(cfg.num_layers, DEVICES, tp=tp, grad_accum=grad_accum, shard_group=shard_group,
-                        micro_batch=BATCH // (dp * grad_accum), **stage)
+                        micro_batch=BATCH // (dp * grad_accum), **{"shard_opt": True, **stage})
 
 
 def run(name: str, **knobs):
@@ -453,14 +453,14 @@ def test_hlo_reads_mesh_replica_groups():
 # ---------------------------------------------------------------- validation errors
 def test_device_count_mismatch():
     cfg, state, batch, train_step, *_ = setup("llama-tiny")
-    plan = uniform_plan(cfg.num_layers, 4, micro_batch=4)
+    plan = uniform_plan(cfg.num_layers, 4, micro_batch=4, shard_opt=True)
     with pytest.raises(PlanError, match="needs 4 devices .* mesh has 8"):
         mistjax.autoshard(train_step, jax.devices(), plan=plan)
 
 
 def test_shard_group_must_divide_dp():
     with pytest.raises(PlanError, match="shard_group=3 must divide dp=8"):
-        uniform_plan(4, 8, shard_group=3)
+        uniform_plan(4, 8, shard_group=3, shard_opt=True)
 
 
 def test_tp_must_divide_heads():
@@ -492,7 +492,7 @@ def test_unknown_remat_policy():
 
 def test_plan_for_other_model_refused():
     cfg, state, batch, train_step, *_ = setup("llama-tiny")
-    step = mistjax.autoshard(train_step, jax.devices(), plan=uniform_plan(6, 8, micro_batch=2))
+    step = mistjax.autoshard(train_step, jax.devices(), plan=uniform_plan(6, 8, micro_batch=2, shard_opt=True))
     with pytest.raises(PlanError, match="cover 6 layers but the model has 4"):
         step(state, batch)
 

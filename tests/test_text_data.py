@@ -286,7 +286,7 @@ def test_resume_warns_when_the_tokenized_data_changed(corpus, tmp_path: Path) ->
 
     folder, tok, _ = corpus
     cfg = TrainConfig(data=str(folder), tokenizer=str(tok))
-    plan = uniform_plan(4, 8, micro_batch=1)
+    plan = uniform_plan(4, 8, micro_batch=1, shard_opt=True)
     meta = {"model": cfg.model, "plan": plan.to_dict(), "step": 2, "process_count": jax.process_count(),
             "device_count": jax.device_count(), "config": {}, "data_position": {"tokens_sha256": "0" * 64}}
     with pytest.warns(RuntimeWarning, match=r"tokenized --data .* differs from the checkpoint's"):

@@ -97,7 +97,8 @@ def test_zb_h1_order_keeps_1f1b_memory_and_shrinks_the_bubble(S, G):
 
 def test_zero_bubble_plan_refusals():
     with pytest.raises(PlanError, match="virtual_stages=1"):
-        dataclasses.replace(uniform_plan(8, 8, stages=4, grad_accum=4, schedule="zb-h1"), virtual_stages=2)
+        dataclasses.replace(uniform_plan(8, 8, stages=4, grad_accum=4, schedule="zb-h1",
+                                         shard_opt=True), virtual_stages=2)
     with pytest.raises(ValueError, match="SearchSpace.zero_bubble=True"):
         SearchSpace(schedules=("1f1b", "zb-h1"))
 
@@ -137,7 +138,8 @@ def test_zb_h1_runs_its_split_programs():
     """The executor's op counts: stage 0's W is its whole backward, the middle stages run B and W, the last a
     fused forward + input gradient and a W."""
     G = 4
-    step, state, batch = _gpt3_tiny_step(uniform_plan(4, 4, stages=4, micro_batch=4, grad_accum=G, schedule="zb-h1"))
+    step, state, batch = _gpt3_tiny_step(uniform_plan(4, 4, stages=4, micro_batch=4, grad_accum=G, schedule="zb-h1",
+                                                      shard_opt=True))
     step(state, batch)
     ex = step._mpmd
     assert ex.stats.by_kind["backward"] == G and ex.stats.by_kind["input_grad"] == 2 * G
@@ -150,7 +152,7 @@ def test_zb_h1_runs_its_split_programs():
 def test_zb_h1_is_priced_as_the_executor_runs_it():
     cluster = ClusterSpec.preset("a100-40gb", 4, 8)
     wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
-    plans = {s: uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, schedule=s) for s in
+    plans = {s: uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, schedule=s, shard_opt=True) for s in
              ("1f1b", "zb-h1")}
     one, zb = analyze(wl, plans["1f1b"], cluster), analyze(wl, plans["zb-h1"], cluster)
     assert zb.step_time < one.step_time  # the weight passes fill the bubble
@@ -168,7 +170,7 @@ def test_compiled_split_programs_do_the_backward_s_work_and_count_their_stash():
 
     flops = {}
     for schedule in ("1f1b", "zb-h1"):
-        plan = uniform_plan(4, 4, stages=4, micro_batch=4, grad_accum=4, schedule=schedule)
+        plan = uniform_plan(4, 4, stages=4, micro_batch=4, grad_accum=4, schedule=schedule, shard_opt=True)
         step, state, batch = _gpt3_tiny_step(plan)
         placed = step.place(state, batch)
         compiled = step._mpmd.compile_stages(placed, batch)
@@ -188,7 +190,7 @@ def test_the_tuner_adopts_zero_bubble_where_faster_and_fitting():
     from mistjax.tuning.tuner import _reschedule, _SearchJob
 
     wl = models.workload(models.get_config("gpt3-7b"), 2048, 128)
-    plan = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16)
+    plan = uniform_plan(32, 32, tp=2, micro_batch=2, stages=4, grad_accum=16, shard_opt=True)
     roomy, tight = ClusterSpec.preset("a100-80gb", 4, 8), ClusterSpec.preset("a100-40gb", 4, 8)
     for cluster in (roomy, tight):
         plan = plan.replace(prediction=COST_MODEL.predict(wl, plan.replace(prediction=None), cluster))
@@ -256,16 +258,16 @@ def test_zb_v_order_is_valid_holds_1f1b_peak_and_beats_the_other_schedules(S, G)
 
 
 def test_zb_v_plans_place_their_chunks_in_a_v():
-    plan = uniform_plan(8, 4, stages=2, grad_accum=4, remat_layers=3).v_shaped()
+    plan = uniform_plan(8, 4, stages=2, grad_accum=4, remat_layers=3, shard_opt=True).v_shaped()
     assert plan.schedule == "zb-v" and plan.virtual_stages == 2 and plan.device_stages == 2
     assert [st.layers for st in plan.stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert plan.stage_groups == (0, 1, 1, 0)  # the first group runs the embedding and the head
     assert [st.remat_layers for st in plan.stages] == [2, 2, 1, 1]
     assert "V-shaped" in plan.summary()
     with pytest.raises(PlanError, match="virtual_stages=2"):
-        dataclasses.replace(uniform_plan(8, 8, stages=4, grad_accum=4), schedule="zb-v")
+        dataclasses.replace(uniform_plan(8, 8, stages=4, grad_accum=4, shard_opt=True), schedule="zb-v")
     with pytest.raises(PlanError, match="fewer than 2 layers"):
-        uniform_plan(4, 4, stages=4, grad_accum=4).v_shaped()
+        uniform_plan(4, 4, stages=4, grad_accum=4, shard_opt=True).v_shaped()
 
 
 def test_zb_v_matches_one_device(train_steps):
@@ -281,7 +283,8 @@ def test_zb_v_matches_one_device(train_steps):
 
 def test_zb_v_runs_its_split_programs_in_a_v():
     G = 4
-    step, state, batch = _gpt3_tiny_step(uniform_plan(4, 2, stages=2, micro_batch=4, grad_accum=G).v_shaped())
+    step, state, batch = _gpt3_tiny_step(uniform_plan(4, 2, stages=2, micro_batch=4, grad_accum=G,
+                                                      shard_opt=True).v_shaped())
     step(state, batch)
     ex = step._mpmd
     assert [m.devices.flat[0] for m in ex.meshes] == [ex.group_meshes[g].devices.flat[0] for g in (0, 1, 1, 0)]

@@ -627,7 +627,32 @@ def params_fingerprint(params: Any) -> str:
 def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int = 1, cp: int = 1, micro_batch: int = 1,
                  grad_accum: int = 1, shard_group: int = 0, schedule: str = "1f1b", grad_dtype: str | None = None,
                  cp_form: str = "ring", **stage_fields: Any) -> Plan:
-    """A plan with evenly split stages that all share `stage_fields` (handy for tests and baselines)."""
+    """A plan with evenly split stages that all share ``stage_fields`` (handy for tests and baselines).
+
+    Every knob is off unless asked for: one stage, no tensor or context parallelism, one micro-batch of one
+    sequence per data-parallel rank, no ZeRO (``shard_opt``, ``shard_grads`` and ``shard_weights`` all False:
+    pass ``shard_opt=True`` for ZeRO-1, ``shard_opt=True, shard_grads=True`` for ZeRO-2, all three for ZeRO-3),
+    no remat, no offload. ``dp`` is what the devices leave: ``num_devices // (stages * cp * tp)``.
+
+    Args:
+        num_layers: layers of the model's layer stack, split into ``stages`` runs within one layer of each other.
+        num_devices: devices the plan uses.
+        stages: pipeline stages (default 1: no pipelining).
+        tp: tensor-parallel degree (default 1).
+        cp: context-parallel degree (default 1).
+        micro_batch: sequences per data-parallel rank per micro-batch (default 1).
+        grad_accum: micro-batches per step (default 1).
+        shard_group: MiCS partition group (default 0: all of dp, plain ZeRO).
+        schedule: pipeline schedule (default ``1f1b``).
+        grad_dtype: dtype gradients are accumulated and reduced in (default None: each parameter's own).
+        cp_form: how sequence-split attention communicates (default ``ring``).
+        **stage_fields: `StagePlan` fields every stage gets (``remat_layers`` is capped at each stage's layers).
+
+    Raises:
+        PlanError: an unknown stage field, devices that do not split into ``stages x cp x tp``, or fewer layers
+            than stages.
+    """
+    stage_fields.setdefault("shard_opt", False)  # StagePlan's own default is True (ZeRO-1): never turned on unasked
     known = {f.name for f in dataclasses.fields(StagePlan)} - {"layers"}
     for name in stage_fields:
         if name not in known:

@@ -191,7 +191,8 @@ def resolve_plan(cfg: TrainConfig, num_layers: int, num_devices: int) -> Plan:
     if cfg.global_batch % num_devices:
         raise PlanError(f"global batch {cfg.global_batch} is not divisible by the {num_devices} devices; "
                         "use a multiple of the device count")
-    return uniform_plan(num_layers, num_devices, micro_batch=cfg.global_batch // num_devices)
+    # Data parallelism over every device with ZeRO-1 (the optimizer state sharded): docs/pretraining.md.
+    return uniform_plan(num_layers, num_devices, micro_batch=cfg.global_batch // num_devices, shard_opt=True)
 
 
 def make_global_batch(step: ShardedStep, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
