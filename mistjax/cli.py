@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import tyro
 
-from mistjax.core.plan import Plan, PlanError
+from mistjax.core.plan import Plan, PlanError, format_bytes
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -245,12 +245,15 @@ def cmd_plan(args: PlanArgs) -> int:
     if args.verify:
         _verify_ready(cluster)
     # default: verify where the GPU's compiler and a target spec are here
-    verify = _can_verify(cluster) if args.verify is None else args.verify
+    unverifiable = _verify_problem(cluster) if args.verify is None else None if args.verify else "--no-verify"
+    verify = unverifiable is None
     config = _model_config(args)  # once: a Hugging Face config's warnings print once
     workload = _workload(args, config)
     print(f"planning {args.model} (seq {args.seq_len}, global batch {args.global_batch}) on {cluster.name} "
           f"{cluster.nodes}x{cluster.devices_per_node}, {cluster.memory_budget() / 2**30:.1f} GiB usable per device")
     print(margin_line(cluster))
+    if unverifiable is not None:
+        print(f"  {unverified_line(cluster, unverifiable)}")
     results: list[TuneResult] = []
 
     def tune_fn(c: ClusterSpec) -> Plan:
@@ -275,6 +278,10 @@ def cmd_plan(args: PlanArgs) -> int:
 
     for note in analyze(workload, plan, cluster).notes:  # e.g. why the schedule (interleaved, zero-bubble)
         print(f"  note: {note}")
+    status = (verification_line(verified) if verified is not None else
+              unverified_line(cluster, unverifiable or "the compile failed: see the warning above"))
+    print(f"  {status}")
+    plan = plan.replace(fingerprints={**plan.fingerprints, "verification": status})  # kept in the JSON
     if args.json:
         plan.save(args.json)
         print(f"wrote {args.json}")
@@ -288,6 +295,24 @@ def cmd_plan(args: PlanArgs) -> int:
     print("verified tuning (the plan compiled for the GPU; re-tuned with the measured gap if above the budget):")
     print(verified.summary())
     return 0 if verified.rounds[-1].report.fits else 1
+
+
+def unverified_line(cluster: ClusterSpec, reason: str) -> str:
+    """What stands in for the XLA:GPU check of a plan that was not compiled for the GPU (``reason``: why)."""
+    dev = cluster.device
+    margin = (f"memory margin {dev.memory_margin:.1%} of the non-state memory applied"
+              if dev.memory_margin_source else "no memory margin applied (the preset has none)")
+    return f"not verified by XLA:GPU ({reason}); {margin}"
+
+
+def verification_line(verified: VerifiedPlan) -> str:
+    """The XLA:GPU check's verdict on the plan, in one line."""
+    r = verified.rounds[-1]
+    peak = f"XLA:GPU's peak {format_bytes(max(r.xla))} per device"
+    if verified.verified:
+        return f"verified by XLA:GPU: {peak}, within the planning budget of {format_bytes(r.report.budget)}"
+    return (f"NOT verified by XLA:GPU: {peak}, above the planning budget of {format_bytes(r.report.budget)}"
+            + (" (but within the card)" if r.report.fits else " and the card"))
 
 
 def margin_line(cluster: ClusterSpec) -> str:
@@ -412,27 +437,28 @@ def _explain_shape(args: ExplainArgs, plan: Plan) -> ExplainArgs:
     return dataclasses.replace(args, global_batch=batch, seq_len=seq)
 
 
-def _can_verify(cluster: ClusterSpec) -> bool:
-    """Whether ``--verify`` can run here: the deviceless XLA:GPU compiler is installed and the cluster's
-    GPU has a target spec (`mistjax.validate.gpu_aot`)."""
+def _verify_problem(cluster: ClusterSpec) -> str | None:
+    """Why ``--verify`` cannot run here, in a few words (None: it can): the deviceless XLA:GPU compiler is not
+    installed, or the cluster's GPU has no target spec (`mistjax.validate.gpu_aot`)."""
     try:
         _verify_ready(cluster)
-    except CliError:
-        return False
-    return True
+    except CliError as e:
+        reason = str(e).removeprefix("--verify: ").split(";")[0]
+        return re.sub(r" \(device '[^']*'\)", "", reason.replace("no XLA:GPU target spec", "no target spec"))
+    return None
 
 
 def _verify_ready(cluster: ClusterSpec) -> None:
     """Fail before any tuning or analysis if ``--verify`` cannot run (plugin missing, no GPU spec)."""
     from mistjax.validate.gpu_aot import plugin_problem, target_for
 
-    problem = plugin_problem()
-    if problem:
-        raise CliError(f"--verify: {problem}")
-    try:
+    try:  # first: a cluster without a target spec cannot be verified whatever is installed
         target_for(cluster)
     except ValueError as e:
         raise CliError(f"--verify: {e}") from e
+    problem = plugin_problem()
+    if problem:
+        raise CliError(f"--verify: {problem}")
 
 
 def _verify(config: ModelConfig, workload: Workload, plan: Plan, cluster: ClusterSpec,

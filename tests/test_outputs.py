@@ -150,3 +150,22 @@ def test_uniform_plan_turns_nothing_on_unasked():
     assert uniform_plan(4, 8, shard_opt=True).stages[0].zero_stage == 1
     assert uniform_plan(4, 8, shard_opt=True, shard_grads=True, shard_weights=True).stages[0].zero_stage == 3
     assert "no ZeRO" in uniform_plan.__doc__ and "shard_opt=True" in uniform_plan.__doc__
+
+
+# ---------------------------------------------------------------------------------------------- unverified plans
+def test_plan_on_a_preset_without_a_gpu_target_says_it_is_not_verified(tmp_path, capsys):
+    """dgx-h100 has no XLA:GPU target spec: the output and the plan's JSON say the plan was not verified."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt3-tiny", "--cluster", "dgx-h100:1x8", "--global-batch", "16", "--seq-len",
+                 "32", "--time-limit", "10", "--no-baselines", "--json", str(path)]) == 0
+    want = ("not verified by XLA:GPU (no target spec for cluster 'dgx-h100'); memory margin 0.0% of the non-state "
+            "memory applied")
+    assert capsys.readouterr().out.count(want) == 2  # before the search and with the plan
+    assert mistjax.plan.Plan.load(path).fingerprints["verification"] == want
+
+
+def test_no_verify_says_so(tmp_path, capsys):
+    assert main(["plan", "--model", "gpt3-tiny", "--cluster", "cpu:1x8", "--global-batch", "16", "--seq-len", "32",
+                 "--time-limit", "10", "--no-baselines", "--no-verify"]) == 0
+    assert "not verified by XLA:GPU (--no-verify); no memory margin applied (the preset has none)" in \
+        capsys.readouterr().out
