@@ -44,13 +44,14 @@ from mistjax.runtime.mpmd_memory import (
     shard_bytes,
     takes,
 )
-from mistjax.validate.gpu_aot import (
+from mistjax.validate.gpu_aot_target import (
     DeviceMemory,
     MemoryAnalyzed,
+    Verification,
     compile_only_devices,
     device_mesh,
-    group_peaks,
     target_for,
+    zoo_step,
 )
 
 if TYPE_CHECKING:
@@ -161,6 +162,17 @@ def stage_group(stage: StageAot, groups: int) -> int:
     return stage.group if stage.group >= 0 else stage.stage % groups
 
 
+def group_peaks(report: Verification, groups: int) -> tuple[float, ...]:
+    """XLA's peak per device group: the stages placed on group g share its devices (each stage's peak already
+    counts what the group's other stages keep resident)."""
+    peaks = report.peak_per_stage
+    stages = getattr(report, "stages", None)
+    if not stages or not hasattr(stages[0], "group"):
+        return tuple(float(max(peaks[g::groups])) for g in range(groups))
+    placed = [stage_group(s, groups) for s in stages]
+    return tuple(float(max(p for p, h in zip(peaks, placed) if h == g)) for g in range(groups))
+
+
 def format_pipeline(report: PipelineAotReport, predicted: list[float], unit: float, uname: str) -> list[str]:
     """Per device group: the predicted peak next to XLA:GPU's, the program at XLA's peak and what lives
     beside it (`resident_parts`)."""
@@ -223,12 +235,10 @@ def compile_pipeline(train_step: TrainStep, state: State, batch: Batch, plan: Pl
 
 def verify_pipeline(config: ModelConfig, seq_len: int, global_batch: int, plan: Plan, cluster: ClusterSpec
                     ) -> PipelineAotReport:
-    """`compile_pipeline` of the zoo model ``config`` (`mistjax.validate.gpu_aot.zoo_step`)."""
-    from mistjax.validate.gpu_aot import zoo_step
-
+    """`compile_pipeline` of the zoo model ``config`` (`mistjax.validate.gpu_aot_target.zoo_step`)."""
     state, batch, step = zoo_step(config, seq_len, global_batch)
     return compile_pipeline(step, state, batch, plan, cluster)
 
 
-__all__ = ["PipelineAotReport", "ProgramAot", "StageAot", "compile_pipeline", "format_pipeline",
+__all__ = ["PipelineAotReport", "ProgramAot", "StageAot", "compile_pipeline", "format_pipeline", "group_peaks",
            "most_in_flight", "resident_parts", "residuals_beside", "shard_bytes", "stage_reports", "verify_pipeline"]
