@@ -12,6 +12,7 @@ weight-gradient half, run later. The schedules and the reasoning: docs/pipelines
 from __future__ import annotations
 
 import enum
+import math
 import functools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -78,9 +79,9 @@ def _check(num_groups: int, chunks: int, num_microbatches: int, schedule: str) -
     if chunks > 1 and schedule == "1f1b-eager":
         raise ScheduleError("1f1b-eager has no interleaved form; use schedule 1f1b (Megatron's interleaved "
                             "1F1B) or gpipe with virtual_stages > 1")
-    if chunks > 1 and schedule == "1f1b" and num_microbatches % num_groups:
+    if chunks > 1 and schedule == "1f1b" and num_microbatches < num_groups:
         raise ScheduleError(f"interleaved 1F1B advances micro-batches in groups of the {num_groups} device "
-                            f"groups, so grad_accum={num_microbatches} must be a multiple of {num_groups}")
+                            f"groups, so grad_accum={num_microbatches} must be at least {num_groups}")
 
 
 def _classic(s: int, S: int, G: int) -> list[tuple[OpKind, int]]:
@@ -97,22 +98,30 @@ def _eager(s: int, S: int, G: int) -> list[tuple[OpKind, int]]:
     return [(kind, i) for _, _, kind, i in sorted(timed)]
 
 
-def _interleaved(d: int, S: int, v: int, G: int) -> list[tuple[OpKind, int, int]]:
-    """Megatron's order for device group ``d``: (kind, chunk, micro-batch) triples."""
-    total = v * G
+def _interleaved_sequence(S: int, v: int, G: int) -> list[tuple[int, int]]:
+    """The (chunk, micro-batch) pairs a device group runs forwards in: micro-batches in groups of ``S``, each group
+    through every chunk in turn. Where ``S`` does not divide ``G`` the last group takes the remainder too (``S``
+    to ``2S - 1`` micro-batches), as Megatron-Core's schedule table does (``get_schedule_table``)."""
+    starts = list(range(0, G - G % S if G >= S else G, S)) or [0]
+    seq: list[tuple[int, int]] = []
+    for k, start in enumerate(starts):
+        group = range(start, G if k == len(starts) - 1 else start + S)
+        seq += [(c, i) for c in range(v) for i in group]
+    return seq
 
-    def chunk(j: int, forward: bool) -> int:
-        c = (j % (S * v)) // S
-        return c if forward else v - 1 - c
 
-    def mb(j: int) -> int:
-        return (j // (S * v)) * S + j % S
-
-    warm = total if G == S else min((S - d - 1) * 2 + (v - 1) * S, total)
-    ops = [(OpKind.F, chunk(j, True), mb(j)) for j in range(warm)]
+def _interleaved(d: int, S: int, v: int, G: int, extra: int = 0) -> list[tuple[OpKind, int, int]]:
+    """Megatron's order for device group ``d``: (kind, chunk, micro-batch) triples; ``extra`` more warm-up
+    forwards than Megatron's count (`_interleaved_orders`)."""
+    seq = _interleaved_sequence(S, v, G)
+    total = len(seq)
+    fwd = [(OpKind.F, c, i) for c, i in seq]
+    bwd = [(OpKind.B, v - 1 - c, i) for c, i in seq]
+    warm = total if G == S else min((S - d - 1) * 2 + (v - 1) * S + extra, total)
+    ops = fwd[:warm]
     for j in range(total - warm):
-        ops += [(OpKind.F, chunk(warm + j, True), mb(warm + j)), (OpKind.B, chunk(j, False), mb(j))]
-    return ops + [(OpKind.B, chunk(j, False), mb(j)) for j in range(total - warm, total)]
+        ops += [fwd[warm + j], bwd[j]]
+    return ops + bwd[total - warm:]
 
 
 def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks: int = 1) -> list[list[Op]]:
@@ -130,7 +139,8 @@ def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks:
         return zero_bubble_v_orders(S, G)
     if schedule in ZERO_BUBBLE:
         return zero_bubble_orders(S, G)
-    last = S * v - 1
+    if schedule == "1f1b" and v > 1:
+        return _interleaved_orders(S, v, G)
     orders: list[list[Op]] = []
     for d in range(S):
         if schedule == "gpipe":
@@ -138,20 +148,75 @@ def device_orders(schedule: str, num_groups: int, num_microbatches: int, chunks:
             raw += [(OpKind.B, c, i) for c in reversed(range(v)) for i in range(G)]
         elif schedule == "1f1b-eager":
             raw = [(kind, 0, i) for kind, i in _eager(d, S, G)]
-        elif v == 1:
-            raw = [(kind, 0, i) for kind, i in _classic(d, S, G)]
         else:
-            raw = _interleaved(d, S, v, G)
-        ops = []
-        for kind, c, i in raw:
-            k = c * S + d
-            if k == last:
-                if kind == OpKind.F:
-                    ops.append(Op(OpKind.FB, k, i))
-                continue
-            ops.append(Op(kind, k, i))
-        orders.append(ops)
+            raw = [(kind, 0, i) for kind, i in _classic(d, S, G)]
+        orders.append(_placed(raw, d, S, v))
     return orders
+
+
+def _placed(raw: Sequence[tuple[OpKind, int, int]], d: int, S: int, v: int) -> list[Op]:
+    """Group ``d``'s (kind, chunk, micro-batch) triples as operations on virtual stages, the last virtual stage's
+    F and B fused to one FB."""
+    last = S * v - 1
+    ops = []
+    for kind, c, i in raw:
+        k = c * S + d
+        if k == last:
+            if kind == OpKind.F:
+                ops.append(Op(OpKind.FB, k, i))
+            continue
+        ops.append(Op(kind, k, i))
+    return ops
+
+
+def _interleaved_orders(S: int, v: int, G: int) -> list[list[Op]]:
+    """Megatron's interleaved 1F1B orders. Where ``S`` does not divide ``G`` the last micro-batch group is longer
+    (`_interleaved_sequence`) and Megatron's warm-up counts can leave a group waiting on a backward whose inputs
+    need a forward it runs later, or idle: the groups then warm up by the extra forwards found by coordinate
+    descent on the simulated time (nominal costs) from the fewest that run. Where ``S`` divides ``G``, Megatron's
+    orders as they are."""
+    extra = [0] * S
+    while stuck := _stuck_groups(_extra_orders(S, v, G, extra), S * v):
+        for d in stuck:
+            extra[d] += 1
+    if G % S == 0:
+        return _extra_orders(S, v, G, extra)
+    best = _nominal_time(_extra_orders(S, v, G, extra), S)
+    for _ in range(2 * S):  # a bound on the rounds; each round that improves nothing ends the descent
+        improved = False
+        for d in range(S):
+            trial = [e + (k == d) for k, e in enumerate(extra)]
+            orders = _extra_orders(S, v, G, trial)
+            t = math.inf if _stuck_groups(orders, S * v) else _nominal_time(orders, S)
+            if t < best - 1e-9:
+                extra, best, improved = trial, t, True
+        if not improved:
+            break
+    return _extra_orders(S, v, G, extra)
+
+
+def _extra_orders(S: int, v: int, G: int, extra: Sequence[int]) -> list[list[Op]]:
+    return [_placed(_interleaved(d, S, v, G, extra[d]), d, S, v) for d in range(S)]
+
+
+def _nominal_time(orders: Sequence[Sequence[Op]], S: int) -> float:
+    return simulated_time(list_schedule(orders), S)
+
+
+def _stuck_groups(orders: Sequence[Sequence[Op]], num_virtual: int) -> list[int]:
+    """The groups whose next operation waits forever when every group runs its order as far as it can
+    (none: the orders run); only groups held at a backward, the ones more warm-up forwards can free."""
+    done: set[Op] = set()
+    pos = [0] * len(orders)
+    moved = True
+    while moved:
+        moved = False
+        for g, ops in enumerate(orders):
+            while pos[g] < len(ops) and all(dep in done for dep in dependencies(ops[pos[g]], num_virtual)):
+                done.add(ops[pos[g]])
+                pos[g] += 1
+                moved = True
+    return [g for g, ops in enumerate(orders) if pos[g] < len(ops) and ops[pos[g]].kind == OpKind.B]
 
 
 def zero_bubble_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]:
@@ -237,6 +302,87 @@ def zero_bubble_v_orders(num_groups: int, num_microbatches: int) -> list[list[Op
     return group_queues(zero_bubble_v_issue(num_groups, num_microbatches), num_groups, "zb-v")
 
 
+def _zbv_cost(op: Op) -> float:
+    """`ZBV_NOMINAL_COST` of ``op``; the first stage's B is free and its W carries the whole backward (its
+    input gradient is never needed: nothing precedes stage 0)."""
+    if op.stage == 0 and op.kind in (OpKind.B, OpKind.W):
+        return 0.0 if op.kind == OpKind.B else ZBV_NOMINAL_COST[OpKind.B] + ZBV_NOMINAL_COST[OpKind.W]
+    return ZBV_NOMINAL_COST[op.kind]
+
+
+class _ZbvSimulation:
+    """The state of `zero_bubble_v_issue`'s simulation: per virtual stage, the next F and B and when each
+    micro-batch's F (or FB) and B (or FB) finished; per device group, when it is free, how many chunk
+    micro-batches' residuals it holds and its deferred W's (oldest first)."""
+
+    def __init__(self, num_groups: int, num_microbatches: int) -> None:
+        S = num_groups
+        self.S, self.G, self.V = S, num_microbatches, 2 * S
+        self.limit = 2 * S  # chunk micro-batches' residuals a group may hold: 1F1B's peak
+        self.chunks = [(self.V - 1 - d, d) for d in range(S)]  # each group's stages, the one nearer the loss first
+        self.next_f, self.next_b = [0] * self.V, [0] * self.V
+        self.done_f: list[list[float]] = [[] for _ in range(self.V)]
+        self.done_b: list[list[float]] = [[] for _ in range(self.V)]
+        self.free = [0.0] * S
+        self.live = [0] * S
+        self.pending: list[deque[Op]] = [deque() for _ in range(S)]
+
+    def arrival(self, op: Op) -> float | None:
+        """When ``op``'s inputs (`dependencies`) are all computed, or None."""
+        k, i = op.stage, op.mb
+        if op.kind == OpKind.B:  # its own forward has run; the cotangent comes from stage k + 1
+            return max(self.done_f[k][i], self.done_b[k + 1][i]) if len(self.done_b[k + 1]) > i else None
+        if k == 0:
+            return 0.0
+        return self.done_f[k - 1][i] if len(self.done_f[k - 1]) > i else None
+
+    def _ready(self, d: int) -> list[tuple[float, int, Op]]:
+        """(start, rank: backward 0, forward 1, W 2, op) of every operation group ``d`` could run."""
+        ready: list[tuple[float, int, Op]] = []
+        for k in self.chunks[d]:
+            if k != self.V - 1 and self.next_b[k] < self.next_f[k]:
+                op = Op(OpKind.B, k, self.next_b[k])
+                if (t := self.arrival(op)) is not None:
+                    ready.append((max(t, self.free[d]), 0, op))
+            if self.next_f[k] < self.G and self.live[d] < self.limit:
+                op = Op(OpKind.FB if k == self.V - 1 else OpKind.F, k, self.next_f[k])
+                if (t := self.arrival(op)) is not None:
+                    ready.append((max(t, self.free[d]), 1, op))
+        if self.pending[d]:
+            ready.append((self.free[d], 2, self.pending[d][0]))
+        return ready
+
+    def option(self, d: int) -> tuple[float, int, Op] | None:
+        """(start, d, operation) group ``d`` runs next, or None while it waits for an input not yet computed."""
+        ready = self._ready(d)
+        if not ready:
+            return None
+        now = [r for r in ready if r[0] <= self.free[d]]
+        start, _, op = min(now or ready, key=lambda r: r[:2])  # stable: the chunk nearer the loss wins ties
+        return start, d, op
+
+    def run(self, d: int, start: float, op: Op) -> None:
+        """Group ``d`` runs ``op`` from ``start``: record its finish and what it leaves to do."""
+        self.free[d] = start + _zbv_cost(op)
+        if op.kind in (OpKind.F, OpKind.FB):
+            self.done_f[op.stage].append(self.free[d])
+        if op.kind in (OpKind.B, OpKind.FB):
+            self.done_b[op.stage].append(self.free[d])
+        if op.kind == OpKind.W:
+            self.pending[d].popleft()
+            self.live[d] -= 1
+            return
+        if op.kind == OpKind.B:
+            self.next_b[op.stage] += 1
+            self.pending[d].append(Op(OpKind.W, op.stage, op.mb))
+            return
+        self.next_f[op.stage] += 1
+        self.live[d] += 1
+        if op.kind == OpKind.FB:
+            self.next_b[op.stage] += 1
+            self.pending[d].append(Op(OpKind.W, op.stage, op.mb))
+
+
 def zero_bubble_v_issue(num_groups: int, num_microbatches: int) -> list[Op]:
     """ZB-V (Qi et al., ICLR'24): two chunks per device group placed in a V (group ``d`` runs virtual stages ``d``
     and ``2S - 1 - d``; `core.schedules.stage_groups`), every backward split into B and W, and each group holding
@@ -249,85 +395,20 @@ def zero_bubble_v_issue(num_groups: int, num_microbatches: int) -> list[Op]:
     runs F and B as one program and defers its W like the others. Returns the operations in the order the
     simulation starts them, the host's issue order (what `list_schedule` would make of the groups' orders).
     """
-    S, G = num_groups, num_microbatches
-    V, limit = 2 * S, 2 * S
-    chunks = [(V - 1 - d, d) for d in range(S)]  # each group's stages, the one nearer the loss first
-    next_f, next_b = [0] * V, [0] * V
-    done_f: list[list[float]] = [[] for _ in range(V)]  # per stage, when each micro-batch's F (or FB) finished
-    done_b: list[list[float]] = [[] for _ in range(V)]  # ... its B (or FB)
-    free = [0.0] * S
-    live = [0] * S
-    pending: list[deque[Op]] = [deque() for _ in range(S)]
+    sim = _ZbvSimulation(num_groups, num_microbatches)
+    S, V, G = sim.S, sim.V, sim.G
+    options = [sim.option(d) for d in range(S)]
     issue: list[Op] = []
-
-    def op_cost(op: Op) -> float:
-        if op.stage == 0 and op.kind in (OpKind.B, OpKind.W):
-            return 0.0 if op.kind == OpKind.B else ZBV_NOMINAL_COST[OpKind.B] + ZBV_NOMINAL_COST[OpKind.W]
-        return ZBV_NOMINAL_COST[op.kind]
-
-    def arrival(op: Op) -> float | None:
-        """When ``op``'s inputs (`dependencies`) are all computed, or None."""
-        k, i = op.stage, op.mb
-        if op.kind == OpKind.B:  # its own forward has run; the cotangent comes from stage k + 1
-            return max(done_f[k][i], done_b[k + 1][i]) if len(done_b[k + 1]) > i else None
-        if k == 0:
-            return 0.0
-        return done_f[k - 1][i] if len(done_f[k - 1]) > i else None
-
-    def choice(d: int) -> tuple[float, Op] | None:
-        """(start, operation) group d runs next, or None while it waits for an input not yet computed."""
-        ready: list[tuple[float, int, Op]] = []  # (start, rank: backward 0, forward 1, W 2, op)
-        for k in chunks[d]:
-            if k != V - 1 and next_b[k] < next_f[k]:
-                op = Op(OpKind.B, k, next_b[k])
-                if (t := arrival(op)) is not None:
-                    ready.append((max(t, free[d]), 0, op))
-            if next_f[k] < G and live[d] < limit:
-                op = Op(OpKind.FB if k == V - 1 else OpKind.F, k, next_f[k])
-                if (t := arrival(op)) is not None:
-                    ready.append((max(t, free[d]), 1, op))
-        if pending[d]:
-            ready.append((free[d], 2, pending[d][0]))
-        if not ready:
-            return None
-        now = [r for r in ready if r[0] <= free[d]]
-        start, _, op = min(now or ready, key=lambda r: r[:2])  # stable: the chunk nearer the loss wins ties
-        return start, op
-
-    options: list[tuple[float, int, Op] | None] = [None] * S
-
-    def refresh(d: int) -> None:
-        c = choice(d)
-        options[d] = None if c is None else (c[0], d, c[1])
-
-    for d in range(S):
-        refresh(d)
     for _ in range(3 * V * G - G):  # F, B and W per micro-batch and virtual stage; FB on the last
         ready = [o for o in options if o is not None]
         if not ready:
             raise ScheduleError("internal: the ZB-V simulation deadlocked")
         start, d, op = min(ready, key=lambda o: o[:2])
-        free[d] = start + op_cost(op)
+        sim.run(d, start, op)
         issue.append(op)
-        if op.kind in (OpKind.F, OpKind.FB):
-            done_f[op.stage].append(free[d])
-        if op.kind in (OpKind.B, OpKind.FB):
-            done_b[op.stage].append(free[d])
-        if op.kind == OpKind.W:
-            pending[d].popleft()
-            live[d] -= 1
-        elif op.kind == OpKind.B:
-            next_b[op.stage] += 1
-            pending[d].append(Op(OpKind.W, op.stage, op.mb))
-        else:
-            next_f[op.stage] += 1
-            live[d] += 1
-            if op.kind == OpKind.FB:
-                next_b[op.stage] += 1
-                pending[d].append(Op(OpKind.W, op.stage, op.mb))
-        for g in (d - 1, d, d + 1):
+        for g in (d - 1, d, d + 1):  # only a neighbour's inputs can have arrived
             if 0 <= g < S:
-                refresh(g)
+                options[g] = sim.option(g)
     return issue
 
 
