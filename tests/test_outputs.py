@@ -3,6 +3,7 @@ defaults are stated, unverified plans say so, messages state what they counted, 
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -169,3 +170,18 @@ def test_no_verify_says_so(tmp_path, capsys):
                  "--time-limit", "10", "--no-baselines", "--no-verify"]) == 0
     assert "not verified by XLA:GPU (--no-verify); no memory margin applied (the preset has none)" in \
         capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- what is counted
+def test_the_smallest_plan_message_states_what_it_counted(capsys):
+    """GPT-3 22B on one L4 (#55): the figure is device bytes after offload, its parts add up to it, and the
+    offloaded host bytes (the whole model state, hundreds of GiB) are given apart."""
+    assert main(["plan", "--model", "gpt3-22b", "--cluster", "l4:1x1", "--global-batch", "32", "--seq-len", "2048",
+                 "--no-verify", "--time-limit", "10", "--no-baselines"]) == 2
+    err = capsys.readouterr().err
+    need = float(re.search(r"the smallest plan needs ([\d.]+) GiB of device memory per device", err)[1])
+    parts = re.search(r"counted on the device after offload: ([\d.]+) GiB parameters, ([\d.]+) GiB gradients, "
+                      r"([\d.]+) GiB optimizer state, ([\d.]+) GiB activations, ([\d.]+) GiB buffers", err)
+    assert parts and abs(sum(float(x) for x in parts.groups()) - need) <= 0.011
+    host = float(re.search(r"; ([\d.]+) GiB more offloaded to host memory\)", err)[1])
+    assert float(parts[3]) < 1.0 < 200 < host  # the optimizer state is on the host, not counted in the figure

@@ -574,16 +574,24 @@ def no_plan_message(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
             per_node=cluster.devices_per_node, nodes=cluster.nodes))
         best = int(np.argmin(smallest.peak))
         need = float(smallest.peak[best])
-        states = float(sum(np.broadcast_to(v, smallest.peak.shape)[best] for k, v in smallest.memory.items()
-                           if k in ("params", "grads", "optimizer")))
+
+        def gib(x: Any) -> str:
+            return f"{float(np.broadcast_to(x, smallest.peak.shape)[best]) / 2**30:.2f} GiB"
+
+        mem = smallest.memory
+        # What the figure counts (#55: it read as if offload were not subtracted): device bytes after offload.
+        counted = (f"counted on the device after offload: {gib(mem['params'])} parameters, {gib(mem['grads'])} "
+                   f"gradients, {gib(mem['optimizer'])} optimizer state, {gib(mem['activations'])} activations, "
+                   f"{gib(mem['buffers'])} buffers (transients, e.g. the optimizer update's device copies of "
+                   f"offloaded state); {gib(smallest.host)} more offloaded to host memory")
         cp = int(cps[best])
         layout = (f"each sequence split over {cp} devices (context parallelism), ZeRO-3 over {n // cp}" if cp > 1
                   else f"ZeRO-3 over all {n} devices")
         more = math.ceil(n * need / budget) if need > 0 else n
         card = need / cluster.device.usable_memory_fraction / 2**30
-        text += (f"; the smallest plan needs {need / 2**30:.2f} GiB per device ({layout}, every layer recomputed, "
-                 f"everything offloadable offloaded, micro-batch 1; {states / 2**30:.2f} GiB of it "
-                 f"model states). Use devices with at least {card:.1f} GiB, about {more} or more "
+        text += (f"; the smallest plan needs {need / 2**30:.2f} GiB of device memory per device ({layout}, every "
+                 f"layer recomputed, everything offloadable offloaded, micro-batch 1; {counted}). Use devices "
+                 f"with at least {card:.1f} GiB, about {more} or more "
                  "devices of this kind, a shorter sequence, or a smaller model")
     except Exception as e:  # the diagnosis must never hide the real error
         text += f"; use more devices, a smaller model or batch (could not estimate the minimum: {e})"
