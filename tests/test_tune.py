@@ -304,8 +304,10 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
 
 def test_no_plan_fits_raises():
     w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
-    with pytest.raises(RuntimeError, match="no plan fits"):
+    with pytest.raises(RuntimeError, match="no plan fits") as caught:
         tune(w, _cpu(1e3), cost=stub.COST_MODEL, baselines=())
+    # The minimum is estimated (the context-parallel probe calls `supports_cp(cp, tp)` as typed), not skipped.
+    assert "the smallest plan needs" in str(caught.value) and "could not estimate" not in str(caught.value)
 
 
 # ---------------------------------------------------------------------------------------------- real cost model

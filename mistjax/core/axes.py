@@ -32,6 +32,7 @@ def leaf_axes(tree: PyTree) -> list[Axes | None]:
     """Logical axis names of each array leaf of `tree` (aligned with `jax.tree.leaves(tree)`)."""
     out: list[Axes | None] = []
     for node in jax.tree.leaves(tree, is_leaf=_is_variable):
+        names: Sequence[str | None] | None
         if isinstance(node, meta.Partitioned):
             names = node.names
         elif isinstance(node, nnx.Variable):
@@ -78,7 +79,7 @@ def apply_axis_rules(axes: Sequence[Axes | None], rules: AxisRules | None) -> li
 
 def is_stacked(axes: Axes | None) -> bool:
     """Whether a leaf with these logical axes holds the layer stack on its leading dim."""
-    return bool(axes) and axes[0] == "layers"
+    return axes is not None and len(axes) > 0 and axes[0] == "layers"
 
 
 __all__ = ["Axes", "AxisRule", "AxisRules", "apply_axis_rules", "is_stacked", "leaf_axes"]

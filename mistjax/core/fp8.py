@@ -83,8 +83,12 @@ def fp8_einsums(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...])
     return _forward(specs, x, ws)[0]
 
 
+# What the forward saves for the backward: x, the weights, x's scale and the weights' scales.
+_Residuals = tuple[jax.Array, tuple[jax.Array, ...], jax.Array, tuple[jax.Array, ...]]
+
+
 def _forward(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]
-             ) -> tuple[tuple[jax.Array, ...], tuple[object, ...]]:
+             ) -> tuple[tuple[jax.Array, ...], _Residuals]:
     if len(specs) != len(ws):
         raise ValueError(f"fp8_einsums: {len(specs)} specs for {len(ws)} weights; give one spec per weight")
     for spec in specs:
@@ -97,11 +101,12 @@ def _forward(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]
     return ys, (x, ws, sx, sws)
 
 
-def _backward(specs: tuple[str, ...], res: tuple[object, ...], gs: tuple[jax.Array, ...]
+def _backward(specs: tuple[str, ...], res: _Residuals, gs: tuple[jax.Array, ...]
               ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     x, ws, sx, sws = res
     xq = _cast(x, sx, E4M3)
-    dx, dws = None, []
+    dx: jax.Array | None = None
+    dws = []
     for spec, w, sw, g in zip(specs, ws, sws, gs):
         a, b, out = _operands(spec)
         sg = _scale(g, E5M2)
@@ -109,6 +114,8 @@ def _backward(specs: tuple[str, ...], res: tuple[object, ...], gs: tuple[jax.Arr
         part = _gemm(f"{out},{b}->{a}", gq, _cast(w, sw, E4M3), 1.0 / (sg * sw), x.dtype)
         dx = part if dx is None else dx + part
         dws.append(_gemm(f"{a},{out}->{b}", xq, gq, 1.0 / (sx * sg), w.dtype))
+    if dx is None:  # no weights: x reached no GEMM, so its gradient is zero (not None, which JAX rejects)
+        dx = jnp.zeros_like(x)
     return dx, tuple(dws)
 
 

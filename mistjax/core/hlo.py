@@ -338,6 +338,9 @@ def memory_stats(compiled: Compiled) -> dict[str, int]:
     (On CPU ``peak_memory_in_bytes`` leaves temporaries out, so the sum is the honest figure.)
     """
     m = compiled.memory_analysis()
+    if m is None:
+        raise RuntimeError("memory_stats: this backend's compiled executable has no memory analysis; "
+                           "run on XLA:CPU or XLA:GPU")
     stats = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
              "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
     stats["peak"] = stats["argument"] + stats["output"] + stats["temp"] - stats["alias"]

@@ -19,10 +19,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Container, Iterator, Mapping, MutableMapping, Sequence
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol, TypeAlias, TypeGuard
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeGuard, cast
 
 import jax
 import numpy as np
+from jax._src import source_info_util  # private, as jax.core.eval_jaxpr uses it (no public API)
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var, jaxprs_in_params
 from jax.extend.core.primitives import closed_call_p
 
@@ -91,6 +92,12 @@ def scan_counts(params: Params) -> tuple[int, int]:
 def is_var(v: object) -> TypeGuard[Var]:
     """Whether ``v`` is a variable that holds a value: not a literal, not a dropped output (``_``)."""
     return isinstance(v, Var) and not isinstance(v, DropVar)
+
+
+def shaped(v: Atom) -> jax.core.ShapedArray:
+    """``v.aval`` as the shaped array it is in a traced array program (JAX types it as the base `AbstractValue`,
+    which has no shape or dtype; tokens and references never reach the programs mistjax rewrites)."""
+    return cast(jax.core.ShapedArray, v.aval)
 
 
 def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
@@ -162,7 +169,7 @@ def iter_eqns(jaxpr: Jaxpr | ClosedJaxpr, *, bodies: bool = False) -> Iterator[J
             yield from iter_eqns(sub, bodies=bodies)
 
 
-def read(env: Mapping[Var, Value], v: Atom) -> Value:
+def read(env: Mapping[Any, Value], v: Atom) -> Value:
     """The value of an operand: a literal's own, a variable's from ``env``."""
     return v.val if isinstance(v, Literal) else env[v]
 
@@ -181,7 +188,9 @@ def bind_equation(eqn: JaxprEqn, args: Sequence[Value], inline: Container[str] =
     if inner is not None:
         return eval_jaxpr(inner.jaxpr, inner.consts, args, inline, depth=None if depth is None else depth - 1)
     params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
+    # The equation it makes remembers the user's line that made ``eqn`` (as jax.core.eval_jaxpr does), so an
+    # error about a re-traced equation names the model's code, not this interpreter.
+    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
         out = eqn.primitive.bind(*args, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 

@@ -109,6 +109,7 @@ class LeafLayout:
             entries[0] = "stage"
         if storage and self.sharded and self.shard_dim is not None:
             inner = entries[self.shard_dim]
+            assert not isinstance(inner, tuple)  # only "tensor" / "stage" (single names) are set above
             split = (*SHARD_SPEC, CONTEXT_AXIS) if self.context_split else SHARD_SPEC
             entries[self.shard_dim] = split if inner is None else (*split, inner)
         return P(*entries)

@@ -15,7 +15,6 @@ and its JSON keep the single axis.)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import numbers
 from collections.abc import Mapping
@@ -125,7 +124,7 @@ class StagePlan:
         _check_remat_policy(self.remat_policy)
         for name in OFFLOAD_FIELDS:
             value = getattr(self, name)
-            if _is_bool(value) or not (isinstance(value, numbers.Real) and 0.0 <= value <= 1.0):
+            if _is_bool(value) or not (isinstance(value, numbers.Real) and 0.0 <= float(value) <= 1.0):
                 raise PlanError(f"stage {index}: {name}={value!r} is outside [0, 1]; "
                                 "offload ratios are fractions")
         if self.shard_grads and not self.shard_opt:
@@ -140,7 +139,7 @@ class StagePlan:
     @property
     def offloaded_layers(self) -> int:
         """Layers whose activations go to host (`mistjax.core.stages.offloaded_layers`)."""
-        return offloaded_layers(self.num_layers, self.remat_layers, self.offload_acts)
+        return int(offloaded_layers(self.num_layers, self.remat_layers, self.offload_acts))  # (scalars: an int)
 
 
 STATE_CATEGORIES = ("params", "optimizer")  # memory categories that are the train state (XLA's arguments)
@@ -416,7 +415,7 @@ class Plan:
             raise PlanError(f"plan file {str(path)!r} does not exist")
         return cls.from_json(path.read_text())
 
-    def replace(self, **changes: object) -> Plan:
+    def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
 
     def interleaved(self, chunks: int) -> Plan:
@@ -542,12 +541,16 @@ def _json_scalar(value: object) -> object:
     raise TypeError(f"{value!r} ({type(value).__name__}) is not a JSON value")
 
 
-@functools.cache
+_JSON_ADAPTERS: dict[type[Plan], TypeAdapter[Plan]] = {}
+
+
 def _json_adapter(cls: type[Plan]) -> TypeAdapter[Plan]:
     """pydantic's validator of ``cls``'s JSON form (built once per class; pydantic is imported on first use)."""
-    from pydantic import TypeAdapter
+    if cls not in _JSON_ADAPTERS:
+        from pydantic import TypeAdapter
 
-    return TypeAdapter(cls)
+        _JSON_ADAPTERS[cls] = TypeAdapter(cls)
+    return _JSON_ADAPTERS[cls]
 
 
 # Per pydantic error type: what the value must be instead, in JSON's words.

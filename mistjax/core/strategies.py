@@ -50,9 +50,9 @@ class StageStrategies:
     @classmethod
     def make(cls, **kw: object) -> StageStrategies:
         """Build with defaults for omitted fields (single stage, no offload, no remat)."""
-        d = dict(b=1, dp=1, tp=1, cp=1, ulysses=0, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0,
-                 go=0.0, oo=0.0, ao=0.0, inflight=1, deferred=0, chunks=1, G=1, first=True, last=True, stages=1,
-                 nodes=1, per_node=0)
+        d: dict[str, object] = dict(
+            b=1, dp=1, tp=1, cp=1, ulysses=0, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0, go=0.0,
+            oo=0.0, ao=0.0, inflight=1, deferred=0, chunks=1, G=1, first=True, last=True, stages=1, nodes=1, per_node=0)
         d.update(kw)
         arr = {k: np.asarray(v) for k, v in d.items()}
         arr["shard_group"] = np.where(arr["shard_group"] <= 0, arr["dp"], arr["shard_group"])
@@ -61,18 +61,40 @@ class StageStrategies:
 
 
 class StageCostLike(Protocol):
-    """What the tuner reads of a cost-model answer (arrays of the strategies' broadcast shape)."""
+    """What the tuner reads of a cost-model answer (arrays of the strategies' broadcast shape; read-only, so a
+    frozen dataclass provides them)."""
 
-    stable: np.ndarray  # seconds of one steady micro-batch (forward + backward)
-    delta: np.ndarray  # extra seconds of the first + last micro-batch incl. once-per-step work
-    fwd: np.ndarray  # forward part of `stable`
-    bwd: np.ndarray  # backward part of `stable`
-    wgrad: np.ndarray  # weight-gradient part of `bwd` (a zero-bubble schedule defers it)
-    memory: dict[str, np.ndarray]  # per-device bytes by category
-    peak: np.ndarray  # per-device peak bytes
-    feasible: np.ndarray  # fits the memory budget and the tensor-parallel degree divides the model
-    offload_floor: np.ndarray  # a lower bound of the guarded peak at smaller offload ratios (all else equal),
-    # compared with the cluster's memory budget: above it, no strategy that offloads less fits
+    @property
+    def stable(self) -> np.ndarray: ...  # seconds of one steady micro-batch (forward + backward)
+
+    @property
+    def delta(self) -> np.ndarray: ...  # extra seconds of the first + last micro-batch incl. once-per-step work
+
+    @property
+    def fwd(self) -> np.ndarray: ...  # forward part of `stable`
+
+    @property
+    def bwd(self) -> np.ndarray: ...  # backward part of `stable`
+
+    @property
+    def wgrad(self) -> np.ndarray: ...  # weight-gradient part of `bwd` (a zero-bubble schedule defers it)
+
+    @property
+    def memory(self) -> dict[str, np.ndarray]: ...  # per-device bytes by category
+
+    @property
+    def peak(self) -> np.ndarray: ...  # per-device peak bytes
+
+    @property
+    def feasible(self) -> np.ndarray: ...  # fits the memory budget and the tensor-parallel degree divides the model
+
+    @property
+    def host(self) -> np.ndarray: ...  # host bytes per device (offloaded states and activations)
+
+    # A lower bound of the guarded peak at smaller offload ratios (all else equal), compared with the cluster's
+    # memory budget: above it, no strategy that offloads less fits.
+    @property
+    def offload_floor(self) -> np.ndarray: ...
 
 
 class WorkloadLike(Protocol):
@@ -115,7 +137,7 @@ C = TypeVar("C")
 class StageCostFn(Protocol[W_contra, C_contra]):
     """Prices every strategy of a `StageStrategies` on a cluster (vectorised)."""
 
-    def __call__(self, workload: W_contra, cluster: C_contra, strategies: StageStrategies) -> StageCostLike: ...
+    def __call__(self, workload: W_contra, cluster: C_contra, strategies: StageStrategies, /) -> StageCostLike: ...
 
 
 class PredictFn(Protocol[W_contra, C_contra]):
@@ -127,14 +149,17 @@ class PredictFn(Protocol[W_contra, C_contra]):
 class StageMemoryLike(Protocol):
     """The part of a `StageCostLike` that says whether strategies fit (no times)."""
 
-    feasible: np.ndarray
-    offload_floor: np.ndarray
+    @property
+    def feasible(self) -> np.ndarray: ...
+
+    @property
+    def offload_floor(self) -> np.ndarray: ...
 
 
 class StageMemoryFn(Protocol[W_contra, C_contra]):
     """Says whether every strategy of a `StageStrategies` fits (vectorised; cheaper than pricing it)."""
 
-    def __call__(self, workload: W_contra, cluster: C_contra, strategies: StageStrategies) -> StageMemoryLike: ...
+    def __call__(self, workload: W_contra, cluster: C_contra, strategies: StageStrategies, /) -> StageMemoryLike: ...
 
 
 class CostModel(NamedTuple, Generic[W, C]):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -35,8 +35,9 @@ def _f(x: ArrayLike) -> np.ndarray:
 
 
 def _link(link: LinkLike) -> tuple[np.ndarray, np.ndarray]:
-    if hasattr(link, "bandwidth") and hasattr(link, "latency"):
-        return _f(link.bandwidth), _f(link.latency)
+    if hasattr(link, "bandwidth") and hasattr(link, "latency"):  # a LinkModel, or any object with its two fields
+        model = cast(LinkModel, link)
+        return _f(model.bandwidth), _f(model.latency)
     try:
         bw, lat = link
     except (TypeError, ValueError):

@@ -54,7 +54,7 @@ def _passes(x: np.ndarray, t: np.ndarray, params: InterferenceParams) -> np.ndar
         idx = np.flatnonzero(code == sum(1 << k for k in mask))
         if not idx.size:
             continue
-        at = np.ix_(mask, idx)
+        at = np.ix_(np.asarray(mask, dtype=np.intp), idx)
         xm = flat[at]
         fb = f.reshape(-1, 1)
         scaled = xm * fb  # time each channel would need under this mask's slowdown

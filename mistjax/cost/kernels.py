@@ -52,7 +52,7 @@ def gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     """Seconds of a pass's GEMMs at each point (sum over its GEMMs)."""
     if ka.gemm_m.shape[-1] == 0:
         return np.zeros(ka.fusion_bytes.shape)
-    peak = dev.peak_flops_fp32 if fp32 else dev.peak_flops
+    peak: float | np.ndarray = dev.peak_flops_fp32 if fp32 else dev.peak_flops
     if dev.peak_flops_fp8 > 0:  # fp8 operands run on the fp8 tensor cores
         peak = np.where(ka.gemm_fp8 > 0, dev.peak_flops_fp8, peak)
     flops = 2.0 * ka.gemm_batch * ka.gemm_m * ka.gemm_n * ka.gemm_k
@@ -100,7 +100,9 @@ def _tables(workload: Workload, dev: DeviceSpec, b: np.ndarray, s: float, t: np.
     the attention work, ``cp`` times the attention of an ``s / cp`` sequence. So the fused-attention calls are
     charged ``cp`` times (docs/context-parallel.md)."""
     fp32 = workload.compute_dtype == "float32"
-    arrays = workload.compiled.kernels(b, s / cp, t)
+    kernels = workload.compiled.kernels
+    assert kernels is not None  # `kernel_rows` prices from kernel tables only where the analysis has them
+    arrays = kernels(b, s / cp, t)
     plain = not dev.fused_attention_kernels
     out = {}
     for (part, key), ka in arrays.items():

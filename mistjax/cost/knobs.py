@@ -85,7 +85,7 @@ class LayerKinds:
     saved_remat: np.ndarray  # residual bytes of a checkpointed layer under its policy (0 without any)
     saved_off_host: np.ndarray  # bytes an activation-offloaded layer keeps in host memory per micro-batch
     offload_policy: str  # the analysed policy equal to what activation offload keeps
-    stash: np.ndarray = 0.0  # bytes the stage's layers' deferred weight-gradient passes read (zero-bubble)
+    stash: np.ndarray | float = 0.0  # bytes the stage's layers' deferred weight-gradient passes read (zero-bubble)
 
 
 @dataclass(frozen=True)

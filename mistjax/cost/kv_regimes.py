@@ -19,7 +19,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from mistjax.analysis.compiled import CompiledProfile, ProfileQueries, compile_profile
-from mistjax.analysis.kernels import CompiledKernels, KernelArrays
+from mistjax.analysis.kernels import KernelArrays
 from mistjax.analysis.profile import ModelProfile
 
 
@@ -37,6 +37,11 @@ class KVRegimes(ProfileQueries):
     kv_sizes: tuple[int, ...]
     build: Callable[[], ModelProfile] = field(repr=False, compare=False)
     _replicated: list[CompiledProfile] = field(default_factory=list, repr=False, compare=False)
+    # `ProfileQueries.names` is an attribute, so this is one too (the base analysis's names; both regimes share them).
+    names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", self.base.names)
 
     # ----------------------------------------------------------------------------- the regimes
     def replicated_at(self, t: ArrayLike) -> np.ndarray:
@@ -58,10 +63,6 @@ class KVRegimes(ProfileQueries):
     @property
     def profile(self) -> ModelProfile:
         return self.base.profile
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.base.names
 
     @property
     def kernels(self) -> _KernelRegimes | None:
@@ -124,10 +125,12 @@ class _KernelRegimes:
         """``(part, pass key) -> KernelArrays`` at the 1-D arrays of points ``b, s, t``."""
         b, s, t = np.broadcast_arrays(*(np.atleast_1d(np.asarray(x, dtype=np.float64)) for x in (b, s, t)))
         mask = self.regimes.replicated_at(t)
-        base: CompiledKernels = self.regimes.base.kernels
+        base = self.regimes.base.kernels
+        assert base is not None  # a `_KernelRegimes` is made only for a base analysis with kernel tables
         if not mask.any():
             return base(b, s, t)
-        rep: CompiledKernels = self.regimes.replicated.kernels
+        rep = self.regimes.replicated.kernels
+        assert rep is not None, "the replicated analysis has kernel tables where the split one has them"
         if mask.all():
             return rep(b, s, t)
         tables_r, tables_b = rep(b, s, t), base(b, s, t)

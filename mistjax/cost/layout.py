@@ -89,7 +89,7 @@ def _selection(wl: Workload, kind: _Selected, ratio: float, first: bool, last: b
     mine = np.array([x.stacked or held(x, first, last) for x in wl.leaves]) & (size > 1)
     if kind == "opt":
         idx = np.flatnonzero(mine)
-        sel = np.zeros((wl.opt_copies, len(wl.leaves)), bool)
+        sel: np.ndarray = np.zeros((wl.opt_copies, len(wl.leaves)), bool)
         picked = np.asarray(select_offload(list(size[idx]) * wl.opt_copies, ratio), bool).reshape(wl.opt_copies, -1)
         sel[:, idx] = picked
         return sel
@@ -166,7 +166,8 @@ def unique_rows(columns: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     instead of sorting every broadcast element.
     """
     shape = np.broadcast_shapes(*(np.shape(c) for c in columns))
-    key, uniqs = np.zeros((), dtype=np.int64), []
+    key: np.ndarray = np.zeros((), dtype=np.int64)
+    uniqs: list[np.ndarray] = []
     for col in columns:
         u, inv = np.unique(col, return_inverse=True)
         key = key * len(u) + inv.reshape(np.shape(col))

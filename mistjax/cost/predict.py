@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,7 +115,7 @@ def dispatched_ops(plan: Plan, update_rounds: int = 1) -> int:
     return pipeline + K + K * update_rounds + 2 + 2 * hops * G
 
 
-def op_costs(plan: Plan, c: StageCost) -> dict[str, OpCost]:
+def op_costs(plan: Plan, c: StageCost) -> Mapping[str, OpCost]:
     """Seconds of each kind of pipeline operation per virtual stage (`core.pipeline_order.op_costs`; the
     weight-gradient part of a zero-bubble backward is `StageCost.wgrad`, the weight-gradient GEMMs)."""
     S = plan.num_stages
@@ -258,8 +259,9 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     step = _devices_time(plan, c, bool(cluster.device.shared_compute))
     step = step if S == 1 else max(step, dispatch)
     pooled = S > 1 and cluster.device.shared_compute
-    notes = (("the devices share one pool of compute (DeviceSpec.shared_compute): the pipeline is priced as its "
-              "total work over the pool, not its lock-step makespan"),) if pooled else ()
+    notes: tuple[str, ...] = (
+        ("the devices share one pool of compute (DeviceSpec.shared_compute): the pipeline is priced as its "
+         "total work over the pool, not its lock-step makespan"),) if pooled else ()
     if S > 1 and plan.schedule in ZERO_BUBBLE:
         notes += (_zero_bubble_note(plan, c, bool(cluster.device.shared_compute)),)
     if plan.virtual_stages > 1 and plan.schedule not in V_SHAPED:
@@ -278,8 +280,8 @@ def analyze(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Analysis:
     if S > 1:
         coll["send"] = 2.0 * G * float(workload.compiled(plan.micro_batch, workload.seq_len, plan.tp)[
             "block.output_bytes"])
-    host = np.broadcast_to(np.asarray(c.host, np.float64), (S,))
-    host = np.bincount(np.asarray(plan.stage_groups), weights=host, minlength=plan.device_stages)
+    host_chunks = np.broadcast_to(np.asarray(c.host, np.float64), (S,))
+    host = np.bincount(np.asarray(plan.stage_groups), weights=host_chunks, minlength=plan.device_stages)
     peak = np.array([sum(m.values()) for m in stage_memory])
     return Analysis(prediction=pred, step_time=step, mist_step_time=mist, stage_fwd=tuple(map(float, c.fwd)),
                     stage_bwd=tuple(map(float, c.bwd)),

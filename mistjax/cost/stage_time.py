@@ -15,7 +15,7 @@ reduce-scatter.
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple, TypeAlias, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -186,7 +186,8 @@ def _cp_layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: Profi
         ring = (f / bw + (k.cp - 1.0) * lat, b / bw + (2.0 * k.cp - 1.0) * lat)
         # Ulysses: four all-to-alls each way (`_ulysses_held`).
         a2a = collective_time(CollectiveOp.ALL_TO_ALL, _ulysses_held(workload, k, v), k.cp, link, ops=4)
-        return tuple(np.where(on, np.where(k.ulysses, a2a, r), 0.0) for r in ring)
+        fwd, bwd = (np.where(on, np.where(k.ulysses, a2a, r), 0.0) for r in ring)
+        return fwd, bwd
     full = context_kv_bytes(workload, v) * k.cp
     ag = collective_time(CollectiveOp.ALL_GATHER, full, k.cp, link)
     rs = collective_time(CollectiveOp.REDUCE_SCATTER, full, k.cp, link)
@@ -264,7 +265,7 @@ def _grad_sync_time(cluster: ClusterSpec, k: Knobs, nbytes: np.ndarray, rs_ops: 
 
 def _tp_time(part: PartValues, phase: str, k: Knobs, link: LinkArrays) -> np.ndarray:
     """Seconds of a part's tensor-parallel collectives in one phase (serial: between matmuls)."""
-    return sum(collective_time(kd, part.tp(kd, phase), k.tp, link) for kd in KINDS)
+    return cast(np.ndarray, sum(collective_time(kd, part.tp(kd, phase), k.tp, link) for kd in KINDS))
 
 
 def _ring_overlap(cluster: ClusterSpec) -> InterferenceParams | None:
@@ -294,7 +295,7 @@ def _tp_recompute_time(workload: Workload, cluster: ClusterSpec, v: ProfileValue
     """Seconds of the extra tensor-parallel collectives a checkpointed layer issues when it recomputes
     (with collective matmuls: as the forward's rings, ``ring_gemm`` its GEMM seconds)."""
     nbytes = _recompute_bytes(workload, v, k)
-    serial = sum(collective_time(kd, nbytes[kd], k.tp, link) for kd in KINDS)
+    serial = cast(np.ndarray, sum(collective_time(kd, nbytes[kd], k.tp, link) for kd in KINDS))
     if not capabilities(cluster).collective_matmul:
         return serial
     return np.where(_rings(cluster, k),
@@ -365,8 +366,10 @@ def _flop_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
 
 def _recompute_bytes(workload: Workload, v: ProfileValues, k: Knobs) -> dict[str, np.ndarray]:
     """Bytes by kind of the extra tensor-parallel collectives of a checkpointed layer's recompute."""
-    return {kd: np.maximum(v.block.pick(lambda q, kd=kd: v.block.tp_recompute(q, kd), workload.policies, k.policy),
-                           0.0) for kd in KINDS}
+    def of(kd: str) -> np.ndarray:
+        return np.maximum(v.block.pick(lambda q: v.block.tp_recompute(q, kd), workload.policies, k.policy), 0.0)
+
+    return {kd: of(kd) for kd in KINDS}
 
 
 def _layer_tp(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues, c: dict[str, np.ndarray]
@@ -432,7 +435,8 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     ovl = cluster.interference
     # Each backward re-fetches the layer's weights (gather / H2D) next to its gradient reduce-scatter. Where
     # collectives run inline (XLA:CPU) they join the layer's serial part with the TP collectives.
-    d2d_f, d2d_b = fetch_ag, fetch_ag + grad_rs
+    d2d_f: np.ndarray | float = fetch_ag
+    d2d_b: np.ndarray | float = fetch_ag + grad_rs
     if not cluster.device.async_collectives:
         tp_f, tp_b, d2d_f, d2d_b = tp_f + d2d_f, tp_b + d2d_b, 0.0, 0.0
 

@@ -126,19 +126,19 @@ class Workload:
             `mistjax.analysis.analyze_model` of this loss. A model naming ``kv_heads`` dims is analysed a second
             time with them replicated, on first use of a degree that does not divide them (`KVRegimes`).
         """
-        extra = {} if batch_fn is None else {"batch_fn": batch_fn}
+        batch = batch_fn or token_batch
         b, s = DEFAULT_POINTS[0]
-        traced = trace_loss(loss_fn, params, *(batch_fn or token_batch)(b, s))
+        traced = trace_loss(loss_fn, params, *batch(b, s))
         axes = model_tensor_axes(traced, params, axis_rules)
         if analyze is None:
             def analyze(tensor_axes: tuple[str, ...]) -> ModelProfile:
-                return analyze_model(loss_fn, params, policies=policies, cache=cache, param_axes=axes,
-                                     tensor_axes=tensor_axes, **extra)
+                return analyze_model(loss_fn, params, batch, policies=policies, cache=cache, param_axes=axes,
+                                     tensor_axes=tensor_axes)
         prof = profile if profile is not None else analyze(TENSOR_AXES)
-        compiled: CompiledProfile | KVRegimes = compile_profile(prof)
+        base = compile_profile(prof)
         kv = kv_head_sizes(axes, [np.shape(x) for x in jax.tree.leaves(params)])
-        if kv:
-            compiled = KVRegimes(compiled, kv, lambda: analyze(TENSOR_AXES_KV_REPLICATED))
+        compiled: CompiledProfile | KVRegimes = (
+            KVRegimes(base, kv, lambda: analyze(TENSOR_AXES_KV_REPLICATED)) if kv else base)
         return cls(name=name, profile=prof, compiled=compiled,
                    leaves=leaf_table(params, traced, axes=axes),
                    seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, compute_dtype=compute_dtype,
@@ -197,7 +197,7 @@ class Workload:
         if tp == 1:
             return True
         dims = [d for x in self.leaves if x.axes is not None and len(x.axes) == len(x.shape)
-                for d, n in zip(x.shape, kv_replicated_axes(x.axes, x.shape, tp)) if n in TENSOR_AXES]
+                for d, n in zip(x.shape, kv_replicated_axes(x.axes, x.shape, tp) or ()) if n in TENSOR_AXES]
         if not dims or any(d % tp for d in dims):
             return False
         return bool(np.all(self.compiled.feasible(1, self.seq_len, tp)))

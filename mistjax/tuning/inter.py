@@ -137,7 +137,8 @@ def _solve_groups(tables: StageTables, k: int, shared: bool, best: KeyChoice | N
     G, S = tables.key.grad_accum, tables.key.stages
     sampled = sample_stage_tables(tables, k, shared, xs)
     lbs = lower_bounds(sampled.stable, sampled.delta, G, tables.layer_options, num_layers, tables.fill)
-    milps, optimal, seen = 0, True, []
+    milps, optimal = 0, True
+    seen: list[int] = []  # the strategies of the groups solved (shared tables), against which `_dominated` tests
     for g in np.argsort(lbs, kind="stable"):
         cut = best.objective if best is not None else best_cost
         if not np.isfinite(lbs[g]) or (cut is not None and lbs[g] >= cut):

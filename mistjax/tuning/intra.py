@@ -382,7 +382,7 @@ def small_pages() -> Iterator[None]:
     page costs far more than that of the 4 KiB pages written (3 GiB filled: 27 s the first time, then 4.2 s,
     against 1.3 s with small pages: docs/tuning.md). A no-op where NumPy has no such switch.
     """
-    switch = getattr(getattr(np, "_core", None) and np._core.multiarray, "_set_madvise_hugepage", None)
+    switch = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
     if switch is None:
         yield
         return

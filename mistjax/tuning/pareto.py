@@ -213,4 +213,4 @@ def sample_pareto(
     sf = np.where(front, s, np.inf)
     df = np.where(front, d, np.inf)
     picks = _weighted_sum_picks(sf, df, G, n_ws) + _epsilon_picks(s, sf, df, front, n_eps)
-    return _distinct_sorted(np.stack(picks, axis=-1).astype(np.int64), s, d, front.any(axis=-1))
+    return _distinct_sorted(np.stack(picks, axis=-1).astype(np.int64), s, d, np.asarray(front.any(axis=-1)))

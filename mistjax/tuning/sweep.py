@@ -159,7 +159,7 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
                 return
             ee = e[lo:lo + _CHUNK]
             at = (entries.slot[ee], entries.option[ee], entries.remat[ee], xs[ee, p[lo:lo + _CHUNK]])
-            if time_first:
+            if time_first and point_bound is not None:  # (time first implies a bound; the test narrows it)
                 got = _price_time_first(workload, cluster, cost, tables, at, ee, point_bound, cut)
                 priced, dead = priced + ee.size, dead + int((got.over & ~got.feasible).sum())
             else:
@@ -206,7 +206,8 @@ def _price_time_first(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMo
     """Price every point in full; store the feasible ones."""
     got = price_entries(workload, cluster, cost, tables, *at)
     keep = np.flatnonzero(got.feasible)
-    tables.store_entries(*(a[keep] for a in at), got.stable[keep], got.delta[keep], got.feasible[keep], got.bwd[keep])
+    slot, option, remat, x = (a[keep] for a in at)
+    tables.store_entries(slot, option, remat, x, got.stable[keep], got.delta[keep], got.feasible[keep], got.bwd[keep])
     over = point_bound(entry, got.stable, got.delta) >= cut
     G = tables.key.grad_accum
     return _Priced(got.feasible, over, np.where(got.feasible, G * got.stable + got.delta, np.inf), got.stable)
@@ -219,9 +220,9 @@ def _price_memory_first(workload: WorkloadLike, cluster: ClusterSpec, cost: Cost
     feasible, objective = np.zeros(n, bool), np.full(n, np.inf)
     fits = np.flatnonzero(entries_fit(workload, cluster, cost, tables, *at))
     if fits.size:
-        sub = tuple(a[fits] for a in at)
-        got = price_entries(workload, cluster, cost, tables, *sub)
-        tables.store_entries(*sub, got.stable, got.delta, got.feasible, got.bwd)
+        slot, option, remat, x = (a[fits] for a in at)
+        got = price_entries(workload, cluster, cost, tables, slot, option, remat, x)
+        tables.store_entries(slot, option, remat, x, got.stable, got.delta, got.feasible, got.bwd)
         feasible[fits] = got.feasible
         objective[fits] = np.where(got.feasible, tables.key.grad_accum * got.stable + got.delta, np.inf)
     return _Priced(feasible, np.zeros(n, bool), objective, np.full(n, np.inf))

@@ -305,8 +305,8 @@ class _Tally:
     def keep(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, plan: Plan | None) -> None:
         """Keep ``choice`` (a plan of ``tables``' key; ``plan``: it with its full prediction, None where it does not
         fit) when its predicted step time beats the best so far."""
-        if choice is not None and plan is not None and plan.prediction.step_time < self.best_time:
-            self.best, self.best_time = choice, plan.prediction.step_time
+        if choice is not None and plan is not None and _predicted(plan).step_time < self.best_time:
+            self.best, self.best_time = choice, _predicted(plan).step_time
             self.found.append((choice.objective, plan, _pareto_data(tables, choice, job.space.pareto_k, False)))
 
     def result(self, space: SearchSpace, keys: int, seconds: float,
@@ -413,11 +413,18 @@ def _reschedule(job: _SearchJob, plan: Plan) -> Plan:
                        if v <= splittable and _equal_chunks(job, plan, v)]
     budget = job.cluster.memory_budget() * (1 + 1e-9)
     best = plan
+    margin = job.cluster.device.memory_margin
     for cand in candidates:
         pred = job.cost.predict(job.workload, cand, job.cluster)
-        if pred.guarded_peak(job.cluster.device.memory_margin) <= budget and pred.step_time < best.prediction.step_time:
+        if pred.guarded_peak(margin) <= budget and pred.step_time < _predicted(best).step_time:
             best = cand.replace(prediction=pred)
     return best
+
+
+def _predicted(plan: Plan) -> Prediction:
+    """The full prediction a searched plan carries (`_fitting_choice` attaches it to every plan it returns)."""
+    assert plan.prediction is not None, "a searched plan carries its prediction"
+    return plan.prediction
 
 
 def _equal_chunks(job: _SearchJob, plan: Plan, chunks: int) -> bool:
@@ -566,8 +573,10 @@ def no_plan_message(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
             f"device on {cluster.nodes}x{cluster.devices_per_node} devices")
     try:
         policy = tuple(workload.policies).index("full") if "full" in workload.policies else 0
-        # Every context-parallel degree the sequence allows (a power of two dividing the devices), the rest DP.
-        cps = np.array([c for c in (2**i for i in range(n.bit_length())) if n % c == 0 and _supports_cp(workload)(c)])
+        # Every context-parallel degree the sequence allows (a power of two dividing the devices) without tensor
+        # parallelism (tp = 1), the rest DP.
+        supports = _supports_cp(workload)
+        cps = np.array([c for c in (2**i for i in range(n.bit_length())) if n % c == 0 and supports(c, 1)])
         smallest = cost.stage_cost(workload, cluster, StageStrategies.make(
             b=1, dp=n // cps, cp=cps, zero=3, layers=workload.num_layers, remat=workload.num_layers, policy=policy,
             wo=1.0, go=1.0, oo=1.0, ao=1.0, G=np.maximum(1, getattr(workload, "global_batch", n) // (n // cps)),
@@ -650,4 +659,4 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
     tuned = TunedPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},
                       baseline_name=bname, baseline_prediction=bres.prediction if bres is not None else None)
     timing = {"tune": t1 - t0, "baselines": t2 - t1, "ablations": t3 - t2, "total": t3 - t0}
-    return TuneResult(tuned, tuned.prediction, base, abl, main, timing, note)
+    return TuneResult(tuned, _predicted(tuned), base, abl, main, timing, note)
