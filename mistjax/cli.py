@@ -485,13 +485,16 @@ def _plots(workload: Workload, plan: Plan, cluster: ClusterSpec, out: Path, resu
     report = analyze(workload, plan, cluster)
     files = [plot_memory(report.stage_memory, out / "memory.png", limit=cluster.memory_budget()),
              plot_timeline(report.stage_fwd, report.stage_bwd, plan.grad_accum, out / "timeline.png",
-                           schedule=plan.schedule if plan.num_stages > 1 else "gpipe",
+                           schedule=plan.schedule,
                            last_extra=report.prediction.stage_delta, groups=plan.device_stages,
                            stage_wgrad=report.stage_wgrad)]
+    # One stage: the search picks the stage's best strategy itself; only a pipeline's stages come from the MILP.
+    picked_by = "the inter-stage MILP" if plan.num_stages > 1 else "the one-stage search (no MILP)"
     for rec in result.pareto if result is not None else ():
         picked = rec.get("chosen")
         files.append(plot_pareto(rec["stable"], rec["delta"], out / f"pareto_stage{rec['stage']}.png",
                                  num_microbatches=plan.grad_accum, picked=tuple(picked) if picked else None,
+                                 picked_by=picked_by,
                                  title=f"stage {rec['stage']} ({rec['layers']} layers): sampled Pareto points"))
     print("wrote " + ", ".join(str(f) for f in files))
 
