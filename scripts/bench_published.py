@@ -62,10 +62,10 @@ def runs_table(preds: list[Any]) -> str:
                      f"{p.step_time:.2f}", "-" if ratio is None else f"{ratio:.2f}",
                      _gib(r.measured.stage_peak_allocated_mib), _gib(p.stage_peaks, 1.0),
                      "-" if mem is None else f"{mem:.2f}", "yes" if p.fits else "no",
-                     "yes" if p.runtime_ok else "no"])
+                     "yes" if p.fits_budget else "no", "yes" if p.runtime_ok else "no"])
     return _table(["run", "system", "cluster", "plan", "measured s", "predicted s", "time ratio",
-                   "measured peak GiB per stage", "predicted peak GiB per stage", "peak ratio", "fits", "runtime"],
-                  rows, right_from=4)
+                   "measured peak GiB per stage", "predicted peak GiB per stage", "peak ratio", "fits card",
+                   "fits budget", "runtime"], rows, right_from=4)
 
 
 def pairs_table(pairs: list[dict[str, Any]]) -> str:

@@ -33,8 +33,9 @@ from tqdm import tqdm  # noqa: E402
 
 import models  # noqa: E402
 from mistjax.hardware.presets import ClusterSpec  # noqa: E402
-from mistjax.tuning import SearchResult, SearchSpace, baseline_spaces, search  # noqa: E402
-from mistjax.validate.published import as_megatron_runs_it  # noqa: E402
+from mistjax.tuning import SearchResult, SearchSpace, baseline_spaces, baseline_system, search  # noqa: E402
+from mistjax.tuning.baselines import GRID_PRECISION  # noqa: E402
+from mistjax.validate.published import system_workload  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ class Args:
 
 def _timed(cell: Cell, cluster: ClusterSpec, space: SearchSpace, limit: float, label: str,
            megatron: bool = False) -> tuple[SearchResult, float]:
-    workload = models.workload(as_megatron_runs_it(cell.config) if megatron else cell.config, cell.seq,
-                               cell.global_batch)
+    system = baseline_system("megatron" if megatron else "mistjax")  # priced as the grid prices them
+    workload = system_workload(system, cell.config, cell.seq, cell.global_batch, GRID_PRECISION)
     bar = tqdm(desc=f"{cell.name} {cell.cluster} {label}", unit="key", leave=False, file=sys.stderr)
 
     def progress(_: str, visited: int, total: int) -> None:

@@ -2,7 +2,9 @@
 
 Grid (Mist digest §6): GPT-3, Llama, Falcon at 1.3B / 2.7B / 7B / 13B / 22B on 2 / 4 / 8 / 16 / 32
 GPUs (global batch 16 x GPUs), on L4 nodes (sequence 2048) and A100-40GB nodes (sequence 4096), 8 GPUs
-per node. Every number is a *prediction* of the same cost model for the best plan of each space.
+per node. Every number is a *prediction* of the same cost model for the best plan of each space, each space
+priced as the system that runs it runs it (`mistjax.tuning.SYSTEMS`: fp16 training as the Mist artifact's runs,
+each system's state storage and kernels; the same records price `scripts/bench_published.py`'s runs).
 Prints one row per cell, writes a markdown table into docs/benchmarks.md (between markers) and, with
 ``--json FILE``, the records. ``--quick`` runs a subset small enough for a test.
 
@@ -29,8 +31,16 @@ import tyro  # noqa: E402
 
 import models  # noqa: E402
 from mistjax.hardware.presets import ClusterSpec  # noqa: E402
-from mistjax.tuning import ABLATION_STEPS, SearchSpace, ablation_spaces, baseline_spaces, search  # noqa: E402
-from mistjax.validate.published import as_megatron_runs_it, load_published, measured_speedups  # noqa: E402
+from mistjax.tuning import (  # noqa: E402
+    ABLATION_STEPS,
+    SearchSpace,
+    ablation_spaces,
+    baseline_spaces,
+    baseline_system,
+    search,
+)
+from mistjax.tuning.baselines import GRID_PRECISION  # noqa: E402
+from mistjax.validate.published import load_published, measured_speedups, system_workload  # noqa: E402
 
 PLATFORMS = {"l4": 2048, "a100-40gb": 4096}  # platform -> sequence length
 CELLS = ((2, "1.3b"), (4, "2.7b"), (8, "7b"), (16, "13b"), (32, "22b"))  # (GPUs, model size)
@@ -70,22 +80,30 @@ def measured_by_cell(path: str | None) -> dict[tuple[str, str, int], float]:
 
 def run_cell(platform: str, family: str, size: str, gpus: int, time_limit: float, ablations: bool) -> dict[str, Any]:
     seq = PLATFORMS[platform]
-    cfg = models.get_config(f"{family}-{size}").replace(dtype="bfloat16")  # bf16 compute, fp32 master weights
-    workload = models.workload(cfg, seq, 16 * gpus)
+    cfg = models.get_config(f"{family}-{size}")
     cluster = cluster_for(platform, gpus)
+    # Every space is priced as the system that runs it runs it (`mistjax.tuning.SYSTEMS`: state storage at the
+    # grid's precision, kernels); systems priced alike share one workload.
+    workloads: dict[Any, Any] = {}
+
+    def workload_of(name: str) -> Any:
+        system = baseline_system(name)
+        key = (system.storage(GRID_PRECISION), system.elementwise, system.whole_head_rotary)
+        if key not in workloads:
+            workloads[key] = system_workload(system, cfg, seq, 16 * gpus, GRID_PRECISION)
+        return workloads[key]
+
+    workload = workload_of("mistjax")
     t0 = time.perf_counter()
     mine = search(workload, cluster, SearchSpace(), time_limit=time_limit)
     tune_s = time.perf_counter() - t0
-    # Megatron-LM's plans are priced as Megatron-LM runs them (eager RMSNorm / rotary / SwiGLU, whole head
-    # rotated: docs/cost_model.md); the other systems' as the model is written (fused elementwise chains).
-    megatron_workload = models.workload(as_megatron_runs_it(cfg), seq, 16 * gpus)
-    base = {name: search(megatron_workload if name == "megatron" else workload, cluster, sp, time_limit=time_limit)
+    base = {name: search(workload_of(name), cluster, sp, time_limit=time_limit)
             for name, sp in baseline_spaces().items()}
-    # mistjax's space contains every baseline's: when the full prediction ranks a baseline's plan
-    # higher than the search objective did (pipelines are predicted by the lock-step schedule),
-    # mistjax uses that plan (as `mistjax.tune` does). Megatron-LM's is priced on its own kernels: not
-    # adopted (mistjax would run that plan with the fused chains, which its own search already priced).
-    best = min([mine, *(r for n, r in base.items() if n != "megatron")], key=lambda r: r.step_time)
+    # mistjax's space contains every baseline's: when the full prediction ranks a baseline's plan higher than the
+    # search objective did, mistjax uses that plan (as `mistjax.tune` does) where the baseline is priced as
+    # mistjax runs it. A system priced otherwise (Megatron-LM's eager kernels) is not adopted: mistjax would run
+    # that plan its own way, which its own search already priced.
+    best = min([mine, *(r for n, r in base.items() if workload_of(n) is workload)], key=lambda r: r.step_time)
     tok = best.prediction.tokens_per_s if best.plan is not None else 0.0
     btok = {n: (r.prediction.tokens_per_s if r.plan is not None else 0.0) for n, r in base.items()}
     meg = btok.get("megatron", 0.0)

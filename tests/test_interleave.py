@@ -204,3 +204,29 @@ def test_a_device_group_of_chunks_sends_once_per_chunk():
     alone = [COST_MODEL.stage_cost(wl, cluster, StageStrategies.make(stages=1, chunks=v, **common)).stable
              for v in (1, 4)]
     assert float(alone[0]) == float(alone[1])
+
+
+@pytest.mark.parametrize("groups,micro,chunks", [(2, 3, 2), (4, 6, 2), (4, 7, 2), (3, 7, 3), (4, 9, 4), (8, 12, 2)])
+def test_interleaved_orders_run_any_micro_batch_count_of_at_least_the_groups(groups, micro, chunks):
+    """Where the groups do not divide the micro-batches, the order still runs every operation once, after what it
+    reads, and its bubble is no larger than with the next multiple of the groups (nominal costs)."""
+    issue = po.issue_order("1f1b", groups, micro, chunks)
+    done: set = set()
+    for op in issue:
+        assert all(dep in done for dep in po.dependencies(op, groups * chunks)), op
+        done.add(op)
+    assert len(done) == len(issue) == micro * (2 * groups * chunks - 1)
+    def bubble(g):
+        return po.simulated_time(po.issue_order("1f1b", groups, g, chunks), groups) - 3 * chunks * g
+    assert bubble(micro) <= bubble(-(-micro // groups) * groups) + 1e-9
+    assert np.allclose(po.group_in_flight("1f1b", groups, micro, chunks) * chunks,
+                       held_along_the_ops(groups, micro, chunks))
+
+
+def test_megatrons_orders_are_kept_where_the_groups_divide_the_micro_batches():
+    """Group 0 of 4 groups x 2 chunks at G 8 warms up with Megatron's count, (S - 1) * 2 + (v - 1) * S = 10."""
+    first = po.device_orders("1f1b", 4, 8, 2)[0]
+    assert [op.kind for op in first[:11]] == [po.OpKind.F] * 10 + [po.OpKind.F]
+    assert first[11].kind == po.OpKind.B
+    with pytest.raises(po.ScheduleError, match="at least 4"):
+        po.issue_order("1f1b", 4, 3, 2)

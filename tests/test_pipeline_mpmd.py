@@ -156,8 +156,8 @@ def test_interleaving_shrinks_the_bubble():
     inter = ms.simulated_time(ms.issue_order("1f1b", S, G, 2), S, cost={"F": 0.5, "B": 1.0, "FB": 1.5})
     assert inter < classic
     assert inter == pytest.approx(G * 3.0 + (S - 1) * 1.5)
-    with pytest.raises(ms.ScheduleError, match="multiple of 4"):
-        ms.device_orders("1f1b", 4, 6, 2)
+    with pytest.raises(ms.ScheduleError, match="at least 4"):
+        ms.device_orders("1f1b", 4, 3, 2)
 
 
 def test_a_bad_order_is_reported_as_deadlock():
@@ -174,8 +174,9 @@ def test_virtual_stages_plan_field():
     assert Plan.from_json(plan_of([{}] * 2).to_json()).virtual_stages == 1
     with pytest.raises(PlanError, match="must divide"):
         plan_of([{}] * 3, virtual_stages=2)
-    with pytest.raises(PlanError, match="multiple of 2"):
-        plan_of([{}] * 4, grad_accum=3, dp=1, virtual_stages=2)
+    with pytest.raises(PlanError, match="at least 2"):
+        plan_of([{}] * 4, grad_accum=1, dp=1, virtual_stages=2)
+    assert plan_of([{}] * 4, grad_accum=1, dp=16, virtual_stages=2, schedule="gpipe").grad_accum == 1
     with pytest.raises(PlanError, match="no interleaved form"):
         plan_of([{}] * 4, schedule="1f1b-eager", virtual_stages=2)
 
@@ -318,6 +319,21 @@ def test_interleaved_1f1b_matches_one_device():
     ex = step._mpmd
     assert ex.meshes[0] is ex.meshes[2] and ex.meshes[1] is ex.meshes[3] and ex.meshes[0] is not ex.meshes[1]
     assert ex.stats.by_kind["forward"] == 3 * 2 and ex.stats.by_kind["last"] == 2
+
+
+def test_interleaved_1f1b_with_micro_batches_not_a_multiple_of_the_groups_matches_one_device():
+    """Megatron-Core runs interleaved 1F1B with any micro-batch count of at least the pipeline depth: G 3 on 2
+    device groups of 2 chunks (the last micro-batch group takes the remainder) runs and matches `jax.jit`."""
+    tx = OPTIMIZERS["sgd"]()
+    state = make_state(tx)
+    batch = jax.tree.map(lambda x: x[:12], make_batch())
+    ref_new, ref_metrics = jax.jit(make_step(tx))(state, batch)
+    plan = Plan(stages=tuple(StagePlan(layers=(i, i + 1)) for i in range(L)), micro_batch=1, grad_accum=3, dp=4,
+                virtual_stages=2)
+    step = mistjax.autoshard(make_step(tx), jax.devices(), plan=plan)
+    new, metrics = step(jax.tree.map(jnp.copy, state), batch)
+    check_against_reference(step, new, metrics, ref_new, ref_metrics)
+    assert step._mpmd.stats.by_kind["last"] == 3
 
 
 def test_a_tuned_plan_interleaved_matches_one_device():

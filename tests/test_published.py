@@ -229,9 +229,10 @@ def test_bench_json_has_the_documented_keys(tiny_file, tmp_path, capsys):
     s = doc["summary"]
     assert set(s) == {"time", "memory"}
     assert set(s["time"]) == {"n", "median_abs_log_ratio", "max_abs_log_ratio", "geo_mean_ratio"}
-    assert set(s["memory"]) == {"n", "median_abs_log_ratio", "max_abs_log_ratio", "n_fit", "n_ran"}
+    assert set(s["memory"]) == {"n", "median_abs_log_ratio", "max_abs_log_ratio", "n_fit", "n_fit_budget", "n_ran",
+                                "n_unpriced"}
     assert s["time"]["n"] == 3 and s["memory"]["n"] == 2 and s["memory"]["n_ran"] == 3
-    assert 0 <= s["memory"]["n_fit"] <= 3
+    assert 0 <= s["memory"]["n_fit_budget"] <= s["memory"]["n_fit"] <= 3 and s["memory"]["n_unpriced"] == 0
     assert 0 <= s["time"]["median_abs_log_ratio"] <= s["time"]["max_abs_log_ratio"] < math.inf
     assert s["time"]["geo_mean_ratio"] > 0
     pts = {p["id"]: p for p in doc["points"]}
@@ -240,6 +241,8 @@ def test_bench_json_has_the_documented_keys(tiny_file, tmp_path, capsys):
     # The MPMD executor runs per-stage offload; the model runs the attention the run ran.
     assert pts["mist-pp2-opt"]["runtime_ok"] is True and pts["mist-pp2-opt"]["predicted_time_s"] > 0
     assert all(p["flash_attention_priced"] for p in pts.values())
+    assert all(p["fits_budget"] == (p["predicted_stage_peak_mib"] and p["fits_budget"]) for p in pts.values())
+    assert {p["priced_as"] for p in pts.values()} == {"megatron", "mist"}
     assert [q["megatron"] for q in pts["mist-pp2"]["speedup_pairs"]] == ["meg-dp2"]
     for p in pts.values():  # the breakdowns add up to the predicted step
         step = p["predicted_time_s"] + p["untimed_s"]  # untimed: the optimizer step a run's timing leaves out
@@ -328,3 +331,39 @@ def test_multinode_runs_are_priced_within_the_targets(tmp_path):
     errs = [abs(math.log(p["time_ratio"])) for p in out["points"]]
     assert sum("fp8" in p["id"] for p in out["points"]) == 2
     assert sorted(errs)[len(errs) // 2] <= 0.10 and max(errs) <= 0.25, errs
+
+
+def test_bench_prices_megatrons_interleaving_and_reports_what_it_cannot_price(tmp_path, capsys):
+    """Interleaved 1F1B with 3 micro-batches on 2 device groups (Megatron-Core runs it) is priced; a run whose plan
+    mistjax cannot express is reported as such, and the bench still exits normally."""
+    inter = _par(1, 2, 1, 3, [_stage(i, i + 1, remat=1) for i in range(4)])
+    bad = {**_par(1, 2, 3, 1, [_stage(i, i + 1, remat=1) for i in range(4)]), "virtual_stages": 2}  # G < groups
+    pts = [_point("meg-interleaved", "Megatron-LM", {**inter, "virtual_stages": 2}, 0.5),
+           _point("meg-g1", "Megatron-LM", bad, 0.5)]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"format": "mistjax-published-runs", "version": 1, "about": "t", "points": pts}))
+    out = _bench().main([str(path), "--json", str(tmp_path / "out.json")])
+    got = {p["id"]: p for p in out["points"]}
+    assert got["meg-interleaved"]["expressible"] and got["meg-interleaved"]["predicted_time_s"] > 0
+    assert got["meg-interleaved"]["plan"]["virtual_stages"] == 2
+    assert not got["meg-g1"]["expressible"] and "at least 2" in got["meg-g1"]["error"]
+    assert out["summary"]["memory"]["n_unpriced"] == 1
+    assert "NOT PRICED meg-g1" in capsys.readouterr().out
+
+
+def test_systems_store_the_state_as_they_run():
+    """Megatron-LM accumulates bf16 runs' gradients in fp32 and fp16 runs' in fp16; DeepSpeed and Mist keep 16-bit
+    gradients; every 16-bit system keeps an fp32 master copy; an fp32 run stores fp32 weights everywhere."""
+    from mistjax.tuning import SYSTEMS, baseline_system
+
+    meg = SYSTEMS["megatron"]
+    assert meg.storage("bf16") == ("bfloat16", "bfloat16", True, "float32")
+    assert meg.storage("fp16") == ("bfloat16", "bfloat16", True, None)
+    assert SYSTEMS["deepspeed"].storage("bf16") == SYSTEMS["mist"].storage("bf16") == ("bfloat16", "bfloat16", True,
+                                                                                        None)
+    assert SYSTEMS["torchtitan"].storage("bf16").grad_dtype == "float32"
+    assert all(r.storage("fp32") == ("float32", "float32", False, None) for r in SYSTEMS.values())
+    assert baseline_system("zero3-fsdp") is baseline_system("mics") is SYSTEMS["deepspeed"]
+    assert baseline_system("megatron") is meg and baseline_system("mistjax") is SYSTEMS["mistjax"]
+    with pytest.raises(ValueError, match="precision 'int8'"):
+        meg.storage("int8")

@@ -12,8 +12,8 @@ weight-gradient half, run later. The schedules and the reasoning: docs/pipelines
 from __future__ import annotations
 
 import enum
-import math
 import functools
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, TypeAlias

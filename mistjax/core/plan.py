@@ -306,9 +306,9 @@ class Plan:
             if self.schedule in ZERO_BUBBLE - V_SHAPED:
                 raise PlanError(f"schedule {self.schedule} runs one chunk per device group here; use "
                                 "virtual_stages=1 with it, or schedule 1f1b (interleaved 1F1B) or zb-v")
-            if self.schedule == "1f1b" and self.grad_accum % groups:
+            if self.schedule == "1f1b" and self.grad_accum < groups:
                 raise PlanError(f"interleaved 1F1B runs micro-batches in groups of the {groups} device groups: "
-                                f"grad_accum={self.grad_accum} must be a multiple of {groups}")
+                                f"grad_accum={self.grad_accum} must be at least {groups}")
         if self.schedule in V_SHAPED and self.num_stages > 1 and self.virtual_stages != 2:
             raise PlanError(f"schedule {self.schedule} runs two chunks per device group placed in a V: set "
                             f"virtual_stages=2 (this plan has {self.virtual_stages}), e.g. with Plan.v_shaped()")
@@ -426,8 +426,8 @@ class Plan:
 
         Raises:
             PlanError: ``chunks`` is not an integer >= 2; the plan is not a one-chunk 1F1B plan of several
-                stages; a group has fewer layers than ``chunks``; or ``grad_accum`` is not a multiple of the
-                groups (interleaved 1F1B advances micro-batches in groups of them).
+                stages; a group has fewer layers than ``chunks``; or ``grad_accum`` is below the groups
+                (interleaved 1F1B advances micro-batches in groups of them).
         """
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
             raise PlanError(f"interleaved({chunks!r}): chunks per device group must be an integer >= 2")

@@ -3,7 +3,15 @@
 ``mistjax.tune(workload, cluster)`` is `mistjax.tuning.tuner.tune`.
 """
 
-from mistjax.tuning.baselines import ABLATION_STEPS, BASELINES, ablation_spaces, baseline_spaces
+from mistjax.tuning.baselines import (
+    ABLATION_STEPS,
+    BASELINES,
+    SYSTEMS,
+    SystemRecord,
+    ablation_spaces,
+    baseline_spaces,
+    baseline_system,
+)
 from mistjax.tuning.milp import (
     InterStageSolution,
     brute_force_inter_stage,
@@ -23,10 +31,13 @@ __all__ = [
     "ParetoSample",
     "SearchResult",
     "SearchSpace",
+    "SYSTEMS",
+    "SystemRecord",
     "TuneResult",
     "TunedPlan",
     "ablation_spaces",
     "baseline_spaces",
+    "baseline_system",
     "brute_force_inter_stage",
     "default_layer_options",
     "pareto_mask",

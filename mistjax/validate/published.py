@@ -25,6 +25,7 @@ from mistjax.core.plan import Plan, StagePlan
 from mistjax.cost.predict import Analysis, analyze
 from mistjax.cost.workload import Workload
 from mistjax.hardware import ClusterSpec, LinkModel
+from mistjax.tuning.baselines import Storage, SystemRecord, system_named
 from mistjax.validate.published_format import (
     PublishedRun,
     PublishedRuns,
@@ -75,6 +76,13 @@ class RunPrediction:
         return max(self.stage_peaks) <= self.cluster.device.hbm_bytes
 
     @property
+    def fits_budget(self) -> bool:
+        """The plan passes the tuner's own memory check: every stage's `guarded_peak` (the preset's memory margin on
+        the non-state part) within `ClusterSpec.memory_budget` of the card the run had."""
+        dev = self.cluster.device
+        return self.analysis.prediction.guarded_peak(dev.memory_margin) <= self.cluster.memory_budget()
+
+    @property
     def time_ratio(self) -> float | None:
         t = self.run.measured.iter_time_s
         return None if t is None else self.step_time / t
@@ -95,11 +103,26 @@ class RunFailure:
 
 
 # ---------------------------------------------------------------------------------------------- building
-def zoo_workload(config: ModelConfig, seq_len: int, global_batch: int, policies: tuple[str, ...] | None) -> Workload:
-    """The cost model's workload of a zoo model (`models.workload`)."""
+def zoo_workload(config: ModelConfig, seq_len: int, global_batch: int, policies: tuple[str, ...] | None,
+                 storage: Storage | None = None) -> Workload:
+    """The cost model's workload of a zoo model (`models.workload`), its state stored as ``storage`` says
+    (default: the config's own dtypes, an fp32 master copy under 16-bit weights)."""
     import models
 
-    return models.workload(config, seq_len, global_batch, policies=policies)
+    if storage is None:
+        return models.workload(config, seq_len, global_batch, policies=policies)
+    return models.workload(config.replace(dtype=storage.compute_dtype, param_dtype=storage.param_dtype), seq_len,
+                           global_batch, policies=policies, master_weights=storage.master_weights,
+                           grad_dtype=storage.grad_dtype)
+
+
+def system_workload(system: SystemRecord, config: ModelConfig, seq_len: int, global_batch: int, precision: str,
+                    policies: tuple[str, ...] | None = None) -> Workload:
+    """``config`` trained at ``precision`` (fp32 / bf16 / fp16 / fp8) as ``system`` runs it: its kernels
+    (`as_system_runs_it`) and its state storage (`SystemRecord.storage`). The grid prices every baseline's space
+    with it, and `predict_run` every published run."""
+    return zoo_workload(as_system_runs_it(config, system), seq_len, global_batch, policies,
+                        system.storage(precision))
 
 
 def to_plan(run: PublishedRun) -> Plan:
@@ -121,35 +144,39 @@ def to_plan(run: PublishedRun) -> Plan:
 
 def run_config(run: PublishedRun) -> ModelConfig:
     """The zoo model config a run is priced with: its shape and dtype (FP8 projections for an fp8 run), the
-    attention it ran (fused for ``flash_attention``, else unfused as Megatron-LM runs it), how its runtime runs
-    the elementwise chains with no single PyTorch op (`runtime_elementwise`) and the rotary fraction it ran
-    (`runtime_rotary_pct`)."""
-    config = model_config(run.model, run.dtype)
-    return config.replace(attention="fused" if run.flash_attention else "xla", elementwise=runtime_elementwise(run),
-                          rotary_pct=runtime_rotary_pct(run, config.rotary_pct), fp8=run.fp8)
+    attention it ran (fused for ``flash_attention``, else unfused as Megatron-LM runs it), and its system's kernels
+    (`as_system_runs_it`: the elementwise chains, the rotary fraction where the record gives none). The state's
+    storage is the system's too (`predict_run` passes `SystemRecord.storage`)."""
+    config = model_config(run.model, run.dtype).replace(attention="fused" if run.flash_attention else "xla",
+                                                        fp8=run.fp8)
+    return as_system_runs_it(config, run.system_record, keep_rotary=run.model.rotary_pct is not None)
 
 
-def runtime_rotary_pct(run: PublishedRun, zoo: float) -> float:
-    """The fraction of head_dim the run rotated: the record's, else Megatron-LM's ``--rotary-percent`` default
-    (1.0: the artifact's Megatron scripts pass none) for a Megatron-LM run with rotary embeddings, else the
-    zoo's (``zoo``: Mist's configs, 0.25 for Llama)."""
-    if run.model.rotary_pct is not None or zoo == 0.0 or run.framework != "megatron":
-        return zoo
-    return 1.0
+def as_system_runs_it(config: ModelConfig, system: SystemRecord, keep_rotary: bool = False) -> ModelConfig:
+    """A zoo config with ``system``'s kernels: its elementwise chains (``eager``: Megatron-LM's model code, the
+    artifact's pin, runs RMSNorm, rotary and SwiGLU as PyTorch ops one kernel each; ``fused`` elsewhere) and, for
+    a rotary model, the whole head rotated where the system does so by default (Megatron-LM's
+    ``--rotary-percent`` 1.0) unless ``keep_rotary`` (the run's record gives its fraction)."""
+    rotary = config.rotary_pct
+    if system.whole_head_rotary and rotary and not keep_rotary:
+        rotary = 1.0
+    return config.replace(elementwise=system.elementwise, rotary_pct=rotary)
 
 
 def as_megatron_runs_it(config: ModelConfig) -> ModelConfig:
-    """A zoo config as the artifact's Megatron-LM runs it when no record says otherwise: elementwise chains
-    eager (`runtime_elementwise`), the whole head rotated where the model has rotary embeddings
-    (`runtime_rotary_pct`). The evaluation grid prices its Megatron-LM baseline with it."""
-    return config.replace(elementwise="eager", rotary_pct=1.0 if config.rotary_pct else config.rotary_pct)
+    """``config`` with Megatron-LM's kernels (`as_system_runs_it` with its record)."""
+    return as_system_runs_it(config, system_named("megatron"))
+
+
+def _storage_text(storage: Storage) -> str:
+    weights = "fp32 weights" if storage.param_dtype == "float32" else "16-bit weights with an fp32 master copy"
+    grads = "fp32" if (storage.grad_dtype or storage.param_dtype) == "float32" else "16-bit"
+    return f"{storage.compute_dtype} compute, {weights}, {grads} gradients, fp32 moments"
 
 
 def runtime_elementwise(run: PublishedRun) -> str:
-    """``eager`` for Megatron-LM, whose model code (core_r0.4.0's ``megatron/model``, the artifact's pin) runs
-    RMSNorm, rotary and SwiGLU as PyTorch ops one kernel each; ``fused`` for Mist's runtime (a CUDA RMSNorm,
-    a Triton rotary and a one-kernel SwiGLU each way) and anything else (docs/benchmarks.md)."""
-    return "eager" if run.framework == "megatron" else "fused"
+    """How the run's system runs elementwise chains (`SystemRecord.elementwise`)."""
+    return run.system_record.elementwise
 
 
 def cluster_for(run: PublishedRun) -> ClusterSpec:
@@ -259,16 +286,17 @@ def predict_run(run: PublishedRun) -> RunPrediction:
 def _predict_run(run: PublishedRun) -> RunPrediction:
     plan = to_plan(run)
     cluster = cluster_for(run)
-    workload = zoo_workload(run_config(run), run.model.seq_len, run.global_batch, _policies(plan))
+    system = run.system_record
+    storage = system.storage(run.precision_word)
+    workload = zoo_workload(run_config(run), run.model.seq_len, run.global_batch, _policies(plan), storage)
     a = analyze(workload, plan, cluster)
     notes = list(a.notes)
     untimed = optimizer_seconds(workload, plan, cluster) if excludes_optimizer(run) else 0.0
     if untimed:
         notes.append("timing leaves the optimizer step out: compared without the predicted update and re-gather")
     if run.dtype != "float32":
-        notes.append(f"{run.precision.split()[0]}: priced as bf16 compute, weights and gradients with an fp32 "
-                     "master copy and fp32 moments" + (", the attention and MLP projections as FP8 GEMMs with "
-                                                       "tensorwise scales" if run.fp8 else ""))
+        notes.append(f"{run.precision_word} as {system.name} runs it: {_storage_text(storage)}"
+                     + (", the attention and MLP projections as FP8 GEMMs with tensorwise scales" if run.fp8 else ""))
     why = _runtime_check(plan)
     if why:
         notes.append(f"runtime cannot run this plan today: {why}")
@@ -284,7 +312,9 @@ def predict_all(runs: PublishedRuns) -> list[RunPrediction | RunFailure]:
     for r in runs.points:
         try:
             out.append(predict_run(r))
-        except ValueError as e:  # PlanError, analysis errors (unsupported model code), unanalysed policies
+        # PlanError, ScheduleError, analysis errors (unsupported model code), unanalysed policies, and anything
+        # else: a run that cannot be priced is reported with the reason, never a crash of the whole file.
+        except Exception as e:  # noqa: BLE001
             out.append(RunFailure(run=r, error=f"{type(e).__name__}: {e}"))
     return out
 
@@ -304,16 +334,19 @@ def summarize(preds: list[RunPrediction | RunFailure]) -> dict[str, dict[str, fl
     """Time and memory accuracy over the priced runs that have the measurement.
 
     ``memory`` compares each run's peak (max over stages); ``n_fit`` counts runs that ran and are
-    predicted to fit their card's memory, ``n_ran`` the runs that ran (have a measured step time; a
-    run the model could not price counts as ran and not fitting).
+    predicted to fit their card's memory, ``n_fit_budget`` those that also pass the tuner's own check
+    (`RunPrediction.fits_budget`), ``n_ran`` the runs that ran (have a measured step time; a run the model
+    could not price counts as ran and not fitting); ``n_unpriced`` the runs that could not be priced.
     """
     priced = _priced(preds)
     t = [p.time_ratio for p in priced if p.time_ratio is not None]
     m = [p.memory_ratio for p in priced if p.memory_ratio is not None]
     geo = math.exp(statistics.fmean(math.log(r) for r in t)) if t else None
     n_fit = sum(p.fits for p in priced if p.run.ran)
+    n_budget = sum(p.fits_budget for p in priced if p.run.ran)
     return {"time": {"n": len(t), **_log_stats(t), "geo_mean_ratio": geo},
-            "memory": {"n": len(m), **_log_stats(m), "n_fit": n_fit, "n_ran": sum(p.run.ran for p in preds)}}
+            "memory": {"n": len(m), **_log_stats(m), "n_fit": n_fit, "n_fit_budget": n_budget,
+                       "n_ran": sum(p.run.ran for p in preds), "n_unpriced": len(preds) - len(priced)}}
 
 
 def cell_key(run: PublishedRun) -> Cell:
@@ -372,22 +405,29 @@ def measured_speedups(runs: PublishedRuns) -> list[MeasuredSpeedup]:
     return out
 
 
+def _shape_name(r: PublishedRun) -> str:
+    try:
+        return model_config(r.model).name
+    except ValueError:
+        return "?"
+
+
 def point_dict(p: RunPrediction | RunFailure) -> dict[str, object]:
     """JSON form of one run and its prediction (``error`` instead of predictions for a `RunFailure`)."""
     r = p.run
     meas = r.measured
     head = {
-        "id": r.id, "kind": r.kind, "system": r.system, "framework": r.framework,
-        "model": r.model.preset or model_config(r.model).name, "seq_len": r.model.seq_len,
+        "id": r.id, "kind": r.kind, "system": r.system, "framework": r.framework, "priced_as": r.system_record.name,
+        "model": r.model.preset or _shape_name(r), "seq_len": r.model.seq_len,
         "cluster": f"{r.hardware.preset}:{r.hardware.nodes}x{r.hardware.per_node}",
         "flash_attention": r.flash_attention, "flash_attention_priced": True,
-        "elementwise_priced": runtime_elementwise(r), "rotary_pct_priced": run_config(r).rotary_pct,
-        "precision": r.precision,
-        "plan": to_plan(r).to_dict(), "ran": r.ran, "measured_time_s": meas.iter_time_s,
+        "elementwise_priced": runtime_elementwise(r), "precision": r.precision,
+        "ran": r.ran, "measured_time_s": meas.iter_time_s,
         "measured_stage_peak_mib": list(meas.stage_peak_allocated_mib) if meas.stage_peak_allocated_mib else None,
     }
-    if isinstance(p, RunFailure):
-        return {**head, "error": p.error}
+    if isinstance(p, RunFailure):  # the plan or the model may be what could not be built
+        return {**head, "expressible": False, "error": p.error}
+    head.update({"rotary_pct_priced": run_config(r).rotary_pct, "plan": p.plan.to_dict(), "expressible": True})
     a = p.analysis
     return {
         **head, "predicted_time_s": p.step_time, "untimed_s": p.untimed, "time_ratio": p.time_ratio,
@@ -395,6 +435,7 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, object]:
         "predicted_stage_memory_mib": [{k: v / MiB for k, v in m.items()} for m in a.stage_memory],
         "predicted_stage_host_mib": [x / MiB for x in a.stage_host],
         "card_memory_mib": p.cluster.device.hbm_bytes / MiB, "fits": p.fits,
+        "budget_mib": p.cluster.memory_budget() / MiB, "fits_budget": p.fits_budget,
         "time_by_resource_s": p.by_resource, "time_by_structure_s": p.by_structure,
         "runtime_ok": p.runtime_ok, "notes": list(p.notes),
     }
@@ -402,5 +443,6 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, object]:
 
 __all__ = ["RESOURCES", "Cell", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction",
            "as_megatron_runs_it", "cell_key", "cluster_for", "load_published", "measured_speedups", "parse_published",
-           "point_dict", "predict_all", "predict_run", "run_config", "runtime_elementwise", "runtime_rotary_pct",
+           "point_dict", "predict_all", "predict_run", "run_config", "runtime_elementwise", "system_workload",
+           "as_system_runs_it",
            "speedup_pairs", "summarize", "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]

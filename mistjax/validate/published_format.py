@@ -16,14 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 
+from mistjax.tuning.baselines import COMPUTE_DTYPES, SystemRecord, system_named
+
 if TYPE_CHECKING:
     from models.config import ModelConfig
 
 FORMAT, VERSION = "mistjax-published-runs", 1
 KINDS = ("measured", "derived")  # measured by the source / derived from its numbers (see the file's about)
 # Leading word of ``precision`` -> the compute dtype mistjax prices it with (fp16 has bf16's sizes; fp8: bf16
-# training whose projections run as FP8 GEMMs, `PublishedRun.fp8`).
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "bfloat16", "fp8": "bfloat16"}
+# training whose projections run as FP8 GEMMs, `PublishedRun.fp8`); each system stores the state as its
+# `mistjax.tuning.SystemRecord` says.
+PRECISIONS = COMPUTE_DTYPES
+# Words of ``system`` -> the `mistjax.tuning.SYSTEMS` record a run is priced with (first match; else mistjax's).
+_SYSTEM_WORDS = (("megatron", "megatron"), ("mistjax", "mistjax"), ("mist", "mist"), ("deepspeed", "deepspeed"),
+                 ("torchtitan", "torchtitan"), ("maxtext", "maxtext"))
 SCHEDULES = ("1f1b", "gpipe", "1f1b-eager")  # `mistjax.plan.SCHEDULES`
 SHAPE_FIELDS = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
 
@@ -118,7 +124,19 @@ class PublishedRun:
     @property
     def dtype(self) -> str:
         """Compute dtype mistjax prices the run with (`PRECISIONS`)."""
-        return PRECISIONS[self.precision.split()[0].lower()]
+        return PRECISIONS[self.precision_word]
+
+    @property
+    def precision_word(self) -> str:
+        """The leading word of ``precision`` (fp32 / bf16 / fp16 / fp8)."""
+        return self.precision.split()[0].lower()
+
+    @property
+    def system_record(self) -> SystemRecord:
+        """The system the run is priced as (`mistjax.tuning.SYSTEMS`, read from ``system``; mistjax's record for a
+        system it has none of)."""
+        s = self.system.lower()
+        return system_named(next((name for word, name in _SYSTEM_WORDS if word in s), "mistjax"))
 
     @property
     def fp8(self) -> bool:
