@@ -1,4 +1,8 @@
 # One-command set-up for a fresh machine with only python3 and make.
+#   make demo: the core install (`pip install -e .`: JAX, Flax, optax, the MILP solver, matplotlib; no GPU
+#              compiler, no Hugging Face stack), then scripts/demo.py.
+#   make test: the dev extras on top (pytest, ruff, import-linter, the XLA:GPU compiler for deviceless
+#              compiles, transformers, pyarrow), then the suite. `make demo` then `make test` upgrades the venv.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,17 +17,23 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[dev]"
+# One stamp per install: the dev install covers the core one too. The core install skips byte-compiling
+# (--no-compile): Python compiles the modules the demo imports on first use, not all of SciPy and SymPy.
+$(VENV)/.installed-core: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --no-compile -e .
 	touch $@
 
-demo: $(VENV)/.installed
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@ $(VENV)/.installed-core
+
+demo: $(VENV)/.installed-core
 	$(BIN)/python scripts/demo.py --out demo_out
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 
 clean:
