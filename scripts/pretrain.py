@@ -1,6 +1,6 @@
 """Scripted pretraining with mistjax.
 
-Examples (with the project's venv: make .venv/.installed, then .venv/bin/python):
+Examples (with the project's venv: make .venv/.installed-core, then .venv/bin/python):
   python scripts/pretrain.py --model gpt3-tiny --steps 100 --global-batch 16 --seq-len 32
   python scripts/pretrain.py --model llama-tiny --plan auto     # tune a plan on the first batch
   python scripts/pretrain.py --model llama-small --data tokens.bin --token-dtype uint16 --plan plan.json \\
