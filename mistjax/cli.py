@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
 import sys
 import warnings
@@ -28,6 +27,7 @@ from mistjax.core.plan import Plan, PlanError, format_bytes
 if TYPE_CHECKING:
     from tqdm import tqdm
 
+    from mistjax.api.mfu import ModelFlops
     from mistjax.cost.predict import Analysis
     from mistjax.cost.workload import Workload
     from mistjax.hardware.presets import ClusterSpec
@@ -155,56 +155,13 @@ Args = PlanArgs | ExplainArgs | CalibrateArgs
 
 def load_model_config(spec: str) -> ModelConfig:
     """A preset name (`python -m models --list`), a JSON file of `models.ModelConfig` fields, or a Hugging Face
-    ``config.json`` (it names a ``model_type`` or ``architectures``; mapped by `models.from_hf_config`, whose
-    warnings print as one line each)."""
-    import models
+    ``config.json`` (`models.spec.load_config`; a Hugging Face config's warnings print as one line each)."""
+    from models.spec import ModelSpecError, load_config
 
-    path = Path(spec)
-    if path.suffix == ".json" or path.is_file():
-        if not path.is_file():
-            raise CliError(f"model config file {spec!r} does not exist")
-        try:
-            fields = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise CliError(f"model config file {spec!r} is not valid JSON: {e}") from e
-        if not isinstance(fields, dict):
-            raise CliError(f"model config file {spec!r} holds a JSON {type(fields).__name__}, not an object of "
-                           "models.ModelConfig fields or a Hugging Face config")
-        if "model_type" in fields or "architectures" in fields:
-            return _hf_model_config(spec)
-        return _zoo_model_config(spec, fields)
     try:
-        return models.get_config(spec)
-    except ValueError as e:
+        return load_config(spec)
+    except ModelSpecError as e:
         raise CliError(str(e)) from e
-
-
-def _hf_model_config(spec: str) -> ModelConfig:
-    import models
-
-    try:
-        return models.from_hf_config(spec)
-    except models.HFConfigError as e:
-        raise CliError(f"model config file {spec!r}: {e}") from e
-
-
-def _zoo_model_config(spec: str, fields: dict) -> ModelConfig:
-    from models.config import ModelConfig
-
-    known = [f.name for f in dataclasses.fields(ModelConfig)]
-    required = [f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING]
-    unknown = [k for k in fields if k not in known]
-    if unknown:
-        raise CliError(f"model config file {spec!r}: unknown field {unknown[0]!r} of models.ModelConfig (fields: "
-                       f"{', '.join(known)}); a Hugging Face config.json names its model_type")
-    missing = [k for k in required if k not in fields]
-    if missing:
-        raise CliError(f"model config file {spec!r}: missing field {missing[0]!r} of models.ModelConfig "
-                       f"(required: {', '.join(required)})")
-    try:
-        return ModelConfig(**fields)
-    except ValueError as e:
-        raise CliError(f"model config file {spec!r} is not a valid ModelConfig JSON: {e}") from e
 
 
 def load_cluster(spec: str, memory_gib: float | None = None) -> ClusterSpec:
@@ -276,8 +233,11 @@ def cmd_plan(args: PlanArgs) -> int:
     print(results[-1].summary())
     from mistjax.cost.predict import analyze
 
-    for note in analyze(workload, plan, cluster).notes:  # e.g. why the schedule (interleaved, zero-bubble)
+    analysis = analyze(workload, plan, cluster)
+    for note in analysis.notes:  # e.g. why the schedule (interleaved, zero-bubble)
         print(f"  note: {note}")
+    for line in usage_lines(config, workload, plan, cluster, analysis):
+        print(f"  {line}")
     status = (verification_line(verified) if verified is not None else
               unverified_line(cluster, unverifiable or "the compile failed: see the warning above"))
     print(f"  {status}")
@@ -295,6 +255,28 @@ def cmd_plan(args: PlanArgs) -> int:
     print("verified tuning (the plan compiled for the GPU; re-tuned with the measured gap if above the budget):")
     print(verified.summary())
     return 0 if verified.rounds[-1].report.fits else 1
+
+
+def model_flops(config: ModelConfig, seq_len: int) -> ModelFlops:
+    """The terms of PaLM's model-FLOPs formula for a zoo / Hugging Face config (`mistjax.api.mfu`)."""
+    from mistjax.api.mfu import ModelFlops
+
+    return ModelFlops(config.num_params(), config.num_layers, config.num_heads, config.head_dim, seq_len)
+
+
+def usage_lines(config: ModelConfig, workload: Workload, plan: Plan, cluster: ClusterSpec,
+                analysis: Analysis) -> list[str]:
+    """The predicted MFU (its formula and numbers) and the host memory each device's offload needs."""
+    from mistjax.api.mfu import mfu_line
+
+    dev = cluster.device
+    fp32 = config.dtype == "float32"
+    peak = float(dev.peak_flops_fp32 if fp32 else dev.peak_flops)
+    host = max(analysis.stage_host, default=0.0)
+    return [mfu_line(analysis.prediction.tokens_per_s, model_flops(config, workload.seq_len), plan.num_devices, peak)
+            + f" ({'fp32' if fp32 else '16-bit'} peak of {dev.name})",
+            f"host memory per device: {format_bytes(host)} (offloaded weights, gradients, optimizer state and "
+            f"activations, largest device group), device peak {format_bytes(analysis.peak_memory)}"]
 
 
 def unverified_line(cluster: ClusterSpec, reason: str) -> str:
@@ -401,6 +383,8 @@ def cmd_explain(args: ExplainArgs) -> int:
         raise CliError(str(e)) from e
     report = analyze(workload, plan, cluster)
     print(report.summary())  # with its notes
+    for line in usage_lines(config, workload, plan, cluster, report):
+        print(f"  {line}")
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
     return _verify(config, workload, plan, cluster, report) if args.verify else 0

@@ -36,7 +36,13 @@ from mistjax.distributed import (  # noqa: E402
     initialize,
 )
 from mistjax.train.checkpoint import CheckpointError, SaveCost  # noqa: E402
-from mistjax.train.loop import TrainConfig, TrainingDivergedError, run_training, save_loss_plot  # noqa: E402
+from mistjax.train.loop import (  # noqa: E402
+    TrainConfig,
+    TrainingDivergedError,
+    TrainResult,
+    run_training,
+    save_loss_plot,
+)
 
 # Errors that are the user's to fix: reported as one line, without a traceback.
 USER_ERRORS = (CheckpointError, DistributedError, TrainingDivergedError, ValueError)
@@ -47,7 +53,8 @@ class Launch:
     """How the script runs (the run itself is `TrainConfig`)."""
 
     plot: str | None = None  # write the loss curve to this PNG
-    no_progress: bool = False  # no progress bar: a log line every --log-every steps instead
+    # a progress bar on a terminal (--no-progress: a log line every --log-every steps instead)
+    progress: bool = True
     coordinator: str | None = None  # HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS)
     num_processes: int | None = None  # number of processes (or JAX_NUM_PROCESSES)
     process_id: int | None = None  # this process, 0 .. N-1 (or JAX_PROCESS_ID)
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(e), multi_process=False)
         return
     try:
-        result = run_training(cfg, progress=not a.no_progress)
+        result = run_training(cfg, progress=a.progress)
     except USER_ERRORS as e:
         _fail(str(e), setup.multi_process)
         return
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     if not result.losses:
         print(f"nothing to do: the checkpoint is already at step {result.start_step} (--steps {cfg.steps})")
         return
-    line = f"final loss {result.losses[-1]:.4f} at step {result.start_step + len(result.losses) - 1}"
+    line = f"final loss {result.losses[-1]:.4f} at step {result.start_step + len(result.losses)}"
     if result.mfu:
         line += f", MFU {100 * result.mfu[-1]:.3g}% on {cfg.hardware}"
     print(line)
@@ -137,7 +144,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"checkpoints saved at step(s) {', '.join(map(str, result.checkpoints))} in {cfg.ckpt_dir}"
               + _save_costs(result.checkpoint_costs))
     if a.plot:
-        save_loss_plot(result.losses, a.plot, title=cfg.model, first_step=result.start_step)
+        _plot(result, a.plot, cfg)
+
+
+def _plot(result: TrainResult, path: str, cfg: TrainConfig) -> None:
+    """The loss curve of every step: those before a resume read back from the --metrics log, then this run's."""
+    points = [*result.earlier_losses, *((result.start_step + 1 + k, x) for k, x in enumerate(result.losses))]
+    if len(result.earlier_losses) < result.start_step:
+        print(f"note: the plot starts at step {points[0][0]}: the losses of the steps before the resume are read "
+              "from the --metrics log" + ("" if cfg.metrics else ", and this run has none (pass the same --metrics "
+                                          "file to every run)"))
+    save_loss_plot([x for _, x in points], path, title=cfg.model, steps=[k for k, _ in points])
 
 
 if __name__ == "__main__":

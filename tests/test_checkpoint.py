@@ -59,7 +59,7 @@ def test_resume_after_sigkill_matches_uninterrupted(killed_and_resumed) -> None:
                               "--keep", "2", "--no-progress"])
     assert 5 <= run.killed_at < steps
     assert "resumed from step" in run.resumed.stdout
-    assert [r["step"] for r in run.got] == list(range(steps))  # every step exactly once, in order
+    assert [r["step"] for r in run.got] == list(range(1, steps + 1))  # every step exactly once, in order
     np.testing.assert_allclose([r["loss"] for r in run.got], [r["loss"] for r in run.want], rtol=0, atol=1e-6)
     assert [r["loss"] for r in run.got] == [r["loss"] for r in run.want], "resume is close but not bit-identical"
 

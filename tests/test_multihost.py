@@ -115,7 +115,7 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 
 def losses(path: Path) -> list[float]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in records] == list(range(len(records)))
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     return [r["loss"] for r in records]
 
 

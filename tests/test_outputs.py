@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import mistjax
@@ -185,3 +186,50 @@ def test_the_smallest_plan_message_states_what_it_counted(capsys):
     assert parts and abs(sum(float(x) for x in parts.groups()) - need) <= 0.011
     host = float(re.search(r"; ([\d.]+) GiB more offloaded to host memory\)", err)[1])
     assert float(parts[3]) < 1.0 < 200 < host  # the optimizer state is on the host, not counted in the figure
+
+
+# ---------------------------------------------------------------------------------------------- MFU and host memory
+def test_explain_shows_mfu_with_its_formula_and_host_memory(tmp_path, capsys):
+    """GPT-3 7B, ZeRO-3 over 8 A100s with the optimizer state on the host: the MFU printed is PaLM's formula on
+    the config's numbers at the predicted tokens/s, and the host memory is the offloaded Adam state's share."""
+    import models
+
+    path = tmp_path / "plan.json"
+    uniform_plan(32, 8, micro_batch=2, grad_accum=4, shard_opt=True, shard_grads=True, shard_weights=True,
+                 remat_layers=32, offload_opt=1.0).replace(fingerprints={"batch": "64x2048"}).save(path)
+    assert main(["explain", str(path), "--model", "gpt3-7b", "--cluster", "a100-40gb:1x8"]) == 0
+    out = capsys.readouterr().out
+    line = re.search(r"MFU ([\d.]+)% predicted = model FLOPs x tokens/s / \(devices x peak\): 6·N \+ 12·L·H·Q·T per "
+                     r"token \(PaLM's model FLOPs; N 6.87B, L 32, H 32, Q 128, T 2048; remat not counted\), "
+                     r"([\d,]+) tokens/s, 8 x 312 TFLOP/s", out)
+    cfg = models.get_config("gpt3-7b")
+    per_token = 6 * cfg.num_params() + 12 * 32 * 32 * 128 * 2048
+    want = per_token * float(line[2].replace(",", "")) / (8 * 312e12)
+    assert float(line[1]) == pytest.approx(100 * want, abs=0.06)
+    host = re.search(r"host memory per device: ([\d.]+) GiB", out)
+    adam = 2 * 4 * cfg.num_params() / 8 / 2**30  # two fp32 moments, sharded 8 ways
+    assert adam <= float(host[1]) < 1.3 * adam
+
+
+def test_summary_shows_host_memory_per_device():
+    """Adam's two moments offloaded under ZeRO-1 over 8 devices: each device keeps 1/8 of them on the host."""
+    step_fn, state, batch = _scan_model(tag=False)
+    plan = uniform_plan(L, 8, micro_batch=1, shard_opt=True, offload_opt=1.0)
+    step, noops = _run(step_fn, state, batch, plan, jax.devices())
+    moments = 2 * 4 * (L * D * F * 2) / 8  # fp32 mu and nu of both weights, sharded 8 ways
+    assert noops == [] and moments <= step.applied.host_bytes <= moments + 64  # + Adam's step counts
+    assert f"host memory per device: {mistjax.plan.format_bytes(step.applied.host_bytes)} of offloaded state" in \
+        step.summary()
+
+
+def test_autoshard_summary_shows_the_predicted_mfu_and_its_formula(zoo3p):
+    fam = zoo3p.lax_scan()
+    state, batch = zoo3p.optax_state(fam.params, TX), fam.batch
+    step = mistjax.autoshard(zoo3p.optax_step(fam.loss_fn, TX), jax.devices(), time_limit=10, baselines=())
+    step(state, batch)
+    line = re.search(r"MFU ([\d.]+)% predicted = model FLOPs x tokens/s / \(devices x peak\): 6·N per token "
+                     r"\(N ([\d.]+K); attention FLOPs not counted: its shape is unknown\), ([\d,]+) tokens/s, 8 x",
+                     step.summary())
+    n = sum(x.size for x in jax.tree.leaves(fam.params))
+    assert line and line[2] == f"{n / 1e3:.3g}K"
+    assert float(line[3].replace(",", "")) == pytest.approx(step.plan.prediction.tokens_per_s, rel=1e-3)

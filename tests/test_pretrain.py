@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import models
+from mistjax.api.mfu import ModelFlops, mfu
 from mistjax.hardware import ClusterSpec
 from mistjax.train.data import DataError, MemmapTokens, write_token_file
-from mistjax.train.metrics import MetricsLog, mfu, peak_flops
+from mistjax.train.metrics import MetricsLog, peak_flops
 
 SMALL = ["--model", "gpt3-tiny", "--global-batch", "8", "--seq-len", "16", "--no-progress"]
 
@@ -26,33 +27,39 @@ def test_metrics_one_record_per_step_with_mfu(cli, tmp_path: Path) -> None:
     code, out, err = cli(*SMALL, "--steps", 3, "--metrics", metrics, "--hardware", "h100")
     assert code == 0, err
     got = records(metrics)
-    assert [r["step"] for r in got] == [0, 1, 2]
-    n_params = models.get_config("gpt3-tiny").num_params()
+    assert [r["step"] for r in got] == [1, 2, 3]  # numbered from 1, as the log lines and the checkpoints
+    cfg = models.get_config("gpt3-tiny")
     peak = ClusterSpec.preset("h100").device.peak_flops_fp32  # --dtype float32 is measured against fp32 peak
+    per_token = 6 * cfg.num_params() + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 16  # PaLM, T = 16
     for r in got:
         assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
-        assert r["mfu"] == pytest.approx(6 * n_params * r["tokens_per_s"] / (8 * peak), rel=1e-9)
-    assert "final loss" in out and "MFU" in out
+        assert r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / (8 * peak), rel=1e-9)
+        assert r["host_bytes_per_device"] == 0.0  # the default plan offloads nothing
+    assert "final loss" in out and "at step 3, MFU" in out
+    assert "MFU = model FLOPs x tokens/s / (devices x peak): 6·N + 12·L·H·Q·T per token" in out
     # The plan before the first step; without a bar, plain log lines (the last step always), no carriage returns.
-    assert out.index("Plan:") < out.index("step 3/3:") and "\r" not in out + err
+    assert out.index("Plan:") < out.index("step 1/3:") < out.index("step 3/3:") and "\r" not in out + err
 
 
 def test_mfu_formula_and_peaks() -> None:
     device = ClusterSpec.preset("a100-80gb").device
     assert peak_flops("a100-80gb", "bfloat16") == device.peak_flops
     assert peak_flops("a100-80gb", "float32") == device.peak_flops_fp32
-    assert mfu(1000.0, 10**9, 8, 1e15) == pytest.approx(6e12 / 8e15)
+    assert mfu(1000.0, ModelFlops(10**9), 8, 1e15) == pytest.approx(6e12 / 8e15)
+    attention = 12 * 2 * 4 * 8 * 100 * 1000.0  # 12 L H Q T per token, 1000 tokens/s
+    assert mfu(1000.0, ModelFlops(10**9, 2, 4, 8, 100), 8, 1e15) == pytest.approx((6e12 + attention) / 8e15)
     with pytest.raises(ValueError, match="unknown hardware preset 'tpu-v9'.*valid names"):
         peak_flops("tpu-v9", "bfloat16")
 
 
 def test_metrics_log_continues_after_resume(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    path.write_text("".join(json.dumps({"step": i, "loss": float(i)}) + "\n" for i in range(10)) + '{"step": 10, "lo')
-    log = MetricsLog(path, start_step=6)
-    log.write({"step": 6, "loss": -1.0})
+    path.write_text("".join(json.dumps({"step": i, "loss": float(i)}) + "\n" for i in range(1, 11)) + '{"step": 11, "l')
+    log = MetricsLog(path, start_step=6)  # the checkpoint holds the state after step 6
+    assert [r["step"] for r in log.kept] == [1, 2, 3, 4, 5, 6]  # what a resumed run's plot starts from
+    log.write({"step": 7, "loss": -1.0})
     log.close()
-    assert [r["step"] for r in records(path)] == [0, 1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records(path)] == [1, 2, 3, 4, 5, 6, 7]
     assert records(path)[-1]["loss"] == -1.0
     MetricsLog(path, start_step=3, enabled=False).close()  # a non-primary process leaves the file alone
     assert len(records(path)) == 7
@@ -60,15 +67,15 @@ def test_metrics_log_continues_after_resume(tmp_path: Path) -> None:
 
 def test_nan_loss_stops_with_clear_error_and_keeps_checkpoint(cli, tmp_path: Path) -> None:
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    # lr 1e30 without warm-up: step 0 is fine, its update blows the weights up, step 1's loss is NaN.
+    # lr 1e30 without warm-up: step 1 is fine, its update blows the weights up, step 2's loss is NaN.
     code, _, err = cli(*SMALL, "--steps", 5, "--lr", "1e30", "--warmup", 0, "--ckpt-dir", ckpt, "--ckpt-every", 1,
                        "--metrics", metrics)
     assert code == 1
-    assert "error: training diverged: the loss is nan at step 1" in err
+    assert "error: training diverged: the loss is nan at step 2" in err
     assert "the last checkpoint (step 1)" in err and "lower --lr (now 1e+30)" in err
     assert "Traceback" not in err
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [1]
-    assert [r["step"] for r in records(metrics)] == [0]  # the NaN step is not logged
+    assert [r["step"] for r in records(metrics)] == [1]  # the NaN step is not logged
 
 
 def test_missing_and_truncated_token_files(cli, tmp_path: Path) -> None:
@@ -173,3 +180,44 @@ def test_bf16_weights_train_on_an_fp32_master_copy() -> None:
     assert {x.dtype for x in params} == {jnp.dtype("bfloat16")}
     assert {x.dtype for x in master} == {jnp.dtype("float32")} and len(master) == len(params)
     assert np.isfinite(result.losses).all() and result.losses[-1] < result.losses[0]
+
+
+def test_a_hugging_face_config_trains(cli, tmp_path: Path) -> None:
+    """--model takes what `mistjax plan --model` takes: here a Hugging Face config.json, not only a preset."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
+                                  "vocab_size": 256, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}))
+    code, out, err = cli("--model", config, "--global-batch", "8", "--seq-len", "16", "--no-progress", "--steps", 2)
+    assert code == 0, err
+    assert "final loss" in out and "at step 2" in out
+    code, _, err = cli("--model", tmp_path / "nope.json", "--steps", 1, "--no-progress")
+    assert code == 1 and "model config file" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_the_plot_after_a_resume_covers_every_step(cli, pretrain, tmp_path: Path, monkeypatch) -> None:
+    """Steps 1-2, then a resume to step 4 with --plot: the curve has steps 1-4 (the first two read back from the
+    metrics log), numbered as the log lines and the metrics are."""
+    plotted = {}
+    monkeypatch.setattr(pretrain, "save_loss_plot", lambda losses, path, title, steps: plotted.update(
+        losses=losses, steps=steps))
+    import shutil
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    common = (*SMALL, "--ckpt-dir", ckpt, "--ckpt-every", 2, "--metrics", metrics, "--steps", 4)
+    code, out, err = cli(*common)
+    assert code == 0, err
+    first = records(metrics)
+    shutil.rmtree(ckpt / "4")  # as if killed after step 3: the newest checkpoint is step 2's
+    code, out, err = cli(*common, "--resume", "--plot", tmp_path / "loss.png")
+    assert code == 0, err
+    assert "resumed from step 2" in out and "continuing with step 3" in out and "step 4/4:" in out
+    got = records(metrics)
+    assert plotted["steps"] == [r["step"] for r in got] == [1, 2, 3, 4]
+    assert plotted["losses"] == [r["loss"] for r in got] == [r["loss"] for r in first]  # bit-exact resume
+
+
+def test_boolean_flags_read_naturally(pretrain) -> None:
+    assert pretrain.parse_args([]).launch.progress
+    assert not pretrain.parse_args(["--no-progress"]).launch.progress
+    assert pretrain.parse_args(["--progress"]).launch.progress

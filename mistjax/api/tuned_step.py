@@ -433,7 +433,21 @@ class AutoShardedStep:
         if self.retunes:
             lines += [f"re-tuned {len(self.retunes)} time(s) after the memory check before the first step:"]
             lines += [f"  {note}" for note in self.retunes]
-        return "\n".join(lines)
+        mfu = self._predicted_mfu()
+        return "\n".join(lines + ([f"  {mfu}"] if mfu else []))
+
+    def _predicted_mfu(self) -> str | None:
+        """The predicted MFU of the tuned plan (`mistjax.api.mfu`; the step's attention shape is unknown here,
+        so its FLOPs are not counted and the line says so), or None before tuning."""
+        from mistjax.api.mfu import ModelFlops, mfu_line
+
+        plan, t = self._tuned().plan, self._tuning
+        if t is None or plan.prediction is None:
+            return None
+        dev = t.cluster.device
+        peak = float(dev.peak_flops_fp32 if t.workload.compute_dtype == "float32" else dev.peak_flops)
+        flops = ModelFlops(sum(leaf.size for leaf in t.workload.leaves))
+        return mfu_line(plan.prediction.tokens_per_s, flops, plan.num_devices, peak) + f" ({dev.name})"
 
     @property
     def mesh(self) -> Mesh | None:

@@ -48,6 +48,9 @@ class AppliedReport:
     # How the step runs them (`core.execution`): a pipeline stage's from its setup, a one-stage step's once
     # the step is compiled (its loss is traced inside the step's program).
     execution: StageExecution | None = None
+    # Bytes of placed state each device keeps in host memory: its share of the offloaded weights and optimizer
+    # state, and of the gradient accumulators kept on host (activations offloaded per micro-batch not counted).
+    host_bytes: float = 0.0
 
     def summary(self) -> str:
         return "\n".join(["Applied (placed state and step):", *self.lines("  ")])
@@ -59,6 +62,9 @@ class AppliedReport:
             if k.requested or k.applied:
                 mark = "yes" if k.applied else "NO "
                 out.append(f"{indent}[{mark}] {k.knob}: {k.detail}")
+        if self.host_bytes > 0 or any(k.requested for k in self.knobs if k.knob.startswith("offload_")):
+            out.append(f"{indent}host memory per device: {format_bytes(self.host_bytes)} of offloaded state "
+                       "(weights, optimizer state, gradient accumulators; offloaded activations not counted)")
         if self.execution is not None:
             out += [f"{indent}execution: {line}" for line in self.execution.describe()]
         return out + [f"{indent}note: {n}" for n in self.notes]
@@ -247,7 +253,8 @@ def applied_report(layouts: Sequence[LeafLayout], itemsizes: Sequence[int], plan
     if warn:
         for n in notes:
             warnings.warn(n, NoOpWarning, stacklevel=4)
-    return AppliedReport(tuple(knobs), tuple(notes))
+    host = [(lay, s) for lay, s in lays if lay.host] + grads_host
+    return AppliedReport(tuple(knobs), tuple(notes), host_bytes=sum(_per_device(lay, s, plan) for lay, s in host))
 
 
 _ZERO_KNOBS = ("shard_opt", "shard_grads", "shard_weights")
@@ -315,6 +322,11 @@ class PipelineReport:
     """What a pipelined plan does, stage by stage (`report[k]` is stage ``k``'s `StageReport`)."""
 
     stages: tuple[StageReport, ...]
+
+    @property
+    def host_bytes(self) -> float:
+        """The most host memory a device of any stage keeps (`AppliedReport.host_bytes`)."""
+        return max((r.applied.host_bytes for r in self.stages), default=0.0)
 
     @property
     def notes(self) -> tuple[str, ...]:

@@ -4,6 +4,10 @@ A run is fully determined by its `TrainConfig`: parameters come from ``seed``, a
 source returns the batch of step ``s`` from ``seed + s`` alone. Resuming therefore only needs
 the train state (parameters, optimizer state, step) from a checkpoint: the steps after it see
 exactly the batches an uninterrupted run would have seen, and produce bit-identical losses.
+
+Steps are numbered from 1 everywhere (log lines, the metrics log, errors, checkpoints): step ``k`` is the
+``k``-th optimizer step, and the checkpoint of step ``k`` holds the state after it, so a run resumed from it
+continues with step ``k + 1``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from flax import nnx
 
 import models
 from mistjax.api import autoshard, value_and_grad
+from mistjax.api.mfu import ModelFlops, mfu
 from mistjax.api.precision import with_master_weights
 from mistjax.core.plan import Plan, PlanError, uniform_plan
 from mistjax.core.types import Batch, LossFn, PyTree
@@ -34,10 +39,11 @@ from mistjax.runtime.mpmd_state import is_staged, per_leaf_on_host
 from mistjax.runtime.step import ShardedStep
 from mistjax.train.checkpoint import Checkpointer, CheckpointError, CheckpointMeta, SaveCost
 from mistjax.train.data import DataError, MemmapTokens, SyntheticTokens, TokenSource
-from mistjax.train.metrics import MetricsLog, mfu, peak_flops
+from mistjax.train.metrics import MetricsLog, peak_flops
 from mistjax.train.state import TrainState, make_optimizer
 from mistjax.train.text_data import TextTokens, is_token_file
 from models.loss import make_loss_fn
+from models.spec import load_config
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -57,7 +63,9 @@ class TrainConfig:
     """One training run. `scripts/pretrain.py` generates its flags from these fields (tyro): the comment
     after a field is its ``--help`` text."""
 
-    model: str = "gpt3-tiny"  # model preset (python -m models --list)
+    # model preset (python -m models --list), a JSON file of models.ModelConfig fields, or a Hugging Face
+    # config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, Falcon): what `mistjax plan --model` accepts
+    model: str = "gpt3-tiny"
     steps: int = 50  # total optimizer steps, counting those before a resume
     global_batch: int = 16  # sequences per optimizer step
     seq_len: int = 32  # tokens per sequence
@@ -84,14 +92,17 @@ class TrainConfig:
     # Attention and MLP projections as FP8 GEMMs with tensorwise dynamic scales (models.ModelConfig.fp8): on
     # H100 / H200 / L4 they run on the fp8 tensor cores; elsewhere the operands are rounded to fp8 all the same.
     fp8: bool = False
-    metrics: str | None = None  # JSON-lines file, one record per step (step, loss, step_time_s, tokens_per_s, mfu)
+    # JSON-lines file, one record per step (step from 1, loss, step_time_s, tokens_per_s, mfu, host_bytes_per_device)
+    metrics: str | None = None
     log_every: int = 10  # without a progress bar (--no-progress, or output not a terminal): a log line every N steps
     ckpt_dir: str | None = None  # checkpoint directory (orbax: sharded, async, atomic); default: no checkpoints
     ckpt_every: int = 100  # save every N steps (and after the last step)
     keep: int = 3  # newest checkpoints kept; older ones are deleted
     resume: bool = False  # continue from the newest usable checkpoint in --ckpt-dir (start fresh if none)
     async_ckpt: bool = True  # write checkpoints in the background (--no-async-ckpt: in the foreground)
-    hardware: str | None = None  # hardware preset for MFU, e.g. h100, a100-80gb, l4 (MFU = 6*params*tokens/s / peak)
+    # hardware preset for MFU, e.g. h100, a100-80gb, l4 (MFU = (6 N + 12 L H Q T) tokens/s / (devices peak): PaLM's
+    # model FLOPs, mistjax.api.mfu)
+    hardware: str | None = None
 
     def __post_init__(self) -> None:
         positive = {"steps": "--steps", "global_batch": "--global-batch", "seq_len": "--seq-len",
@@ -125,8 +136,11 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)
     plan: Plan | None = None
     state: TrainState | None = None  # the state after the last step
-    start_step: int = 0  # first step run here (> 0 after a resume)
+    start_step: int = 0  # steps done before this run (> 0 after a resume): this run's first step is start_step + 1
     mfu: list[float] = field(default_factory=list)  # per step, when the hardware is known
+    # (step, loss) of the steps before a resume, read back from the metrics log (empty without --metrics)
+    earlier_losses: list[tuple[int, float]] = field(default_factory=list)
+    host_bytes_per_device: float = 0.0  # placed state kept in host memory by each device (offload)
     checkpoints: list[int] = field(default_factory=list)  # steps saved by this run
     checkpoint_costs: list[SaveCost] = field(default_factory=list)  # what each of those saves cost
 
@@ -137,10 +151,11 @@ StepMetrics = dict[str, jax.Array]  # what the train step returns besides the st
 class StepRecord(TypedDict):
     """One line of the metrics log (`MetricsLog`): a step's loss and speed."""
 
-    step: int
+    step: int  # from 1: the k-th optimizer step
     loss: float
     step_time_s: float
     tokens_per_s: float
+    host_bytes_per_device: float  # placed state each device keeps in host memory (the plan's offload)
     mfu: NotRequired[float]  # when the hardware is known (``--hardware``)
 
 
@@ -305,11 +320,12 @@ class _Setup:
     data: TokenSource
     num_devices: int
     start: int
+    model: models.ModelConfig
 
 
 def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> _Setup:
     """Model, plan, sharded step and placed (or restored) state; cheap checks first."""
-    model_cfg = models.get_config(cfg.model).replace(dtype=cfg.compute_dtype, fp8=cfg.fp8)
+    model_cfg = load_config(cfg.model).replace(dtype=cfg.compute_dtype, fp8=cfg.fp8)  # a ValueError names --model
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     data = build_data(cfg, model_cfg.vocab_size)
@@ -343,8 +359,9 @@ def _prepare(cfg: TrainConfig, mesh: Mesh | None, ckpt: Checkpointer | None) -> 
         else:
             state, meta = restored
             start = int(meta["step"])
-            _log(f"resumed from step {start} ({ckpt.directory / str(start)})")
-    return _Setup(plan, step, state, data, len(devices), start)
+            _log(f"resumed from step {start} ({ckpt.directory / str(start)}: the state after step {start}); "
+                 f"continuing with step {start + 1}")
+    return _Setup(plan, step, state, data, len(devices), start, model_cfg)
 
 
 def run_training(cfg: TrainConfig, *, mesh: Mesh | None = None, progress: bool = True) -> TrainResult:
@@ -375,11 +392,19 @@ def run_training(cfg: TrainConfig, *, mesh: Mesh | None = None, progress: bool =
             ckpt.close()
         raise
     _log(setup.step.summary())  # the plan (a tuned one too) and what each knob did, before the first step
-    result = TrainResult(plan=setup.plan, start_step=setup.start)
+    applied = setup.step.applied
+    result = TrainResult(plan=setup.plan, start_step=setup.start,
+                         host_bytes_per_device=float(applied.host_bytes) if applied is not None else 0.0)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.state.params, is_leaf=is_staged))
-    mfu_of = None if peak is None else partial(mfu, num_params=num_params, num_devices=setup.num_devices, peak=peak)
-    reporter = _Reporter(cfg, result, MetricsLog(cfg.metrics, setup.start, enabled=is_primary()),
-                         _progress(cfg.steps, setup.start, progress and is_primary()), mfu_of)
+    m = setup.model
+    flops = ModelFlops(num_params, m.num_layers, m.num_heads, m.head_dim, cfg.seq_len)
+    if peak is not None:
+        _log(f"MFU = model FLOPs x tokens/s / (devices x peak): {flops.formula()}, {setup.num_devices} x "
+             f"{peak / 1e12:.4g} TFLOP/s ({cfg.hardware}, {cfg.compute_dtype})")
+    mfu_of = None if peak is None else partial(mfu, flops=flops, num_devices=setup.num_devices, peak=peak)
+    log = MetricsLog(cfg.metrics, setup.start, enabled=is_primary())
+    result.earlier_losses = [(r["step"], float(r["loss"])) for r in log.kept if isinstance(r.get("loss"), int | float)]
+    reporter = _Reporter(cfg, result, log, _progress(cfg.steps, setup.start, progress and is_primary()), mfu_of)
     result.state = _train_steps(cfg, setup, ckpt, reporter)
     return result
 
@@ -393,12 +418,13 @@ def _train_steps(cfg: TrainConfig, setup: _Setup, ckpt: Checkpointer | None, rep
         for i in range(setup.start, cfg.steps):
             state, loss, seconds = _one_step(setup, state, i)
             if not math.isfinite(loss):
-                raise TrainingDivergedError(_diverged(f"the loss is {loss} at step {i}", cfg, ckpt))
+                raise TrainingDivergedError(_diverged(f"the loss is {loss} at step {i + 1}", cfg, ckpt))
             reporter.step(i, loss, seconds)
             done = i + 1
             if ckpt is not None and (done % cfg.ckpt_every == 0 or done == cfg.steps):
                 if not bool(_all_finite(state)):  # never let a checkpoint hold NaN/inf
-                    raise TrainingDivergedError(_diverged(f"the parameters became NaN/inf in step {i}", cfg, ckpt))
+                    raise TrainingDivergedError(_diverged(f"the parameters became NaN/inf in step {done}", cfg,
+                                                          ckpt))
                 position = {"next_batch": done, "seed": cfg.seed, "source": cfg.data or "synthetic",
                             **_data_fingerprint(setup.data)}
                 ckpt.save(done, state, {**run_meta, "data_position": position})
@@ -417,7 +443,7 @@ def _train_steps(cfg: TrainConfig, setup: _Setup, ckpt: Checkpointer | None, rep
 
 
 def _one_step(setup: _Setup, state: TrainState, i: int) -> tuple[TrainState, float, float]:
-    """Step ``i``: the new state, its loss and its seconds.
+    """Step ``i + 1`` (the batch of index ``i``): the new state, its loss and its seconds.
 
     Raises:
       DistributedError: the step failed because a peer process was lost.
@@ -427,7 +453,7 @@ def _one_step(setup: _Setup, state: TrainState, i: int) -> tuple[TrainState, flo
         state, metrics = setup.step(state, make_global_batch(setup.step, setup.data.batch(i)))
         loss = float(metrics["loss"])  # waits for the step: the timing below is the real one
     except jax.errors.JaxRuntimeError as e:
-        lost = peer_failure(e, i)
+        lost = peer_failure(e, i + 1)
         if lost is None:
             raise
         raise lost from e
@@ -445,9 +471,10 @@ class _Reporter:
     mfu_of: Callable[[float], float] | None  # tokens/s -> MFU, when the hardware is known
 
     def step(self, i: int, loss: float, seconds: float) -> None:
-        """Record step ``i``."""
+        """Record the step of batch ``i`` (step ``i + 1``)."""
         tokens_per_s = self.cfg.global_batch * self.cfg.seq_len / seconds
-        record = StepRecord(step=i, loss=loss, step_time_s=seconds, tokens_per_s=tokens_per_s)
+        record = StepRecord(step=i + 1, loss=loss, step_time_s=seconds, tokens_per_s=tokens_per_s,
+                            host_bytes_per_device=self.result.host_bytes_per_device)
         if self.mfu_of is not None:
             record["mfu"] = self.mfu_of(tokens_per_s)
             self.result.mfu.append(record["mfu"])
@@ -459,7 +486,7 @@ class _Reporter:
             self.bar.set_postfix(_postfix(record), refresh=False)
             self.bar.update(1)
         elif is_primary() and ((i + 1) % cfg.log_every == 0 or i == cfg.steps - 1 or i == start):
-            _log(_log_line(i, cfg.steps, record))
+            _log(_log_line(cfg.steps, record))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -491,9 +518,9 @@ def _postfix(record: StepRecord) -> dict[str, str]:
     return out
 
 
-def _log_line(i: int, total: int, record: StepRecord) -> str:
+def _log_line(total: int, record: StepRecord) -> str:
     """One log line per `log_every` steps when there is no progress bar (no carriage returns in logs)."""
-    return f"step {i + 1}/{total}: " + ", ".join(f"{k} {v}" for k, v in _postfix(record).items())
+    return f"step {record['step']}/{total}: " + ", ".join(f"{k} {v}" for k, v in _postfix(record).items())
 
 
 def _progress(total: int, start: int, enabled: bool) -> tqdm | None:
@@ -507,16 +534,17 @@ def _progress(total: int, start: int, enabled: bool) -> tqdm | None:
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
-def save_loss_plot(losses: list[float], path: str | Path, title: str = "training loss", first_step: int = 0
-                   ) -> None:
-    """Write the loss curve as a PNG (`first_step`: the step of ``losses[0]``, e.g. after a resume)."""
+def save_loss_plot(losses: list[float], path: str | Path, title: str = "training loss", first_step: int = 1,
+                   steps: list[int] | None = None) -> None:
+    """Write the loss curve as a PNG: ``losses[k]`` at step ``steps[k]``, or ``first_step + k`` (from 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(first_step + np.arange(len(losses)), losses, lw=1.8, color="#1f77b4")
+    x = np.asarray(steps) if steps is not None else first_step + np.arange(len(losses))
+    ax.plot(x, losses, lw=1.8, color="#1f77b4")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title(title)

@@ -1,13 +1,12 @@
-"""Per-step training metrics: a JSON-lines log that survives restarts, throughput and MFU.
+"""Per-step training metrics: a JSON-lines log that survives restarts, and the hardware peak for MFU.
 
 MFU (model FLOPs utilisation) is the fraction of the hardware's peak that the model's own
-arithmetic would need at the measured speed::
+arithmetic would need at the measured speed (`mistjax.api.mfu`, PaLM's model FLOPs)::
 
-    MFU = 6 * N * tokens_per_s / (num_devices * peak_flops_per_device)
+    MFU = (6 N + 12 L H Q T) * tokens_per_s / (num_devices * peak_flops_per_device)
 
-with N the parameter count: a forward and backward pass cost about 6 FLOPs per parameter per
-token (2 forward, 4 backward). Attention score FLOPs and remat recomputation are not counted,
-as in the PaLM/Megatron convention, so MFU does not reward recomputation.
+with N the parameter count, L layers, H heads of size Q and T tokens per sequence. Remat
+recomputation is not counted, so MFU does not reward it.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
-
-FLOPS_PER_PARAM_PER_TOKEN = 6  # forward 2 + backward 4
 
 
 def peak_flops(hardware: str, compute_dtype: str) -> float:
@@ -38,11 +35,6 @@ def peak_flops(hardware: str, compute_dtype: str) -> float:
     return float(device.peak_flops_fp32 if compute_dtype == "float32" else device.peak_flops)
 
 
-def mfu(tokens_per_s: float, num_params: int, num_devices: int, peak: float) -> float:
-    """Model FLOPs utilisation (see the module docstring for the formula)."""
-    return FLOPS_PER_PARAM_PER_TOKEN * num_params * tokens_per_s / (num_devices * peak)
-
-
 def _step_of(line: str) -> int | None:
     try:
         record = json.loads(line)
@@ -53,29 +45,33 @@ def _step_of(line: str) -> int | None:
 
 
 class MetricsLog:
-    """JSON lines, one record per step, that a resumed run continues without duplicates.
+    """JSON lines, one record per step (steps numbered from 1), that a resumed run continues without
+    duplicates.
 
-    Opening the log keeps only the records of steps before `start_step` (all earlier steps of
-    the interrupted run), drops the rest and any half-written line, and appends from there.
-    Only `enabled` processes write (process 0 in a multi-process run).
+    Opening the log keeps only the records of steps up to `start_step` (the steps the checkpoint
+    holds), drops the rest and any half-written line, and appends from there; `kept` holds the
+    kept records (a resumed run's plot covers them). Only `enabled` processes write (process 0 in
+    a multi-process run).
 
     Args:
       path: the JSON-lines file; None disables the log.
-      start_step: the first step this run will record.
+      start_step: steps done before this run (its first record is step ``start_step + 1``).
       enabled: whether this process writes.
     """
 
     def __init__(self, path: str | Path | None, start_step: int, *, enabled: bool = True) -> None:
         self.path = Path(path) if path is not None else None
         self._file: TextIO | None = None
+        self.kept: list[dict] = []
         if self.path is None or not enabled:
             return
         kept: list[str] = []
         if self.path.exists() and start_step > 0:
             for line in self.path.read_text().splitlines():
                 step = _step_of(line)
-                if step is not None and step < start_step:
+                if step is not None and step <= start_step:
                     kept.append(line + "\n")
+                    self.kept.append(json.loads(line))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Rewrite through a temporary file so a crash here never loses the earlier records.
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -95,4 +91,4 @@ class MetricsLog:
             self._file = None
 
 
-__all__ = ["FLOPS_PER_PARAM_PER_TOKEN", "MetricsLog", "mfu", "peak_flops"]
+__all__ = ["MetricsLog", "peak_flops"]
