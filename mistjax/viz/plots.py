@@ -61,7 +61,10 @@ def timeline_figure(stage_fwd: Sequence[float], stage_bwd: Sequence[float], num_
     if S == 1:
         schedule = "1f1b"  # one stage, one program per micro-batch: forward and backward in turn
     f, b = np.asarray(stage_fwd, float), np.asarray(stage_bwd, float)
-    extra = sum(np.zeros(S) if e is None else np.asarray(e, float) for e in (first_extra, last_extra))
+    extra = np.zeros(S)  # once-per-step seconds per stage
+    for e in (first_extra, last_extra):
+        if e is not None:
+            extra += np.asarray(e, float)
     costs = op_costs(schedule, f, b, 0.0 if stage_wgrad is None else np.asarray(stage_wgrad, float))
     spans = op_spans(issue_order(schedule, G, num_microbatches, S // G), G, costs, schedule)
     placed = stage_groups(S, G, schedule)
