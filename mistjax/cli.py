@@ -1,10 +1,11 @@
-"""The `mistjax` command: plan, explain, calibrate.
+"""The `mistjax` command: plan, explain, presets, calibrate.
 
 Examples:
   mistjax plan --model gpt3-22b --cluster a100-40gb:4x8 --global-batch 512 --seq-len 4096
   mistjax plan --model llama-7b --cluster l4:1x8 --global-batch 128 --seq-len 2048 --json plan.json --plot plots/
   mistjax plan --model Meta-Llama-3-8B/config.json --cluster dgx-h100:1x8 --seq-len 8192   # a Hugging Face config
   mistjax explain plan.json --model llama-7b --cluster l4:1x8 --seq-len 2048 --verify   # XLA:GPU's memory too
+  mistjax presets                               # the cluster presets: devices, memory, links, sources
   mistjax calibrate --out profile.json          # then: mistjax plan --cluster profile.json ...
 """
 
@@ -150,7 +151,17 @@ class CalibrateArgs:
     quick: tyro.conf.FlagCreatePairsOff[bool] = False  # smaller, faster measurements
 
 
-Args = PlanArgs | ExplainArgs | CalibrateArgs
+@dataclass(frozen=True, kw_only=True)
+class PresetsArgs:
+    """List the hardware presets --cluster names: device, memory, compute, links, XLA:GPU check and source.
+    Example: mistjax presets"""
+
+    command: ClassVar[str] = "presets"
+
+    full: tyro.conf.FlagCreatePairsOff[bool] = False  # print each preset's whole source text
+
+
+Args = PlanArgs | ExplainArgs | PresetsArgs | CalibrateArgs
 
 
 def load_model_config(spec: str) -> ModelConfig:
@@ -483,6 +494,39 @@ def _plots(workload: Workload, plan: Plan, cluster: ClusterSpec, out: Path, resu
     print("wrote " + ", ".join(str(f) for f in files))
 
 
+def cmd_presets(args: PresetsArgs) -> int:
+    """One row per preset (`mistjax.hardware.presets.PRESET_NAMES`, read from mistjax/hardware/catalog/)."""
+    for line in preset_table(full=args.full):
+        print(line)
+    return 0
+
+
+def preset_table(full: bool = False) -> list[str]:
+    """The presets as text lines: a header, one row per preset, then each preset's source (shortened to its
+    first clause unless ``full``)."""
+    from mistjax.hardware.presets import PRESET_NAMES, ClusterSpec
+    from mistjax.validate.gpu_aot_target import TARGET_SPECS
+
+    gb = 1e9
+    rows = [("name", "device", "memory", "usable", "bf16 peak", "intra-node", "inter-node", "host link", "XLA:GPU")]
+    sources = []
+    for name in PRESET_NAMES:
+        c = ClusterSpec.preset(name)
+        dev = c.device
+        rows.append((name, dev.name, format_bytes(dev.hbm_bytes), format_bytes(c.memory_budget()),
+                     f"{dev.peak_flops / 1e12:.4g} TFLOP/s", f"{c.p2p_intra.bandwidth / gb:.4g} GB/s",
+                     f"{c.p2p_inter.bandwidth / gb:.4g} GB/s", f"{dev.host_to_device.bandwidth / gb:.4g} GB/s",
+                     "yes" if name in TARGET_SPECS else "no"))
+        text = c.source if full else c.source.split(";")[0]
+        sources.append(f"  {name}: {text if full or len(text) <= 110 else text[:107] + '...'}")
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    return ["cluster presets (--cluster NAME[:NODESxPER_NODE], default 1x8; memory per device, usable = the planning "
+            "budget; links per direction: intra- and inter-node point-to-point, host <-> device; XLA:GPU: a target "
+            "spec for --verify):", *table, "sources" + ("" if full else " (first clause; --full for all)") + ":",
+            *sources]
+
+
 def cmd_calibrate(args: CalibrateArgs) -> int:
     import jax
 
@@ -500,7 +544,7 @@ def cmd_calibrate(args: CalibrateArgs) -> int:
     return 0
 
 
-COMMANDS: dict[str, type[Args]] = {c.command: c for c in (PlanArgs, ExplainArgs, CalibrateArgs)}
+COMMANDS: dict[str, type[Args]] = {c.command: c for c in (PlanArgs, ExplainArgs, PresetsArgs, CalibrateArgs)}
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -516,6 +560,8 @@ def _run(args: Args) -> int:
             return cmd_plan(args)
         case ExplainArgs():
             return cmd_explain(args)
+        case PresetsArgs():
+            return cmd_presets(args)
         case CalibrateArgs():
             return cmd_calibrate(args)
 

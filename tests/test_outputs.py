@@ -233,3 +233,21 @@ def test_autoshard_summary_shows_the_predicted_mfu_and_its_formula(zoo3p):
     n = sum(x.size for x in jax.tree.leaves(fam.params))
     assert line and line[2] == f"{n / 1e3:.3g}K"
     assert float(line[3].replace(",", "")) == pytest.approx(step.plan.prediction.tokens_per_s, rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- presets
+def test_presets_lists_every_preset_with_its_numbers_and_source(capsys):
+    from mistjax.hardware.presets import PRESET_NAMES, ClusterSpec
+
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line and line.split()[0] in PRESET_NAMES}
+    assert set(rows) == set(PRESET_NAMES)
+    h100 = ClusterSpec.preset("h100")
+    assert rows["h100"].split()[-1] == "yes" and rows["dgx-h100"].split()[-1] == "no"  # the XLA:GPU target spec
+    assert f"{h100.device.peak_flops / 1e12:.4g} TFLOP/s" in rows["h100"] and "80 GiB" in rows["h100"]
+    assert f"{h100.p2p_inter.bandwidth / 1e9:.4g} GB/s" in rows["h100"]
+    for name in PRESET_NAMES:
+        assert f"\n  {name}: " in out  # its source
+    assert main(["presets", "--full"]) == 0
+    assert ClusterSpec.preset("dgx-h100").source in capsys.readouterr().out
