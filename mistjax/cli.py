@@ -249,6 +249,9 @@ def cmd_plan(args: PlanArgs) -> int:
         print(f"  note: {note}")
     for line in usage_lines(config, workload, plan, cluster, analysis):
         print(f"  {line}")
+    note = context_choice_note(workload, cluster, plan, analysis, args.time_limit)
+    if note:
+        print(f"  {note}")
     status = (verification_line(verified) if verified is not None else
               unverified_line(cluster, unverifiable or "the compile failed: see the warning above"))
     print(f"  {status}")
@@ -288,6 +291,62 @@ def usage_lines(config: ModelConfig, workload: Workload, plan: Plan, cluster: Cl
             + f" ({'fp32' if fp32 else '16-bit'} peak of {dev.name})",
             f"host memory per device: {format_bytes(host)} (offloaded weights, gradients, optimizer state and "
             f"activations, largest device group), device peak {format_bytes(analysis.peak_memory)}"]
+
+
+LONG_CONTEXT = 32768  # tokens per sequence from which `plan` / `explain` compare the plan with the other CP choice
+EXPLAIN_SEARCH_SECONDS = 60.0  # `explain`'s search for that other plan
+
+
+def context_choice_note(workload: Workload, cluster: ClusterSpec, plan: Plan, analysis: Analysis,
+                        time_limit: float) -> str | None:
+    """At long context (`LONG_CONTEXT` tokens or more), the best plan of the other context-parallel choice
+    (without CP if the plan splits sequences, else with some cp > 1), searched here, next to this one: both
+    plans' predicted step time, host memory per device and device peak, and the numbers that decide between
+    them (a micro-batch's forward + backward seconds, the attention exchange). None below that length."""
+    import mistjax
+    from mistjax.cost.predict import analyze
+    from mistjax.tuning.space import SearchSpace
+
+    if workload.seq_len < LONG_CONTEXT:
+        return None
+    with_cp = plan.cp > 1
+    cps = (1,) if with_cp else tuple(c for c in SearchSpace().cp_degrees if c > 1)
+    other_label = "without context parallelism" if with_cp else "with context parallelism"
+    try:
+        found = mistjax.tune(workload, cluster, space=SearchSpace(cp_degrees=cps), time_limit=time_limit,
+                             baselines=()).plan
+    except RuntimeError:  # nothing fits
+        return (f"context note: no plan {other_label} fits the budget of {format_bytes(cluster.memory_budget())} "
+                f"per device; {'context parallelism is needed' if with_cp else 'only plans without it fit'}")
+    other = found.as_plan() if hasattr(found, "as_plan") else found
+    theirs = analyze(workload, other, cluster)
+    ours, t0, t1 = _plan_facts(plan, analysis), analysis.step_time, theirs.step_time
+    winner = "context parallelism" if with_cp else "no context parallelism"
+    return (f"context note: this plan ({ours}) against the best plan {other_label} ({_plan_facts(other, theirs)}): "
+            f"{winner} wins by {t1 / t0 - 1:.1%} of step time (forward + backward of a micro-batch "
+            f"{_pass_seconds(analysis)} against {_pass_seconds(theirs)} s); per device and step "
+            f"{format_bytes(_exchange(analysis))} against {format_bytes(_exchange(theirs))} of attention exchange")
+
+
+def _plan_facts(plan: Plan, analysis: Analysis) -> str:
+    """A plan in one phrase, with its predicted step time, host memory per device and device peak."""
+    stage = plan.stages[0]
+    remat = sum(s.remat_layers for s in plan.stages)
+    acts = max(s.offload_acts for s in plan.stages)
+    return (f"{plan.device_stages} stage(s) x dp {plan.dp} x cp {plan.cp}"
+            f"{f' {plan.cp_form}' if plan.cp > 1 else ''} x tp {plan.tp}, ZeRO-{stage.zero_stage}, remat {remat} of "
+            f"{plan.num_layers} layers, activations offloaded {acts:.0%}: {analysis.step_time:.4g} s/step, host "
+            f"memory per device {format_bytes(max(analysis.stage_host, default=0.0))}, device peak "
+            f"{format_bytes(analysis.peak_memory)}")
+
+
+def _pass_seconds(analysis: Analysis) -> str:
+    return f"{max(f + b for f, b in zip(analysis.stage_fwd, analysis.stage_bwd)):.4g}"
+
+
+def _exchange(analysis: Analysis) -> float:
+    """Bytes of context-parallel attention exchange per device and step (all-to-all and ring sends)."""
+    return sum(analysis.collective_bytes.get(k, 0.0) for k in ("all-to-all", "collective-permute"))
 
 
 def unverified_line(cluster: ClusterSpec, reason: str) -> str:
@@ -396,6 +455,9 @@ def cmd_explain(args: ExplainArgs) -> int:
     print(report.summary())  # with its notes
     for line in usage_lines(config, workload, plan, cluster, report):
         print(f"  {line}")
+    note = context_choice_note(workload, cluster, plan, report, EXPLAIN_SEARCH_SECONDS)
+    if note:
+        print(f"  {note}")
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
     return _verify(config, workload, plan, cluster, report) if args.verify else 0

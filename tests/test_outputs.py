@@ -251,3 +251,44 @@ def test_presets_lists_every_preset_with_its_numbers_and_source(capsys):
         assert f"\n  {name}: " in out  # its source
     assert main(["presets", "--full"]) == 0
     assert ClusterSpec.preset("dgx-h100").source in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- long context
+def _context_note(out: str) -> tuple[list[float], list[str], float]:
+    note = next(line for line in out.splitlines() if "context note:" in line)
+    times = [float(t) for t in re.findall(r": ([\d.]+) s/step, host memory per device", note)]
+    hosts = re.findall(r"host memory per device ([\d.]+ \w+)", note)
+    wins = float(re.search(r"wins by ([\d.]+)% of step time", note)[1])
+    return times, hosts, wins
+
+
+def test_long_context_plans_are_compared_with_the_other_cp_choice(monkeypatch, capsys):
+    """From LONG_CONTEXT tokens, plan shows the best plan of the other context-parallel choice beside its own:
+    both step times and host memory per device, and by how much the chosen one wins (lowered here to 2048
+    tokens so that a 1.3B model at 4096 tokens is a fast stand-in for a 131k-token cell)."""
+    import mistjax.cli as cli
+
+    monkeypatch.setattr(cli, "LONG_CONTEXT", 2048)
+    assert main(["plan", "--model", "llama-1.3b", "--cluster", "a100-40gb:1x8", "--seq-len", "4096",
+                 "--global-batch", "8", "--no-baselines", "--no-verify", "--time-limit", "20"]) == 0
+    out = capsys.readouterr().out
+    times, hosts, wins = _context_note(out)
+    assert len(times) == 2 and len(hosts) == 2 and times[0] <= times[1]  # the tuned plan is the faster one
+    assert wins == pytest.approx(100 * (times[1] / times[0] - 1), abs=0.1)
+    assert ("against the best plan with context parallelism (1 stage(s) x dp 4 x cp 2" in out) != \
+        ("against the best plan without context parallelism" in out)
+
+
+@pytest.mark.slow
+def test_the_131k_cell_on_32_h100s_explains_its_context_choice(tmp_path, capsys):
+    """#55 item 5's cell: Llama-3.1-8B at 131,072 tokens on dgx-h100:4x8; both plans' time and host memory."""
+    import json
+
+    from test_hf_config import LLAMA31_8B
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA31_8B))
+    assert main(["plan", "--model", str(config), "--cluster", "dgx-h100:4x8", "--seq-len", "131072",
+                 "--global-batch", "32", "--no-baselines", "--time-limit", "60"]) == 0
+    times, hosts, wins = _context_note(capsys.readouterr().out)
+    assert len(times) == 2 and times[0] <= times[1] and all(h.endswith("GiB") for h in hosts)
