@@ -92,6 +92,20 @@ def hf_gpt2(layers: int = LAYERS) -> Family:
     return Family("hf-gpt2", model.params, loss_fn, token_batch(), unrolled=True)
 
 
+def hf_gpt_neo(layers: int = 2 * LAYERS) -> Family:
+    """Hugging Face's Flax GPT-Neo with its standard alternating global / local attention (period 2: the layers
+    repeat only in pairs), a learned position table and biased projections named q/k/v/out_proj, c_fc/c_proj."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import FlaxGPTNeoForCausalLM, GPTNeoConfig
+
+    cfg = GPTNeoConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=layers, num_heads=HEADS,
+                       attention_types=[[["global", "local"], layers // 2]], window_size=4,
+                       max_position_embeddings=64, intermediate_size=FFN, embed_dropout=0.0,
+                       attention_dropout=0.0, resid_dropout=0.0)
+    model = FlaxGPTNeoForCausalLM(cfg, seed=0, dtype=jnp.float32)
+    return Family("hf-gpt-neo", model.params, _hf_loss(model), token_batch(), unrolled=True)
+
+
 # ---------------------------------------------------------------------------------------------- flax.linen
 def _part(names: tuple[str, ...]) -> Any:
     return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
@@ -216,7 +230,7 @@ def lax_scan() -> Family:
 
 FAMILIES: dict[str, Callable[[], Family]] = {"hf-llama": hf_llama, "hf-gpt2": hf_gpt2, "linen-scan": linen_scan,
                                              "nnx-loop": nnx_loop, "nnx-scan": nnx_scan, "lax-scan": lax_scan}
-HF_FAMILIES = ("hf-llama", "hf-gpt2")
+HF_FAMILIES = ("hf-llama", "hf-gpt2", "hf-gpt-neo")
 
 
 # ---------------------------------------------------------------------------------------------- train steps
@@ -298,3 +312,4 @@ def linen_loop() -> Family:
 
 
 FAMILIES["linen-loop"] = linen_loop
+FAMILIES["hf-gpt-neo"] = hf_gpt_neo

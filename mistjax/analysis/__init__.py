@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 # (graph, layout, tp, block) and must not pay for sympy, which `analyze`, `compiled` and `profile` need.
 _EXPORTS = {
     "DEFAULT_POINTS": "analyze", "analyze_model": "analyze", "block_tags": "analyze", "token_batch": "analyze",
+    "analysis_points": "analyze", "first_trace": "analyze",
     "CompiledProfile": "compiled", "compile_profile": "compiled", "part_values": "compiled",
     "FlopCount": "flops", "flop_count": "flops",
     "Graph": "graph", "StructureError": "graph", "build_graph": "graph",
@@ -27,7 +28,14 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from mistjax.analysis.analyze import DEFAULT_POINTS, analyze_model, block_tags, token_batch
+    from mistjax.analysis.analyze import (
+        DEFAULT_POINTS,
+        analysis_points,
+        analyze_model,
+        block_tags,
+        first_trace,
+        token_batch,
+    )
     from mistjax.analysis.compiled import CompiledProfile, compile_profile, part_values
     from mistjax.analysis.flops import FlopCount, flop_count
     from mistjax.analysis.graph import Graph, StructureError, build_graph
@@ -63,11 +71,13 @@ __all__ = [
     "Shard",
     "StructureError",
     "VjpTrace",
+    "analysis_points",
     "analyze_model",
     "block_tags",
     "build_graph",
     "compile_profile",
     "constrain_graph",
+    "first_trace",
     "flop_count",
     "part_values",
     "partition_spec",

@@ -15,21 +15,22 @@ import jax.numpy as jnp
 import sympy as sp
 from jax.extend import core as jex
 
-from mistjax.analysis.block import activation_state, weight_state
+from mistjax.analysis.block import activation_state, fit_points, weight_state
 from mistjax.analysis.cache import cache_dir, load_profile, profile_key, save_profile
 from mistjax.analysis.flops import FlopCount, count_graph
-from mistjax.analysis.fused import check_blocks, unit_bytes
-from mistjax.analysis.graph import Graph, Node, build_graph
+from mistjax.analysis.fused import BlockSizeError, check_blocks, unit_bytes
+from mistjax.analysis.graph import Graph, Node, StructureError, build_graph
 from mistjax.analysis.kernels import PassKernels, graph_kernels
 from mistjax.analysis.memory import alias_roots, nbytes_fn, peak_candidates
 from mistjax.analysis.parts import WEIGHT, PartFn, VjpTrace, split_parts, vjp_jaxprs
-from mistjax.analysis.poly import ZERO, Poly, S, T, max_expr, prune_dominated, total
+from mistjax.analysis.poly import ZERO, FitError, Poly, S, T, max_expr, prune_dominated, total
 from mistjax.analysis.profile import Collective, ModelProfile, PartProfile
 from mistjax.analysis.tp import REP, Shard, State, TPResult, propagate
 from mistjax.core.axes import leaf_axes
 from mistjax.core.jaxpr import Atom, iter_eqns
 from mistjax.core.layout import TENSOR_AXES
 from mistjax.core.types import LossFn, PyTree
+from mistjax.trace.source import exception_line
 from mistjax.trace.split import TracedLoss, trace_loss
 
 DEFAULT_POINTS: tuple[tuple[int, int], ...] = ((2, 8), (3, 8), (2, 16), (3, 16), (2, 24), (3, 24), (4, 32))
@@ -365,6 +366,72 @@ def check_block_primitives(closed: jex.ClosedJaxpr) -> None:
                 "autoshard to skip tuning")
 
 
+def analysis_points(seq_len: int | None = None) -> list[tuple[tuple[int, int], ...]]:
+    """The ``(b, s)`` point sets the analysis tries, in order, for a batch of ``seq_len`` tokens per sequence.
+
+    The first set never traces a sequence longer than the batch's: code may not run there (a position
+    table of exactly ``seq_len`` rows). `DEFAULT_POINTS` come first when they fit (their profiles are
+    cached across batch shapes), then `block.fit_points` around the real length (``s, s/2, s/4`` and
+    ``3s/4``, so the real size itself is traced and a length's divisibility is kept). Below 32 tokens the
+    default points follow as a last resort (they trace up to 32).
+    """
+    if seq_len is None or seq_len < 4:
+        return [DEFAULT_POINTS]
+    own = tuple(fit_points(DEFAULT_POINTS[0][0], seq_len))
+    if max(s for _, s in DEFAULT_POINTS) <= seq_len:
+        return [DEFAULT_POINTS, own]
+    # Shorter batches: their own lengths first; the default points (longer sequences) only when those fail,
+    # e.g. a blockwise kernel's block divides the default lengths but not s/4 (`fused.check_blocks`).
+    return [own, DEFAULT_POINTS]
+
+
+def trace_point(fun: LossFn, params: PyTree, batch_fn: Callable[[int, int], tuple[PyTree, ...]],
+                point: tuple[int, int], seq_len: int | None = None) -> TracedLoss:
+    """``fun`` traced at one analysis point; a failure raises `StructureError` naming the user's line.
+
+    Raises:
+      StructureError: the loss does not trace at ``point`` (a size the batch does not have).
+    """
+    b, s = point
+    try:
+        return trace_loss(fun, params, *batch_fn(b, s))
+    except StructureError:
+        raise
+    except (TypeError, ValueError, IndexError) as e:
+        raise untraceable_error(e, point, seq_len) from None  # the message names the error and the user line
+
+
+def untraceable_error(error: Exception, point: tuple[int, int], seq_len: int | None) -> StructureError:
+    """The error for a loss that fails to trace at an analysis point: the size, the user's line and the fix."""
+    where = exception_line(error.__traceback__)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    upto = f" up to the {seq_len} tokens of the batch" if seq_len else ""
+    return StructureError(
+        f"the loss fails to trace at micro-batch {point[0]}, sequence length {point[1]}"
+        f"{f' at {where}' if where else ''}: {type(error).__name__}: {first}. The step analysis traces the loss at "
+        f"a few batch sizes and sequence lengths{upto} to learn how its cost grows with them; make that line work "
+        "for any length up to the batch's (e.g. add a position table sliced to the sequence, "
+        "pos[:ids.shape[1]], not the whole table), or pass plan=... (or workload=...) to autoshard to skip the "
+        "analysis (docs/errors.md, StructureError)")
+
+
+def first_trace(fun: LossFn, params: PyTree, batch_fn: Callable[[int, int], tuple[PyTree, ...]] = token_batch,
+                seq_len: int | None = None) -> TracedLoss:
+    """``fun`` traced at the first point of the first `analysis_points` set that traces (for the leaf table
+    and the tensor-parallel roles, which need one trace).
+
+    Raises:
+      StructureError: the loss traces at none of the sets' first points (the first set's error).
+    """
+    errors: list[StructureError] = []
+    for points in analysis_points(seq_len):
+        try:
+            return trace_point(fun, params, batch_fn, points[0], seq_len)
+        except StructureError as e:
+            errors.append(e)
+    raise errors[0]
+
+
 def analyze_model(
     fun: LossFn,
     params: PyTree,
@@ -372,7 +439,8 @@ def analyze_model(
     *,
     param_axes: PyTree | None = None,
     policies: Sequence[str] | None = None,
-    points: Sequence[tuple[int, int]] = DEFAULT_POINTS,
+    points: Sequence[tuple[int, int]] | None = None,
+    seq_len: int | None = None,
     sequence_parallel: bool = True,
     tensor_axes: Sequence[str] = TENSOR_AXES,
     cache: bool | str | Path | None = False,
@@ -391,7 +459,10 @@ def analyze_model(
       policies: remat policies to analyse for the block (``none`` is always included); default
         ``none, full, dots``, one ``names:<tag>`` per checkpoint name in the block, and
         ``names:<all tags>``.
-      points: seven ``(b, s)`` sizes: six to fit (two b values x three s values), one to check.
+      points: seven ``(b, s)`` sizes: six to fit (two b values x three s values), one to check;
+        default: the sets of `analysis_points` (``seq_len``), tried in turn until one analyses.
+      seq_len: the batch's sequence length: the first default point set traces no longer sequence
+        (`analysis_points`; None: `DEFAULT_POINTS` only).
       sequence_parallel: Megatron sequence parallelism for ``t > 1`` (the hidden state between
         layers split along the sequence).
       tensor_axes: logical axis names split over the ``tensor`` mesh axis.
@@ -401,10 +472,33 @@ def analyze_model(
 
     Returns:
       A `ModelProfile`; `compile_profile` turns it into vectorised NumPy functions.
+
+    Raises:
+      StructureError: the loss fails to trace at a point, or its traces differ in structure, at every
+        point set (the first set's error, naming the user's line and the fix).
     """
-    points = [tuple(p) for p in points]
+    sets = [tuple(tuple(p) for p in points)] if points is not None else analysis_points(seq_len)
     axes = _flat_axes(params, param_axes)
-    first = trace_loss(fun, params, *batch_fn(*points[0]))
+    errors: list[ValueError] = []
+    for pts in sets:
+        try:
+            return _analyze_at(fun, params, batch_fn, pts, axes, policies, seq_len=seq_len,
+                               sequence_parallel=sequence_parallel, tensor_axes=tensor_axes, cache=cache)
+        except FitError as e:
+            errors.append(StructureError(f"{e}; the computation's shapes are not polynomials of the batch and "
+                                         "sequence size there (docs/errors.md, StructureError)"))
+        except (StructureError, BlockSizeError) as e:
+            errors.append(e)
+    raise errors[0]  # the first set's: the one closest to what the user runs
+
+
+def _analyze_at(fun: LossFn, params: PyTree, batch_fn: Callable[[int, int], tuple[PyTree, ...]],
+                points: Sequence[tuple[int, int]], axes: list[Axes], policies: Sequence[str] | None, *,
+                seq_len: int | None, sequence_parallel: bool, tensor_axes: Sequence[str],
+                cache: bool | str | Path | None) -> ModelProfile:
+    """`analyze_model` at one point set (the on-disk cache looked up and filled)."""
+    points = [(int(b), int(s)) for b, s in points]
+    first = trace_point(fun, params, batch_fn, points[0], seq_len)
     directory = cache_dir(cache)
     key = ""
     if directory is not None:
@@ -415,7 +509,7 @@ def analyze_model(
         hit = load_profile(directory, key)
         if hit is not None:
             return hit
-    traced = [first] + [trace_loss(fun, params, *batch_fn(b, s)) for b, s in points[1:]]
+    traced = [first] + [trace_point(fun, params, batch_fn, p, seq_len) for p in points[1:]]
     profile = _profile(traced, points, axes, policies, sequence_parallel=sequence_parallel, tensor_axes=tensor_axes)
     if directory is not None:
         save_profile(directory, key, profile)

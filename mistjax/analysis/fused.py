@@ -73,6 +73,10 @@ def unit_of(name: str) -> tuple[str, int | None] | None:
     return m.group(1), (int(m.group(2)) if m.group(2) else None)
 
 
+class BlockSizeError(ValueError):
+    """A blockwise kernel's block count is not a polynomial of the traced sequence lengths."""
+
+
 def check_blocks(closed: jex.ClosedJaxpr, seq_lens: Sequence[int]) -> None:
     """Refuse a blockwise kernel whose block count is not a polynomial of the traced sequence lengths.
 
@@ -80,13 +84,13 @@ def check_blocks(closed: jex.ClosedJaxpr, seq_lens: Sequence[int]) -> None:
     traced length or is at least the longest one.
 
     Raises:
-      ValueError: naming the block size and the fixes.
+      BlockSizeError: naming the block size and the fixes.
     """
     for eqn in iter_eqns(closed, bodies=True):
         m = UNIT_JIT.match(str(eqn.params.get("name", ""))) if "name" in eqn.params else None
         block = int(m.group(2)) if m and m.group(2) else None
         if block and block < max(seq_lens) and any(s % block for s in seq_lens):
-            raise ValueError(
+            raise BlockSizeError(
                 f"the layer block runs a blockwise fused-attention kernel with {block} keys per block; the "
                 f"analysis traces sequence lengths {sorted(set(seq_lens))}, where its number of blocks "
                 f"(ceil(s / {block})) is not a polynomial in s. Use a block size (ModelConfig.attention_block "

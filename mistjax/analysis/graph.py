@@ -5,8 +5,10 @@ the sequence length, which `jax.export.symbolic_shape` handles only in part. Ins
 computation is traced at six concrete ``(b, s)`` points (plus one check point). The traces have
 the same equations in the same order, so every variable's dims can be matched position by
 position and fitted exactly with `fit_dim` (degree <= 1 in b, <= 2 in s); the check point
-verifies the fit. A structural difference between the traces (the model branches on a size) is
-reported as an error naming the primitive.
+verifies the fit. One difference is tolerated: an `ELIDABLE` equation (a slice and its transpose)
+that JAX drops at a size where it changes nothing, as ``pos[:s]`` of a table of exactly ``s`` rows.
+Any other structural difference (the model branches on a size) is a `StructureError` naming the
+primitive and the line of the user's code that made it.
 
 Call-like equations (every primitive of `mistjax.core.jaxpr.CALLS`: ``jit``, ``jax.checkpoint``, custom
 JVP / VJP functions, ``closed_call``, ``shard_map``) are inlined by that module's walker, so a `Graph` is a
@@ -33,6 +35,7 @@ from jax.extend import core as jex
 from mistjax.analysis.fused import UnitCall, unit_of
 from mistjax.analysis.poly import Poly, fit_dim
 from mistjax.core.jaxpr import CHECKPOINTS, CUSTOM_VJP, JIT, Atom, Params, Step, Value, Visit, is_var, walk
+from mistjax.trace.source import equation_line
 
 # Name of the identity ``jit`` that marks a value an eager runtime writes (models.layers.eager_written).
 EAGER_JIT = "eager_kernel"
@@ -121,13 +124,89 @@ class _Frame:
     outer_call: CallSite | None
 
 
-def _check_counts(rj: jex.Jaxpr, ojs: Sequence[jex.Jaxpr], points: Sequence[tuple[int, int]]) -> None:
-    if any(len(o.eqns) != len(rj.eqns) for o in ojs):
-        at = f" at (b, s) = {points}" if len(points) == len(ojs) + 1 else ""  # which size branches
-        raise StructureError(
-            f"traces at different sizes{at} have {[len(rj.eqns)] + [len(o.eqns) for o in ojs]} "
-            "equations; the computation branches on the batch or sequence size"
-        )
+# Equations a trace at one size may have and one at another size lacks, because JAX drops them when they would
+# change nothing: a position table sliced to the sequence (``pos[:s]``) traces a ``slice`` below the table's
+# length and none at it, and the slice's transpose (``pad``) likewise. They keep the rank, so the traces still
+# align position by position once the extra equation is stepped over.
+ELIDABLE = frozenset({"slice", "pad", "dynamic_slice", "copy", "copy_p"})
+
+
+BRANCH_FIX = ("; the computation branches on the batch or sequence size there (e.g. a Python `if` on a shape). "
+              "Make it take one path at every size up to the batch's (jnp.where on values, or the size-dependent "
+              "part moved out of the loss), or pass plan=... (or workload=...) to autoshard to skip the analysis "
+              "(docs/errors.md, StructureError)")
+
+
+def _where(eqn: jex.JaxprEqn) -> str:
+    line = equation_line(eqn)
+    return f" (made at {line})" if line else ""
+
+
+def _name(step: Step) -> str:
+    name = step.eqn.primitive.name
+    return f"`{name}`{_where(step.eqn)}" if step.visit is not Visit.EXIT else f"the end of `{name}`"
+
+
+def _mismatch(ref: Step, other: Step, k: int, point: tuple[int, int] | None, ref_point: tuple[int, int] | None
+              ) -> StructureError:
+    at = f"(b, s) = {point}" if point else "another size"
+    return StructureError(f"the traces at different sizes differ at equation {k}: {_name(ref)} at (b, s) = "
+                          f"{ref_point} but {_name(other)} at {at}{BRANCH_FIX}")
+
+
+class _Aligned:
+    """One other trace walked in step with the reference. An `ELIDABLE` equation only one of them has (a slice
+    of a table that is a no-op at one size) is stepped over in the other trace, or stands in the reference for
+    its own operand (`phantom`): the sliced value has the whole table's shape at that size."""
+
+    def __init__(self, jaxpr: jex.Jaxpr, ref: jex.Jaxpr, point: tuple[int, int] | None):
+        self._steps = list(walk(jaxpr))
+        self._pos = 0
+        self.point = point
+        self._corr: dict[jex.Var, Atom] = dict(zip(ref.invars, jaxpr.invars))  # reference var -> this trace's
+        self._corr.update(zip(ref.constvars, jaxpr.constvars))
+
+    def match(self, ref: Step, k: int, ref_point: tuple[int, int] | None) -> Step:
+        while True:
+            step = self._steps[self._pos] if self._pos < len(self._steps) else None
+            if step is not None and step.visit is ref.visit and step.eqn.primitive.name == ref.eqn.primitive.name:
+                self._pos += 1
+                self._pair(ref, step)
+                return step
+            if ref.visit is Visit.LEAF and ref.eqn.primitive.name in ELIDABLE:
+                phantom = self._phantom(ref)
+                if phantom is not None:
+                    return phantom
+            if step is None:
+                raise StructureError(f"the trace at (b, s) = {self.point} lacks {_name(ref)}, equation {k} of "
+                                     f"the trace at (b, s) = {ref_point}{BRANCH_FIX}")
+            if not (step.visit is Visit.LEAF and step.eqn.primitive.name in ELIDABLE):
+                raise _mismatch(ref, step, k, self.point, ref_point)
+            self._pos += 1
+
+    def _pair(self, ref: Step, step: Step) -> None:
+        self._corr.update(zip(ref.eqn.outvars, step.eqn.outvars))
+        if ref.visit is Visit.ENTER and ref.inner is not None and step.inner is not None:
+            self._corr.update(zip(ref.inner.jaxpr.invars, step.inner.jaxpr.invars))
+            self._corr.update(zip(ref.inner.jaxpr.constvars, step.inner.jaxpr.constvars))
+        if ref.visit is Visit.EXIT and ref.inner is not None and step.inner is not None:
+            self._corr.update(zip(ref.inner.jaxpr.outvars, step.inner.jaxpr.outvars))
+
+    def _phantom(self, ref: Step) -> Step | None:
+        """The reference's elidable equation as this trace lacks it: its result is its operand here."""
+        operand = ref.eqn.invars[0]
+        here = self._corr.get(operand) if is_var(operand) else None
+        if here is None:
+            return None
+        self._corr.update((v, here) for v in ref.eqn.outvars)
+        return Step(Visit.LEAF, ref.eqn.replace(invars=[here], outvars=[here]))
+
+    def finish(self, ref_point: tuple[int, int] | None) -> None:
+        """Raise unless only elidable equations are left."""
+        for step in self._steps[self._pos:]:
+            if not (step.visit is Visit.LEAF and step.eqn.primitive.name in ELIDABLE):
+                raise StructureError(f"the trace at (b, s) = {self.point} has {_name(step)}, which the trace at "
+                                     f"(b, s) = {ref_point} lacks{BRANCH_FIX}")
 
 
 class _Builder:
@@ -146,7 +225,8 @@ class _Builder:
             return
         shapes = [tuple(ref.aval.shape)] + [tuple(o.aval.shape) for o in others]
         if any(len(sh) != len(shapes[0]) for sh in shapes):
-            raise StructureError(f"rank of {ref} differs between traces: {shapes}")
+            raise StructureError(f"the rank of a value differs between the traces at different sizes: "
+                                 f"{shapes}{BRANCH_FIX}")
         if not self.points or len(shapes) == 1:
             self.dims[ref] = tuple(Poly.const(int(d)) for d in shapes[0])
             return
@@ -185,14 +265,13 @@ class _Builder:
 
     def _eqns(self, rj: jex.Jaxpr, ojs: Sequence[jex.Jaxpr], env: Env, nodes: list[Node]) -> None:
         """Walk ``rj`` with its calls inlined, in step with the aligned traces ``ojs``, into ``nodes``."""
-        _check_counts(rj, ojs, self.points)
+        ref_point = self.points[0] if self.points else None
+        aligned = [_Aligned(o, rj, self.points[i + 1] if len(self.points) > i + 1 else None)
+                   for i, o in enumerate(ojs)]
         frames: list[_Frame] = []
-        for k, (step, *others) in enumerate(zip(walk(rj), *(walk(o) for o in ojs))):
+        for k, step in enumerate(walk(rj)):
+            others = [a.match(step, k, ref_point) for a in aligned]
             eqn, name = step.eqn, step.eqn.primitive.name
-            if any(o.eqn.primitive.name != name for o in others):
-                raise StructureError(
-                    f"equation {k} is {name} in one trace and {[o.eqn.primitive.name for o in others]} in others"
-                )
             if step.visit is Visit.EXIT:
                 self._exit(step, env, frames.pop())
                 continue
@@ -205,6 +284,8 @@ class _Builder:
                 frames.append(self._enter(step, others, env))
             else:
                 nodes.append(self._leaf(eqn, [o.eqn for o in others], env))
+        for a in aligned:
+            a.finish(ref_point)
 
     def _enter(self, step: Step, others: Sequence[Step], env: Env) -> _Frame:
         """Start inlining a call: its body's inputs stand for the call's operands."""
@@ -216,7 +297,6 @@ class _Builder:
         if self.call is None and eqn.primitive.name in REGIONS:
             self.call = CallSite(eqn, tuple(_sub(env, v) for v in eqn.invars))
         ij, oijs = inner.jaxpr, [o.inner.jaxpr for o in others]
-        _check_counts(ij, oijs, self.points)
         self.consts.update(zip(ij.constvars, inner.consts))
         self._fit_all(ij.constvars, [o.constvars for o in oijs])
         self._fit_all(ij.invars, [o.invars for o in oijs])

@@ -79,9 +79,14 @@ def _make_part(
     consts: dict[jex.Var, Value],
     leaf_of: dict[jex.Var, int],
     act_inputs: set[jex.Var],
+    order: Sequence[jex.Var] = (),
 ) -> PartFn:
+    """A part from its equations. Its inputs come in the order of ``order`` (the jaxpr's inputs), then in
+    first-use order: first use alone would differ between the traces at different sizes when a size makes
+    JAX drop an equation (``pos[:s]`` at the table's full length reads the table later)."""
     eqns = needed_equations(eqns, outs)
-    free = [v for v in _free_inputs(eqns, outs) if v not in consts]
+    rank = {v: k for k, v in enumerate(order)}
+    free = sorted((v for v in _free_inputs(eqns, outs) if v not in consts), key=lambda v: rank.get(v, len(rank)))
     diff = [v for v in free if _float(v) and (v in leaf_of or v in act_inputs)]
     nondiff = [v for v in free if v not in diff]
     inner = _sub_fn(eqns, diff + nondiff, outs, consts)
@@ -106,15 +111,16 @@ def split_parts(traced: TracedLoss) -> dict[str, PartFn]:
     nc, ncar = stack.num_consts, stack.num_carry
     pre_defined = {v for e in pre_eqns for v in e.outvars}
     pre_outs = [v for v in scan.invars if isinstance(v, jex.Var) and v in pre_defined and _float(v)]
-    pre = _make_part(pre_eqns, pre_outs, consts, leaf_of, set())
-    post = _make_part(post_eqns, [jaxpr.outvars[0]], consts, leaf_of, set(scan.outvars))
+    pre = _make_part(pre_eqns, pre_outs, consts, leaf_of, set(), jaxpr.invars)
+    post = _make_part(post_eqns, [jaxpr.outvars[0]], consts, leaf_of, set(scan.outvars),
+                      [*scan.outvars, *jaxpr.invars])
 
     body = stack.body
     bj = body.jaxpr
     body_consts = dict(zip(bj.constvars, body.consts))
     slice_leaf = {bj.invars[nc + ncar + k]: i for k, i in enumerate(stack.xs_leaf) if i is not None}
     carry_vars = {v for v in bj.invars[nc : nc + ncar] if _float(v)}
-    block = _make_part(bj.eqns, list(bj.outvars), body_consts, slice_leaf, carry_vars)
+    block = _make_part(bj.eqns, list(bj.outvars), body_consts, slice_leaf, carry_vars, bj.invars)
     return {"pre": pre, "block": block, "post": post}
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mistjax.analysis import DEFAULT_POINTS, CompiledProfile, ModelProfile, analyze_model, compile_profile, token_batch
+from mistjax.analysis import CompiledProfile, ModelProfile, analyze_model, compile_profile, first_trace, token_batch
 from mistjax.analysis.tp_roles import (
     TENSOR_AXES_KV_REPLICATED,
     kv_head_sizes,
@@ -31,7 +31,7 @@ from mistjax.core.context import ContextForm, ulysses_supported
 from mistjax.core.layout import TENSOR_AXES
 from mistjax.core.types import LossFn, PyTree
 from mistjax.cost.kv_regimes import KVRegimes
-from mistjax.trace.split import TracedLoss, part_usage, trace_loss
+from mistjax.trace.split import TracedLoss, part_usage
 
 Analyze = Callable[[tuple[str, ...]], ModelProfile]
 """``analyze(tensor_axes) -> profile``: the loss analysed with those logical names split over ``tensor``."""
@@ -127,13 +127,12 @@ class Workload:
             time with them replicated, on first use of a degree that does not divide them (`KVRegimes`).
         """
         batch = batch_fn or token_batch
-        b, s = DEFAULT_POINTS[0]
-        traced = trace_loss(loss_fn, params, *batch(b, s))
+        traced = first_trace(loss_fn, params, batch, seq_len)  # at no sequence longer than seq_len
         axes = model_tensor_axes(traced, params, axis_rules)
         if analyze is None:
             def analyze(tensor_axes: tuple[str, ...]) -> ModelProfile:
                 return analyze_model(loss_fn, params, batch, policies=policies, cache=cache, param_axes=axes,
-                                     tensor_axes=tensor_axes)
+                                     tensor_axes=tensor_axes, seq_len=seq_len)
         prof = profile if profile is not None else analyze(TENSOR_AXES)
         base = compile_profile(prof)
         kv = kv_head_sizes(axes, [np.shape(x) for x in jax.tree.leaves(params)])

@@ -119,7 +119,7 @@ class TracedLoss:
         if self.groups is None:
             return self
         virtual = tuple(v if isinstance(v, int) else v[start:stop] for v in self.groups.virtual)
-        return dataclasses.replace(self, groups=ParamGroups(self.groups.num_real, virtual))
+        return dataclasses.replace(self, groups=dataclasses.replace(self.groups, virtual=virtual))
 
     def require_stack(self) -> LayerStack:
         if self.stack is None:

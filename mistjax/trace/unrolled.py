@@ -12,7 +12,9 @@ own parameter subtree. `find_unrolled` recognises them in two steps:
    masks), its own layer's parameter at the same place, a value of its own layer, or the *carry*
    (a value of the previous layer at a fixed place; for layer 0 a value of the pre part), and the
    rest of the program may read only the last layer's carry. The cut between layers is the one
-   with the fewest carried values (the hidden state).
+   with the fewest carried values (the hidden state). A stack whose layers alternate kinds (GPT-Neo's
+   global / local attention) repeats only every ``p`` layers: `periodic_groups` then offers blocks of
+   ``p`` consecutive layers, the smallest period that proves first.
 
 The loss is then re-traced as a function of *virtual* parameters (`ParamGroups`): the non-layer
 leaves as they are and, per place in the layer subtree, one leaf stacked over the L layers; the
@@ -50,10 +52,12 @@ class ParamGroups:
       num_real: number of real parameter leaves.
       virtual: per virtual leaf, the real leaf index it is (an int) or the L real leaves, layer by layer,
         it stacks (a tuple).
+      period: model layers per stacked layer (`periodic_groups`: 2 for GPT-Neo's global / local pairs).
     """
 
     num_real: int
     virtual: tuple[int | tuple[int, ...], ...]
+    period: int = 1
 
     @property
     def num_layers(self) -> int:
@@ -193,6 +197,18 @@ def candidate_groups(paths: Sequence[KeyPath], avals: Sequence[Shaped]) -> list[
         out.append(groups)
     size = lambda g: sum(int(np.prod(np.shape(avals[i]))) for layer in g for i in layer)  # noqa: E731
     return sorted(out, key=size, reverse=True)
+
+
+def periodic_groups(layers: list[list[int]]) -> list[list[list[int]]]:
+    """``layers`` as blocks of ``p`` consecutive layers, for each period ``p`` dividing L (1 first).
+
+    A stack whose layers alternate kinds (GPT-Neo's global / local attention, dense / MoE interleaving)
+    repeats only every ``p`` layers: one block of ``p`` layers is then the scan body, and its places are
+    those of its ``p`` layers in turn. At least two blocks are needed to see the repetition.
+    """
+    n = len(layers)
+    return [[[i for layer in layers[g * p:(g + 1) * p] for i in layer] for g in range(n // p)]
+            for p in range(1, n // 2 + 1) if n % p == 0]
 
 
 # ------------------------------------------------------------------------------------ proof in the jaxpr
@@ -453,10 +469,12 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
       over parameter subtrees of equal structure is found.
     """
     avals = [v.aval for v in closed.jaxpr.invars[:num_param_leaves]]
-    for groups in candidate_groups(paths, avals):
-        run = _find_run(closed, groups)
-        if run is None:
+    for layers in candidate_groups(paths, avals):
+        found = next(((g, r) for g in periodic_groups(layers) if (r := _find_run(closed, g)) is not None), None)
+        if found is None:
             continue
+        groups, run = found
+        period = len(layers) // len(groups)
         members = {i for g in groups for i in g}
         virtual: list[int | tuple[int, ...]] = []
         for i in range(num_param_leaves):
@@ -469,7 +487,7 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
         by_place = sorted(places, key=lambda v: groups[0].index(v[0]))
         it = iter(by_place)
         virtual = [next(it) if isinstance(v, tuple) else v for v in virtual]
-        pg = ParamGroups(num_real=num_param_leaves, virtual=tuple(virtual))
+        pg = ParamGroups(num_real=num_param_leaves, virtual=tuple(virtual), period=period)
         fun = _virtual_fun(closed, run, pg)
         rest = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars[num_param_leaves:]]
         real = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
@@ -477,4 +495,4 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
     return None
 
 
-__all__ = ["LayerSlices", "ParamGroups", "candidate_groups", "find_unrolled"]
+__all__ = ["LayerSlices", "ParamGroups", "candidate_groups", "find_unrolled", "periodic_groups"]
