@@ -9,6 +9,7 @@ from mistjax.core.plan import (
     Plan,
     PlanError,
     Prediction,
+    SearchRecord,
     StagePlan,
     format_bytes,
     params_fingerprint,
@@ -16,4 +17,4 @@ from mistjax.core.plan import (
 )
 
 __all__ = ["OFFLOAD_FIELDS", "PLAN_MESH_AXES", "REMAT_POLICIES", "SCHEDULES", "SCHEMA_VERSION", "Plan", "PlanError",
-           "Prediction", "StagePlan", "format_bytes", "params_fingerprint", "uniform_plan"]
+           "Prediction", "SearchRecord", "StagePlan", "format_bytes", "params_fingerprint", "uniform_plan"]

@@ -302,6 +302,42 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     assert f"{r.keys_cut} cut" in str(caught[0].message)
 
 
+def test_a_work_budget_stops_the_search_the_same_way_on_any_clock(monkeypatch):
+    """A search stopped by its work budget returns the same plan and the same counts whatever the clock says
+    (here: a clock that makes every cost-model call take a second, against a real one), and the plan records how
+    the search ended; a complete search records that it is complete, through JSON."""
+    from mistjax.core.strategies import CostModel
+    from mistjax.tuning import inter, sweep, tuner
+    from mistjax.tuning.tuner import WorkBudget
+
+    w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
+    whole = search(w, _cpu(2e7), SearchSpace(), cost=stub.COST_MODEL)
+    assert whole.complete and whole.stopped_by == "" and whole.plan.search.complete
+    assert whole.plan.search.strategies_priced == whole.evaluated and whole.plan.search.keys == whole.keys
+    assert mistjax.Plan.from_json(whole.plan.to_json()).search == whole.plan.search
+    budget = WorkBudget(strategies=whole.evaluated // 4)
+    with pytest.warns(RuntimeWarning, match="cut by the work budget"):
+        real_clock = search(w, _cpu(2e7), SearchSpace(), cost=stub.COST_MODEL, work_budget=budget)
+    now = [0.0]
+
+    def stage_cost(*args):
+        now[0] += 1.0
+        return stub.COST_MODEL.stage_cost(*args)
+
+    clock = type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])})
+    for module in (tuner, inter, sweep):
+        monkeypatch.setattr(module, "time", clock)
+    slow = CostModel(stage_cost=stage_cost, predict=stub.COST_MODEL.predict)
+    with pytest.warns(RuntimeWarning, match="cut by the work budget"):
+        fake_clock = search(w, _cpu(2e7), SearchSpace(), cost=slow, work_budget=budget, time_limit=1e9)
+    for r in (real_clock, fake_clock):
+        assert r.stopped_by == "work budget" and not r.complete and 0 < r.keys_cut
+        assert r.plan is not None and r.plan.search == r.record() and not r.plan.search.complete
+    assert real_clock.plan.to_json() == fake_clock.plan.to_json()
+    assert (real_clock.evaluated, real_clock.keys_cut) == (fake_clock.evaluated, fake_clock.keys_cut)
+    assert real_clock.evaluated < whole.evaluated
+
+
 def test_no_plan_fits_raises():
     w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
     with pytest.raises(RuntimeError, match="no plan fits") as caught:

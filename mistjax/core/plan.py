@@ -196,6 +196,26 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class SearchRecord:
+    """How the search that chose a plan ended (`mistjax.tuning.SearchResult`): whether the plan is its space's best.
+
+    Every count is deterministic for a search that was not stopped by the clock, so two machines that complete
+    the same search record the same values.
+    """
+
+    __pydantic_config__ = _JSON_CONFIG
+
+    complete: bool  # every outer key was searched or pruned by a sound bound: the plan is the space's best
+    stopped_by: str = ""  # "" (complete), "work budget" (deterministic) or "time limit" (the clock)
+    keys: int = 0  # outer keys in the space
+    keys_pruned: int = 0  # keys whose lower bound proved they cannot beat the plan
+    keys_cut: int = 0  # keys the budget or the time limit left unsearched or searched in part
+    strategies_priced: int = 0  # stage strategies the cost model priced
+    milps: int = 0  # inter-stage MILPs solved
+    gap: float | None = 0.0  # proven bound on how much faster the space's best can be (None: unbounded)
+
+
+@dataclass(frozen=True)
 class Plan:
     """A complete distributed-training plan for one model on one mesh.
 
@@ -227,6 +247,8 @@ class Plan:
     grad_dtype: str | None = None
     prediction: Prediction | None = None  # the cost model's view when the plan was chosen
     fingerprints: dict[str, str] = field(default_factory=dict)  # model / mesh / hardware / batch
+    # How the search that chose the plan ended (None: not tuned); metadata, so plans compare without it.
+    search: SearchRecord | None = field(default=None, compare=False)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -682,6 +704,7 @@ def uniform_plan(num_layers: int, num_devices: int, *, stages: int = 1, tp: int 
                 cp_form=cp_form, shard_group=shard_group, schedule=schedule, grad_dtype=grad_dtype)
 
 
-__all__ = ["Plan", "StagePlan", "Prediction", "PlanError", "PlanDoesNotFit", "uniform_plan", "params_fingerprint",
+__all__ = ["Plan", "StagePlan", "Prediction", "SearchRecord", "PlanError", "PlanDoesNotFit", "uniform_plan",
+           "params_fingerprint",
            "guarded_peak", "lowered_budget", "RETUNE_MARGIN", "STATE_CATEGORIES",
            "PLAN_MESH_AXES", "SCHEMA_VERSION", "REMAT_POLICIES"]

@@ -21,9 +21,11 @@ from mistjax.tuning.milp import (
 )
 from mistjax.tuning.pareto import ParetoSample, pareto_mask, sample_pareto
 from mistjax.tuning.space import OuterKey, SearchSpace
-from mistjax.tuning.tuner import SearchResult, TunedPlan, TuneResult, search, tune
+from mistjax.tuning.tuner import DEFAULT_WORK_BUDGET, SearchResult, TunedPlan, TuneResult, WorkBudget, search, tune
 
 __all__ = [
+    "DEFAULT_WORK_BUDGET",
+    "WorkBudget",
     "ABLATION_STEPS",
     "BASELINES",
     "InterStageSolution",

@@ -15,12 +15,12 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import numpy as np
 
 from mistjax.core.context import ContextForm
-from mistjax.core.plan import Plan, Prediction, StagePlan, format_bytes, lowered_budget
+from mistjax.core.plan import Plan, Prediction, SearchRecord, StagePlan, format_bytes, lowered_budget
 from mistjax.core.schedules import V_SHAPED, ZERO_BUBBLE
 from mistjax.core.strategies import CostModel, StageStrategies, WorkloadLike
 from mistjax.tuning.baselines import ablation_spaces, baseline_spaces
@@ -39,8 +39,8 @@ Record: TypeAlias = dict[str, Any]
 # One improvement of a search: its objective, its plan and the Pareto data of its stages.
 _Improvement: TypeAlias = tuple[float, Plan, tuple[Record, ...]]
 
-__all__ = ["SearchResult", "TuneResult", "TunedPlan", "build_plan", "check_time_limit", "default_cost_model",
-           "fingerprints", "search", "tune"]
+__all__ = ["DEFAULT_WORK_BUDGET", "WorkBudget", "SearchResult", "TuneResult", "TunedPlan", "build_plan",
+           "check_time_limit", "default_cost_model", "fingerprints", "search", "tune"]
 
 
 def default_cost_model() -> CostModel:
@@ -80,6 +80,23 @@ class TunedPlan(Plan):
         return "\n".join(lines)
 
 
+class WorkBudget(NamedTuple):
+    """A deterministic limit on one search: past it no further outer key is started (a key started is finished),
+    so a search stopped by it returns the same plan on any machine, however fast or busy. The default is about
+    ten times the most any benchmark cell needs (`scripts/bench_tuner.py`: GPT-3 1T prices 10.9M strategies,
+    GPT-3 530B solves 13 MILPs), so every one of them completes."""
+
+    strategies: int = 100_000_000  # stage strategies priced by the cost model
+    milps: int = 1_000  # inter-stage MILPs solved
+
+    def spent(self, strategies: int, milps: int) -> bool:
+        """Whether ``strategies`` priced and ``milps`` solved use the budget up."""
+        return strategies >= self.strategies or milps >= self.milps
+
+
+DEFAULT_WORK_BUDGET = WorkBudget()
+
+
 @dataclass(frozen=True)
 class SearchResult:
     """The outcome of searching one space.
@@ -92,7 +109,7 @@ class SearchResult:
         evaluated: stage strategies priced by the cost model.
         milps: inter-stage MILPs solved.
         seconds: wall time.
-        timed_out: the time limit stopped the search (the plan is the best found until then).
+        timed_out: the time limit or the work budget stopped the search (the plan is the best found until then).
         frontier: per outer key: its parameters, bound, best objective (None: nothing fits, or not
             searched) and status: ``searched``, ``pruned`` (its bound cannot beat the plan found),
             ``partial`` (the limit stopped its search) or ``cut`` (the limit came before it).
@@ -119,6 +136,7 @@ class SearchResult:
     keys_pruned: int = 0
     keys_cut: int = 0
     gap: float = 0.0
+    stopped_by: str = ""  # "" (complete), "work budget" (deterministic) or "time limit" (the clock)
 
     @property
     def complete(self) -> bool:
@@ -129,7 +147,7 @@ class SearchResult:
         """One line: keys searched / pruned / cut, and the proven gap when cut."""
         searched = self.keys - self.keys_pruned - self.keys_cut
         text = (f"{searched} of {self.keys} outer keys searched, {self.keys_pruned} pruned by bound, "
-                f"{self.keys_cut} cut by the time limit")
+                f"{self.keys_cut} cut by the {self.stopped_by or 'time limit'}")
         if self.keys_cut:
             text += ("; no plan found" if self.plan is None else
                      "; the gap to the space's best is not bounded" if not math.isfinite(self.gap) else
@@ -139,6 +157,12 @@ class SearchResult:
     @property
     def prediction(self) -> Prediction | None:
         return self.plan.prediction if self.plan is not None else None
+
+    def record(self) -> SearchRecord:
+        """The plan's `SearchRecord`: how this search ended, without its wall time."""
+        return SearchRecord(complete=self.complete, stopped_by=self.stopped_by, keys=self.keys,
+                            keys_pruned=self.keys_pruned, keys_cut=self.keys_cut, strategies_priced=self.evaluated,
+                            milps=self.milps, gap=self.gap if math.isfinite(self.gap) else None)
 
     @property
     def step_time(self) -> float:
@@ -271,6 +295,7 @@ class _Tally:
     milps: int = 0
     done: int = 0  # keys searched (not pruned)
     timed_out: bool = False
+    stopped_by: str = ""  # what stopped the search: "work budget", "time limit" or "" (nothing)
     cut_bounds: list[float] = field(default_factory=list)  # lower bounds of the keys cut by the limit
     fastest_key: float = math.inf  # seconds the quickest key searched so far took
 
@@ -283,6 +308,7 @@ class _Tally:
         partial = tables.truncated or (choice is not None and not choice.optimal)
         self.timed_out |= partial
         if partial:
+            self.stopped_by = self.stopped_by or "time limit"  # a key's pricing or MILP checks only the clock
             self.cut_bounds.append(bound)
         self.frontier.append(_key_record(tables.key, choice.objective if choice is not None else None, bound,
                                          "partial" if partial else "searched"))
@@ -318,15 +344,16 @@ class _Tally:
         gap = 0.0 if not self.cut_bounds else max(0.0, objective / lower - 1.0) if lower > 0 else math.inf
         return SearchResult(space, plan, objective, keys, self.done, self.evaluated, self.milps, seconds,
                             self.timed_out, tuple(self.frontier), pareto, keys_pruned=pruned,
-                            keys_cut=len(self.cut_bounds), gap=gap)
+                            keys_cut=len(self.cut_bounds), gap=gap, stopped_by=self.stopped_by)
 
 
 def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], deadline: float,
-                 best_cost: float | None, progress: Progress | None) -> _Tally:
+                 best_cost: float | None, progress: Progress | None, budget: WorkBudget | None) -> _Tally:
     """Tune the outer keys in `_visit_order`, skipping those whose bound cannot beat the best so far.
 
-    Each key may use all the time left; past the deadline the keys not yet visited are cut (or pruned, where
-    their bound already cannot beat the plan found).
+    Each key may use all the time left; once ``budget`` is spent (checked before each key: deterministic) or past
+    the deadline, the keys not yet visited are cut (or pruned, where their bound already cannot beat the plan
+    found).
     """
     tally = _Tally()
     stopped = False
@@ -341,7 +368,10 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
         now = time.perf_counter()
         # A key is not started with less time left than the quickest key so far took: its probes, base
         # prices and MILP set-up run before its first deadline check, so it would overrun the limit.
-        stopped = stopped or now >= deadline or (tally.done > 0 and deadline - now < tally.fastest_key)
+        if not stopped and budget is not None and budget.spent(tally.evaluated, tally.milps):
+            stopped, tally.stopped_by = True, tally.stopped_by or "work budget"
+        if not stopped and (now >= deadline or (tally.done > 0 and deadline - now < tally.fastest_key)):
+            stopped, tally.stopped_by = True, tally.stopped_by or "time limit"
         if stopped:
             tally.timed_out = True
             tally.cut_bounds.append(bounds[i])
@@ -457,7 +487,8 @@ def _context_forms(workload: WorkloadLike, space: SearchSpace) -> Callable[[int,
 
 def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | None = None, *,
            time_limit: float = 60.0, cost: CostModel | None = None, best_cost: float | None = None,
-           prune: bool = True, progress: Progress | None = None) -> SearchResult:
+           prune: bool = True, progress: Progress | None = None,
+           work_budget: WorkBudget | None = DEFAULT_WORK_BUDGET) -> SearchResult:
     """Search one space for the plan with the lowest predicted step time.
 
     Outer keys are visited best-bound first (`inter.key_bound`: each key's fastest strategies
@@ -478,6 +509,8 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
             every strategy of every key (Mist's exhaustive evaluation; slow).
         progress: ``progress(space.name, keys_visited, keys_total)`` as the search starts, after each
             outer key and as it ends (e.g. a progress bar; it does not change the search).
+        work_budget: the deterministic limit (`WorkBudget`; None: none). The plan records how the search ended
+            (`Plan.search`: complete, or stopped by the work budget or the time limit).
     """
     space = space or SearchSpace()
     check_time_limit(time_limit)
@@ -492,7 +525,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     with small_pages():  # the key tables (`intra.small_pages`)
         bounds = (_key_bounds(workload, cluster, job.cost, keys, space, job.memo, deadline) if prune
                   else [0.0] * len(keys))
-        tally = _search_keys(job, keys, bounds, deadline, best_cost, progress)
+        tally = _search_keys(job, keys, bounds, deadline, best_cost, progress, work_budget)
         if progress is not None:
             progress(space.name, len(keys), len(keys))
         # Every improvement kept fits under `predict` and carries its prediction (`_fitting_choice`); the last is best.
@@ -503,9 +536,12 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
             plan = plan.replace(fingerprints=fingerprints(workload, cluster))
             winner = objective, plan, pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
+    if result.plan is not None:
+        result = dataclasses.replace(result, plan=result.plan.replace(search=result.record()))
     if tally.timed_out:
-        warnings.warn(f"space {space.name!r} stopped at its time limit ({time_limit:g} s): "
-                      f"{result.completeness()}", RuntimeWarning, stacklevel=2)
+        limit = f"its time limit ({time_limit:g} s)" if tally.stopped_by == "time limit" else f"its {work_budget}"
+        warnings.warn(f"space {space.name!r} stopped at {limit}: {result.completeness()}", RuntimeWarning,
+                      stacklevel=2)
     return result
 
 
@@ -589,10 +625,13 @@ def no_plan_message(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
 
         mem = smallest.memory
         # What the figure counts (#55: it read as if offload were not subtracted): device bytes after offload.
-        counted = (f"counted on the device after offload: {gib(mem['params'])} parameters, {gib(mem['grads'])} "
-                   f"gradients, {gib(mem['optimizer'])} optimizer state, {gib(mem['activations'])} activations, "
-                   f"{gib(mem['buffers'])} buffers (transients, e.g. the optimizer update's device copies of "
-                   f"offloaded state); {gib(smallest.host)} more offloaded to host memory")
+        names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+                 "buffers": "buffers (transients, e.g. the optimizer update's device copies of offloaded state)"}
+        order = [k for k in ("params", "grads", "optimizer", "activations", "buffers") if k in mem]
+        parts = ", ".join(f"{gib(mem[k])} {names.get(k, k)}" for k in order + [k for k in mem if k not in order])
+        host = getattr(smallest, "host", None)  # a cost model may not price host memory
+        counted = f"counted on the device after offload: {parts}" + (
+            f"; {gib(host)} more offloaded to host memory" if host is not None else "")
         cp = int(cps[best])
         layout = (f"each sequence split over {cp} devices (context parallelism), ZeRO-3 over {n // cp}" if cp > 1
                   else f"ZeRO-3 over all {n} devices")
@@ -609,7 +648,8 @@ def no_plan_message(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
 
 def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | None = None, time_limit: float = 60.0,
          baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: CostModel | None = None,
-         baseline_time_limit: float = 60.0, progress: Progress | None = None) -> TuneResult:
+         baseline_time_limit: float = 60.0, progress: Progress | None = None,
+         work_budget: WorkBudget | None = DEFAULT_WORK_BUDGET) -> TuneResult:
     """Tune a plan for ``workload`` on ``cluster`` and compare it with the baselines.
 
     Every space searched here is contained in mistjax's full space, so when a baseline's plan is
@@ -626,6 +666,7 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
         cost: the cost model (default `mistjax.cost.COST_MODEL`).
         baseline_time_limit: seconds for each baseline / ablation search.
         progress: passed to each `search` (mistjax's space, then the baselines and ablations).
+        work_budget: each search's deterministic limit (`WorkBudget`; None: none).
 
     Raises:
         RuntimeError: no plan of the space fits in memory, or the time limit ran out before one was found.
@@ -635,12 +676,15 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
     check_time_limit(time_limit)
     check_time_limit(baseline_time_limit)
     t0 = time.perf_counter()
-    main = search(workload, cluster, space, time_limit=time_limit, cost=cost, progress=progress)
+    main = search(workload, cluster, space, time_limit=time_limit, cost=cost, progress=progress,
+                  work_budget=work_budget)
     t1 = time.perf_counter()
-    base = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress)
+    base = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress,
+                         work_budget=work_budget)
             for name, sp in baseline_spaces(baselines).items()}
     t2 = time.perf_counter()
-    abl = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress)
+    abl = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress,
+                        work_budget=work_budget)
            for name, sp in ablation_spaces().items()} if ablations else {}
     t3 = time.perf_counter()
     plan, note = main.plan, ""
@@ -650,8 +694,9 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
         if plan is None or r.step_time < main.step_time:
             plan, note = r.plan, f"adopted the {name} baseline's plan (predicted faster than the search's own)"
     if plan is None and main.keys_cut:
-        raise RuntimeError(f"no plan found within the time limit ({time_limit:g} s): {main.completeness()}. "
-                           "Raise the limit (--time-limit SECONDS)")
+        fix = "--time-limit SECONDS" if main.stopped_by == "time limit" else "work_budget=WorkBudget(...)"
+        raise RuntimeError(f"no plan found within the time limit ({time_limit:g} s) and work budget: "
+                           f"{main.completeness()}. Raise the limit that stopped it ({fix})")
     if plan is None:
         raise RuntimeError(no_plan_message(workload, cluster, cost))
     found = [(n, r) for n, r in base.items() if r.plan is not None]
