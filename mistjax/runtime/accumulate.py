@@ -89,7 +89,9 @@ def _zero_like(g: jax.Array, host: bool) -> jax.Array:
 def _row(acc: jax.Array | None, out: jax.Array | None, g: jax.Array, layer: jax.Array, prep: SliceGrad,
          fin: SliceGrad | None) -> jax.Array:
     """One layer's new accumulator (or result) row, in the buffer's dtype (the plan's gradient dtype)."""
-    dtype = (acc if acc is not None else out).dtype
+    buf = acc if acc is not None else out
+    assert buf is not None  # every accumulated operand has an accumulator or a result buffer
+    dtype = buf.dtype
     row = prep(g).astype(dtype)
     if acc is not None:
         row = lax.dynamic_index_in_dim(acc, layer, keepdims=False) + row
@@ -103,10 +105,12 @@ def _bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], o
     for j, (g, prep, fin) in enumerate(zip(ct_xs, prepare, finish)):
         row = _row(accs[j], outs[j], g, layer, prep, fin)
         start = (layer,) + (0,) * row.ndim  # the row, or its low corner for a smaller (scattered) result
-        if outs[j] is None:
-            accs[j] = lax.dynamic_update_slice(accs[j], row[None], start)
+        out_j, acc_j = outs[j], accs[j]
+        if out_j is None:
+            assert acc_j is not None  # (as in `_row`)
+            accs[j] = lax.dynamic_update_slice(acc_j, row[None], start)
         else:
-            outs[j] = lax.dynamic_update_slice(outs[j], row[None], start)
+            outs[j] = lax.dynamic_update_slice(out_j, row[None], start)
     # Zero, and dead code: the weights themselves are not differentiated (`runtime.grads`).
     return accs, outs, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
 
@@ -290,6 +294,12 @@ def scan_accumulating(layer_fn: LayerFn, carry: Leaves, xs: Leaves, accs: Sequen
 _T = TypeVar("_T")
 
 
+def _given(x: _T | None) -> _T:
+    """An entry its caller's index list selected as present (an operand's accumulator, buffer, prepare)."""
+    assert x is not None
+    return x
+
+
 def _put(xs: Sequence[_T], idx: Sequence[int], values: Sequence[_T]) -> list[_T]:
     out = list(xs)
     for j, v in zip(idx, values):
@@ -303,13 +313,14 @@ def _scan_deferred(layer_fn: LayerFn, carry: Leaves, xs: Leaves, outs: Slots, pr
     """`scan_accumulating` with result buffers, each layer's row synchronised one backward iteration later
     (`sync_deferred`), the loop's first row after the loop (`flush_synced`)."""
     idx = [j for j, o in enumerate(outs) if o is not None]
-    preps, fins = tuple(prepare[j] for j in idx), tuple(finish[j] for j in idx)
+    preps, fins = tuple(_given(prepare[j]) for j in idx), tuple(finish[j] for j in idx)
+    held = [_given(outs[j]) for j in idx]  # (idx: the operands with a result buffer)
     on_host = tuple(getattr(jax.typeof(xs[j]), "memory_space", None) == jax.memory.Space.Host for j in idx)
     num = int(jax.numpy.shape(xs[0])[0])
     # The pending rows' seeds: one layer's unsynchronised row (the prepared slice cotangent's shape).
     pend = [jax.numpy.zeros(jax.eval_shape(p, jax.ShapeDtypeStruct(xs[j].shape[1:], xs[j].dtype)).shape,
-                            outs[j].dtype) for j, p in zip(idx, preps)]
-    bufs, pend = flush_synced([outs[j] for j in idx], pend, jax.numpy.int32(start), fins)
+                            o.dtype) for j, p, o in zip(idx, preps, held)]
+    bufs, pend = flush_synced(held, pend, jax.numpy.int32(start), fins)
 
     def step(c_o: tuple[Leaves, Leaves, Leaves], x_i: tuple[Leaves, jax.Array]
              ) -> tuple[tuple[Leaves, Leaves, Leaves], Leaves]:
@@ -369,12 +380,12 @@ def scan_rows(layer_fn: RowLayerFn, carry: Leaves, xs: Leaves, accs: Sequence[ja
     def step(c_a: tuple[Leaves, Leaves], x_i: tuple[Slots, jax.Array]) -> tuple[tuple[Leaves, Leaves], Leaves]:
         c, a = c_a
         part, i = x_i
-        x = [xs[j] if j in idx else v for j, v in enumerate(part)]
+        x = [xs[j] if j in idx else _given(v) for j, v in enumerate(part)]  # (None only at idx)
         c, (y, a) = layer_fn(c, ((x, i), a))
         return (c, a), y
 
     rows = jax.numpy.arange(start, end, dtype=jax.numpy.int32)
-    (carry, acc_out), ys = lax.scan(step, (carry, [accs[j] for j in idx]), (scanned, rows), unroll=unroll)
+    (carry, acc_out), ys = lax.scan(step, (carry, [_given(accs[j]) for j in idx]), (scanned, rows), unroll=unroll)
     out: Slots = list(accs)
     for j, a in zip(idx, acc_out):
         out[j] = a

@@ -18,7 +18,17 @@ from typing import NamedTuple
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from mistjax.core.jaxpr import INLINABLE, Atom, Value, bind_equation, inner_jaxpr, is_var, read, scan_counts
+from mistjax.core.jaxpr import (
+    INLINABLE,
+    Atom,
+    Value,
+    bind_equation,
+    inner_jaxpr,
+    is_var,
+    read,
+    scan_counts,
+    shaped,
+)
 
 
 class SplitError(ValueError):
@@ -26,7 +36,7 @@ class SplitError(ValueError):
 
 
 def _shape_struct(v: Var) -> jax.ShapeDtypeStruct:
-    a = v.aval
+    a = shaped(v)
     return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
 
 

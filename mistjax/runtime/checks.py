@@ -16,7 +16,9 @@ import numpy as np
 from jax.extend import core as jex
 from jax.tree_util import PyTreeDef
 
+from mistjax.core.jaxpr import shaped
 from mistjax.core.types import Batch, PyTree
+from mistjax.trace.source import exception_line
 from mistjax.trace.split import TracedLoss
 
 
@@ -39,7 +41,9 @@ def trace_failure(error: Exception, batch: Batch) -> StepError:
               if jax.dtypes.issubdtype(x.dtype, np.floating)]
     hint = (f"; the batch holds floats in {', '.join(floats)}: token ids must be integers (e.g. "
             "batch['inputs'].astype(np.int32))" if floats and isinstance(error, TypeError | IndexError) else "")
-    return StepError(f"the train step failed while mistjax traced it with this batch ({describe(batch)}): "
+    line = exception_line(error.__traceback__)
+    where = f" at {line}" if line else ""  # the user's line, past JAX's and the model libraries' frames
+    return StepError(f"the train step failed while mistjax traced it with this batch ({describe(batch)}){where}: "
                      f"{type(error).__name__}: {error}{hint}")
 
 
@@ -53,7 +57,8 @@ def check_output(out: object, state_tree: PyTreeDef) -> None:
     if new_tree != state_tree:
         raise StepError(
             "train_step returned a state of another structure than the one it was given (the state must keep its "
-            f"pytree structure, {state_tree.num_leaves} leaves, from step to step; got {new_tree.num_leaves} "
+            # (jaxlib ships no stub for PyTreeDef: mypy sees an unresolved type without num_leaves)
+            f"pytree structure, {state_tree.num_leaves} leaves, from step to step; got {new_tree.num_leaves} "  # type: ignore[attr-defined]
             "leaves); return the updated state itself, e.g. state.apply_gradients(grads) or "
             "{'params': new_params, 'opt': new_opt}")
 
@@ -87,7 +92,8 @@ def token_ranges(traced: TracedLoss, rest_to_batch: Sequence[int | None], batch:
     for eqn in jaxpr.eqns:
         ins = set().union(*[deps.get(v, set()) for v in eqn.invars if isinstance(v, jex.Var)])
         if eqn.primitive.name == "gather" and isinstance(eqn.invars[0], jex.Var) and eqn.invars[0] in params:
-            rows = int(eqn.invars[0].aval.shape[0]) if eqn.invars[0].aval.shape else 0
+            shape = shaped(eqn.invars[0]).shape
+            rows = int(shape[0]) if shape else 0
             for b in deps.get(eqn.invars[1], set()) if isinstance(eqn.invars[1], jex.Var) else ():
                 found[b] = min(found.get(b, rows), rows)
         if ins:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ from jax import lax
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
-from mistjax.core.jaxpr import Atom
+from mistjax.core.jaxpr import Atom, shaped
 
 # The analysis is imported where a plan is made, not at import (its package loads sympy; see runtime.tensor).
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def free_out_dim(eqn: jex.JaxprEqn, pos: int, dim: int) -> int | None:
     """Where operand ``pos``'s dim ``dim`` lands in a ``dot_general``'s output; None if it is contracted
     or batched. Output dims are the batch dims, then lhs's free dims, then rhs's, each in order."""
     (contract, batch) = eqn.params["dimension_numbers"]
-    ndims = [len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)]
+    ndims = [len(shaped(eqn.invars[0]).shape), len(shaped(eqn.invars[1]).shape)]
     if dim in contract[pos] or dim in batch[pos]:
         return None
     free = [[d for d in range(ndims[k]) if d not in contract[k] and d not in batch[k]] for k in (0, 1)]
@@ -143,7 +143,7 @@ def _gather_matmul(x: jax.Array, others: Sequence[jax.Array], dots: Sequence[Rin
     """Per device: every ``dots[j](gathered x, others[j])``, gathering ``x`` chunk by chunk around the ring."""
     me = lax.axis_index(axis)
     full = _gathered_shape(x, dots[0].dim, t)
-    outs = [jnp.zeros(jax.eval_shape(d.apply, full, w).shape, d.eqn.outvars[0].aval.dtype)
+    outs = [jnp.zeros(jax.eval_shape(d.apply, full, w).shape, shaped(d.eqn.outvars[0]).dtype)
             for d, w in zip(dots, others)]
     chunk = x
     for s in range(t):
@@ -159,12 +159,13 @@ def _scatter_sum(part: Callable[[jax.Array], jax.Array], axis: str, t: int) -> j
     """Per device: its chunk of ``sum over devices of part(chunk)``: ``part(r)`` is this device's partial
     product for rows chunk ``r``; the accumulator travels the ring and arrives at its owner last."""
     me = lax.axis_index(axis)
-    acc = None
+    acc: jax.Array | None = None
     for s in range(t):
         # Step s adds chunk (me - 1 - s): at s = t - 1 that is `me`, the chunk this device keeps.
         mine = part((me - 1 - s) % t)
         # The previous step's accumulator moves while `mine` is computed (no dependency between them).
         acc = mine if acc is None else lax.ppermute(acc, axis, _ring(t)) + mine
+    assert acc is not None  # (a ring has t >= 1 steps)
     return acc
 
 
@@ -182,11 +183,13 @@ def _gather_matmul_grads(x: jax.Array, others: Sequence[jax.Array], cts: Sequenc
     dim = dots[0].dim
 
     def dx_part(r: jax.Array) -> jax.Array:
-        return sum(_gemm(lambda c, w, d=d: d.grad_act(x, w, c), _rows(ct, r, d.out_dim, t), w).astype(jnp.float32)
-                   for d, w, ct in zip(dots, others, cts)).astype(x.dtype)
+        parts = [_gemm(lambda c, w, d=d: d.grad_act(x, w, c), _rows(ct, r, d.out_dim, t), w).astype(jnp.float32)
+                 for d, w, ct in zip(dots, others, cts)]
+        return cast(jax.Array, sum(parts)).astype(x.dtype)  # (a ring has one dot at least)
 
     gathered = jnp.zeros(_gathered_shape(x, dim, t).shape, x.dtype)
-    chunk, acc = x, None
+    chunk = x
+    acc: jax.Array | None = None
     for s in range(t):
         gathered = _put_rows(gathered, chunk, (me - s) % t, dim)
         mine = dx_part((me - 1 - s) % t)  # as in `_scatter_sum`
@@ -196,6 +199,7 @@ def _gather_matmul_grads(x: jax.Array, others: Sequence[jax.Array], cts: Sequenc
             # XLA:GPU runs one collective at a time, and a second ring's transfers queued behind the
             # first's with no GEMM left to hide them (deviceless H100 schedule).
             chunk, acc = lax.ppermute(jnp.stack([chunk, acc]), axis, _ring(t))
+    assert acc is not None  # (a ring has t >= 1 steps)
     return acc, [d.grad_other(gathered, w, ct) for d, w, ct in zip(dots, others, cts)]
 
 
@@ -367,7 +371,7 @@ class RingPlan:
 
 
 def _is_float_var(v: Atom) -> bool:
-    return isinstance(v, jex.Var) and jnp.issubdtype(v.aval.dtype, np.inexact)
+    return isinstance(v, jex.Var) and jnp.issubdtype(shaped(v).dtype, np.inexact)
 
 
 class _Planner:
@@ -410,14 +414,17 @@ class _Planner:
             return None
         k = gathered[0]
         act, other, want = n.ins[k], n.ins[1 - k], wants[1 - k]
-        dim = self.state(act).dim
+        act_state = self.state(act)
+        assert isinstance(act_state, Shard) and isinstance(act, jex.Var)  # (as `gathered` selected it)
+        dim = act_state.dim
         out_dim = free_out_dim(n.eqn, k, dim)
         w_dim = free_out_dim(n.eqn, 1 - k, want.dim) if isinstance(want, Shard) else None
         if out_dim is None or w_dim is None or not _is_float_var(other) or isinstance(self.state(other), Partial):
             return None
-        rd = RingDot(n.eqn, k, dim, out_dim, other_spec=spec_on(other.aval.ndim, want.dim, self.axis),
-                     out_spec=spec_on(n.outs[0].aval.ndim, w_dim, self.axis),
-                     act_spec=spec_on(act.aval.ndim, dim, self.axis))
+        assert isinstance(want, Shard)  # (w_dim is set for a Shard only)
+        rd = RingDot(n.eqn, k, dim, out_dim, other_spec=spec_on(shaped(other).ndim, want.dim, self.axis),
+                     out_spec=spec_on(shaped(n.outs[0]).ndim, w_dim, self.axis),
+                     act_spec=spec_on(shaped(act).ndim, dim, self.axis))
         return act, rd
 
     def pullable(self, v: Atom, at: int, depth: int = 3) -> list[Node] | None:
@@ -458,10 +465,10 @@ class _Planner:
         """The dim every use of ``v`` wants it split on (a graph output included), or None."""
         from mistjax.analysis.layout import Shard
 
-        dims = set()
+        dims: set[int | None] = set()
         for n, k in self.uses.get(v, []):
-            want = self.wants(n)
-            want = None if want is None else want[k]
+            wants = self.wants(n)
+            want = None if wants is None else wants[k]
             dims.add(want.dim if isinstance(want, Shard) else None)
         for o, st in zip(self.graph.outvars, self.res.out_states):
             if o is v:
@@ -491,12 +498,12 @@ class _Planner:
             return None
         for p, want in enumerate(wants):
             a = n.ins[p]
-            for d in range(a.aval.ndim):
+            for d in range(shaped(a).ndim):
                 if free_out_dim(n.eqn, p, d) == dim and not (isinstance(want, Shard) and want.dim == d):
                     o = n.ins[1 - p]
-                    rd = RingDot(n.eqn, p, d, dim, other_spec=_spec(wants[1 - p], o.aval.ndim, self.axis),
-                                 out_spec=spec_on(out.aval.ndim, dim, self.axis),
-                                 act_spec=_spec(want, a.aval.ndim, self.axis))
+                    rd = RingDot(n.eqn, p, d, dim, other_spec=_spec(wants[1 - p], shaped(o).ndim, self.axis),
+                                 out_spec=spec_on(shaped(out).ndim, dim, self.axis),
+                                 act_spec=_spec(want, shaped(a).ndim, self.axis))
                     return ScatterRing(n, rd, held, dim)
         return None
 

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from mistjax.core.attention_blocks import check_attention_args, key_blocks, pad_keys
 from mistjax.core.context import ContextForm, ulysses_supported
 from mistjax.core.layout import CONTEXT_AXIS
+from mistjax.core.types import PyTree
 
 DEFAULT_BLOCK_SIZE = 128
 FWD_NAME = "context_attention_fwd"  # name prefix of the forward's jit (module docstring)
@@ -392,14 +393,14 @@ def _step_pairs(t: int, causal: bool) -> tuple[tuple[int, int, bool], ...]:
     return ((1, 0, False), (_SEL, _SEL, False))
 
 
-def _pick(slot: int, slots: Sequence, sel: jax.Array) -> object:
+def _pick(slot: int, slots: Sequence[_T], sel: jax.Array) -> _T:
     """``slots[slot]``; for `_SEL` slot 1 where ``sel`` else slot 0 (a select, no branch)."""
     if slot != _SEL:
         return slots[slot]
     return jax.tree.map(lambda a, b: jnp.where(sel, b, a), slots[0], slots[1])
 
 
-def _put(slot: int, slots: Sequence, new: object, sel: jax.Array) -> tuple:
+def _put(slot: int, slots: Sequence[_T], new: _T, sel: jax.Array) -> tuple[_T, ...]:
     """``slots`` with ``slots[slot]`` replaced by ``new`` (for `_SEL`, slot 1 where ``sel`` else slot 0)."""
     if slot != _SEL:
         return tuple(new if i == slot else x for i, x in enumerate(slots))
@@ -421,6 +422,9 @@ def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, cp: in
                   causal: bool) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """One device's ring forward: natural shards in, ``(o natural, (q, k, v, o, lse) zigzag)`` out."""
     kvh = k.shape[2]
+    qs: tuple[jax.Array, ...]
+    ks: tuple[jax.Array, ...]
+    vs: tuple[jax.Array, ...]
     if causal:
         qs, ks, vs = (_to_zigzag(x, axis, cp) for x in (q, k, v))
     else:
@@ -462,8 +466,8 @@ def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: 
         nxt = _ring_next(kv, axis, cp) if t < cp - 1 else kv
         sel = (me - t) % cp > me
         for qi, ki, diagonal in _step_pairs(t, causal):
-            gq, gk, gv = _pair_backward(*(_pick(qi, x, sel) for x in (qg, dog, lses, deltas)),
-                                        _pick(ki, kv[0], sel), _pick(ki, kv[1], sel),
+            qa, doa, lsea, deltaa = (_pick(qi, x, sel) for x in (qg, dog, lses, deltas))
+            gq, gk, gv = _pair_backward(qa, doa, lsea, deltaa, _pick(ki, kv[0], sel), _pick(ki, kv[1], sel),
                                         diagonal=diagonal, block_size=block_size)
             dq = _put(qi, dq, _pick(qi, dq, sel) + gq, sel)
             dkv = (_put(ki, dkv[0], _pick(ki, dkv[0], sel) + gk, sel),
@@ -561,23 +565,27 @@ def _ulysses_backward(q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, ls
 
 @functools.cache
 def _kernels(axis: str, form: ContextForm, cp: int, block_size: int, causal: bool, kv_heads: int,
-             direct: bool) -> tuple[Callable[..., object], Callable[..., tuple[jax.Array, jax.Array, jax.Array]]]:
+             direct: bool) -> tuple[Callable[..., PyTree], Callable[..., tuple[jax.Array, jax.Array, jax.Array]]]:
     """The named, jitted global forward and backward: a ``shard_map`` manual over ``axis`` only."""
     seq, on = P(None, axis), P(None, None, axis)  # split dim 1 / dim 2
-    opts = dict(axis=axis, cp=cp, block_size=block_size, causal=causal)
+    fwd_local: Callable[..., PyTree]
+    bwd_local: Callable[..., PyTree]
     if form is ContextForm.RING:
-        fwd_local, bwd_local = functools.partial(_ring_forward, **opts), functools.partial(_ring_backward, **opts)
+        fwd_local = functools.partial(_ring_forward, axis=axis, cp=cp, block_size=block_size, causal=causal)
+        bwd_local = functools.partial(_ring_backward, axis=axis, cp=cp, block_size=block_size, causal=causal)
         res_specs = (seq, seq, seq, seq, on)  # q, k, v, o zigzag on the seq dim; lse [b, kv, s, g]
     else:
-        fwd_local = functools.partial(_ulysses_forward, direct=direct, **opts)
-        bwd_local = functools.partial(_ulysses_backward, kv_heads=kv_heads, direct=direct, **opts)
+        fwd_local = functools.partial(_ulysses_forward, direct=direct, axis=axis, cp=cp, block_size=block_size,
+                                      causal=causal)
+        bwd_local = functools.partial(_ulysses_backward, kv_heads=kv_heads, direct=direct, axis=axis, cp=cp,
+                                      block_size=block_size, causal=causal)
         res_specs = (on, on, on, on, seq)  # q, k, v, o split over heads; lse [b, kv, s, g] over kv heads
 
-    def manual(f: Callable[..., object], in_specs: tuple, out_specs: object) -> Callable[..., object]:
+    def manual(f: Callable[..., PyTree], in_specs: tuple, out_specs: PyTree) -> Callable[..., PyTree]:
         return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset({axis}),
                              check_vma=False)
 
-    def fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> object:
+    def fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> PyTree:
         return manual(fwd_local, (seq, seq, seq), (seq, res_specs))(q, k, v)
 
     def bwd(*res_and_do: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

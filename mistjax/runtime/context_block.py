@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 from jax.extend import core as jex
 
 from mistjax.core.context import ContextForm, ulysses_supported
-from mistjax.core.jaxpr import Value, bind_equation, iter_eqns, read
+from mistjax.core.jaxpr import Value, bind_equation, iter_eqns, read, shaped
 from mistjax.core.layout import CONTEXT_AXIS
 from mistjax.core.plan import PlanError
 from mistjax.runtime.context_attention import context_attention
@@ -51,7 +51,8 @@ def check_form(calls: Iterable[AttentionCall], form: ContextForm, cp: int, tp: i
 def run_attention(call: AttentionCall, form: ContextForm, vals: Sequence[Value], axis: str = CONTEXT_AXIS
                   ) -> list[Value]:
     """The fused-attention call ``call`` on ``vals`` (q, k, v) as the context-parallel kernel of ``form``."""
-    return [context_attention(*vals, axis=axis, form=form, causal=call.causal, block_size=call.block,
+    q, k, v = cast(Sequence[jax.Array], vals)  # attention's operands are arrays, never literals
+    return [context_attention(q, k, v, axis=axis, form=form, causal=call.causal, block_size=call.block,
                               residual_name=call.residual_name)]
 
 
@@ -68,14 +69,14 @@ def attention_call(eqn: jex.JaxprEqn) -> AttentionCall | None:
         if unit is not None and unit[0] == "fwd" and unit[1] is not None:
             # The kernel's mask is its only select (the analysis reads causality the same way).
             causal = any(x.primitive.name == "select_n" for x in iter_eqns(e.params["jaxpr"], bodies=True))
-            q, k = (v.aval.shape for v in eqn.invars[:2])
+            q, k = (shaped(v).shape for v in eqn.invars[:2])
             return AttentionCall(unit[1], causal, _residual_name(eqn), int(q[2]), int(k[2]))
     return None
 
 
 def _residual_name(eqn: jex.JaxprEqn) -> str | None:
     """The checkpoint name the call's forward rule gives its residuals: traced through ``jax.vjp``."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    avals = [jax.ShapeDtypeStruct(shaped(v).shape, shaped(v).dtype) for v in eqn.invars]
 
     def pullback(*args: jax.Array) -> object:
         out, vjp = jax.vjp(lambda *x: bind_equation(eqn, list(x))[0], *args)

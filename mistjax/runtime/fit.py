@@ -139,7 +139,7 @@ def stage_fit(stage: int, phase: str, layers: tuple[int, int], need: int, device
             continue
         used = device_in_use(d)
         other = max(0, used - resident.get(d, 0)) if used is not None else 0
-        fit = StageFit(stage, phase, tuple(layers), len(devices), d, int(need), caps[d], other)
+        fit = StageFit(stage, phase, (layers[0], layers[1]), len(devices), d, int(need), caps[d], other)
         if best is None or fit.available < best.available:
             best = fit
     return best

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,9 @@ from mistjax.core.plan import Plan, PlanError, StagePlan
 from mistjax.core.types import LossFn, PyTree
 from mistjax.runtime.accumulate import SliceGrad
 from mistjax.runtime.context_block import context_parallel_block
-from mistjax.runtime.remat import Body, LayerLoop, LoopSinks
+from mistjax.runtime.remat import Body, LayerLoop, LoopSinks, as_layer_loop
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
-from mistjax.trace.split import BlockFn, TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
+from mistjax.trace.split import BlockFn, Operand, TracedLoss, checkpoint_names, evaluate, part_usage, trace_loss
 
 MANUAL_AXES = frozenset({"stage", "replica", *SHARD_AXES})
 
@@ -120,7 +121,8 @@ def shard_psum_scatter(x: jax.Array, dim: int) -> jax.Array:
     return x
 
 
-def regather_updated_params(leaves: Sequence[jax.Array], inputs: Sequence[jax.Array], layouts: Sequence[LeafLayout],
+def regather_updated_params(leaves: Sequence[jax.Array], inputs: Sequence[jax.Array | None],
+                            layouts: Sequence[LeafLayout],
                             plan: Plan, mesh: Mesh) -> list[jax.Array]:
     """All-gather the updated ZeRO-1/2 parameters from their shards, in their storage dtype.
 
@@ -151,12 +153,27 @@ def regather_updated_params(leaves: Sequence[jax.Array], inputs: Sequence[jax.Ar
     return out
 
 
+_V = TypeVar("_V")
+
+
+def _get(d: dict[int, _V], i: int | None) -> _V | None:
+    """``d[i]`` if present; None for an operand that is no parameter leaf (``i`` None) or has no entry."""
+    return None if i is None else d.get(i)
+
+
+def _shard_dim(spec: StageLeaf) -> int:
+    """The dim a ZeRO-sharded leaf is split on (`LeafLayout.shard_dim`, set for every sharded leaf)."""
+    dim = spec.layout.shard_dim
+    assert dim is not None, "a sharded leaf without a shard dim"
+    return dim
+
+
 def make_fetch(spec: StageLeaf, stacked_slice: bool) -> Callable[[jax.Array], jax.Array] | None:
     """Turn a stored (maybe host-resident, maybe ZeRO-3-sharded) weight into its compute copy."""
     host, sharded = spec.layout.host, spec.weights_sharded
     if not (host or sharded):
         return None
-    axis = spec.layout.shard_dim - (1 if stacked_slice else 0) if sharded else 0
+    axis = _shard_dim(spec) - (1 if stacked_slice else 0) if sharded else 0
     # Gather each device's tensor shard only (else GSPMD makes the operand whole over `tensor` first).
     gather = per_tensor_shard(lambda v: shard_all_gather(v, axis),
                               [d - (1 if stacked_slice else 0) for d in spec.layout.tensor_dims])
@@ -423,23 +440,31 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
     layer_loop = _single_stage_loop(traced, execution, specs, plan)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 
-    def read_param(i: int, v: jax.Array) -> jax.Array:
-        # `evaluate` asks only for leaves outside the layer stack (``i`` indexes the real leaves).
+    def read_param(i: int, v: Operand) -> Operand:
+        # `evaluate` asks only for leaves outside the layer stack (``i`` indexes the real leaves): arrays.
         fetch = make_fetch(specs[i], False)
-        return v if fetch is None else fetch(v)
+        return v if fetch is None else fetch(cast(jax.Array, v))
 
     def loss(pl: list[jax.Array], rl: list[jax.Array], sinks: _Sinks | None = None) -> tuple[jax.Array, PyTree, Box]:
-        loop, box = layer_loop, ({}, {})
+        loop: LayerLoop | Callable[..., tuple[list[jax.Array], list[jax.Array]]] | None = layer_loop
+        box: Box = ({}, {})
         if sinks is not None:
-            def loop(body: Body, consts: list[jax.Array], carry: list[jax.Array], xs: list[jax.Array]
-                     ) -> tuple[list[jax.Array], list[jax.Array]]:
-                fin = None if sinks.finish is None else [sinks.finish.get(i) for i in xs_leaf]
-                out = layer_loop.run(body, consts, carry, xs, LoopSinks(
-                    [sinks.acc.get(i) for i in xs_leaf], [sinks.out.get(i) for i in xs_leaf], fin, sinks.defer))
+            assert layer_loop is not None  # (in-loop sinks exist only for a stage with a layer loop)
+            run = layer_loop.run
+
+            def sinking(body: Body, consts: list[jax.Array], carry: list[jax.Array], xs: list[jax.Array]
+                        ) -> tuple[list[jax.Array], list[jax.Array]]:
+                fin = None if sinks.finish is None else [_get(sinks.finish, i) for i in xs_leaf]
+                out = run(body, consts, carry, xs, LoopSinks(
+                    [_get(sinks.acc, i) for i in xs_leaf], [_get(sinks.out, i) for i in xs_leaf], fin, sinks.defer))
+                assert out.accs is not None  # (the loop returns the accumulators it was given)
                 for b, bufs in zip(box, (out.accs, out.outs or ())):
-                    b.update((i, a) for i, a in zip(xs_leaf, bufs) if a is not None)
+                    b.update((i, a) for i, a in zip(xs_leaf, bufs) if i is not None and a is not None)
                 return out.carry, out.ys
-        outs = evaluate(traced, pl, rl, layer_loop=loop, read_param=read_param, block=tp_block)
+
+            loop = sinking
+        outs = evaluate(traced, pl, rl, layer_loop=None if loop is None else as_layer_loop(loop),
+                        read_param=read_param, block=tp_block)
         out = jax.tree.unflatten(traced.out_tree, outs)
         value, aux = (out[0], out[1]) if has_aux else (out, None)
         return value, aux, box
@@ -566,7 +591,7 @@ def scatter_grad(g: jax.Array, spec: StageLeaf, layer_slice: bool = False) -> ja
     """Reduce-scatter a gradient (or one layer's slice of it) over the partition group, per tensor shard
     (see `make_fetch`)."""
     off = 1 if layer_slice else 0
-    return per_tensor_shard(lambda v: shard_psum_scatter(v, spec.layout.shard_dim - off),
+    return per_tensor_shard(lambda v: shard_psum_scatter(v, _shard_dim(spec) - off),
                             [d - off for d in spec.layout.tensor_dims])(g)
 
 

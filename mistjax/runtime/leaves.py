@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -115,7 +116,7 @@ class LeafRoles:
 def state_roles(state_paths: Sequence[jax.tree_util.KeyPath], state_shapes: Sequence[tuple[int, ...]],
                 state_axes: Sequence[Axes],
                 params: dict[int, Tokens], param_order: Sequence[int], *,
-                stacked_params: set[int] = frozenset(), param_axes: dict[int, Axes] | None = None,
+                stacked_params: AbstractSet[int] = frozenset(), param_axes: dict[int, Axes] | None = None,
                 groups: ParamGroups | None = None) -> LeafRoles:
     """Classify every state leaf.
 
@@ -148,8 +149,8 @@ def state_roles(state_paths: Sequence[jax.tree_util.KeyPath], state_shapes: Sequ
             layer_of[real_to_state[r]] = (("param", k), layer)
         for i, m in mirrors.items():
             if m.param in layer_of:
-                (_, k), layer = layer_of[m.param]
-                layer_of[i] = (("opt", k, m.prefix), layer)
+                (_, param_key), layer = layer_of[m.param]
+                layer_of[i] = (("opt", param_key, m.prefix), layer)
         # A mirror field that does not cover every layer is laid out leaf by leaf.
         counts: dict[GroupKey, int] = {}
         for key, _ in layer_of.values():
@@ -179,22 +180,21 @@ def state_layouts(leaves: Sequence[Shaped], info: LeafRoles, plan: Plan) -> list
     for i, (key, _layer) in sorted(info.layer_of.items(), key=lambda kv: kv[1][1]):
         members.setdefault(key, []).append(i)
         firsts.setdefault(key, i)
-    grouped = set(info.layer_of)
     v_leaves: list[Shaped] = []
     v_roles: list[LeafRole] = []
     v_stacked: list[bool] = []
     v_axes: list[Axes] = []
     v_of: list[int | GroupKey] = []  # per laid-out leaf: the state leaf it is, or the unrolled group
     for i, x in enumerate(leaves):
-        key = info.layer_of.get(i, (None,))[0]
-        if i in grouped and firsts[key] != i:
+        group = info.layer_of.get(i)  # (its group, its layer) for a leaf of an unrolled group
+        if group is not None and firsts[group[0]] != i:
             continue
-        if i in grouped:
+        if group is not None:
             v_leaves.append(jax.ShapeDtypeStruct((info.num_layers, *np.shape(x)), x.dtype))
             ax = info.axes[i]
             v_axes.append(None if ax is None else ("layers", *ax))
             v_stacked.append(True)
-            v_of.append(key)
+            v_of.append(group[0])
         else:
             v_leaves.append(x)
             v_axes.append(info.axes[i])

@@ -19,10 +19,11 @@ programs of the stages it holds devices of, and takes part in the transfers it s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from mistjax.core.axes import Axes, AxisRules, apply_axis_rules, leaf_axes
 from mistjax.core.execution import ExecutionPlan, host_accumulators, is_batch_leaf
+from mistjax.core.jaxpr import Atom, Value, shaped
 from mistjax.core.layout import DP_AXES, OPT, OTHER, PARAM, LeafLayout, LeafRole, plan_layouts
 from mistjax.core.pipeline_order import Op, OpKind, issue_order
 from mistjax.core.plan import Plan, PlanError, params_fingerprint
@@ -43,7 +45,7 @@ from mistjax.runtime.grads import layer_block, mesh_capabilities, regather_updat
 from mistjax.runtime.leaves import LeafRoles, path_tokens, state_layouts, state_roles, tensor_split_axes
 from mistjax.runtime.mesh import RUNTIME_MESH_AXES, SHARD_AXES, batch_shardings, batch_spec, build_plan_mesh
 from mistjax.runtime.mpmd_split import SplitPrograms
-from mistjax.runtime.mpmd_stage import LossInfo, StagePrograms, StageSpec
+from mistjax.runtime.mpmd_stage import LossInfo, Program, StagePrograms, StageSpec
 from mistjax.runtime.mpmd_state import StagedArray, StagedInfo, gather_state, is_staged
 from mistjax.runtime.mpmd_update import (
     EnvKey,
@@ -55,6 +57,7 @@ from mistjax.runtime.mpmd_update import (
     Sink,
     Source,
     StageRows,
+    Target,
     TracedStep,
     Whole,
     combine,
@@ -92,15 +95,21 @@ class DispatchStats:
         return self.programs + self.transfers
 
 
+Held: TypeAlias = jax.Array | None
+"""An array of a stage, or None on a process that does not run that stage (its programs' outputs exist only on
+the processes holding the stage's devices)."""
+
+
 @dataclass
 class _Queues:
     """What one step's operations hand each other (keyed by (stage, micro-batch))."""
 
     live: list[int]  # per stage: micro-batches whose residuals it holds
-    h_recv: dict[tuple[int, int], list[jax.Array]] = field(default_factory=dict)  # activations received
-    ct_recv: dict[tuple[int, int], list[jax.Array]] = field(default_factory=dict)  # cotangents received
-    res: dict[tuple[int, int], list[jax.Array]] = field(default_factory=dict)  # residuals of forwards
-    wres: dict[tuple[int, int], tuple[list[jax.Array], ...]] = field(default_factory=dict)  # what a W reads
+    # Arrays are None on a process that does not run the stage holding them (`Held`).
+    h_recv: dict[tuple[int, int], list[Held]] = field(default_factory=dict)  # activations received
+    ct_recv: dict[tuple[int, int], list[Held]] = field(default_factory=dict)  # cotangents received
+    res: dict[tuple[int, int], PyTree] = field(default_factory=dict)  # residuals of forwards
+    wres: dict[tuple[int, int], tuple[PyTree, ...]] = field(default_factory=dict)  # what a W reads
 
 
 @dataclass
@@ -109,9 +118,25 @@ class _Round:
 
     groups: list[InputGroup]  # the input groups it reads, in argument order
     outputs: list[Output]  # what each output is
-    program: Callable[..., list[jax.Array]]
+    program: Program
     sizes: list[int]  # arrays per input group
-    avals: list[jax.Array]  # one aval per input array (abstract lowering)
+    avals: list[jax.ShapeDtypeStruct]  # one aval per input array (abstract lowering)
+
+
+def _slicer(value: np.ndarray) -> Callable[[Any], np.ndarray]:
+    """``jax.make_array_from_callback``'s callback: each device's block of a host array."""
+    return lambda idx: value[idx]
+
+
+def _here(x: Held) -> jax.Array:
+    """``x`` on a process that runs its stage, where it is never None."""
+    assert x is not None, "an array of a stage this process runs"
+    return x
+
+
+def _lowered(program: Callable[[], Program], *avals: PyTree) -> jax.stages.Lowered:
+    """``program().lower(*avals)``: the program is built when its lowering is asked for."""
+    return program().lower(*avals)
 
 
 def configure_cross_host_transfers(address: str) -> None:
@@ -123,9 +148,9 @@ def configure_cross_host_transfers(address: str) -> None:
     jax.config.update("jax_cross_host_transfer_socket_address", address)
 
 
-Pieces = list[dict[int, jax.Array]]  # per state leaf: its piece on each (virtual) stage holding it
+Pieces = list[dict[int, Held]]  # per state leaf: its piece on each (virtual) stage holding it
 GroupBatches = list[list[jax.Array]]  # per device group: the batch leaves placed on it
-Twins = dict[tuple[int, Var], list[jax.Array]]  # (stage, materialised var) -> the contributions it received
+Twins = dict[tuple[int, Var], list[Held]]  # (stage, materialised var) -> the contributions it received
 
 
 class TwinRoute(NamedTuple):
@@ -187,7 +212,7 @@ def _param_layouts(num_params: int, stacked: set[int], usage: PartUsage, num_sta
 class MpmdStep:
     """A train step run as an MPMD pipeline (see module docstring); used through `ShardedStep`."""
 
-    def __init__(self, train_step: TrainStep, mesh: Mesh | Sequence[jax.Device], plan: Plan,
+    def __init__(self, train_step: TrainStep, mesh: Mesh | Sequence[jax.Device] | None, plan: Plan,
                  axis_rules: AxisRules | None = None) -> None:
         if plan.num_stages < 2:
             raise PlanError("the MPMD executor runs plans with several stages")
@@ -270,14 +295,14 @@ class MpmdStep:
         """The step's loss traced at one device's micro-batch, checked to be pipelinable."""
         plan, call = self.plan, ts.call
         n_params = call.num_params
-        p_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ts.vg.invars[:n_params]]
+        p_avals = [jax.ShapeDtypeStruct(shaped(v).shape, shaped(v).dtype) for v in ts.vg.invars[:n_params]]
         self.rest_vars = rest_vars = ts.vg.invars[n_params:]
-        is_batch = tuple(is_batch_leaf(v.aval.shape, plan.global_batch) for v in rest_vars)
+        is_batch = tuple(is_batch_leaf(shaped(v).shape, plan.global_batch) for v in rest_vars)
         if not any(is_batch):
             raise PlanError(f"no argument of the loss has the global batch ({plan.global_batch}) as its leading "
                             "dim; a pipelined plan splits the batch into micro-batches")
-        mb_avals = tuple(jax.ShapeDtypeStruct((plan.micro_batch, *v.aval.shape[1:]) if b else v.aval.shape,
-                                              v.aval.dtype) for v, b in zip(rest_vars, is_batch))
+        mb_avals = tuple(jax.ShapeDtypeStruct((plan.micro_batch, *shaped(v).shape[1:]) if b else shaped(v).shape,
+                                              shaped(v).dtype) for v, b in zip(rest_vars, is_batch))
         args = jax.tree.unflatten(call.args_tree, [*p_avals, *mb_avals])
         traced = trace_loss(call.fun, args[0], *args[1:])
         _check_pipelinable(traced)
@@ -296,7 +321,7 @@ class MpmdStep:
         self.twin_routes = self._twin_routes()
         self.execution = ExecutionPlan(tuple(pr.execution for pr in self.programs),
                                        mesh_capabilities(self.meshes[0]), self.info.is_batch, tuple(self.issue))
-        self._accs: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}
+        self._accs: dict[int, tuple[PyTree, PyTree]] = {}  # per stage: (accumulators, loss accumulators)
         self.applied = self._applied_report(checkpoint_tags)
         self._ready = True
 
@@ -331,7 +356,8 @@ class MpmdStep:
         """Per state leaf: which stages hold a piece, and each piece's layout on its stage."""
         prop, plan = self.prop, self.plan
         infos = []
-        for i, (lay, aval) in enumerate(zip(prop.state_layout, self.state_avals)):
+        for i, aval in enumerate(self.state_avals):
+            lay = prop.state_layout_of(i)
             if isinstance(lay, Rows):
                 if lay.dim != 0 or not aval.shape or aval.shape[0] != plan.num_layers:
                     raise PlanError(f"state leaf {names[i]} is split by layers along dim {lay.dim}; a pipelined "
@@ -370,6 +396,7 @@ class MpmdStep:
     def _stage_roles(self, held: list[int], roles: list[LeafRole], layers: tuple[int, int]) -> LeafRoles:
         """`LeafRoles` of the leaves a stage holds, its layers of an unrolled stack renumbered from 0."""
         full = self.leaf_roles
+        assert full is not None  # (an unrolled stack's roles: `_place_leaves` calls this only with them)
         layer_of = {pos: (key, layer - layers[0]) for pos, i in enumerate(held)
                     for key, layer in [full.layer_of.get(i, (None, -1))] if key is not None}
         return LeafRoles(tuple(roles), (False,) * len(held), tuple(self.axes[i] for i in held), {}, layer_of,
@@ -428,37 +455,38 @@ class MpmdStep:
         ts, n_aux = self.ts, self.ts.call.num_aux
         match g.source:
             case Source.STATE:
-                return ts.state_vars[g.ref]
+                return ts.state_vars[g.ref_index]
             case Source.LOSS:
                 return ts.vg.outvars[0]
             case Source.AUX:
-                return ts.vg.outvars[1 + g.ref]
+                return ts.vg.outvars[1 + g.ref_index]
             case Source.GRAD:
-                return ts.vg.outvars[1 + n_aux + g.ref]
+                return ts.vg.outvars[1 + n_aux + g.ref_index]
             case Source.BATCH:
-                return ts.batch_vars[g.ref]
-        return twin_key(g.ref)
+                return ts.batch_vars[g.ref_index]
+        return twin_key(g.ref_var)
 
     def _group_avals(self, k: int, g: InputGroup) -> list[jax.ShapeDtypeStruct]:
         """Avals (with shardings) of the arrays of input group `g` on stage `k`."""
         mesh = self.meshes[k]
         if g.source is Source.STATE:
-            return [self._piece_aval(g.ref, k)]
+            return [self._piece_aval(g.ref_index, k)]
         if g.source in (Source.LOSS, Source.AUX):
             v = self._group_vars(g)
-            return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, P()))]
+            assert isinstance(v, Var)  # the loss or an aux output: a variable of the step
+            return [jax.ShapeDtypeStruct(shaped(v).shape, shaped(v).dtype, sharding=NamedSharding(mesh, P()))]
         if g.source is Source.GRAD:
-            prog, info = self.programs[k], self.infos[self.param_index[g.ref]]
-            jj = prog.spec.params.index(g.ref)
-            piece = self._piece_aval(self.param_index[g.ref], k)
+            prog, info = self.programs[k], self.infos[self.param_index[g.ref_index]]
+            jj = prog.spec.params.index(g.ref_index)
+            piece = self._piece_aval(self.param_index[g.ref_index], k)
             sources = info.stages if not info.rows else (k,)
             return [jax.ShapeDtypeStruct(piece.shape, piece.dtype, sharding=prog.grad_shardings()[jj])] * len(sources)
         if g.source is Source.BATCH:
-            v = self.ts.batch_vars[g.ref]
-            spec = batch_spec(v.aval.shape, self.plan.global_batch, self.plan.cp)
-            return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))]
-        v = g.ref
-        lay = self.prop.layout[v]
+            v = self.ts.batch_vars[g.ref_index]
+            spec = batch_spec(shaped(v).shape, self.plan.global_batch, self.plan.cp)
+            return [jax.ShapeDtypeStruct(shaped(v).shape, shaped(v).dtype, sharding=NamedSharding(mesh, spec))]
+        v = g.ref_var
+        lay = self.prop.layout_of(v)
         return [self._contrib_aval(v, lay, s, k) for s in contributors(lay, self.K)]
 
     def _piece_aval(self, i: int, k: int) -> jax.ShapeDtypeStruct:
@@ -469,53 +497,54 @@ class MpmdStep:
         """A contribution of `source` to materialised value `v`, as received on stage `at` (replicated)."""
         key = (v, source, at)
         if key not in self._avals:
-            shape = list(v.aval.shape)
+            shape = list(shaped(v).shape)
             if isinstance(lay, Rows):
                 shape[lay.dim] = self.rows.count(source)
-            self._avals[key] = jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype,
+            self._avals[key] = jax.ShapeDtypeStruct(tuple(shape), shaped(v).dtype,
                                                     sharding=NamedSharding(self.meshes[at], P()))
         return self._avals[key]
 
-    def _targets(self, k: int, r: int) -> list[tuple[Output, EnvKey]]:
+    def _targets(self, k: int, r: int) -> list[tuple[Output, Target]]:
         """What stage `k` computes in round `r`: each `Output` with the step jaxpr's value it is."""
         prop, ts = self.prop, self.ts
-        out: list[tuple[Output, EnvKey]] = []
+        out: list[tuple[Output, Target]] = []
         for v in prop.mat:
-            if prop.level[v] == r - 1 and k in contributors(prop.layout[v], self.K):
+            if prop.level[v] == r - 1 and k in contributors(prop.layout_of(v), self.K):
                 out.append((Output(Sink.CONTRIB, v), v))
         if r == prop.num_rounds:
             for i in self.held[k]:
                 nv = ts.new_state_vars[i]
                 if nv is ts.state_vars[i]:
                     continue  # unchanged: the old piece is kept
-                out.append((Output(Sink.STATE, i), twin_key(nv) if i in prop.out_twin else nv))
-            for m, v in enumerate(ts.metric_vars):
-                if k in self._metric_sources(v):
-                    out.append((Output(Sink.METRIC, m), v))
+                # (a leaf read from its materialised value is a variable: only variables are materialised)
+                out.append((Output(Sink.STATE, i), twin_key(cast(Var, nv)) if i in prop.out_twin else nv))
+            for m, mv in enumerate(ts.metric_vars):
+                if k in self._metric_sources(mv):
+                    out.append((Output(Sink.METRIC, m), mv))
         return out
 
-    def _metric_sources(self, v: Var) -> list[int]:
-        lay = Whole(self.prop.ALL) if isinstance(v, jex.Literal) else self.prop.layout[v]
+    def _metric_sources(self, v: Atom) -> list[int]:
+        lay = Whole(self.prop.ALL) if isinstance(v, jex.Literal) else self.prop.layout_of(v)
         if lay == Whole(self.prop.ALL):
             return list(range(self.S))  # each device group computes its own copy
         return contributors(lay, self.K)
 
     def _make_env_fn(self, k: int, groups: list[InputGroup], sizes: list[int],
-                     targets: list[tuple[Output, EnvKey]]) -> Callable[..., list[jax.Array]]:
+                     targets: list[tuple[Output, Target]]) -> Callable[..., list[Value]]:
         prop = self.prop
 
-        def fn(*flat: jax.Array) -> list[jax.Array]:
-            env: dict[Var | tuple[Source, Var], jax.Array] = {}
+        def fn(*flat: jax.Array) -> list[Value]:
+            env: dict[EnvKey, Value] = {}
             pos = 0
             for g, n in zip(groups, sizes):
                 arrays = list(flat[pos: pos + n])
                 pos += n
-                if g.source is Source.STATE and self.layouts[k][g.ref].host:
+                if g.source is Source.STATE and self.layouts[k][g.ref_index].host:
                     arrays = [jax.device_put(a, jax.memory.Space.Device) for a in arrays]
                 if g.source is Source.GRAD:
                     value = arrays[0] if n == 1 else sum(arrays[1:], arrays[0])  # a tied parameter's summands
                 elif g.source is Source.TWIN:
-                    value = combine(prop.layout[g.ref], arrays)
+                    value = combine(prop.layout_of(g.ref_var), arrays)
                 else:
                     value = arrays[0]
                 env[self._group_vars(g)] = value
@@ -524,24 +553,24 @@ class MpmdStep:
 
         return fn
 
-    def _regather(self, k: int, targets: list[tuple[Output, EnvKey]], outs: list[jax.Array],
-                  env: dict[Var | tuple[Source, Var], jax.Array]) -> list[jax.Array]:
+    def _regather(self, k: int, targets: list[tuple[Output, Target]], outs: list[Value],
+                  env: dict[EnvKey, Value]) -> list[Value]:
         """Updated ZeRO-1/2 parameters re-gathered hierarchically when the partition group spans nodes."""
         if self.meshes[k].shape[SHARD_AXES[0]] == 1:
             return outs
         idx = [j for j, (key, _) in enumerate(targets) if key.sink is Sink.STATE and
-               self.layouts[k][key.ref].role == PARAM]
+               self.layouts[k][key.ref_index].role == PARAM]
         if not idx:
             return outs
-        lays = [self.layouts[k][targets[j][0].ref] for j in idx]
-        new = regather_updated_params([outs[j] for j in idx], [None] * len(idx), lays, self.one_stage_plans[k],
-                                      self.meshes[k])
+        lays = [self.layouts[k][targets[j][0].ref_index] for j in idx]
+        updated = [cast(jax.Array, outs[j]) for j in idx]  # traced arrays (the update program's values)
+        new = regather_updated_params(updated, [None] * len(idx), lays, self.one_stage_plans[k], self.meshes[k])
         outs = list(outs)
         for j, x in zip(idx, new):
             outs[j] = x
         return outs
 
-    def _build_program(self, k: int, groups: list[InputGroup], targets: list[tuple[Output, EnvKey]],
+    def _build_program(self, k: int, groups: list[InputGroup], targets: list[tuple[Output, Target]],
                        donate: frozenset[Source]) -> _Round:
         """Jit stage `k`'s evaluation of `targets`, keeping only the input groups it reads."""
         sizes = [len(self._group_avals(k, g)) for g in groups]
@@ -558,12 +587,13 @@ class MpmdStep:
         sizes = [len(self._group_avals(k, g)) for g in keep]
         avals = [a for g in keep for a in self._group_avals(k, g)]
         fn = self._make_env_fn(k, keep, sizes, targets)
-        out_sh = [self.piece_sharding(key.ref, k) if key.sink is Sink.STATE else NamedSharding(self.meshes[k], P())
-                  for key, _ in targets]
-        donated, pos = [], 0
-        new_state = {key.ref for key, _ in targets if key.sink is Sink.STATE}
+        whole = NamedSharding(self.meshes[k], P())
+        out_sh = [self.piece_sharding(key.ref_index, k) if key.sink is Sink.STATE else whole for key, _ in targets]
+        donated: list[int] = []
+        pos = 0
+        new_state = {key.ref_index for key, _ in targets if key.sink is Sink.STATE}
         for g, n in zip(keep, sizes):
-            if g.source in donate and (g.source is not Source.STATE or g.ref in new_state):
+            if g.source in donate and (g.source is not Source.STATE or g.ref_index in new_state):
                 donated += range(pos, pos + n)
             pos += n
         prog = jax.jit(fn, out_shardings=out_sh, donate_argnums=tuple(donated),
@@ -580,12 +610,12 @@ class MpmdStep:
             for t in range(self.K):
                 for r2 in range(r + 1, R + 1):
                     for g in self.rounds[(t, r2)].groups:
-                        if g.source is not Source.TWIN or prop.level[g.ref] != r - 1 or (t, g.ref) in seen:
+                        if g.source is not Source.TWIN or prop.level[g.ref_var] != r - 1 or (t, g.ref_var) in seen:
                             continue
-                        seen.add((t, g.ref))
-                        lay = prop.layout[g.ref]
+                        seen.add((t, g.ref_var))
+                        lay = prop.layout_of(g.ref_var)
                         srcs = tuple(contributors(lay, self.K))
-                        routes[r].append(TwinRoute(t, g.ref, srcs, tuple(self._contrib_aval(g.ref, lay, s, t)
+                        routes[r].append(TwinRoute(t, g.ref_var, srcs, tuple(self._contrib_aval(g.ref_var, lay, s, t)
                                                                           for s in srcs)))
         return routes
 
@@ -596,7 +626,7 @@ class MpmdStep:
 
     def _build_prologue(self, k: int) -> _Round | None:
         """Stage `k`'s loss arguments computed from the step's inputs (None if they are all inputs)."""
-        targets = []
+        targets: list[tuple[Output, Target]] = []
         for r, v in enumerate(self.rest_vars):
             if isinstance(v, jex.Var) and v not in self.ts.batch_vars:
                 targets.append((Output(Sink.REST, r), v))
@@ -610,9 +640,9 @@ class MpmdStep:
         """Which metrics need combining on the device groups after the last round."""
         self.metric_combine: list[bool] = []
         for v in self.ts.metric_vars:
-            lay = None if isinstance(v, jex.Literal) else self.prop.layout[v]
+            lay = None if isinstance(v, jex.Literal) else self.prop.layout_of(v)
             self.metric_combine.append(isinstance(lay, Rows) or (lay is not None and not isinstance(lay, Whole)))
-        self._combine_programs: dict[int, jax.Array] = {}
+        self._combine_programs: dict[int, Program] = {}
 
     # ================================================================== placement
     def place(self, state: State, batch: Batch) -> State:
@@ -639,7 +669,7 @@ class MpmdStep:
             value = host[info.bounds[n][0]: info.bounds[n][1]] if info.rows else host
             sh = self.piece_sharding(i, k)
             value = np.asarray(value)
-            pieces.append(jax.make_array_from_callback(value.shape, sh, lambda idx, v=value: v[idx],
+            pieces.append(jax.make_array_from_callback(value.shape, sh, _slicer(value),
                                                        dtype=value.dtype))
         return StagedArray(pieces, info)
 
@@ -659,16 +689,17 @@ class MpmdStep:
             state = jax.tree.map(self._replicate_piece_everywhere, state, is_leaf=is_staged)
         return gather_state(state)
 
-    def _replicate_piece_everywhere(self, x: jax.Array) -> jax.Array:
+    def _replicate_piece_everywhere(self, x: PyTree) -> PyTree:
         if not is_staged(x):
             return x
         pieces = []
         for k, p in zip(x.info.stages, x.pieces):
             full = NamedSharding(self.mesh, P())
-            parts = []
+            parts: list[jax.Array] = []
             for d in range(self.S):
                 local = self._transfer(p, NamedSharding(self.group_meshes[d], P()), src_stage=k, dst_stage=d)
                 if self.local[d]:
+                    assert local is not None  # a placed piece is an array (a handle where another process holds it)
                     parts.extend(s.data for s in local.addressable_shards)
             pieces.append(jax.make_array_from_single_device_arrays(p.shape, full, parts, dtype=p.dtype))
         return StagedArray(pieces, x.info)
@@ -687,7 +718,7 @@ class MpmdStep:
         for x, sh in zip(leaves, shardings):
             if not (isinstance(x, jax.Array) and x.sharding == sh):
                 value = np.asarray(x)
-                x = jax.make_array_from_callback(value.shape, sh, lambda idx, v=value: v[idx], dtype=value.dtype)
+                x = jax.make_array_from_callback(value.shape, sh, _slicer(value), dtype=value.dtype)
             for d in range(self.S):
                 devices = set(self.group_meshes[d].devices.flat)
                 shards = [s.data for s in x.addressable_shards if s.device in devices]
@@ -696,9 +727,10 @@ class MpmdStep:
         return out
 
     # ================================================================== transfers
-    def _transfer(self, x: jax.Array, dst: NamedSharding, *, src_stage: int, dst_stage: int,
-                  aval: jax.ShapeDtypeStruct | None = None) -> jax.Array:
-        """``jax.device_put`` between stages, by the processes that send or receive it."""
+    def _transfer(self, x: Held, dst: NamedSharding, *, src_stage: int, dst_stage: int,
+                  aval: jax.ShapeDtypeStruct | None = None) -> Held:
+        """``jax.device_put`` between stages, by the processes that send or receive it (``aval``: the array's,
+        where another process may produce it)."""
         src_local, dst_local = self.local[src_stage], self.local[dst_stage]
         if self.meshes[src_stage] is self.meshes[dst_stage] or not (src_local or dst_local):
             if x is not None and x.sharding != dst and src_local:
@@ -706,13 +738,14 @@ class MpmdStep:
                 return jax.device_put(x, dst)
             return x
         if x is None:  # produced by another process: a handle with no local shards
+            assert aval is not None, "a transfer from another process needs the array's aval"
             src = NamedSharding(self.meshes[src_stage], dst.spec, memory_kind=dst.memory_kind)
             x = jax.make_array_from_single_device_arrays(aval.shape, src, [], dtype=aval.dtype)
         self.stats.transfers += 1
         return jax.device_put(x, dst)
 
-    def _send(self, arrays: list[jax.Array], avals: list[jax.Array], dst: list[NamedSharding], src_stage: int,
-              dst_stage: int) -> list[jax.Array]:
+    def _send(self, arrays: list[Held], avals: list[jax.ShapeDtypeStruct], dst: list[NamedSharding], src_stage: int,
+              dst_stage: int) -> list[Held]:
         """Several arrays from one stage to another in one ``device_put`` call."""
         if self.meshes[src_stage] is self.meshes[dst_stage]:
             return arrays
@@ -727,7 +760,8 @@ class MpmdStep:
         self.stats.transfers += 1
         return list(jax.device_put(xs, dst))
 
-    def _run(self, kind: str, k: int, fn: Callable[..., list[jax.Array]], *args: jax.Array) -> list[jax.Array] | None:
+    def _run(self, kind: str, k: int, fn: Callable[..., PyTree], *args: PyTree) -> PyTree | None:
+        """``fn(*args)`` where this process runs stage `k` (counted in the step's `DispatchStats`), else None."""
         if not self.local[k]:
             return None
         self.stats.programs += 1
@@ -748,8 +782,8 @@ class MpmdStep:
         groups_batch = self._stage_batch(batch)
         mbs = self._microbatches(pieces, groups_batch)
         grads, loss, aux = self._pipeline(pieces, mbs)
-        grads = self._share_tied_grads(grads)
-        new_pieces, metrics = self._update(pieces, grads, loss, aux, groups_batch)
+        tied = self._share_tied_grads(grads)
+        new_pieces, metrics = self._update(pieces, tied, loss, aux, groups_batch)
         new_leaves = []
         for i, inf in enumerate(self.infos):
             new_leaves.append(StagedArray([self._piece_or_handle(i, k, new_pieces[i].get(k, pieces[i][k]))
@@ -757,20 +791,20 @@ class MpmdStep:
         self.stats.host_s = time.perf_counter() - t0
         return jax.tree.unflatten(self.state_tree, new_leaves), metrics
 
-    def _rest_leaves(self, k: int, pieces: Pieces, groups_batch: GroupBatches) -> list[jax.Array]:
+    def _rest_leaves(self, k: int, pieces: Pieces, groups_batch: GroupBatches) -> list[Held]:
         """The loss's non-parameter arguments on stage `k` (whole batch leaves, before splitting)."""
         batch_pos = {v: b for b, v in enumerate(self.ts.batch_vars)}
         state_pos = {v: i for i, v in enumerate(self.ts.state_vars)}
         prologue = self.prologue.get(k)
-        computed: dict[int, jax.Array] = {}
+        computed: dict[int, Held] = {}
         if prologue is not None:
             args = self._gather_inputs(k, prologue, pieces, {}, None, None, None, groups_batch)
             outs = self._run("prologue", k, prologue.program, *args)
-            computed = {key.ref: o for key, o in zip(prologue.outputs, outs or [None] * len(prologue.outputs))}
+            computed = {key.ref_index: o for key, o in zip(prologue.outputs, outs or [None] * len(prologue.outputs))}
         out = []
         for r, v in enumerate(self.rest_vars):
             if isinstance(v, jex.Literal):
-                out.append(jax.device_put(jnp.asarray(v.val, v.aval.dtype), NamedSharding(self.meshes[k], P()))
+                out.append(jax.device_put(jnp.asarray(v.val, shaped(v).dtype), NamedSharding(self.meshes[k], P()))
                            if self.local[k] else None)
             elif v in batch_pos:
                 out.append(groups_batch[self.group[k]][batch_pos[v]])
@@ -780,12 +814,12 @@ class MpmdStep:
                 out.append(pieces[state_pos[v]][k])
         return out
 
-    def _microbatches(self, pieces: Pieces, groups_batch: GroupBatches) -> list[list[list[jax.Array]]]:
+    def _microbatches(self, pieces: Pieces, groups_batch: GroupBatches) -> list[list[list[Held]]]:
         """Per stage and micro-batch, the loss's rest leaves (batch leaves split; the others whole)."""
         G = self.plan.grad_accum
         is_batch = self.info.is_batch
-        out: list[list[list[jax.Array]]] = []
-        per_group: dict[int, list[list[jax.Array]]] = {}
+        out: list[list[list[Held]]] = []
+        per_group: dict[int, list[list[Held]]] = {}
         for k in range(self.K):
             if not self.programs[k].spec.uses_batch:
                 out.append([[] for _ in range(G)])
@@ -802,8 +836,8 @@ class MpmdStep:
             out.append(per_group[d])
         return out
 
-    def _pipeline(self, pieces: Pieces, mbs: list[list[list[jax.Array]]]
-                  ) -> tuple[list[list[jax.Array]], jax.Array, list[jax.Array]]:
+    def _pipeline(self, pieces: Pieces, mbs: list[list[list[Held]]]
+                  ) -> tuple[list[list[Held]], Held, list[Held] | None]:
         """Run the schedule; returns per stage its finished gradients, and the loss and aux sums."""
         K = self.K
         params = [[pieces[self.param_index[j]][k] for j in self.programs[k].spec.params] for k in range(K)]
@@ -829,7 +863,7 @@ class MpmdStep:
             if op.kind is OpKind.W or k not in split:
                 q.live[k] -= op.kind is not OpKind.FB
         self.stats.residual_bytes = [n * b for n, b in zip(self.stats.residuals_in_flight, self.residual_bytes())]
-        grads: list[list[jax.Array]] = []
+        grads: list[list[Held]] = []
         loss = aux = None
         for k in range(K):
             acc, lacc = self._accs.get(k, (None, None))
@@ -844,16 +878,16 @@ class MpmdStep:
                 loss, aux = sums[0], list(sums[1:])
         return grads, loss, aux
 
-    def _send_ct(self, ct_in: list[jax.Array] | None, k: int, i: int, q: _Queues) -> None:
+    def _send_ct(self, ct_in: list[Held] | None, k: int, i: int, q: _Queues) -> None:
         h_float = [a for a, f in zip(self.programs[0].h_global_avals(), self.programs[0].h_float) if f]
         q.ct_recv[(k - 1, i)] = self._send(list(ct_in) if ct_in is not None else [None] * len(h_float), h_float,
                                            self.programs[k - 1].ct_shardings(), k, k - 1)
 
-    def _set_acc(self, k: int, acc: list[jax.Array] | None, lacc: list[jax.Array] | None) -> None:
+    def _set_acc(self, k: int, acc: list[Held] | None, lacc: list[Held] | None) -> None:
         if self.local[k]:
             self._accs[k] = (acc, lacc)
 
-    def _op_forward(self, q: _Queues, params: list[jax.Array], mb: list[jax.Array], k: int, i: int) -> None:
+    def _op_forward(self, q: _Queues, params: list[Held], mb: list[Held], k: int, i: int) -> None:
         pr = self.programs[k]
         h_avals = self.programs[0].h_global_avals()
         args = (params, mb) if k == 0 else (params, q.h_recv.pop((k, i)), mb)
@@ -867,7 +901,7 @@ class MpmdStep:
         q.h_recv[(k + 1, i)] = self._send(list(h) if h is not None else [None] * len(h_avals), h_avals,
                                           self.programs[k + 1].h_shardings(), k, k + 1)
 
-    def _op_backward(self, q: _Queues, params: list[jax.Array], k: int, i: int) -> None:
+    def _op_backward(self, q: _Queues, params: list[Held], k: int, i: int) -> None:
         acc, lacc = self._accs.get(k, (None, None))
         out = self._run("backward", k, self.programs[k].backward(), params, q.res.pop((k, i)), q.ct_recv.pop((k, i)),
                         acc)
@@ -878,14 +912,14 @@ class MpmdStep:
             self._send_ct(ct_in, k, i, q)
         self._set_acc(k, acc, lacc)
 
-    def _op_last(self, q: _Queues, params: list[jax.Array], mb: list[jax.Array], k: int, i: int) -> None:
+    def _op_last(self, q: _Queues, params: list[Held], mb: list[Held], k: int, i: int) -> None:
         acc, lacc = self._accs.get(k, (None, None))
         out = self._run("last", k, self.programs[k].last(), params, q.h_recv.pop((k, i)), mb, acc, lacc)
         ct_in, acc, lacc = out if out is not None else (None, None, None)
         self._set_acc(k, acc, lacc)
         self._send_ct(ct_in, k, i, q)
 
-    def _op_input_grad(self, q: _Queues, params: list[jax.Array], mb: list[jax.Array], k: int, i: int) -> None:
+    def _op_input_grad(self, q: _Queues, params: list[Held], mb: list[Held], k: int, i: int) -> None:
         """A zero-bubble schedule's B (or the last stage's FB): the input gradient now, the rest kept for W."""
         sp = self.split_programs[k]
         if k == 0:  # no input gradient: W runs the whole backward
@@ -911,7 +945,7 @@ class MpmdStep:
                               [ct[j] for j in split.reads("w", "ct")] if ct is not None else None, stash)
         self._send_ct(ct_in, k, i, q)
 
-    def _op_weight_grad(self, q: _Queues, params: list[jax.Array], k: int, i: int) -> None:
+    def _op_weight_grad(self, q: _Queues, params: list[Held], k: int, i: int) -> None:
         """A zero-bubble schedule's W: the weight gradients of micro-batch `i` into the accumulators."""
         acc, lacc = self._accs.get(k, (None, None))
         if k == 0:
@@ -925,9 +959,9 @@ class MpmdStep:
             acc = self._run("weight_grad", k, prog, params, a, b, acc, stash)
         self._set_acc(k, acc, lacc)
 
-    def _share_tied_grads(self, grads: list[list[jax.Array]]) -> dict[tuple[int, int], list[jax.Array]]:
+    def _share_tied_grads(self, grads: list[list[Held]]) -> dict[tuple[int, int], list[Held]]:
         """Per (stage, parameter): the gradient summands it adds (a tied parameter gets every holder's)."""
-        out: dict[tuple[int, int], list[jax.Array]] = {}
+        out: dict[tuple[int, int], list[Held]] = {}
         for k in range(self.K):
             for jj, j in enumerate(self.programs[k].spec.params):
                 out[(k, j)] = [grads[k][jj]]
@@ -944,7 +978,7 @@ class MpmdStep:
                     x = grads[s][sj]
                     if s != t:
                         aval = jax.ShapeDtypeStruct(self.layouts[s][i].shape, self.state_avals[i].dtype)
-                        if self.local[s] and x is not None and x.sharding.spec != dst.spec:
+                        if self.local[s] and x is not None and cast(NamedSharding, x.sharding).spec != dst.spec:
                             x = jax.device_put(x, NamedSharding(self.meshes[s], dst.spec))  # sender reshards first
                             self.stats.transfers += 1
                         x = self._transfer(x, dst, src_stage=s, dst_stage=t, aval=aval)
@@ -953,33 +987,35 @@ class MpmdStep:
         return out
 
     def _gather_inputs(self, k: int, rnd: _Round, pieces: Pieces, twins: Twins,
-                       grads: dict[tuple[int, int], list[jax.Array]] | None, loss: jax.Array, aux: list[jax.Array],
-                       groups_batch: GroupBatches) -> list[jax.Array]:
-        args: list[jax.Array] = []
+                       grads: dict[tuple[int, int], list[Held]] | None, loss: Held, aux: list[Held] | None,
+                       groups_batch: GroupBatches) -> list[Held]:
+        args: list[Held] = []
         for g in rnd.groups:
             match g.source:
                 case Source.STATE:
-                    args.append(pieces[g.ref][k])
+                    args.append(pieces[g.ref_index][k])
                 case Source.LOSS:
                     args.append(loss)
                 case Source.AUX:
-                    args.append(aux[g.ref])
+                    # (None on a process without the last stage, as `loss` is: its programs do not run here)
+                    args.append(aux[g.ref_index] if aux is not None else None)
                 case Source.GRAD:
-                    args.extend(grads[(k, g.ref)])
+                    assert grads is not None  # (only the prologue has no gradients, and it reads none)
+                    args.extend(grads[(k, g.ref_index)])
                 case Source.BATCH:
-                    args.append(groups_batch[self.group[k]][g.ref])
+                    args.append(groups_batch[self.group[k]][g.ref_index])
                 case _:
-                    args.extend(twins[(k, g.ref)])
+                    args.extend(twins[(k, g.ref_var)])
         return args
 
-    def _update(self, pieces: Pieces, grads: dict[tuple[int, int], list[jax.Array]], loss: jax.Array,
-                aux: list[jax.Array], groups_batch: GroupBatches) -> tuple[Pieces, Metrics]:
+    def _update(self, pieces: Pieces, grads: dict[tuple[int, int], list[Held]], loss: Held,
+                aux: list[Held] | None, groups_batch: GroupBatches) -> tuple[Pieces, Metrics]:
         R = self.prop.num_rounds
         twins: Twins = {}
         new_pieces: Pieces = [{} for _ in self.infos]
-        metric_parts: dict[tuple[int, int], jax.Array] = {}  # (metric, source stage) -> contribution
+        metric_parts: dict[tuple[int, int], Held] = {}  # (metric, source stage) -> contribution
         for r in range(1, R + 1):
-            contribs: dict[tuple[Var, int], jax.Array] = {}
+            contribs: dict[tuple[Var, int], Held] = {}
             for k in range(self.K):
                 rnd = self.rounds[(k, r)]
                 args = self._gather_inputs(k, rnd, pieces, twins, grads, loss, aux, groups_batch)
@@ -987,29 +1023,30 @@ class MpmdStep:
                 outs = outs if outs is not None else [None] * len(rnd.outputs)
                 for key, o in zip(rnd.outputs, outs):
                     if key.sink is Sink.CONTRIB:
-                        contribs[(key.ref, k)] = o
+                        contribs[(key.ref_var, k)] = o
                     elif key.sink is Sink.STATE:
-                        new_pieces[key.ref][k] = o
+                        new_pieces[key.ref_index][k] = o
                     else:
-                        metric_parts[(key.ref, k)] = o
+                        metric_parts[(key.ref_index, k)] = o
             for route in self.twin_routes[r]:
                 twins[(route.stage, route.var)] = [
                     self._transfer(contribs[(route.var, s)], self._replicated[route.stage], src_stage=s,
                                    dst_stage=route.stage, aval=aval) for s, aval in zip(route.sources, route.avals)]
         return new_pieces, self._metrics(metric_parts)
 
-    def _metrics(self, parts: dict[tuple[int, int], jax.Array]) -> Metrics:
+    def _metrics(self, parts: dict[tuple[int, int], Held]) -> Metrics:
         """Every metric as an ordinary array replicated over the whole plan mesh."""
         ts, prop = self.ts, self.prop
-        per_group: list[list[jax.Array]] = [[] for _ in range(self.S)]
-        combine_inputs: list[list[list[jax.Array]]] = [[] for _ in range(self.S)]
+        per_group: list[list[Held]] = [[] for _ in range(self.S)]
+        combine_inputs: list[list[list[Held]]] = [[] for _ in range(self.S)]
         for m, v in enumerate(ts.metric_vars):
             srcs = self._metric_sources(v)
-            lay = Whole(prop.ALL) if isinstance(v, jex.Literal) else prop.layout[v]
+            lay = Whole(prop.ALL) if isinstance(v, jex.Literal) else prop.layout_of(v)
             for d in range(self.S):
                 if lay == Whole(prop.ALL):
                     per_group[d].append(parts[(m, d)])
                     continue
+                assert isinstance(v, Var)  # (a literal is whole on every group)
                 recv = [self._transfer(parts[(m, s)], self._replicated[d], src_stage=s,
                                        dst_stage=d, aval=self._contrib_aval(v, lay, s, d)) for s in srcs]
                 if self.metric_combine[m]:
@@ -1026,14 +1063,14 @@ class MpmdStep:
         full = NamedSharding(self.mesh, P())
         out = []
         for m, v in enumerate(ts.metric_vars):
-            bufs = [s.data for d in range(self.S) if self.local[d] for s in per_group[d][m].addressable_shards]
-            aval = v.aval
+            bufs = [s.data for d in range(self.S) if self.local[d] for s in _here(per_group[d][m]).addressable_shards]
+            aval = shaped(v)
             out.append(jax.make_array_from_single_device_arrays(aval.shape, full, bufs, dtype=aval.dtype))
         return jax.tree.unflatten(ts.metrics_tree, out)
 
-    def _combine_program(self, d: int) -> Callable[..., list[jax.Array]]:
+    def _combine_program(self, d: int) -> Program:
         if d not in self._combine_programs:
-            lays = [self.prop.layout[v] for v, c in zip(self.ts.metric_vars, self.metric_combine) if c]
+            lays = [self.prop.layout_of(v) for v, c in zip(self.ts.metric_vars, self.metric_combine) if c]
             sh = NamedSharding(self.group_meshes[d], P())
             self._combine_programs[d] = jax.jit(lambda groups: [combine(lay, g) for lay, g in zip(lays, groups)],
                                                 out_shardings=[sh] * len(lays))
@@ -1097,7 +1134,7 @@ class MpmdStep:
                     needs_res = want is None or bool({"backward", "input_grad", "weight_grad"} & want)
                     fwd_c = fwd.compile() if compile or needs_res else None
                     if want is None or "forward" in want:
-                        out[(k, "forward")] = fwd_c if compile else fwd
+                        out[(k, "forward")] = fwd_c if compile and fwd_c is not None else fwd  # (compile: built)
                     res = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                            for a, s in zip(fwd.out_info[1], fwd_c.output_shardings[1])] if fwd_c is not None else []
                     if fwd_c is not None:
@@ -1105,21 +1142,18 @@ class MpmdStep:
                     if k in self.split_programs and k > 0:  # a zero-bubble stage runs its split backward instead
                         self._add_split_programs(k, add, [params, res, hf, acc], want)
                     elif want is None or "backward" in want:
-                        add(k, "backward", lambda pr=pr, params=params, res=res, hf=hf, acc=acc:
-                            pr.backward().lower(params, res, hf, acc))
+                        add(k, "backward", functools.partial(_lowered, pr.backward, params, res, hf, acc))
             else:
                 if k in self.split_programs:
                     self._add_split_programs(k, add, [params, h, mb, acc, lacc], want)
                 else:
-                    add(k, "last", lambda pr=pr, params=params, h=h, mb=mb, acc=acc, lacc=lacc:
-                        pr.last().lower(params, h, mb, acc, lacc))
-            add(k, "finish", lambda pr=pr, k=k, acc=acc, lacc=lacc:
-                pr.finish().lower(acc, lacc if k == self.K - 1 else []))
+                    add(k, "last", functools.partial(_lowered, pr.last, params, h, mb, acc, lacc))
+            add(k, "finish", functools.partial(_lowered, pr.finish, acc, lacc if k == self.K - 1 else []))
             if pr.spec.uses_batch:
-                add(k, "split", lambda pr=pr, k=k: pr.split().lower(self._batch_avals(k)))
+                add(k, "split", functools.partial(_lowered, pr.split, self._batch_avals(k)))
             for r in range(1, self.prop.num_rounds + 1):
                 rnd = self.rounds[(k, r)]
-                add(k, f"update{r}", lambda rnd=rnd: rnd.program.lower(*rnd.avals))
+                add(k, f"update{r}", functools.partial(rnd.program.lower, *rnd.avals))
         return out
 
     def _add_split_programs(self, k: int, add: Callable[[int, str, Callable[[], jax.stages.Lowered]], None],
@@ -1147,7 +1181,7 @@ class MpmdStep:
 
     def _batch_avals(self, k: int) -> list[jax.ShapeDtypeStruct]:
         sh = NamedSharding(self.meshes[k], P(DP_AXES))
-        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh)
+        return [jax.ShapeDtypeStruct(shaped(v).shape, shaped(v).dtype, sharding=sh)
                 for v, b in zip(self.rest_vars, self.info.is_batch) if b]
 
     def stage_summary(self) -> list[dict[str, object]]:

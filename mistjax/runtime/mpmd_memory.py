@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from mistjax.core.hlo import memory_stats
 from mistjax.core.pipeline_order import deferred_in_flight, residuals_in_flight
 from mistjax.runtime.mpmd_update import Source
 
@@ -39,8 +40,7 @@ def shard_bytes(aval: jax.ShapeDtypeStruct) -> int:
 
 def program_peak(compiled: jax.stages.Compiled) -> int:
     """Device bytes one compiled program needs: argument + output + temp - alias (``memory_analysis``)."""
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    return int(memory_stats(compiled)["peak"])
 
 
 def residuals_beside(ex: MpmdStep) -> dict[tuple[int, str], int]:
@@ -116,7 +116,7 @@ def takes(ex: MpmdStep, k: int, phase: str) -> tuple[set[int], bool]:
         return set(), True
     if phase.startswith("update"):
         rnd = ex.rounds[(k, int(phase[len("update"):]))]
-        return {g.ref for g in rnd.groups if g.source is Source.STATE}, False
+        return {g.ref_index for g in rnd.groups if g.source is Source.STATE}, False
     return set(), False  # split, metrics
 
 

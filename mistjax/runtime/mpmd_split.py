@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,7 @@ class SplitPrograms:
     """The B and W programs of one stage (built on first use)."""
 
     pr: StagePrograms
-    _cache: dict[str, object] = field(default_factory=dict)
+    _cache: dict[str, Any] = field(default_factory=dict)  # lazily built values of several types, one per name
 
     # ------------------------------------------------------------------ the split, traced once
     def _stored_avals(self) -> list[jax.ShapeDtypeStruct]:

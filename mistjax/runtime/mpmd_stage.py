@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from mistjax.core.execution import StageExecution, StageLeaf
+from mistjax.core.jaxpr import Value
 from mistjax.core.layout import DP_AXES, PARAM, LeafLayout, shard_split
 from mistjax.core.plan import Plan
 from mistjax.core.types import LossFn, PyTree
@@ -75,7 +77,7 @@ from mistjax.trace.split import (
     scan_operands,
 )
 
-Program = Callable[..., list[jax.Array]]  # a stage program's Python function (jitted by the executor): arrays in, out
+Program: TypeAlias = jax.stages.Wrapped  # a stage program: a jitted function of the stage's arrays (pytrees in, out)
 
 
 @dataclass
@@ -149,9 +151,21 @@ def activation_sharding(mesh: Mesh, aval: jax.ShapeDtypeStruct, tp: int, cp: int
     return NamedSharding(mesh, P(DP_AXES))
 
 
-def _local_dp(x: jax.Array) -> jax.Array:
+def _param_leaf(i: int | None) -> int:
+    """A scanned operand's parameter leaf: a stage's layer loop scans only parameter stacks."""
+    assert i is not None, "a stage's layer loop scans a value that is not a parameter"
+    return i
+
+
+def _traced(xs: list[Value]) -> list[jax.Array]:
+    """A stage program's values as the arrays (tracers) they are (`trace.split` types them as jaxpr values)."""
+    return cast(list[jax.Array], xs)
+
+
+def _local_dp(x: Value) -> jax.Array:
     """A per-device value as the local block of a global array split over DP on a leading dim."""
-    return x[None] if x.ndim == 0 else x
+    a = cast(jax.Array, x)  # a stage program's values are traced arrays
+    return a[None] if a.ndim == 0 else a
 
 
 def _acc_dtype(dtype: DTypeLike) -> np.dtype:
@@ -169,7 +183,7 @@ class StagePrograms:
 
     spec: StageSpec
     info: LossInfo
-    _cache: dict[str, object] = field(default_factory=dict)  # lazily built values, one per name
+    _cache: dict[str, Any] = field(default_factory=dict)  # lazily built values of several types, one per name
 
     def __post_init__(self) -> None:
         sp = self.spec
@@ -277,7 +291,8 @@ class StagePrograms:
         (`runtime.accumulate`): stacked weights read by the layer loop only, with device accumulators."""
         return tuple(sorted(self.execution.in_loop))
 
-    def sink_fn(self, p: list[jax.Array]) -> Callable[[tuple[list[jax.Array], list[jax.Array]], PyTree], PyTree]:
+    def sink_fn(self, p: list[jax.Array]
+                ) -> Callable[[tuple[list[jax.Array | None], list[jax.Array]], PyTree], PyTree]:
         """The stage function differentiated with in-loop accumulation.
 
         ``fn((rest, sink), hx) -> (outs, sink)``: `rest` are the held parameters without the `in_loop`
@@ -287,14 +302,14 @@ class StagePrograms:
         """
         fn, in_loop = self.stage_fn(), self.in_loop
 
-        def run(w: tuple[list[jax.Array], list[jax.Array]], hx: PyTree) -> PyTree:
+        def run(w: tuple[list[jax.Array | None], list[jax.Array]], hx: PyTree) -> PyTree:
             rest, sink = w
             full = [p[j] if j in in_loop else v for j, v in enumerate(rest)]
             return fn(full, hx, dict(zip(in_loop, sink)))
 
         return run
 
-    def split_params(self, p: list[jax.Array]) -> list[jax.Array]:
+    def split_params(self, p: list[jax.Array]) -> list[jax.Array | None]:
         """The held parameters with the `in_loop` ones left out (see `sink_fn`)."""
         return [None if j in self.in_loop else v for j, v in enumerate(p)]
 
@@ -303,8 +318,9 @@ class StagePrograms:
         avals = self.acc_avals()
         return [jnp.zeros(avals[j].shape[1:], avals[j].dtype) for j in self.in_loop]
 
-    def stage_fn(self) -> Callable[[list[jax.Array], tuple[list[jax.Array], list[jax.Array]]], list[jax.Array]]:
-        """``fn(held params, (activation, micro-batch))`` -> activation out, or ``[loss, *aux]`` (last)."""
+    def stage_fn(self) -> Callable[..., PyTree]:
+        """``fn(held params, (activation, micro-batch)[, sink])`` -> activation out, or ``[loss, *aux]`` (last);
+        with ``sink`` (in-loop accumulators by held position), ``(outs, the accumulators after the loop)``."""
         sp, info = self.spec, self.info
         traced, st = info.traced, info.traced.require_stack()
         loop = self._layer_loop()
@@ -315,35 +331,45 @@ class StagePrograms:
         def fn(p_held: list[jax.Array], hx: tuple[list[jax.Array], list[jax.Array]],
                sink: dict[int, jax.Array] | None = None) -> PyTree:
             h, mb = hx
-            leaves: list[jax.Array] = [None] * info.num_params
+            # Per parameter leaf / loop constant: its traced array, None where this stage holds none (the stage's
+            # traced parts read only what it holds); `trace.split` types these as values of a jaxpr evaluation.
+            leaves: list[Any] = [None] * info.num_params
+            consts: list[Any]
+            carry: list[Any]
             for j, i in enumerate(sp.params):
                 f = None if i in in_stack else make_fetch(self.grad_specs[j], False)
                 leaves[i] = p_held[j] if f is None else f(p_held[j])
             if sp.first:
-                consts, carry = pre_part(traced, leaves, mb)
+                pre_consts, pre_carry = pre_part(traced, leaves, mb)
+                consts, carry = list(pre_consts), list(pre_carry)
             else:
                 carry = list(h[len(pconst):])
                 consts = [None] * nc
                 for j, v in zip(pconst, h[: len(pconst)]):
                     consts[j] = v
-                for j, v in zip(bconst, scan_operands(traced, leaves, mb, bconst)):
-                    consts[j] = v
+                for j, x in zip(bconst, scan_operands(traced, leaves, mb, bconst)):
+                    consts[j] = x
             # The layer loop's operands: a scanned stack's row pieces, or LayerSlices of an unrolled stack's
             # per-layer leaves (this stage's layers: `TracedLoss.for_layers`), fetched per layer by the loop.
-            held = [None] * info.num_params
+            held: list[Any] = [None] * info.num_params
             for j, i in enumerate(sp.params):
                 held[i] = p_held[j]
             virtual = traced.virtual(held)
-            xs = [virtual[i] for i in st.xs_leaf]
-            body = lambda c, car, x: run_block(st, c, car, x, info.tp_block)  # noqa: E731
+            xs: list[Any] = [virtual[_param_leaf(i)] for i in st.xs_leaf]  # arrays, or an unrolled stack's slices
+
+            def body(c: list[jax.Array], car: list[jax.Array], x: list[jax.Array]
+                     ) -> tuple[list[jax.Array], list[jax.Array]]:
+                out, ys = run_block(st, c, car, x, info.tp_block)
+                return _traced(out), _traced(ys)
             by_pos: dict[int, jax.Array] = {}
             if not sink:  # no in-loop accumulation (always so for an unrolled stack)
                 carry, _ = loop(body, list(consts), list(carry), xs)
             else:
-                out = loop.run(body, list(consts), list(carry), xs, LoopSinks([sink.get(self.pos[i])
-                                                                              for i in st.xs_leaf]))
+                leaf_pos = [self.pos[_param_leaf(i)] for i in st.xs_leaf]
+                out = loop.run(body, list(consts), list(carry), xs, LoopSinks([sink.get(p) for p in leaf_pos]))
                 carry = out.carry
-                by_pos = {self.pos[i]: a for i, a in zip(st.xs_leaf, out.accs) if a is not None}
+                assert out.accs is not None  # the loop feeds the sinks it was given
+                by_pos = {p: a for p, a in zip(leaf_pos, out.accs) if a is not None}
             outs = post_part(traced, leaves, mb, carry) if sp.last else [*(consts[j] for j in pconst), *carry]
             return outs if sink is None else (outs, [by_pos[j] for j in sorted(sink)])
 
@@ -372,11 +398,11 @@ class StagePrograms:
         """One device's accumulators of the `in_loop` parameters (the DP dim of one dropped: a bitcast)."""
         return [acc[j].reshape(acc[j].shape[1:]) for j in self.in_loop]
 
-    def _shard_map(self, body: Callable[..., PyTree], in_specs: PyTree, out_specs: PyTree) -> Program:
+    def _shard_map(self, body: Callable[..., PyTree], in_specs: PyTree, out_specs: PyTree) -> Callable[..., PyTree]:
         return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=MANUAL_AXES, check_vma=False)
 
-    def _jit(self, fn: Callable[..., PyTree], **kwargs: object) -> Program:
+    def _jit(self, fn: Callable[..., PyTree], **kwargs: Any) -> Program:
         """``jax.jit`` with the XLA settings of the stage's platform, as the one-stage step compiles
         (`xla_flags.compiler_options`)."""
         return jax.jit(fn, compiler_options=xla_flags.compiler_options(self.spec.mesh.devices.flat[0].platform),

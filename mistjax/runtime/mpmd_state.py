@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, TypeGuard
+from typing import TypeAlias, TypeGuard, cast
 
 import jax
 import numpy as np
@@ -134,7 +134,8 @@ def per_leaf_on_host(fn: LeafFn, leaves: Sequence[jax.Array]) -> np.ndarray:
         return np.asarray(jitted(list(leaves)))
     me = jax.process_index()
     rows: list[np.ndarray | None] = [None] * len(leaves)
-    meshes = [leaves[idx[0]].sharding.mesh for idx in groups.values()]
+    # Stage state lives on its stage's mesh: every leaf has a NamedSharding.
+    meshes = [cast(jax.sharding.NamedSharding, leaves[idx[0]].sharding).mesh for idx in groups.values()]
     for mesh, idx in zip(meshes, groups.values()):
         part = [leaves[i] for i in idx]
         local = any(d.process_index == me for d in mesh.devices.flat)
@@ -154,9 +155,10 @@ def per_leaf_on_host(fn: LeafFn, leaves: Sequence[jax.Array]) -> np.ndarray:
                 copy = value if other is mesh else jax.device_put(value, dst)
                 if mine and out is None:
                     out = np.asarray(copy.addressable_shards[0].data)
+        assert out is not None, "every process holds a device of some stage, so it receives each group's rows"
         for j, i in enumerate(idx):
             rows[i] = out[j]
-    return np.stack(rows)
+    return np.stack(cast(list[np.ndarray], rows))  # every row is set: the groups partition the leaves
 
 
 __all__ = ["StagedArray", "StagedInfo", "gather_leaf", "gather_state", "is_staged", "per_leaf_on_host"]

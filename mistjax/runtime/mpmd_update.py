@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from jax import lax
 from jax.extend import core as jex
 from jax.tree_util import PyTreeDef
 
-from mistjax.core.jaxpr import INLINABLE, Atom, Value, bind_equation, inline_calls, read
+from mistjax.core.jaxpr import INLINABLE, Atom, Value, bind_equation, inline_calls, read, shaped
 from mistjax.core.plan import PlanError
 from mistjax.core.types import Batch, LossFn, PyTree, State, TrainStep
 from mistjax.runtime.tracing import trace_train_step
@@ -207,7 +207,25 @@ for _op in ("add", "mul", "max", "min"):
 
 
 def _size(v: Atom) -> int:
-    return int(np.prod(v.aval.shape)) if hasattr(v.aval, "shape") else 1
+    return int(np.prod(shaped(v).shape)) if hasattr(v.aval, "shape") else 1
+
+
+def _rows(lay: Placement) -> Rows:
+    """``lay``, which the rule calling this knows to be split by rows."""
+    assert isinstance(lay, Rows), lay
+    return lay
+
+
+def _part(lay: Placement) -> Part:
+    """``lay``, which the rule calling this knows to be partial."""
+    assert isinstance(lay, Part), lay
+    return lay
+
+
+def _stages(lay: Placement) -> frozenset[int]:
+    """The stages holding ``lay``, which the rule calling this knows to be whole or partial."""
+    assert isinstance(lay, Whole | Part), lay
+    return lay.stages
 
 
 def _describe(layout: Placement, num_stages: int) -> str:
@@ -317,7 +335,8 @@ class Propagation:
             self.layout[v] = lay
 
     def _name(self, v: Atom) -> str:
-        return self.names.get(v) or self.derived.get(v) or "a value computed in the update"
+        known = (self.names.get(v) or self.derived.get(v)) if isinstance(v, jex.Var) else None
+        return known or "a value computed in the update"
 
     def _derive_name(self, eqn: jex.JaxprEqn) -> None:
         """Name an equation's outputs after the state leaf they come from (for error messages)."""
@@ -330,6 +349,18 @@ class Propagation:
             for v in eqn.outvars:
                 self.derived.setdefault(v, name)
 
+    def layout_of(self, v: Atom) -> Layout:
+        """The layout of ``v`` after `run` (which resolves every free placement; a literal is whole everywhere)."""
+        lay = self._lay(v)
+        assert not isinstance(lay, Free), f"{v} is still free after the propagation"
+        return lay
+
+    def state_layout_of(self, i: int) -> Layout:
+        """The layout of state leaf ``i`` after `run`."""
+        lay = self.state_layout[i]
+        assert not isinstance(lay, Free), f"state leaf {i} is still free after the propagation"
+        return lay
+
     # ------------------------------------------------------------------ rules
     def _lay(self, v: Atom) -> Placement:
         return Whole(self.ALL) if isinstance(v, jex.Literal) else self.layout[v]
@@ -341,7 +372,7 @@ class Propagation:
         if _size(v) > SMALL_ELEMENTS:
             lay = self._lay(v)
             raise UpdateError(
-                f"the update's `{eqn.primitive.name}` needs {self._name(v)} (shape {v.aval.shape}, "
+                f"the update's `{eqn.primitive.name}` needs {self._name(v)} (shape {shaped(v).shape}, "
                 f"{_describe(lay, self.K)}) on every stage ({why}); only values of at most {SMALL_ELEMENTS} "
                 "elements move between stages in the update. Compute it per stage (elementwise over the "
                 "stacked layers, or reduced to a small value first), or use a plan with one stage")
@@ -374,28 +405,28 @@ class Propagation:
         the partner's placement (when they are elementwise images of the same shape) and treat them as
         whole for this pass."""
         others = [lay for v, lay in zip(eqn.invars, ins) if lay != FREE and lay != Whole(self.ALL)]
-        out_shape = eqn.outvars[0].aval.shape if eqn.outvars and hasattr(eqn.outvars[0].aval, "shape") else ()
+        out_shape = shaped(eqn.outvars[0]).shape if eqn.outvars and hasattr(eqn.outvars[0].aval, "shape") else ()
         aligned = eqn.primitive.name in ELEMENTWISE | IDENTITY or eqn.primitive.name == "broadcast_in_dim"
         if not others:
             if not aligned:
                 return None
             origin: set[int] = set()
             for v, lay in zip(eqn.invars, ins):
-                if lay == FREE and v.aval.shape == out_shape:
+                if lay == FREE and isinstance(v, jex.Var) and shaped(v).shape == out_shape:  # (free: a variable)
                     origin |= self.origin.get(v, set())
             for v in eqn.outvars:
                 self.origin[v] = origin
             return EqnPlan(out=[FREE] * len(eqn.outvars))
-        partner = next((lay for lay in others if isinstance(lay, Rows)), None)
+        partner: Layout | None = next((lay for lay in others if isinstance(lay, Rows)), None)
         if partner is None:
             big = [lay for v, lay in zip(eqn.invars, ins) if isinstance(lay, Whole) and lay != Whole(self.ALL)
                    and _size(v) > SMALL_ELEMENTS]
             partner = big[0] if big else None
         if partner is not None and aligned:
             for v, lay in zip(eqn.invars, ins):
-                if lay == FREE and v.aval.shape == out_shape:
+                if lay == FREE and isinstance(v, jex.Var) and shaped(v).shape == out_shape:  # (free: a variable)
                     for i in self.origin.get(v, set()):
-                        if self.step.state_vars[i].aval.shape == out_shape:
+                        if shaped(self.step.state_vars[i]).shape == out_shape:
                             self.assign.setdefault(i, partner)
         return None
 
@@ -413,14 +444,14 @@ class Propagation:
                 return [Rows(plan.row_dim)]
             return [lay]
         if name == "transpose" and rows:
-            return [Rows(eqn.params["permutation"].index(ins[0].dim))]
+            return [Rows(eqn.params["permutation"].index(_rows(ins[0]).dim))]
         if name == "squeeze" and rows:
-            d = ins[0].dim
+            d = _rows(ins[0]).dim
             dims = eqn.params["dimensions"]
             if d not in dims:
                 return [Rows(d - sum(x < d for x in dims))]
         if name == "reshape" and rows:
-            d, old, new = ins[0].dim, eqn.invars[0].aval.shape, eqn.params["new_sizes"]
+            d, old, new = _rows(ins[0]).dim, shaped(eqn.invars[0]).shape, eqn.params["new_sizes"]
             if tuple(old[: d + 1]) == tuple(new[: d + 1]):
                 plan.row_dim = d
                 return [Rows(d)]
@@ -449,14 +480,14 @@ class Propagation:
             return Whole(common)
         large = [(j, lay) for j, (v, lay) in enumerate(zip(eqn.invars, ins))
                  if isinstance(v, jex.Var) and _size(v) > SMALL_ELEMENTS and lay != Whole(self.ALL)]
-        if len(large) > 1 and not frozenset.intersection(*[lay.stages for _, lay in large]):
+        if len(large) > 1 and not frozenset.intersection(*[_stages(lay) for _, lay in large]):
             a, b = large[0][0], large[1][0]
             raise UpdateError(
                 f"the update's `{eqn.primitive.name}` mixes {self._name(eqn.invars[a])} "
                 f"({_describe(ins[a], self.K)}) with {self._name(eqn.invars[b])} ({_describe(ins[b], self.K)}); "
                 "large arrays of different stages cannot be combined. Keep such updates within one stage's "
                 "leaves, or use a plan with one stage")
-        keep = frozenset.intersection(*[lay.stages for _, lay in large]) if large else self.ALL
+        keep = frozenset.intersection(*[_stages(lay) for _, lay in large]) if large else self.ALL
         for j, (v, lay) in enumerate(zip(eqn.invars, ins)):
             if isinstance(lay, Whole) and isinstance(v, jex.Var) and not keep <= lay.stages:
                 self._materialize(eqn, j, plan, "its operands live on different stages")
@@ -464,12 +495,12 @@ class Propagation:
 
     def _elementwise(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
         name = eqn.primitive.name
-        out_shape = eqn.outvars[0].aval.shape
+        out_shape = shaped(eqn.outvars[0]).shape
         n_out = len(eqn.outvars)
         rows = [j for j, lay in enumerate(ins) if isinstance(lay, Rows)]
         parts = [j for j, lay in enumerate(ins) if isinstance(lay, Part)]
         if rows:
-            d = ins[rows[0]].dim
+            d = _rows(ins[rows[0]]).dim
             for j, (v, lay) in enumerate(zip(eqn.invars, ins)):
                 if isinstance(lay, Rows) and lay.dim == d:
                     continue
@@ -490,16 +521,16 @@ class Propagation:
                     plan.slices[j] = d
             return [Rows(d)] * n_out
         if parts:
-            p0 = ins[parts[0]]
+            p0 = _part(ins[parts[0]])
             kind = _PARTIAL_RULES.get((p0.op, name))
             same = all(ins[j] == p0 for j in parts)
-            mixed = all(isinstance(ins[j], Part) and ins[j].op == p0.op for j in parts)
+            mixed = all(_part(ins[j]).op == p0.op for j in parts)  # (`parts` are the Part operands)
             if kind is None or not (same or (kind == "once" and mixed)) or \
                     (kind == "scale" and (len(parts) > 1 or (name == "div" and parts != [0]))):
                 for j in parts:
                     self._materialize(eqn, j, plan, f"`{name}` is not linear in a partial {p0.op}")
                 return None
-            stages = frozenset().union(*(ins[j].stages for j in parts))
+            stages = frozenset().union(*(_part(ins[j]).stages for j in parts))
             small_parts = all(_size(eqn.invars[j]) <= SMALL_ELEMENTS for j in parts)
             for j, (v, lay) in enumerate(zip(eqn.invars, ins)):
                 if not isinstance(lay, Whole) or not isinstance(v, jex.Var):
@@ -516,16 +547,16 @@ class Propagation:
                     if lay.stages != stages:
                         plan.present[j] = lay.stages  # summands of a partial held by fewer stages
                 elif kind == "once":  # a whole operand is added by one stage only: counted once
-                    held = (self.ALL if j in plan.twins or not isinstance(v, jex.Var) else lay.stages) & stages
+                    held = (self.ALL if j in plan.twins or not isinstance(v, jex.Var) else _stages(lay)) & stages
                     plan.present[j] = frozenset({min(held)})
             return [Part(p0.op, stages)] * n_out
         if name in ("add", "sub"):
-            held = [lay.stages for v, lay in zip(eqn.invars, ins) if isinstance(v, jex.Var)]
+            holders = [_stages(lay) for v, lay in zip(eqn.invars, ins) if isinstance(v, jex.Var)]
             small = all(_size(v) <= SMALL_ELEMENTS for v in eqn.invars if isinstance(v, jex.Var))
-            if held and small and not frozenset.intersection(*held):
+            if holders and small and not frozenset.intersection(*holders):
                 # Small summands on different stages: each stage adds its own; the sum is partial.
                 for j, (v, lay) in enumerate(zip(eqn.invars, ins)):
-                    plan.present[j] = frozenset({min(lay.stages if isinstance(v, jex.Var) else held[0])})
+                    plan.present[j] = frozenset({min(_stages(lay) if isinstance(v, jex.Var) else holders[0])})
                 return [Part("add", frozenset().union(*plan.present.values()))] * n_out
         return [self._whole_out(eqn, ins, plan)] * n_out
 
@@ -551,7 +582,7 @@ class Propagation:
     def _dot(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lhs, rhs = ins
-        lnd, rnd = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
+        lnd, rnd = len(shaped(eqn.invars[0]).shape), len(shaped(eqn.invars[1]).shape)
         lfree = [d for d in range(lnd) if d not in lc and d not in lb]
         rfree = [d for d in range(rnd) if d not in rc and d not in rb]
         if isinstance(lhs, Part) or isinstance(rhs, Part):
@@ -563,7 +594,7 @@ class Propagation:
             return [ins[p]]
         if not (isinstance(lhs, Rows) or isinstance(rhs, Rows)):
             return [self._whole_out(eqn, ins, plan)]
-        side, d = (0, lhs.dim) if isinstance(lhs, Rows) else (1, rhs.dim)
+        side, d = (0, lhs.dim) if isinstance(lhs, Rows) else (1, _rows(rhs).dim)
         other = 1 - side
         mine_c, their_c = (lc, rc) if side == 0 else (rc, lc)
         mine_b, their_b = (lb, rb) if side == 0 else (rb, lb)
@@ -584,6 +615,7 @@ class Propagation:
                 self._materialize(eqn, other, plan, "it multiplies a value split by layers")
             pos = len(lb) + (lfree.index(d) if side == 0 else len(lfree) + rfree.index(d))
             return [Rows(pos)]
+        assert paired is not None  # a batch or contracting dim: the other operand's dim paired with it
         if isinstance(olay, Rows) and olay.dim != paired:
             for j in (0, 1):
                 self._materialize(eqn, j, plan, "its operands are split along unrelated dims")
@@ -601,7 +633,7 @@ class Propagation:
         """concatenate / pad / rev / slice that leave the layer dim alone keep the row split."""
         name = eqn.primitive.name
         d = next(lay.dim for lay in ins if isinstance(lay, Rows))
-        shape = eqn.invars[0].aval.shape
+        shape = shaped(eqn.invars[0]).shape
         if name == "concatenate" and eqn.params["dimension"] == d:
             return None
         if name == "pad" and tuple(eqn.params["padding_config"][d]) != (0, 0, 0):
@@ -617,8 +649,8 @@ class Propagation:
         for j, (v, lay) in enumerate(zip(eqn.invars, ins)):
             if isinstance(lay, Rows) and lay.dim != d or isinstance(lay, Part):
                 self._materialize(eqn, j, plan, "its operands are distributed differently")
-            elif isinstance(lay, Whole) and isinstance(v, jex.Var) and v.aval.shape and \
-                    len(v.aval.shape) > d and v.aval.shape[d] == self.L and (name != "pad" or j == 0):
+            elif isinstance(lay, Whole) and isinstance(v, jex.Var) and shaped(v).shape and \
+                    len(shaped(v).shape) > d and shaped(v).shape[d] == self.L and (name != "pad" or j == 0):
                 if lay != Whole(self.ALL):
                     self._materialize(eqn, j, plan, "it meets a value split by layers")
                 plan.slices[j] = d
@@ -701,7 +733,7 @@ class StageRows:
 
 
 def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[EnvKey, Value],
-               targets: Sequence[Atom]) -> list[Value]:
+               targets: Sequence[Target]) -> list[Value]:
     """Evaluate `targets` on stage `k` from `env` (input vars and `twin_key` entries).
 
     Runs only the equations the targets need, with stage-local values: row-split values hold the
@@ -720,6 +752,7 @@ def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[EnvKey, Val
             raise RuntimeError(f"stage {k} needs pipeline outputs it was not given: {missing}")
         chosen.append(idx)
         plan = prop.plans[idx]
+        assert plan is not None  # only the value_and_grad call has no plan, and it was refused above
         for j, v in enumerate(eqn.invars):
             if isinstance(v, jex.Var) and (j not in plan.present or k in plan.present[j]):
                 if j in plan.twins:
@@ -734,18 +767,19 @@ def stage_eval(prop: Propagation, k: int, rows: StageRows, env: dict[EnvKey, Val
 
     for idx in reversed(chosen):
         eqn, plan = jaxpr.eqns[idx], prop.plans[idx]
-        vals = []
+        assert plan is not None  # (as above)
+        vals: list[Value] = []
         for j, v in enumerate(eqn.invars):
             if j in plan.present and k not in plan.present[j]:
-                vals.append(jnp.zeros(v.aval.shape, v.aval.dtype))  # a summand this stage does not add
+                vals.append(jnp.zeros(shaped(v).shape, shaped(v).dtype))  # a summand this stage does not add
                 continue
-            x = local[twin_key(v)] if j in plan.twins else read(local, v)
-            if j in plan.slices:
-                x = lax.slice_in_dim(x, a, b, axis=plan.slices[j])
+            x = local[twin_key(cast(jex.Var, v))] if j in plan.twins else read(local, v)  # (twins: variables)
+            if j in plan.slices:  # a variable met by a row split: a traced array
+                x = lax.slice_in_dim(cast(jax.Array, x), a, b, axis=plan.slices[j])
             vals.append(x)
         outs = _bind_local(eqn, vals, plan, rows.count(k))
         local.update(zip(eqn.outvars, outs))
-    return [read(local, v) for v in targets]
+    return [v.val if isinstance(v, jex.Literal) else local[v] for v in targets]  # (`read`, for twin keys too)
 
 
 # Shape parameters sized by the layer dim, per primitive: a stage binds them at its own row count.
@@ -800,6 +834,18 @@ class InputGroup(NamedTuple):
     source: Source
     ref: int | jex.Var = -1
 
+    @property
+    def ref_index(self) -> int:
+        """`ref` as the index it is for every source but `Source.TWIN`."""
+        assert isinstance(self.ref, int), self
+        return self.ref
+
+    @property
+    def ref_var(self) -> jex.Var:
+        """`ref` as the jaxpr variable it is for `Source.TWIN`."""
+        assert not isinstance(self.ref, int), self
+        return self.ref
+
 
 class Output(NamedTuple):
     """One output of an update program: its `Sink` and which one (an index, or a jaxpr var)."""
@@ -807,9 +853,25 @@ class Output(NamedTuple):
     sink: Sink
     ref: int | jex.Var
 
+    @property
+    def ref_index(self) -> int:
+        """`ref` as the index it is for every sink but `Sink.CONTRIB`."""
+        assert isinstance(self.ref, int), self
+        return self.ref
+
+    @property
+    def ref_var(self) -> jex.Var:
+        """`ref` as the jaxpr variable it is for `Sink.CONTRIB`."""
+        assert not isinstance(self.ref, int), self
+        return self.ref
+
 
 EnvKey: TypeAlias = jex.Var | tuple[Source, jex.Var]
 """A key of `stage_eval`'s environment: a jaxpr variable, or `twin_key` of a materialised one."""
+
+
+Target: TypeAlias = EnvKey | jex.Literal
+"""What `stage_eval` evaluates: an environment key, or a literal (a constant output of the step)."""
 
 
 def twin_key(v: jex.Var) -> tuple[Source, jex.Var]:
@@ -818,5 +880,5 @@ def twin_key(v: jex.Var) -> tuple[Source, jex.Var]:
 
 
 __all__ = ["FREE", "EnvKey", "Free", "GradCall", "InputGroup", "Layout", "Output", "Part", "Placement", "Propagation",
-           "Rows", "SMALL_ELEMENTS", "Sink", "Source", "StageRows", "TracedStep", "UpdateError", "Whole", "combine",
-           "contributors", "pipeline_p", "stage_eval", "state_names", "trace_step", "twin_key"]
+           "Rows", "SMALL_ELEMENTS", "Sink", "Source", "StageRows", "Target", "TracedStep", "UpdateError", "Whole",
+           "combine", "contributors", "pipeline_p", "stage_eval", "state_names", "trace_step", "twin_key"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from mistjax.core.stages import OFFLOAD, PLAIN, REMAT
 from mistjax.core.types import PyTree
 from mistjax.runtime.accumulate import SliceGrad, reading_rows, scan_accumulating, scan_rows
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
+from mistjax.trace.split import LayerLoop as SplitLayerLoop
 from mistjax.trace.split import unrolled_loop
 from mistjax.trace.unrolled import LayerSlices
 
@@ -54,7 +55,7 @@ def _after(x: PyTree, ct: PyTree, every: bool = False) -> PyTree:
     probes = [c for c in jax.tree.leaves(ct) if jnp.issubdtype(c.dtype, jnp.inexact) and c.size]
     if not probes:
         return jax.lax.optimization_barrier(x)
-    zero = sum(jnp.minimum(jnp.abs(jnp.ravel(p)[0]), 0) for p in probes[:None if every else 1])
+    zero = cast(jax.Array, sum(jnp.minimum(jnp.abs(jnp.ravel(p)[0]), 0) for p in probes[:None if every else 1]))
 
     def tie(v: jax.Array) -> jax.Array:
         on_host = getattr(jax.typeof(v), "memory_space", None) == jax.memory.Space.Host
@@ -133,6 +134,24 @@ def _refetching_layer(layer: Layer, riding: bool = False, tied: bool = False, re
 
 # One layer as a scan body: ``(carry, stored slices) -> (carry, per-layer outputs)``.
 ScanBody = Callable[[list[jax.Array], PyTree], tuple[list[jax.Array], PyTree]]
+
+
+def _unrolled(fn: ScanBody, carry: list[jax.Array], xs: list[Any]) -> tuple[list[jax.Array], PyTree]:
+    """`trace.split.unrolled_loop` on a layer loop's traced arrays (it types them as any jaxpr value)."""
+    out, ys = unrolled_loop(cast(Any, fn), cast(Any, carry), xs)
+    return cast(list[jax.Array], out), ys
+
+
+def as_layer_loop(loop: Callable[..., tuple[list[jax.Array], list[jax.Array]]]) -> SplitLayerLoop:
+    """A runtime layer loop as `trace.split.evaluate` takes it: inside the traced step its values are arrays
+    (tracers), which the trace layer types as any jaxpr value (`core.jaxpr.Value`)."""
+    return cast(SplitLayerLoop, loop)
+
+
+def _prepared(p: SliceGrad | None) -> SliceGrad:
+    """An accumulated operand's `LayerLoop.prepare` entry (set for every operand with an accumulator)."""
+    assert p is not None, "an accumulated operand without its prepare function"
+    return p
 
 
 class LoopSinks(NamedTuple):
@@ -217,7 +236,8 @@ class LayerLoop:
 
         return apply
 
-    def _kinds(self, apply: Layer, consts: list[jax.Array], riding: bool, unrolled: bool = False
+    def _kinds(self, apply: Callable[[list[jax.Array], list[jax.Array], PyTree], tuple[list[jax.Array], PyTree]],
+               consts: list[jax.Array], riding: bool, unrolled: bool = False
                ) -> dict[str, ScanBody]:
         """The per-layer function of each segment kind (see `_refetching_layer` for `riding`; `unrolled`: the
         layers run as a Python loop, in one flat program)."""
@@ -262,8 +282,10 @@ class LayerLoop:
         unrolled = any(isinstance(x, LayerSlices) for x in xs)  # an unrolled stack: its own leaves per layer
         fns = self._kinds(apply, consts, riding=False, unrolled=unrolled)
         if by_rows:
-            fns_rows = self._kinds(reading_rows(apply, [j for j, a in enumerate(accs) if a is not None],
-                                                [p for p, a in zip(self.prepare, accs) if a is not None]),
+            assert accs is not None  # (by_rows: accumulated)
+            rows_of = [j for j, a in enumerate(accs) if a is not None]
+            prepared = [_prepared(p) for p, a in zip(self.prepare, accs) if a is not None]
+            fns_rows = self._kinds(reading_rows(apply, rows_of, prepared),
                                    consts, riding=True)
         ys_parts = []
         for scan in self.scans:
@@ -273,10 +295,12 @@ class LayerLoop:
             if unrolled:
                 if accs is not None:
                     raise ValueError("in-loop gradient accumulation needs a stacked layer scan")
-                carry, ys = unrolled_loop(fn, carry, seg)
+                carry, ys = _unrolled(fn, carry, seg)
             elif by_rows:
+                assert accs is not None  # (by_rows: accumulated)
                 carry, accs, ys = scan_rows(fns_rows[scan.kind], carry, xs, accs, start, end, scan.unroll)
             elif accs is not None:
+                assert sinks is not None  # (accumulators come from the sinks)
                 # The whole-stack accumulators ride through every scan (rows start..end-1 here).
                 carry, accs, outs, ys = scan_accumulating(fn, carry, seg, accs, list(self.prepare), start,
                                                           scan.unroll, outs, finish, defer=sinks.defer)

@@ -98,7 +98,9 @@ def classify(fn: Callable[[PyTree, PyTree], PyTree], w: PyTree, h: PyTree) -> Re
     closed = jax.make_jaxpr(lambda w, h: jax.tree.leaves(jax.vjp(fn, w, h)[1]))(w, h)
     num_w = len(jax.tree.leaves(w))
     dep = depends(closed.jaxpr, [k >= num_w for k in range(len(closed.jaxpr.invars))])
-    stored, aliases, first = [], [], {}
+    stored: list[int] = []  # output index of each distinct activation-dependent residual
+    aliases: list[tuple[int, int]] = []  # (output index, the stored output it repeats)
+    first: dict[Var, int] = {}
     for j, (var, d) in enumerate(zip(closed.jaxpr.outvars, dep)):
         if d and var in first:
             aliases.append((j, first[var]))

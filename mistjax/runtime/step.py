@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Protocol, TypeAlias, cast, runtime_checkable
 
 import jax
 import numpy as np
@@ -122,9 +122,9 @@ def analyze_step(train_step: TrainStep, state: State, batch: Batch, axis_rules: 
     order = [where.get(id(leaf)) for leaf in jax.tree.leaves(call.args[0])]
     params = {i: toks for i, toks in zip(order, p_paths) if i is not None}
     stack = traced.stack
-    stacked = set()
+    stacked: set[int] = set()
     if stack is not None and traced.groups is None:
-        stacked = {order[j] for j in stack.stacked_leaves if order[j] is not None}
+        stacked = {i for j in stack.stacked_leaves if (i := order[j]) is not None}
     groups = traced.groups if None not in order else None
     from mistjax.analysis.tp_roles import model_tensor_axes  # here, not at import: the package loads sympy
 
@@ -195,8 +195,10 @@ class _Runtime:
     def _record(self, execution: ExecutionPlan) -> None:
         """Keep how the traced step runs (`core.execution`) on the step and in its applied report."""
         self.step.traced_execution = execution
-        if self.step.applied is not None:
-            self.step.applied = dataclasses.replace(self.step.applied, execution=execution.stages[0])
+        applied = self.step.applied
+        if applied is not None:
+            assert isinstance(applied, AppliedReport)  # (the grad handler runs one-stage steps only)
+            self.step.applied = dataclasses.replace(applied, execution=execution.stages[0])
 
     def value_and_grad(self, fun: LossFn, has_aux: bool, args: tuple[PyTree, ...]) -> PyTree:
         params, rest = args[0], args[1:]
@@ -255,6 +257,7 @@ class ShardedStep:
             raise PlanError("this plan accumulates micro-batches, pipelines or checkpoints layers, which "
                             "needs the step to compute gradients with mistjax.value_and_grad / mistjax.grad")
         leaves, self._state_tree = jax.tree.flatten(state)
+        assert self.analysis.leaves is not None  # `analyze_step` classifies every state leaf
         self.layouts = state_layouts(leaves, self.analysis.leaves, self.plan)
         if self.plan.tp > 1 and not any(lay.tensor_dims for lay in self.layouts if lay.role == PARAM):
             raise PlanError(
@@ -274,7 +277,8 @@ class ShardedStep:
 
     def _build(self) -> None:
         assert self.layouts is not None
-        runtime = _Runtime(self, self.layouts)
+        layouts = self.layouts
+        runtime = _Runtime(self, layouts)
         st_sh = state_shardings(self.layouts, self._state_tree, self.mesh)
         self._state_shardings = st_sh
 
@@ -283,14 +287,16 @@ class ShardedStep:
             # in where the update needs it. The layer loop streams offloaded weights from the host copy.
             leaves, tree = jax.tree.flatten(state)
             device_leaves = [jax.device_put(x, jax.memory.Space.Device) if lay.host else x
-                             for x, lay in zip(leaves, self.layouts)]
-            runtime.bind(device_leaves, [x if lay.host else None for x, lay in zip(leaves, self.layouts)])
+                             for x, lay in zip(leaves, layouts)]
+            runtime.bind(device_leaves, [x if lay.host else None for x, lay in zip(leaves, layouts)])
             with use_handler(runtime):
                 new_state, metrics = self.train_step(jax.tree.unflatten(tree, device_leaves), batch)
             new_leaves, new_tree = jax.tree.flatten(new_state)
-            if new_tree == tree:  # the state keeps its structure (out_shardings require it anyway)
+            # The state keeps its structure (out_shardings require it anyway). (jaxlib ships no stub for
+            # PyTreeDef: mypy sees an unresolved type without __eq__.)
+            if new_tree == tree:  # type: ignore[operator]
                 new_state = jax.tree.unflatten(new_tree, regather_updated_params(
-                    new_leaves, device_leaves, self.layouts, self.plan, self.mesh))
+                    new_leaves, device_leaves, layouts, self.plan, self.mesh))
             return new_state, metrics
 
         self._step_fn = step_fn
@@ -382,12 +388,14 @@ class ShardedStep:
         if self._mpmd is not None:
             self.plan.check_batch(_leading_dim(batch))
             state = self._mpmd.place(state, batch)
-            report = fit.check_pipeline(self._mpmd, self._mpmd.compile_stages(state, batch), state)
+            compiled_stages = cast(dict[tuple[int, str], jax.stages.Compiled],
+                                   self._mpmd.compile_stages(state, batch))  # (compile=True: all compiled)
+            report = fit.check_pipeline(self._mpmd, compiled_stages, state)
         else:
             self._ensure(state, batch)
             state = jax.device_put(state, self._state_shardings)
             placed = self.place_batch(batch)
-            compiled = self._jitted.lower(state, placed).compile()
+            compiled = self._program().lower(state, placed).compile()
             report = fit.check_single(self.plan, compiled, self.mesh.devices.flat, (state, placed))
         fit.raise_if_misfit(report, self.plan)  # unchanged `self.fit`: the next call checks again
         self.fit = report
@@ -442,7 +450,7 @@ class ShardedStep:
                                 self._state_shardings)
         batch_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), batch,
                                 self._batch_shardings(batch))
-        return self._jitted.lower(state_in, batch_in)
+        return self._program().lower(state_in, batch_in)
 
     def __call__(self, state: State, batch: Batch) -> tuple[State, Metrics]:
         if self.fit is None:
@@ -451,7 +459,12 @@ class ShardedStep:
             return self._mpmd(state, batch)
         self._ensure(state, batch)
         state = jax.device_put(state, self._state_shardings)
-        return self._jitted(state, self.place_batch(batch))
+        return self._program()(state, self.place_batch(batch))
+
+    def _program(self) -> jax.stages.Wrapped:
+        """The one-stage step's jitted program (built by `_ensure`)."""
+        assert self._jitted is not None, "_ensure builds the program first"
+        return self._jitted
 
 
 def _leading_dim(batch: Batch) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import jax
 import numpy as np
@@ -111,7 +111,7 @@ class TensorParallelBlock:
         if spec is None or not hasattr(x, "shape"):
             return x
         if coll is not None and isinstance(state, Shard) and state.seq and _is_float(x):
-            return coll.pin(x, spec)
+            return coll.pin(_traced(x), spec)
         return jax.lax.with_sharding_constraint(x, spec)
 
     def evaluate(self, args: Sequence[Value]) -> list[Value]:
@@ -145,7 +145,7 @@ class TensorParallelBlock:
             o = read(env, v)
             if isinstance(v, jex.Var) and isinstance(coll.state(v, res), Partial) and isinstance(st, Shard) \
                     and _is_float(o):
-                o = coll.reduce_scatter(o, st.dim, self.seq_dim(v))
+                o = coll.reduce_scatter(_traced(o), st.dim, self.seq_dim(v))
             outs.append(self.constrain(o, st, coll, v) if isinstance(v, jex.Var) else o)
         return outs
 
@@ -166,7 +166,7 @@ class TensorParallelBlock:
             if isinstance(cur, Shard) and want is REP and _is_float(vals[k]):
                 gather[k] = (cur.dim, self.seq_dim(v))
             elif isinstance(cur, Partial) and isinstance(want, Shard) and _is_float(vals[k]):
-                vals[k] = coll.reduce_scatter(vals[k], want.dim, self.seq_dim(v))
+                vals[k] = coll.reduce_scatter(_traced(vals[k]), want.dim, self.seq_dim(v))
             else:
                 # A partial sum all-reduced, a local slice of a replicated value, or a re-split
                 # (all-to-all): the constraint says so, and its transpose is the mirror.
@@ -184,7 +184,8 @@ class TensorParallelBlock:
         if isinstance(ring, ScatterRing):
             n, dot = ring.node, ring.dot
             vals = [read(env, v) for v in n.ins]
-            y = matmul_reduce_scatter([vals[dot.pos]], [vals[1 - dot.pos]], [dot], axis=self.axis, t=t)
+            y = matmul_reduce_scatter([_traced(vals[dot.pos])], [_traced(vals[1 - dot.pos])], [dot], axis=self.axis,
+                                      t=t)
             for v in ring.held:  # the partial sum (and its remat names) exist only reduce-scattered
                 coll.held[v] = Shard(ring.dim, seq=True)
             env[n.outs[0]] = self.constrain(y, coll.held[n.outs[0]], coll)
@@ -193,9 +194,9 @@ class TensorParallelBlock:
             self._run_node(p, env, coll)
         others = []
         for n, dot in zip(ring.nodes, ring.dots):
-            v, want = n.ins[1 - dot.pos], self.result.node_states[n][0][1 - dot.pos]
-            others.append(self.constrain(read(env, v), want))  # the weight's layout (usually already so)
-        outs = allgather_matmul(read(env, ring.act), others, ring.dots, axis=self.axis, t=t)
+            w, want = n.ins[1 - dot.pos], self.result.node_states[n][0][1 - dot.pos]
+            others.append(_traced(self.constrain(read(env, w), want)))  # the weight's layout (usually already so)
+        outs = allgather_matmul(_traced(read(env, ring.act)), others, ring.dots, axis=self.axis, t=t)
         for n, o in zip(ring.nodes, outs):
             env[n.outs[0]] = self.constrain(o, coll.state(n.outs[0], self.result), coll)
 
@@ -232,6 +233,7 @@ class TensorParallelBlock:
         if call is None:
             out = bind_equation(site.eqn, vals)
         else:
+            assert self.context is not None  # (attention calls are collected under context parallelism only)
             out = run_attention(call, self.form, vals, self.context)
         for v, o in zip(site.outs, out):
             if isinstance(v, jex.Var) and v not in site.ins:
@@ -239,7 +241,12 @@ class TensorParallelBlock:
 
 
 def _is_float(x: Value) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, np.inexact)
+    return jax.dtypes.issubdtype(_traced(x).dtype, np.inexact)
+
+
+def _traced(x: Value) -> jax.Array:
+    """A value of the traced layer as the array (tracer) it is where a collective or a ring reads it."""
+    return cast(jax.Array, x)
 
 
 def _split(x: jax.Array, dim: int, axis: str, seq: int | None = None, context: str | None = None) -> jax.Array:
@@ -421,7 +428,8 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
     if cp > 1 and not block.attention_calls:
         warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "
                       "so it is not run as the ring kernel")
-    return block
+    # The layer loops hand a block arrays, never `LayerSlices` (an unrolled stack's are indexed per layer first).
+    return cast(BlockFn, block)
 
 
 def per_tensor_shard(fn: Callable[[jax.Array], jax.Array], tensor_dims: Sequence[int],

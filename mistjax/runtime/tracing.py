@@ -8,7 +8,7 @@ decides everything else: abstract inputs, the output check, and the errors a fai
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import numpy as np
@@ -55,7 +55,7 @@ def trace_train_step(train_step: TrainStep, state: State, batch: Batch, handler:
     metric_trees: list[PyTreeDef] = []
 
     def flat(*leaves: jax.Array) -> list[jax.Array]:
-        seen.extend(leaves)
+        seen.extend(cast(tuple[jax.core.Tracer, ...], leaves))  # (traced by make_jaxpr: tracers)
         with use_handler(handler):
             out = train_step(jax.tree.unflatten(s_tree, leaves[:n]), jax.tree.unflatten(b_tree, leaves[n:]))
         check_output(out, s_tree)
