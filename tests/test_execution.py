@@ -22,6 +22,7 @@ import mistjax
 from mistjax.core.execution import (
     Capabilities,
     StageLeaf,
+    double_buffered,
     is_batch_leaf,
     layer_scans,
     lower_stage,
@@ -73,6 +74,20 @@ def test_lower_stage_matches_the_vectorised_sync_rule():
         assert ex.defer_sync is expect  # asynchronous collectives: the synced rows go one layer late
     vec = rows_synced_in_loop(np.array([0, 1, 1, 2]), np.array([8, 8, 8, 8]), np.array([1, 2, 1, 2]), 1, False)
     np.testing.assert_array_equal(vec, [True, True, False, False])
+
+
+def test_double_buffering_is_one_rule_for_the_runtime_and_the_cost_model():
+    """`lower_stage` double-buffers exactly where `double_buffered` (the rule the cost model prices per strategy
+    from the bytes it fetches per layer) says: asynchronous collectives and fetched stacked layer weights."""
+    for async_, fetched, in_stack in itertools.product([False, True], repeat=3):
+        lay = LeafLayout(PARAM, (4, 8), None, (), 1, True, fetched)
+        leaves = [StageLeaf(lay, 3 if fetched else 1, loop_eligible=True, in_stack=in_stack)]
+        ex = lower_stage(leaves, num_layers=6, remat_layers=0, offload_layers=0, grad_accum=1, dp=8, group=8,
+                         pipelined=False, caps=Capabilities(async_))
+        assert ex.double_buffer is bool(double_buffered(async_, fetched and in_stack)), (async_, fetched, in_stack)
+        assert [s.unroll for s in ex.scans] == ([2] if ex.double_buffer else [1])
+    np.testing.assert_array_equal(double_buffered(True, np.array([0.0, 3.0]) > 0), [False, True])
+    np.testing.assert_array_equal(double_buffered(np.array([False, True]), True), [False, True])
 
 
 def test_host_accumulators_and_fetches_follow_the_leaves():

@@ -120,6 +120,14 @@ def collective_matmul_runs(enabled: ArrayLike, cp: ArrayLike) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- layer scans
+def double_buffered(async_collectives: ArrayLike, fetches_layer_weights: ArrayLike) -> np.ndarray:
+    """Whether a stage's layer loops double-buffer their fetches (layer i+1's ZeRO-3 gather or host copy under layer
+    i's compute), vectorised: where the platform runs collectives and host copies asynchronously
+    (`Capabilities.double_buffers_fetches`) and the stage fetches stacked layer weights. The one rule the runtime
+    (`lower_stage`) and the cost model (its buffers and XLA's FLOP count) read."""
+    return np.asarray(async_collectives, bool) & np.asarray(fetches_layer_weights, bool)
+
+
 def scan_unroll(num_layers: ArrayLike, offload: ArrayLike, double_buffer: ArrayLike) -> np.ndarray:
     """Layers per iteration of a segment's scan (1 or 2); vectorised over strategies.
 
@@ -341,7 +349,7 @@ def lower_stage(leaves: Sequence[StageLeaf], *, num_layers: int, remat_layers: i
       caps: the platform's `Capabilities`.
     """
     fetched = frozenset(i for i, f in enumerate(leaves) if f.fetched)
-    double_buffer = caps.double_buffers_fetches and any(f.fetched and f.in_stack for f in leaves)
+    double_buffer = bool(double_buffered(caps.double_buffers_fetches, any(f.fetched and f.in_stack for f in leaves)))
     eligible = [i for i, f in enumerate(leaves) if f.loop_eligible and not f.host_accumulator]
     synced = frozenset(i for i in eligible
                        if rows_synced_in_loop(leaves[i].effective_zero, dp, group, grad_accum, pipelined))
@@ -355,5 +363,6 @@ def lower_stage(leaves: Sequence[StageLeaf], *, num_layers: int, remat_layers: i
 
 
 __all__ = ["COLLECTIVE_MATMUL_ENV", "Capabilities", "ExecutionPlan", "LayerScan", "StageExecution", "StageLeaf",
-           "collective_matmul", "collective_matmul_forced", "host_accumulators", "is_batch_leaf", "layer_scans",
+           "collective_matmul", "collective_matmul_forced", "double_buffered", "host_accumulators", "is_batch_leaf",
+           "layer_scans",
            "lower_stage", "rows_synced_in_loop", "scan_bodies", "scan_unroll"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mistjax.analysis.compiled import ProfileValues
-from mistjax.core.execution import scan_bodies, scan_unroll
+from mistjax.core.execution import double_buffered, scan_bodies, scan_unroll
 from mistjax.core.hlo import CollectiveOp
 from mistjax.core.plan import guarded_peak
 from mistjax.core.stages import offloaded_layers
@@ -172,9 +172,9 @@ def state_bytes(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np
 
 
 def _buffers(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
-             double_buffer: bool) -> np.ndarray:
+             double_buffer: np.ndarray) -> np.ndarray:
     """Transient device bytes: the largest liveness peak, recompute space, fetched weights, the batch.
-    `double_buffer`: `core.execution.Capabilities.double_buffers_fetches`."""
+    `double_buffer`: per strategy, `core.execution.double_buffered`."""
     pols, c = workload.policies, kinds.n_remat
     blk_peak = np.maximum(v.block.bwd_peak_bytes("none"), v.block.fwd_peak_bytes("none"))
     blk_peak = np.maximum(blk_peak, np.where(c > 0, v.block.pick(v.block.bwd_peak_bytes, pols, k.policy), 0.0))
@@ -272,7 +272,7 @@ def _segment_slices(workload: Workload, k: Knobs, kinds: LayerKinds, lt: dict[st
 
 
 def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndarray], kinds: LayerKinds,
-           step: dict[str, np.ndarray], double_buffer: bool) -> tuple[np.ndarray, np.ndarray]:
+           step: dict[str, np.ndarray], double_buffer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """FLOPs per device per step, and as XLA's cost analysis counts them (each loop body once)."""
     c = kinds.n_remat
     blk = v.block.fwd_flops + v.block.bwd_flops
@@ -284,7 +284,8 @@ def _flops(workload: Workload, k: Knobs, v: ProfileValues, lt: dict[str, np.ndar
 
     # XLA counts a loop body once: the micro-batch loop (G > 1) and each layer scan's body
     # (`core.execution.scan_bodies`); the pipeline executor's programs are not counted that way.
-    fetching = double_buffer & (lt["w_layer_fetch"] > 0) & ~k.pipelined
+    # (A pipeline stage's programs are counted by the executor's own programs, not this loop rule.)
+    fetching = double_buffer & ~k.pipelined
     cnt_plain, cnt_c = scan_bodies(kinds.n_plain, False, fetching), scan_bodies(c, False, fetching)
     cnt_off = scan_bodies(kinds.n_off, True, fetching)
     mb_xla = (cnt_plain + cnt_c + cnt_off) * blk + cnt_c * rec_c + cnt_off * rec_off + parts
@@ -331,7 +332,7 @@ def stage_memory(workload: Workload, cluster: ClusterSpec, st: StageStrategies) 
     kinds = layer_kinds(workload, k, v)
     activations, act_host = _activations(k, v, kinds)
     states = state_bytes(workload, k, v, lt, deferred=capabilities(cluster).defers_row_sync)
-    double_buffer = capabilities(cluster).double_buffers_fetches
+    double_buffer = double_buffered(capabilities(cluster).double_buffers_fetches, lt["w_layer_fetch"] > 0)
     buffers = np.maximum(_buffers(workload, k, v, lt, kinds, double_buffer), _update_extra(k, states) - activations)
     memory = {"params": states.params, "optimizer": states.optimizer, "grads": states.grads,
               "activations": activations, "buffers": buffers}
@@ -351,7 +352,8 @@ def stage_cost(workload: Workload, cluster: ClusterSpec, st: StageStrategies) ->
     k, v, lt, kinds = m.knobs, m.values, m.totals, m.kinds
     lay = layer_times(workload, cluster, k, v, lt, kinds)
     ext = step_extras(workload, cluster, k, v, lt, m.states, kinds)
-    flops, flops_xla = _flops(workload, k, v, lt, kinds, ext, capabilities(cluster).double_buffers_fetches)
+    double_buffer = double_buffered(capabilities(cluster).double_buffers_fetches, lt["w_layer_fetch"] > 0)
+    flops, flops_xla = _flops(workload, k, v, lt, kinds, ext, double_buffer)
     return StageCost(stable=lay["fwd"] + lay["bwd"], delta=ext["delta"], fwd=lay["fwd"], bwd=lay["bwd"],
                      memory=m.memory, peak=m.peak, feasible=m.feasible, offload_floor=m.offload_floor, host=m.host,
                      host_acts=m.host_acts, flops=flops, flops_xla=flops_xla, flops_xla_step=ext["flops_xla"],
