@@ -55,14 +55,33 @@ class Block(nnx.Module):
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
+class MoeBlock(nnx.Module):
+    """A mixture-of-experts-like MLP: a softmax router weighs every expert's output (dense, no dispatch)."""
+
+    def __init__(self, rngs: nnx.Rngs, experts: int = 2) -> None:
+        self.ln = nnx.LayerNorm(HIDDEN, rngs=rngs)
+        self.router = nnx.Linear(HIDDEN, experts, use_bias=False, rngs=rngs)
+        self.w_in = nnx.Param(jax.random.normal(rngs.params(), (experts, HIDDEN, 2 * HIDDEN)) / np.sqrt(HIDDEN))
+        self.w_out = nnx.Param(jax.random.normal(rngs.params(), (experts, 2 * HIDDEN, HIDDEN)) / np.sqrt(HIDDEN))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.ln(x)
+        gate = jax.nn.softmax(self.router(h), axis=-1)
+        y = jax.nn.gelu(jnp.einsum("bsd,edf->bsef", h, self.w_in[...]))
+        return x + jnp.einsum("bsef,efd,bse->bsd", y, self.w_out[...], gate)
+
+
 class GPT(nnx.Module):
-    """A GPT as written from scratch: a learned position table of ``positions`` rows added to the tokens."""
+    """A GPT as written from scratch: a learned position table of ``positions`` rows added to the tokens.
+    ``alternate``: every other layer's attention is local; ``moe``: every other layer is a `MoeBlock`."""
 
     def __init__(self, rngs: nnx.Rngs, *, positions: int = SEQ, layers: int = 2, alternate: bool = False,
-                 whole_table: bool = False) -> None:
+                 moe: bool = False, whole_table: bool = False) -> None:
         self.wte = nnx.Embed(VOCAB, HIDDEN, rngs=rngs)
         self.wpe = nnx.Param(0.02 * jax.random.normal(rngs.params(), (positions, HIDDEN)))
-        self.blocks = nnx.List([Block(rngs, window=4 if alternate and i % 2 else 0) for i in range(layers)])
+        odd = [i % 2 == 1 for i in range(layers)]
+        self.blocks = nnx.List([MoeBlock(rngs) if moe and o else Block(rngs, window=4 if alternate and o else 0)
+                                for o in odd])
         self.ln = nnx.LayerNorm(HIDDEN, rngs=rngs)
         self.whole_table = whole_table
 
@@ -156,6 +175,14 @@ def test_alternating_layers_are_one_stack_of_layer_pairs() -> None:
     assert len(traced.layer_leaves()) == 4 * len(jax.tree.leaves(nnx.state(Block(nnx.Rngs(0)), nnx.Param)))
 
 
+def test_interleaved_dense_and_moe_like_layers_autoshard_without_a_plan(zoo3p: Any) -> None:
+    """Dense and MoE-like layers alternate: the layers' parameter subtrees differ but repeat in pairs."""
+    loss_fn, params = gpt(layers=4, moe=True)
+    traced = trace_loss(loss_fn, params, batch_of())
+    assert traced.stack is not None and traced.stack.num_layers == 2 and traced.groups.period == 2
+    assert_matches_jit(loss_fn, params, batch_of(), zoo3p)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gpt_neo_with_alternating_attention_autoshards(tp: int, family: Any, zoo3p: Any) -> None:
     """tp 1: no plan (the tuner's choice); tp 2: an explicit plan, whose Megatron splits are inferred from
@@ -202,3 +229,16 @@ def test_a_step_branching_on_the_sequence_length_names_the_line(zoo3p: Any) -> N
     message = str(err.value)
     assert f"`tanh` (made at {__file__}:{_line('# <- only at long sequences')}" in message, message
     assert "branches on the batch or sequence size" in message and "plan=" in message
+
+
+def test_a_step_failing_at_its_own_shapes_names_the_line(zoo3p: Any) -> None:
+    fam = zoo3p.lax_scan()
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        h = params["embed"][batch["inputs"]]
+        return (h @ params["head"].T).mean()  # <- a shape bug: head is [hidden, vocab]
+
+    step = mistjax.autoshard(zoo3p.optax_step(loss_fn, TX), jax.devices(), verbose=False)
+    with pytest.raises(mistjax.StepError) as err:
+        step(zoo3p.optax_state(fam.params, TX), batch_of())
+    assert f" at {__file__}:{_line('# <- a shape bug')} (in loss_fn): TypeError" in str(err.value), str(err.value)

@@ -128,7 +128,7 @@ class _Frame:
 # change nothing: a position table sliced to the sequence (``pos[:s]``) traces a ``slice`` below the table's
 # length and none at it, and the slice's transpose (``pad``) likewise. They keep the rank, so the traces still
 # align position by position once the extra equation is stepped over.
-ELIDABLE = frozenset({"slice", "pad", "dynamic_slice", "copy", "copy_p"})
+ELIDABLE = frozenset({"slice", "pad", "dynamic_slice"})
 
 
 BRANCH_FIX = ("; the computation branches on the batch or sequence size there (e.g. a Python `if` on a shape). "

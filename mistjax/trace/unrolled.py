@@ -6,7 +6,8 @@ own parameter subtree. `find_unrolled` recognises them in two steps:
 
 1. *Candidates from the parameter paths*: leaves whose key paths differ in one index-like key
    (``layers/3/...``, ``h/3/...``, ``Block_3/...``) and whose subtrees have equal structure, shapes
-   and dtypes form L groups; the candidate holding the most bytes is tried first.
+   and dtypes form L groups; the candidate holding the most bytes is tried first. Subtrees that differ
+   but repeat every ``p`` layers (dense / MoE-like blocks interleaved) form L/p groups of ``p`` layers.
 2. *Proof from the jaxpr*: the equations from layer 0's first parameter use on must repeat with one
    period, every input of a layer must be a constant (the same value for all layers: rotary tables,
    masks), its own layer's parameter at the same place, a value of its own layer, or the *carry*
@@ -30,7 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -165,9 +166,20 @@ def _layer_index(tok: Hashable) -> tuple[str, int] | None:
     return None
 
 
-def candidate_groups(paths: Sequence[KeyPath], avals: Sequence[Shaped]) -> list[list[list[int]]]:
-    """Candidate layer groupings of the leaves, most bytes first: each ``groups[layer][k]`` is the real
-    leaf at place ``k`` of layer ``layer``'s subtree (places sorted alike for every layer)."""
+class LayerCandidate(NamedTuple):
+    """A candidate layer grouping: ``groups[layer][k]`` is the real leaf at place ``k`` of stacked layer
+    ``layer``, which is ``period`` consecutive model layers (1 unless the layers' subtrees differ)."""
+
+    groups: list[list[int]]
+    period: int
+
+
+def candidate_groups(paths: Sequence[KeyPath], avals: Sequence[Shaped]) -> list[LayerCandidate]:
+    """Candidate layer groupings of the leaves, most bytes first (places sorted alike for every layer).
+
+    Layers of different subtrees that repeat with a period ``p`` (dense / MoE-like blocks interleaved) are
+    offered as blocks of ``p`` layers, whose places are those of its ``p`` layers in turn.
+    """
     toks = [_tokens(p) for p in paths]
     cands: dict[tuple[Hashable, ...], dict[int, dict[tuple[Hashable, ...], int]]] = {}
     for i, t in enumerate(toks):
@@ -179,24 +191,32 @@ def candidate_groups(paths: Sequence[KeyPath], avals: Sequence[Shaped]) -> list[
             cands.setdefault(key, {}).setdefault(idx[1], {})[t[pos + 1:]] = i
     out = []
     for layers in cands.values():
-        if len(layers) < 2:
-            continue
         order = sorted(layers)
-        if order != list(range(order[0], order[0] + len(order))):
+        if len(layers) < 2 or order != list(range(order[0], order[0] + len(order))):
             continue
-        places = sorted(layers[order[0]], key=str)
-        if any(sorted(layers[k], key=str) != places for k in order):
-            continue
-
-        def sig(i: int) -> tuple[tuple[int, ...], str]:
-            return tuple(np.shape(avals[i])), str(np.dtype(avals[i].dtype))
-
-        groups = [[layers[k][p] for p in places] for k in order]
-        if any([sig(i) for i in g] != [sig(i) for i in groups[0]] for g in groups):
-            continue
-        out.append(groups)
-    size = lambda g: sum(int(np.prod(np.shape(avals[i]))) for layer in g for i in layer)  # noqa: E731
+        found = _periodic_layers([layers[k] for k in order], avals)
+        if found is not None:
+            out.append(found)
+    size = lambda c: sum(int(np.prod(np.shape(avals[i]))) for layer in c.groups for i in layer)  # noqa: E731
     return sorted(out, key=size, reverse=True)
+
+
+def _periodic_layers(layers: list[dict[tuple[Hashable, ...], int]], avals: Sequence[Shaped]
+                     ) -> LayerCandidate | None:
+    """The layers' leaves by place, as blocks of the smallest period ``p`` after which the layers' subtrees
+    (places, shapes, dtypes) repeat (1: all alike), with at least two blocks; None when there is none."""
+    def sig(layer: dict[tuple[Hashable, ...], int]) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(str(pl), tuple(np.shape(avals[i])), str(np.dtype(avals[i].dtype)))
+                for pl, i in sorted(layer.items(), key=lambda kv: str(kv[0]))]
+
+    sigs = [sig(layer) for layer in layers]
+    n = len(layers)
+    for p in range(1, n // 2 + 1):
+        if n % p or any(sigs[k] != sigs[k % p] for k in range(n)):
+            continue
+        by_place = [[i for _, i in sorted(layer.items(), key=lambda kv: str(kv[0]))] for layer in layers]
+        return LayerCandidate([[i for layer in by_place[g * p:(g + 1) * p] for i in layer] for g in range(n // p)], p)
+    return None
 
 
 def periodic_groups(layers: list[list[int]]) -> list[list[list[int]]]:
@@ -469,12 +489,13 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
       over parameter subtrees of equal structure is found.
     """
     avals = [v.aval for v in closed.jaxpr.invars[:num_param_leaves]]
-    for layers in candidate_groups(paths, avals):
-        found = next(((g, r) for g in periodic_groups(layers) if (r := _find_run(closed, g)) is not None), None)
+    for cand in candidate_groups(paths, avals):
+        found = next(((g, r) for g in periodic_groups(cand.groups) if (r := _find_run(closed, g)) is not None),
+                     None)
         if found is None:
             continue
         groups, run = found
-        period = len(layers) // len(groups)
+        period = cand.period * len(cand.groups) // len(groups)
         members = {i for g in groups for i in g}
         virtual: list[int | tuple[int, ...]] = []
         for i in range(num_param_leaves):
@@ -495,4 +516,4 @@ def find_unrolled(closed: jex.ClosedJaxpr, num_param_leaves: int, paths: Sequenc
     return None
 
 
-__all__ = ["LayerSlices", "ParamGroups", "candidate_groups", "find_unrolled", "periodic_groups"]
+__all__ = ["LayerCandidate", "LayerSlices", "ParamGroups", "candidate_groups", "find_unrolled", "periodic_groups"]
