@@ -134,7 +134,8 @@ def choose() -> None:
 
         if _backends_initialized():
             return
-        if choose_cpu and not jax.config.jax_platforms:  # jax was imported before mistjax, no platform set
+        # jax was imported before mistjax, no platform set. (jax's Config declares no option attributes.)
+        if choose_cpu and not jax.config.jax_platforms:  # type: ignore[attr-defined]
             jax.config.update("jax_platforms", "cpu")
             os.environ["JAX_PLATFORMS"] = "cpu"
         if plugin.is_file():

@@ -11,6 +11,7 @@ and ``mistjax plan --cluster profile.json`` use measured numbers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -76,7 +77,8 @@ def memory_bandwidth(nbytes: int, repeats: int = 3, devices: list[jax.Device] | 
     times = []
     for size in sizes.astype(int):
         x = jax.device_put(jnp.ones((mesh.size * size // 4,), jnp.float32), spec)
-        times.append(_median_donated_time(f, x, repeats) if in_place else _median_time(lambda x=x: f(x), repeats))
+        timed = _median_donated_time(f, x, repeats) if in_place else _median_time(functools.partial(f, x), repeats)
+        times.append(timed)
     slope = float(np.polyfit(2 * sizes, np.array(times), 1)[0])  # seconds per byte read + written
     if slope <= 0:  # the sizes are too small to rise above the launch noise: the largest one's rate, launch included
         return float(2 * sizes[-1] / times[-1])
@@ -130,7 +132,7 @@ def kernel_overhead(repeats: int = 3, devices: list[jax.Device] | None = None) -
         return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
 
     # 496 kernels apart: a slope of ~1 us per kernel stands well above the timing noise of one call.
-    short, long = (_median_time(lambda f=f: f(x, w), repeats) for f in (chain(16), chain(512)))
+    short, long = (_median_time(functools.partial(f, x, w), repeats) for f in (chain(16), chain(512)))
     return max((long - short) / 496, 0.0)
 
 
@@ -169,7 +171,7 @@ def gemm_throughput(m: int, n: int, k: int, dtype: DTypeLike, repeats: int = 3, 
     for batch in batches:
         a = jax.device_put(jnp.ones((mesh.size * batch, m, k), dtype), spec)
         b = jax.device_put(jnp.ones((mesh.size * batch, k, n), dtype), spec)
-        times.append(_median_time(lambda a=a, b=b: f(a, b), repeats))
+        times.append(_median_time(functools.partial(f, a, b), repeats))
     return 2 * m * n * k * (batches[1] - batches[0]) / max(times[1] - times[0], 1e-9)
 
 
@@ -268,11 +270,14 @@ def interference_factors(devices: list[jax.Device], nbytes: int, repeats: int = 
         3: lambda a, v, vh: jax.device_put(v * 1.0, jax.memory.Space.Host),  # returned, so the copy runs
     }
     jitted = {k: jax.jit(op) for k, op in ops.items()}
-    alone = {k: _median_time(lambda f=f: f(a, v, vh), repeats) for k, f in jitted.items()}
+    alone = {k: _median_time(functools.partial(f, a, v, vh), repeats) for k, f in jitted.items()}
     factors = []
     for mask in MASKS:
-        joint = jax.jit(lambda a, v, vh, mask=mask: tuple(ops[k](a, v, vh) for k in mask))
-        t = _median_time(lambda j=joint: j(a, v, vh), repeats)
+        def joint_fn(a: jax.Array, v: jax.Array, vh: jax.Array, mask: tuple[int, ...] = mask) -> tuple[jax.Array, ...]:
+            return tuple(ops[k](a, v, vh) for k in mask)
+
+        joint = jax.jit(joint_fn)
+        t = _median_time(functools.partial(joint, a, v, vh), repeats)
         slow = max(1.0, min(float(len(mask)), t / max(alone[k] for k in mask)))
         factors.extend([slow] * len(mask))
     return InterferenceParams(tuple(factors))

@@ -34,8 +34,8 @@ _T = TypeVar("_T")
 
 
 def _check_num(owner: str, name: str, v: object, *, positive: bool = True, at_most_one: bool = False) -> None:
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    ok = ok and (v > 0 if positive else v >= 0) and (not at_most_one or v <= 1)
+    ok = (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+          and (v > 0 if positive else v >= 0) and (not at_most_one or v <= 1))
     if not ok:
         want = "a finite number" + (" > 0" if positive else " >= 0") + (" and <= 1" if at_most_one else "")
         raise ValueError(f"{owner}.{name}: expected {want}, got {v!r}")
@@ -197,10 +197,10 @@ class ClusterSpec:
         for k, v in intra.items():
             if isinstance(k, bool) or not isinstance(k, int) or k < 1 or not isinstance(v, LinkModel):
                 raise ValueError(f"cluster.intra_node[{k!r}]: expected int group size -> LinkModel")
-        for k, v in inter.items():
-            good = isinstance(k, tuple) and len(k) == 2 and all(isinstance(i, int) and i >= 1 for i in k)
+        for pair, v in inter.items():
+            good = isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(i, int) and i >= 1 for i in pair)
             if not good or not isinstance(v, LinkModel):
-                raise ValueError(f"cluster.inter_node[{k!r}]: expected (nodes, per_node) ints -> LinkModel")
+                raise ValueError(f"cluster.inter_node[{pair!r}]: expected (nodes, per_node) ints -> LinkModel")
         typed = (("p2p_intra", LinkModel), ("p2p_inter", LinkModel), ("interference", InterferenceParams))
         for f, kind in typed:
             if not isinstance(getattr(self, f), kind):
