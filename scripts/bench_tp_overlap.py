@@ -84,17 +84,16 @@ def predicted(args: argparse.Namespace, on: bool) -> dict[str, float]:
     import numpy as np
 
     import models
-    from mistjax.core.execution import collective_matmul
     from mistjax.cost.model import stage_memory
     from mistjax.cost.predict import plan_strategies, predict
     from mistjax.cost.stage_time import layer_tp_times
 
     cfg, cluster, plan = _cell(args)
+    plan = plan.replace(tp_overlap=on)
     workload = models.workload(cfg, args.seq, args.micro_batch * plan.dp)
-    with collective_matmul(on):
-        m = stage_memory(workload, cluster, plan_strategies(workload, plan, cluster))
-        tp = layer_tp_times(workload, cluster, m.knobs, m.values, m.kinds)
-        step = predict(workload, plan, cluster).step_time
+    m = stage_memory(workload, cluster, plan_strategies(workload, plan, cluster))
+    tp = layer_tp_times(workload, cluster, m.knobs, m.values, m.kinds)
+    step = predict(workload, plan, cluster).step_time
     out = {f"layer_{k}_us": round(float(np.ravel(v)[0]) * 1e6, 1) for k, v in tp.items()}
     out["step_ms"] = round(step * 1e3, 2)
     return out
@@ -115,14 +114,12 @@ def _cell(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def compile_once(args: argparse.Namespace, on: bool) -> dict[str, Any]:
-    from mistjax.runtime import xla_flags
     from mistjax.validate.gpu_aot import compile_plan, zoo_step
 
     cfg, cluster, plan = _cell(args)
     state, batch, step = zoo_step(cfg, args.seq, args.micro_batch * plan.dp)
     t0 = time.perf_counter()
-    with xla_flags.collective_matmul(on):
-        report = compile_plan(step, state, batch, plan, cluster, breakdown=False)
+    report = compile_plan(step, state, batch, plan.replace(tp_overlap=on), cluster, breakdown=False)
     text = report.hlo_text
     return {"collective_matmul": on, "compile_s": round(time.perf_counter() - t0, 1),
             "temp_mib": round(report.memory.temp / MiB, 1), "peak_mib": round(report.peak / MiB, 1),

@@ -203,12 +203,9 @@ def test_tensor_parallel_splits_the_layer_weights_on_two_l4s():
 def test_tensor_parallel_collective_matmuls_on_two_l4s_when_switched_on():
     """With the collective matmul switched on (`Capabilities.collective_matmul`, opt-in) the layers' TP
     collectives run as rings: transfers, each async beside a chunk's GEMM, and the report says so."""
-    from mistjax.core.execution import collective_matmul
-
     cl = ClusterSpec.parse("l4:1x2")
-    with collective_matmul(True):
-        r = gpu_aot.verify_model(TINY, 32, 16, uniform_plan(TINY.num_layers, 2, micro_batch=16, tp=2,
-                                                            shard_opt=True), cl)
+    plan = uniform_plan(TINY.num_layers, 2, micro_batch=16, tp=2, shard_opt=True).replace(tp_overlap=True)
+    r = gpu_aot.verify_model(TINY, 32, 16, plan, cl)
     rings = r.collectives["collective-permute"]
     assert rings.async_pairs > 0 and rings.overlapped > 0 and rings.in_loops > 0, rings
     assert any("collective matmuls" in n for n in r.notes), r.notes

@@ -1,7 +1,7 @@
 """Collective matmuls (`mistjax.runtime.collective_matmul`, issue #28 item 3): the tensor-parallel all-gather /
 reduce-scatter of the layer run as rings of chunked matmuls and ppermutes. Forced on on XLA:CPU (where the
 runtime leaves them off): the step against the single-device reference, the layer's collectives in the
-compiled HLO, the rings against plain matmuls, and the switch (`core.execution.Capabilities.collective_matmul`)."""
+compiled HLO, the rings against plain matmuls, and the switch (the plan's ``tp_overlap``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from test_runtime import ZERO3, assert_matches_reference, make_plan, setup
 
 import mistjax
 import models
-from mistjax.core.execution import Capabilities, collective_matmul
+from mistjax.core.execution import Capabilities
 from mistjax.core.hlo import collectives as hlo_collectives
 from mistjax.cost.kernels import kernel_times
 from mistjax.cost.model import stage_memory
@@ -37,9 +37,8 @@ NUMERICS = [
 def test_rings_match_single_device(name, knobs):
     """Loss (rtol 1e-5), gradients and parameters after one step (rtol 1e-4) as the unsharded step."""
     cfg, state, batch, train_step, ref_loss, ref_grads = setup(name)
-    with xla_flags.collective_matmul(True):
-        step = mistjax.autoshard(train_step, jax.devices(), plan=make_plan(cfg, **knobs))
-        new, metrics = step(jax.tree.map(jnp.copy, state), batch)
+    step = mistjax.autoshard(train_step, jax.devices(), plan=make_plan(cfg, **knobs).replace(tp_overlap=True))
+    new, metrics = step(jax.tree.map(jnp.copy, state), batch)
     np.testing.assert_allclose(float(metrics["loss"]), ref_loss, rtol=1e-5)
     assert_matches_reference(metrics, ref_loss, ref_grads)
     ref_new = jax.jit(lambda s, g: s.apply_gradients(g))(state, ref_grads)
@@ -67,12 +66,11 @@ def test_rings_replace_the_layer_gathers():
     plan = make_plan(cfg, tp=2, shard_opt=False)
     t, layers = plan.tp, cfg.num_layers
 
-    def loops(on: bool | None):
-        with xla_flags.collective_matmul(on):
-            step = mistjax.autoshard(train_step, jax.devices(), plan=plan)
-            return _tp_in_loops(step.lower(state, batch).compile(), t)
+    def loops(on: bool):
+        step = mistjax.autoshard(train_step, jax.devices(), plan=plan.replace(tp_overlap=on))
+        return _tp_in_loops(step.lower(state, batch).compile(), t)
 
-    on, off = loops(True), loops(None)
+    on, off = loops(True), loops(False)
     assert "collective-permute" not in off and off["all-gather"][0] == 6 * layers, off
     activation = off["all-gather"][1] / off["all-gather"][0]  # bytes of one gathered layer input
     assert "all-gather" not in on, on
@@ -147,23 +145,17 @@ def test_rings_against_plain_matmuls():
 
 
 def test_switch(monkeypatch):
-    """Opt-in (`Capabilities.collective_matmul`: off on every platform unless forced): the context, then
-    MISTJAX_COLLECTIVE_MATMUL; XLA:GPU flags only for GPU programs, each with its reason."""
-    monkeypatch.delenv(xla_flags.COLLECTIVE_MATMUL_ENV, raising=False)
-    use = xla_flags.use_collective_matmul
-    assert not any(use(p) for p in ("gpu", "cuda", "tpu", "cpu", None))
-    assert not Capabilities(True).collective_matmul
-    monkeypatch.setenv(xla_flags.COLLECTIVE_MATMUL_ENV, "on")
-    assert use("cpu") and use(None) and Capabilities(False).collective_matmul
-    with xla_flags.collective_matmul(False):
-        assert not use("gpu") and not Capabilities(True).collective_matmul
-    monkeypatch.setenv(xla_flags.COLLECTIVE_MATMUL_ENV, "off")
-    assert not use("gpu")
-    with xla_flags.collective_matmul(True):
-        assert use("cpu")
-    monkeypatch.setenv(xla_flags.COLLECTIVE_MATMUL_ENV, "sometimes")
-    with pytest.raises(ValueError, match="on, off or auto"):
-        use("gpu")
+    """The plan's ``tp_overlap`` is the switch, a plain value: the environment changes nothing (the old
+    MISTJAX_COLLECTIVE_MATMUL is gone), a plan JSON carries it, a non-bool is refused; XLA:GPU flags only for GPU
+    programs, each with its reason."""
+    monkeypatch.setenv("MISTJAX_COLLECTIVE_MATMUL", "on")
+    assert not Capabilities.of_platform("gpu").collective_matmul and Capabilities.of_platform("cpu", True) == (
+        False, True)
+    plan = uniform_plan(4, 2, tp=2).replace(tp_overlap=True)
+    assert mistjax.Plan.from_json(plan.to_json()).tp_overlap and "collective matmuls" in plan.summary()
+    assert "applies to nothing" in uniform_plan(4, 2).replace(tp_overlap=True).summary()
+    with pytest.raises(mistjax.plan.PlanError, match="tp_overlap"):
+        plan.replace(tp_overlap="yes")
     assert xla_flags.compiler_options("cpu") == {} and xla_flags.compiler_options("tpu") == {}
     opts = xla_flags.compiler_options("gpu")
     assert opts["xla_gpu_threshold_for_windowed_einsum_mib"] == 1 << 40 and len(opts) == len(xla_flags.GPU_FLAGS)
@@ -193,15 +185,14 @@ def gpt3_7b():
     return models.workload(cfg, 2048, 8)
 
 
-def _layer(workload, cluster: str, on: bool | None) -> tuple[dict[str, float], dict[str, float], float]:
+def _layer(workload, cluster: str, on: bool) -> tuple[dict[str, float], dict[str, float], float]:
     """TP = 8 GPT-3 7B, micro-batch 1: one layer's TP seconds (`layer_tp_times`), its compute and ring bytes, and
-    the predicted step time, the collective matmul forced ``on`` (None: by platform)."""
+    the predicted step time, the plan's ``tp_overlap`` = ``on``."""
     cl = ClusterSpec.parse(cluster)
-    plan = uniform_plan(workload.num_layers, 8, tp=8, micro_batch=1, shard_opt=False)
-    with collective_matmul(on):
-        m = stage_memory(workload, cl, plan_strategies(workload, plan, cl))
-        tp = {k: float(np.ravel(v)[0]) for k, v in layer_tp_times(workload, cl, m.knobs, m.values, m.kinds).items()}
-        step = predict(workload, plan, cl).step_time
+    plan = uniform_plan(workload.num_layers, 8, tp=8, micro_batch=1, shard_opt=False).replace(tp_overlap=on)
+    m = stage_memory(workload, cl, plan_strategies(workload, plan, cl))
+    tp = {k: float(np.ravel(v)[0]) for k, v in layer_tp_times(workload, cl, m.knobs, m.values, m.kinds).items()}
+    step = predict(workload, plan, cl).step_time
     kt = kernel_times(workload, cl.device, 1.0, 8.0)
     bw = cl.collective_link(8, 1).bandwidth
     comm = {ph: float(np.ravel(ring_bytes(m.values.block, ph))[0]) * 7 / 8 / bw for ph in ("fwd", "bwd")}
@@ -210,21 +201,19 @@ def _layer(workload, cluster: str, on: bool | None) -> tuple[dict[str, float], d
 
 
 def test_cost_model_prices_the_rings_where_the_runtime_runs_them(gpt3_7b):
-    """The rule both read (`Capabilities.collective_matmul`, opt-in): switched on for an H100 cluster (async
-    collectives) the layer's TP time is the rings' exposed time, below the serial collectives and above what the
-    bandwidth alone leaves uncovered by the layer's compute, and the split GEMMs' extra kernels are charged; by
-    default (auto) the rings are off and the serial price stands."""
+    """The plan's ``tp_overlap``, read by both: on for an H100 cluster (async collectives) the layer's TP time is
+    the rings' exposed time, below the serial collectives and above what the bandwidth alone leaves uncovered by
+    the layer's compute, and the split GEMMs' extra kernels are charged; off, the serial price stands; on XLA:CPU
+    (collectives in line) the rings gain nothing."""
     serial, _, step_off = _layer(gpt3_7b, "h100:1x8", False)
-    default, _, step_default = _layer(gpt3_7b, "h100:1x8", None)
-    assert default == serial and step_default == step_off
     auto, floor, step_auto = _layer(gpt3_7b, "h100:1x8", True)
     assert auto["chunks_fwd"] > 0 and serial["chunks_fwd"] == 0
     for ph in ("fwd", "bwd"):
         assert max(0.0, floor[ph]) <= auto[ph] < serial[ph], (ph, auto, serial, floor)
     assert step_auto < step_off  # the rings pay at this size (docs/benchmarks.md: the deviceless schedule)
-    cpu_auto, _, cpu_step = _layer(gpt3_7b, "cpu:1x8", None)
+    cpu_on, _, cpu_step = _layer(gpt3_7b, "cpu:1x8", True)
     cpu_off, _, cpu_step_off = _layer(gpt3_7b, "cpu:1x8", False)
-    assert cpu_auto == cpu_off and cpu_step == cpu_step_off
+    assert cpu_step >= cpu_step_off and cpu_on["fwd"] >= cpu_off["fwd"]
 
 
 def test_compiled_collectives_against_the_ring_accounting():
@@ -234,6 +223,28 @@ def test_compiled_collectives_against_the_ring_accounting():
     from mistjax.validate.check import compare_cell, grid_plan
 
     kw = dict(micro_batch=4, tp=2, grad_accum=2, shard_opt=True)
-    with collective_matmul(True):
-        rec = compare_cell("gpt3-tiny", 16, 32, grid_plan("gpt3-tiny", kw), ClusterSpec.preset("cpu", 1, 8))
+    rec = compare_cell("gpt3-tiny", 16, 32, grid_plan("gpt3-tiny", kw).replace(tp_overlap=True),
+                       ClusterSpec.preset("cpu", 1, 8))
     assert rec["coll_tp_pred"]["collective-permute"] > 0 and rec["coll_err"] < 0.01, rec
+
+
+def test_the_tuner_turns_tp_overlap_on_where_it_pays(gpt3_7b):
+    """GPT-3 7B at tp 8 on eight H100s: the winner runs its TP collectives as collective matmuls, predicted faster
+    than the same plan without; on XLA:CPU (collectives in line) and in Megatron-LM's space it stays off."""
+    from mistjax.tuning import SearchSpace, search
+
+    space = SearchSpace(tp_degrees=(8,), pipeline=False, cp_degrees=(1,))
+    gpu = search(gpt3_7b, ClusterSpec.parse("h100:1x8"), space)
+    assert gpu.plan.tp == 8 and gpu.plan.tp_overlap
+    off = predict(gpt3_7b, gpu.plan.replace(tp_overlap=False, prediction=None), ClusterSpec.parse("h100:1x8"))
+    assert gpu.plan.prediction.step_time < off.step_time
+    assert not search(gpt3_7b, ClusterSpec.parse("h100:1x8"), space.replace(tp_overlap=False)).plan.tp_overlap
+    cpu = search(gpt3_7b, ClusterSpec.parse("cpu:1x8").with_memory(2**40), space).plan
+    assert cpu.tp == 8 and not cpu.tp_overlap
+
+
+def test_tp_overlap_at_tp_1_warns_that_it_applies_to_nothing():
+    cfg, state, batch, train_step, *_ = setup("gpt3-tiny")
+    step = mistjax.autoshard(train_step, jax.devices(), plan=make_plan(cfg, tp=1).replace(tp_overlap=True))
+    with pytest.warns(mistjax.NoOpWarning, match="tp_overlap applies to nothing"):
+        step(jax.tree.map(jnp.copy, state), batch)

@@ -14,9 +14,7 @@ docs/architecture.md lists where each rule lives.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -31,70 +29,30 @@ from mistjax.core.stages import OFFLOAD, SegmentKind, layer_segments
 _Flag = TypeVar("_Flag", bool, np.ndarray)
 
 
-COLLECTIVE_MATMUL_ENV = "MISTJAX_COLLECTIVE_MATMUL"
-"""Environment switch of the collective matmul: ``on``, ``off`` or ``auto`` (default: by platform)."""
-
-_forced: list[bool | None] = [None]  # `collective_matmul`'s in-process override stack (None: none)
-
-
-def collective_matmul_forced() -> bool | None:
-    """The collective matmul forced on / off, or None (by platform): the innermost `collective_matmul`
-    context, else ``MISTJAX_COLLECTIVE_MATMUL``.
-
-    Raises:
-      ValueError: the environment variable is not ``on``, ``off`` or ``auto``.
-    """
-    if _forced[-1] is not None:
-        return _forced[-1]
-    env = os.environ.get(COLLECTIVE_MATMUL_ENV, "auto").strip().lower()
-    if env in ("on", "1", "true"):
-        return True
-    if env in ("off", "0", "false"):
-        return False
-    if env not in ("", "auto"):
-        raise ValueError(f"{COLLECTIVE_MATMUL_ENV}={env!r}: use on, off or auto")
-    return None
-
-
-@contextlib.contextmanager
-def collective_matmul(on: bool | None) -> Iterator[None]:
-    """Force the collective matmul on / off (None: by platform) inside the block: for the steps traced there
-    (a step's first call) and the predictions made there."""
-    _forced.append(on)
-    try:
-        yield
-    finally:
-        _forced.pop()
-
-
 class Capabilities(NamedTuple):
-    """What the platform a step compiles for does with collectives and host copies.
+    """What a step's program does with collectives and host copies: a plain value, read from the platform and
+    the plan, never from process state.
 
     Attributes:
       async_collectives: XLA runs collectives and host copies asynchronously, next to compute (GPUs, TPUs);
         XLA:CPU runs them in line. Read from the mesh's devices by the runtime (a deviceless XLA:GPU compile
         runs in a CPU process and must build the GPU's program) and from `DeviceSpec.async_collectives` by
         the cost model.
+      collective_matmul: the layer's tensor-parallel all-gathers / reduce-scatters run as rings of chunked
+        matmuls and neighbour transfers (`runtime.collective_matmul`), each transfer beside a chunk's GEMM:
+        the plan's ``tp_overlap`` (the tuner turns it on where the cost model predicts a gain). The runtime
+        traces the rings and the cost model prices their exposed time (`cost.tp_rings`) by this one value
+        (`collective_matmul_runs`).
     """
 
     async_collectives: bool
+    collective_matmul: bool = False
 
     @classmethod
-    def of_platform(cls, platform: str) -> Capabilities:
-        """The capabilities of a JAX platform name (``"cpu"``, ``"gpu"``, ``"cuda"``, ``"tpu"`` ...)."""
-        return cls(platform in ASYNC_COLLECTIVE_PLATFORMS)
-
-    @property
-    def collective_matmul(self) -> bool:
-        """The layer's tensor-parallel all-gathers / reduce-scatters run as rings of chunked matmuls and
-        neighbour transfers (`runtime.collective_matmul`), each transfer beside a chunk's GEMM. Opt-in
-        (``MISTJAX_COLLECTIVE_MATMUL=on`` or `collective_matmul`) and only where collectives run asynchronously
-        by default: no GPU run has measured it yet, and the cost model's gain on the one published
-        measurement (torchtitan's async TP, Llama 3 8B on H100: -18% predicted, -9% measured) is twice the
-        real one. The runtime traces the rings and the cost model prices their exposed time (`cost.tp_rings`)
-        by this one rule."""
-        forced = collective_matmul_forced()
-        return False if forced is None else forced
+    def of_platform(cls, platform: str, collective_matmul: bool = False) -> Capabilities:
+        """The capabilities of a JAX platform name (``"cpu"``, ``"gpu"``, ``"cuda"``, ``"tpu"`` ...) for a plan
+        with ``tp_overlap`` = ``collective_matmul``."""
+        return cls(platform in ASYNC_COLLECTIVE_PLATFORMS, collective_matmul)
 
     @property
     def double_buffers_fetches(self) -> bool:
@@ -113,9 +71,10 @@ class Capabilities(NamedTuple):
 def collective_matmul_runs(enabled: ArrayLike, cp: ArrayLike) -> np.ndarray:
     """Whether a layer runs its tensor-parallel collectives as collective matmuls; vectorised over plans.
 
-    Where `Capabilities.collective_matmul` enables them (``enabled``) and the sequence is split over ``tensor``
-    alone (``cp`` = 1): the rings chunk the sequence-split activation over ``tensor``, while under context
-    parallelism it is split over ``(context, tensor)``, and its gathers and reduce-scatters stay GSPMD's."""
+    Where the plan's ``tp_overlap`` (`Capabilities.collective_matmul`) enables them (``enabled``) and the
+    sequence is split over ``tensor`` alone (``cp`` = 1): the rings chunk the sequence-split activation over
+    ``tensor``, while under context parallelism it is split over ``(context, tensor)``, and its gathers and
+    reduce-scatters stay GSPMD's."""
     return np.logical_and(np.asarray(enabled, bool), np.asarray(cp) == 1)
 
 
@@ -362,7 +321,7 @@ def lower_stage(leaves: Sequence[StageLeaf], *, num_layers: int, remat_layers: i
         double_buffer=double_buffer, defer_sync=bool(synced) and caps.defers_row_sync)
 
 
-__all__ = ["COLLECTIVE_MATMUL_ENV", "Capabilities", "ExecutionPlan", "LayerScan", "StageExecution", "StageLeaf",
-           "collective_matmul", "collective_matmul_forced", "double_buffered", "host_accumulators", "is_batch_leaf",
+__all__ = ["Capabilities", "ExecutionPlan", "LayerScan", "StageExecution", "StageLeaf",
+           "double_buffered", "host_accumulators", "is_batch_leaf",
            "layer_scans",
            "lower_stage", "rows_synced_in_loop", "scan_bodies", "scan_unroll"]

@@ -245,6 +245,12 @@ class Plan:
     # dtype gradients are accumulated and reduced in (None: each parameter's own dtype; Megatron-LM
     # accumulates and reduces bf16 models' gradients in "float32", Mist keeps them in the 16-bit dtype)
     grad_dtype: str | None = None
+    # Tensor-parallel collectives as collective matmuls: each layer's all-gathers / reduce-scatters run as rings of
+    # chunked matmuls and neighbour transfers, each transfer beside a chunk's GEMM (`runtime.collective_matmul`;
+    # Megatron-LM's --tp-comm-overlap, torchtitan's async TP). The tuner sets it where the cost model predicts a
+    # gain; it applies to nothing at tp 1 or with context parallelism (the rings need the sequence split over
+    # `tensor` alone).
+    tp_overlap: bool = False
     prediction: Prediction | None = None  # the cost model's view when the plan was chosen
     fingerprints: dict[str, str] = field(default_factory=dict)  # model / mesh / hardware / batch
     # How the search that chose the plan ended (None: not tuned); metadata, so plans compare without it.
@@ -339,6 +345,8 @@ class Plan:
         if self.cp_form != ContextForm.RING and self.cp == 1:
             raise PlanError(f"cp_form={self.cp_form!r} applies only with context parallelism: set cp > 1, or leave "
                             "cp_form at 'ring'")
+        if not _is_bool(self.tp_overlap):
+            raise PlanError(f"tp_overlap={self.tp_overlap!r} must be true or false")
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
             raise PlanError(f"grad_dtype={self.grad_dtype!r} is not supported: use one of {GRAD_DTYPES} or null "
                             "(each parameter's own dtype)")
@@ -530,6 +538,9 @@ class Plan:
                          f"k % {self.device_stages}")
         if self.grad_dtype is not None:
             lines.append(f"  gradients accumulated and reduced in {self.grad_dtype}")
+        if self.tp_overlap:
+            lines.append("  tensor-parallel collectives as collective matmuls (tp_overlap)"
+                         + (": applies to nothing at tp 1 or with cp > 1" if self.tp == 1 or self.cp > 1 else ""))
         zero = max(s.zero_stage for s in self.stages)
         if zero and self.shard_group * (self.cp if self.cp > 1 and self.stages[0].shard_opt else 1) == 1:
             lines.append(f"  ZeRO: the stages' ZeRO-{zero} flags shard nothing: the partition group is 1 device "

@@ -42,6 +42,7 @@ class StageStrategies:
     ulysses: np.ndarray | int = 0  # bool: the context-parallel attention is Ulysses' all-to-all (else the ring)
     deferred: np.ndarray | int = 0  # micro-batches whose weight-gradient stash the stage holds (zero-bubble)
     chunks: np.ndarray | int = 1  # layer chunks the stage's device group runs (interleaved 1F1B): each sends
+    tp_overlap: np.ndarray | int = 0  # bool: the TP collectives run as collective matmuls (`Plan.tp_overlap`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -52,7 +53,8 @@ class StageStrategies:
         """Build with defaults for omitted fields (single stage, no offload, no remat)."""
         d: dict[str, object] = dict(
             b=1, dp=1, tp=1, cp=1, ulysses=0, shard_group=0, zero=0, layers=1, remat=0, policy=0, wo=0.0, go=0.0,
-            oo=0.0, ao=0.0, inflight=1, deferred=0, chunks=1, G=1, first=True, last=True, stages=1, nodes=1, per_node=0)
+            oo=0.0, ao=0.0, inflight=1, deferred=0, chunks=1, G=1, first=True, last=True, stages=1, nodes=1, per_node=0,
+            tp_overlap=0)
         d.update(kw)
         arr = {k: np.asarray(v) for k, v in d.items()}
         arr["shard_group"] = np.where(arr["shard_group"] <= 0, arr["dp"], arr["shard_group"])

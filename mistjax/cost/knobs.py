@@ -42,6 +42,7 @@ class Knobs:
     nodes: np.ndarray  # nodes of the stage's mesh
     per_node: np.ndarray  # devices per node of the stage's mesh
     chunks: np.ndarray  # layer chunks the stage's device group runs (interleaved 1F1B)
+    tp_overlap: np.ndarray  # bool: the TP collectives run as collective matmuls (`Plan.tp_overlap`)
 
     @property
     def pipelined(self) -> np.ndarray:
@@ -71,7 +72,7 @@ class Knobs:
                    wo=f["wo"], go=f["go"], oo=f["oo"], ao=f["ao"], inflight=np.asarray(st.inflight),
                    deferred=np.asarray(st.deferred), G=f["G"],
                    stages=f["stages"], first=a["first"].astype(bool), last=a["last"].astype(bool), nodes=f["nodes"],
-                   per_node=f["per_node"], chunks=f["chunks"])
+                   per_node=f["per_node"], chunks=f["chunks"], tp_overlap=a["tp_overlap"].astype(bool))
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ def plan_strategies(workload: Workload, plan: Plan, cluster: ClusterSpec) -> Sta
     st = plan.stages
     return StageStrategies.make(
         b=plan.micro_batch, dp=plan.dp, tp=plan.tp, cp=plan.cp, ulysses=int(plan.cp_form == ContextForm.ULYSSES),
+        tp_overlap=int(plan.tp_overlap),
         shard_group=plan.shard_group, stages=S, G=G,
         nodes=nodes, per_node=per_node, zero=np.array([s.zero_stage for s in st]),
         layers=np.array([s.num_layers for s in st]),

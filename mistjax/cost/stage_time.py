@@ -3,7 +3,7 @@
 Per layer and phase (forward / backward) the four channels are priced standalone and combined with
 `overlap_time` (Mist section 3.2); tensor-parallel collectives are added serially (they sit on the
 critical path between matmuls), or, where the layer runs them as collective matmuls
-(`Capabilities.collective_matmul`), what of their rings the chunks' GEMMs do not hide (`cost.tp_rings`).
+(`Plan.tp_overlap`), what of their rings the chunks' GEMMs do not hide (`cost.tp_rings`).
 Layer kinds follow `runtime.remat`: plain, checkpointed (recompute in backward), activation-offloaded (tagged
 activations D2H in forward, H2D in backward, the rest recomputed). Every kind fetches its weights (ZeRO-3
 all-gather, host->device copy) in the forward and again in the backward (plain layers through the runtime's
@@ -279,15 +279,16 @@ def _block_tp_time(cluster: ClusterSpec, v: ProfileValues, phase: str, k: Knobs,
     """Seconds of a layer's tensor-parallel collectives in one phase: serial, or as collective matmuls whose
     chunk GEMMs (``ring_gemm`` seconds in all) hide their transfers (`cost.tp_rings`)."""
     serial = _tp_time(v.block, phase, k, link)
-    if not capabilities(cluster).collective_matmul:
+    if not np.any(_rings(k)):
         return serial
-    return np.where(_rings(cluster, k), tp_ring_time(v.block, phase, k.tp, link, ring_gemm, _ring_overlap(cluster)),
+    return np.where(_rings(k), tp_ring_time(v.block, phase, k.tp, link, ring_gemm, _ring_overlap(cluster)),
                     serial)
 
 
-def _rings(cluster: ClusterSpec, k: Knobs) -> np.ndarray:
-    """Per strategy, whether its layers run collective matmuls (`core.execution.collective_matmul_runs`)."""
-    return collective_matmul_runs(capabilities(cluster).collective_matmul, k.cp)
+def _rings(k: Knobs) -> np.ndarray:
+    """Per strategy, whether its layers run collective matmuls (`core.execution.collective_matmul_runs` of the
+    plan's ``tp_overlap``)."""
+    return collective_matmul_runs(k.tp_overlap, k.cp)
 
 
 def _tp_recompute_time(workload: Workload, cluster: ClusterSpec, v: ProfileValues, k: Knobs, link: LinkArrays,
@@ -296,9 +297,9 @@ def _tp_recompute_time(workload: Workload, cluster: ClusterSpec, v: ProfileValue
     (with collective matmuls: as the forward's rings, ``ring_gemm`` its GEMM seconds)."""
     nbytes = _recompute_bytes(workload, v, k)
     serial = cast(np.ndarray, sum(collective_time(kd, nbytes[kd], k.tp, link) for kd in KINDS))
-    if not capabilities(cluster).collective_matmul:
+    if not np.any(_rings(k)):
         return serial
-    return np.where(_rings(cluster, k),
+    return np.where(_rings(k),
                     tp_ring_recompute_time(v.block, nbytes, k.tp, link, ring_gemm, _ring_overlap(cluster)), serial)
 
 
@@ -381,8 +382,8 @@ def _layer_tp(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValu
            "recompute": _tp_recompute_time(workload, cluster, v, k, tlink, c["ring_fwd"])}
     zero = np.zeros(np.shape(out["fwd"]))
     out["chunks_fwd"] = out["chunks_bwd"] = out["chunks_recompute"] = zero
-    if capabilities(cluster).collective_matmul:
-        overhead = np.where(_rings(cluster, k), cluster.device.kernel_overhead, 0.0)
+    if np.any(_rings(k)):
+        overhead = np.where(_rings(k), cluster.device.kernel_overhead, 0.0)
         out["chunks_fwd"] = chunk_overhead(c["ring_kernels_fwd"], k.tp, overhead)
         out["chunks_bwd"] = chunk_overhead(c["ring_kernels_bwd"], k.tp, overhead)
         out["chunks_recompute"] = recompute_share(v.block, _recompute_bytes(workload, v, k)) * out["chunks_fwd"]

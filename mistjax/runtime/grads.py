@@ -302,11 +302,13 @@ def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: Stage
         prepare=tuple(None if i is None or not stacked else _slice_grad(specs[index(i)], plan) for i in st.xs_leaf))
 
 
-def mesh_capabilities(mesh: Mesh | None) -> Capabilities:
+def mesh_capabilities(mesh: Mesh | None, tp_overlap: bool = False) -> Capabilities:
     """The `Capabilities` of the platform a step for `mesh` compiles for, read from the mesh's devices, not
     ``jax.devices()``: a deviceless XLA:GPU compile (`validate.gpu_aot`) runs in a CPU process and must build
-    the program the GPUs would run. No mesh (an abstract trace): as on a GPU."""
-    return Capabilities(True) if mesh is None else Capabilities.of_platform(mesh.devices.flat[0].platform)
+    the program the GPUs would run. No mesh (an abstract trace): as on a GPU. ``tp_overlap``: the plan's."""
+    if mesh is None:
+        return Capabilities(True, tp_overlap)
+    return Capabilities.of_platform(mesh.devices.flat[0].platform, tp_overlap)
 
 
 def stage_execution(traced: TracedLoss, specs: Sequence[StageLeaf], acc_host: Sequence[bool],
@@ -419,7 +421,8 @@ def layer_block(fun: LossFn, traced: TracedLoss, layouts: Sequence[LeafLayout], 
     Megatron's TP layouts (under cp > 1 with the sequence split over `context` and the context-parallel
     attention inside), with tp = 1 and cp > 1 the context-parallel attention alone, else None (plain)."""
     form = ContextForm(plan.cp_form)
-    block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch, cp=plan.cp, form=form)
+    block = tensor_parallel_block(fun, traced, layouts=layouts, tp=plan.tp, batch=is_batch, cp=plan.cp, form=form,
+                                  overlap=plan.tp_overlap)
     if plan.cp > 1 and block is None:
         block = context_parallel_block(traced, form, plan.cp)
     return block
@@ -567,7 +570,7 @@ def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tup
         execution = stage_execution(traced, specs, acc_host, lambda i: i, stage=stage, grad_accum=G, mesh=mesh,
                                     pipelined=False)
         if on_execution is not None:
-            on_execution(ExecutionPlan((execution,), mesh_capabilities(mesh), tuple(is_batch)))
+            on_execution(ExecutionPlan((execution,), mesh_capabilities(mesh, plan.tp_overlap), tuple(is_batch)))
         grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, execution, mesh)
         acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, execution.in_loop,
                                              bool(execution.synced))

@@ -320,7 +320,8 @@ class MpmdStep:
         self._metric_plan()
         self.twin_routes = self._twin_routes()
         self.execution = ExecutionPlan(tuple(pr.execution for pr in self.programs),
-                                       mesh_capabilities(self.meshes[0]), self.info.is_batch, tuple(self.issue))
+                                       mesh_capabilities(self.meshes[0], self.plan.tp_overlap), self.info.is_batch,
+                                       tuple(self.issue))
         self._accs: dict[int, tuple[PyTree, PyTree]] = {}  # per stage: (accumulators, loss accumulators)
         self.applied = self._applied_report(checkpoint_tags)
         self._ready = True

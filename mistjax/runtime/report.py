@@ -272,6 +272,9 @@ def _noop_notes(knobs: Sequence[KnobReport], plan: Plan) -> list[str]:
         flags = ", ".join(k for k in _ZERO_KNOBS[:stage.zero_stage][::-1])
         notes.insert(0, f"ZeRO-{stage.zero_stage} ({flags}) applies to nothing in this step: "
                         f"{_unsharded('state', plan)}; set them False, or use dp > 1 to shard")
+    if plan.tp_overlap and (plan.tp == 1 or plan.cp > 1):  # `core.execution.collective_matmul_runs`
+        why = "tp is 1" if plan.tp == 1 else "the rings need the sequence split over tensor alone, not context too"
+        notes.append(f"tp_overlap applies to nothing in this step: {why}; set it False")
     remat = next((k for k in knobs if k.knob == "remat_policy" and k.applied), None)
     if remat is not None and "tag nothing" in remat.detail:
         notes.append(f"remat_policy: {remat.detail}")

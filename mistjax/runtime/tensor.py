@@ -20,7 +20,6 @@ from mistjax.core.execution import collective_matmul_runs
 from mistjax.core.jaxpr import Atom, Params, Value, read
 from mistjax.core.layout import CONTEXT_AXIS, LeafLayout
 from mistjax.core.types import LossFn
-from mistjax.runtime import xla_flags
 from mistjax.runtime.collective_matmul import (
     GatherRing,
     RingPlan,
@@ -53,11 +52,13 @@ class TensorParallelBlock:
       result: its propagated layouts and the collectives they imply.
       stack: the layer stack it replaces the body of.
       context: the context-parallel mesh axis, or None.
+      overlap: the plan's ``tp_overlap``: the layer's collectives run as collective matmuls where they can.
     """
 
     def __init__(self, graph: Graph, result: TPResult, stack: LayerStack, axis: str = TENSOR_AXIS,
-                 context: str | None = None, form: ContextForm = ContextForm.RING):
+                 context: str | None = None, form: ContextForm = ContextForm.RING, overlap: bool = False):
         self.graph, self.result, self.stack, self.axis, self.context = graph, result, stack, axis, context
+        self.overlap = overlap
         self.form = form
         self._rings: RingPlan | None = None
         # The fused-attention calls the ring kernel replaces (their sites: each node of a call points to it).
@@ -72,14 +73,11 @@ class TensorParallelBlock:
         return self._rings
 
     def _active_rings(self) -> RingPlan:
-        """`rings`, or none where the platform being traced for (the abstract mesh's) runs them at a loss
-        (`xla_flags.use_collective_matmul`)."""
+        """`rings` where the plan asks for them (``overlap``) and they apply (`collective_matmul_runs`), else
+        none."""
         mesh = jax.sharding.get_abstract_mesh()
-        device = mesh.abstract_device
-        platform = None if device is None else device.platform
         cp = mesh.shape.get(self.context, 1) if self.context is not None else 1
-        if self.axis not in mesh.axis_names or not collective_matmul_runs(xla_flags.use_collective_matmul(platform),
-                                                                          cp):
+        if self.axis not in mesh.axis_names or not collective_matmul_runs(self.overlap, cp):
             return RingPlan()
         return self.rings()
 
@@ -381,7 +379,7 @@ class _Collectives:
 
 def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[LeafLayout], tp: int,
                           batch: Sequence[bool] | None = None, cp: int = 1,
-                          form: ContextForm = ContextForm.RING) -> BlockFn | None:
+                          form: ContextForm = ContextForm.RING, overlap: bool = False) -> BlockFn | None:
     """A `BlockFn` running ``traced``'s layer under Megatron TP + SP layouts, or None for ``tp == 1``.
 
     Args:
@@ -392,6 +390,7 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
       batch: per rest leaf of ``traced``, whether it is batch data (see `block_graph`).
       cp: context-parallel degree: above 1 the sequence stays split over ``context`` inside the layer and
         the fused attention runs as the context-parallel kernel of ``form`` (`TensorParallelBlock`).
+      overlap: run the collectives as collective matmuls (the plan's ``tp_overlap``).
     Returns:
       None also when the model has no layer stack, its sequence does not split ``tp * cp`` ways, or its
       layer cannot be analysed (with a warning): the runtime then leaves the layer to GSPMD, as
@@ -423,7 +422,8 @@ def tensor_parallel_block(fun: LossFn, traced: TracedLoss, *, layouts: Sequence[
     for d in result.divisors:
         if d.exact(b, s) % tp:
             return None
-    block = TensorParallelBlock(graph, result, stack, context=CONTEXT_AXIS if cp > 1 else None, form=form)
+    block = TensorParallelBlock(graph, result, stack, context=CONTEXT_AXIS if cp > 1 else None, form=form,
+                                overlap=overlap)
     check_form(block.attention_calls, form, cp, tp)
     if cp > 1 and not block.attention_calls:
         warn_gathered("the layer's attention is not the blockwise fused-attention kernel (models.attention), "

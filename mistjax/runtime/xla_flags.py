@@ -1,29 +1,19 @@
-"""The XLA settings the runtime sets, in one place, each with its reason; and the collective-matmul switch.
+"""The XLA settings the runtime sets, in one place, each with its reason.
 
 XLA:GPU flags go to the compiler per program (``jax.jit(..., compiler_options=...)``, see
 `compiler_options`), never through the process-wide ``XLA_FLAGS``: a CPU program in the same process
 (tests, deviceless compiles) is unaffected, and the user's own ``XLA_FLAGS`` still apply underneath.
 
 The collective matmul (`mistjax.runtime.collective_matmul`) is a rewrite of the traced program, not a
-flag. One rule decides it for the runtime and the cost model, `core.execution.Capabilities.collective_matmul`:
-opt-in (off unless forced), since no GPU run has measured it; it pays only where collectives run
-asynchronously beside compute (XLA:GPU: NCCL on its own streams, ``-start`` / ``-done`` pairs the
-latency-hiding scheduler places GEMMs between), not on XLA:CPU, which runs each collective synchronously.
-Switch it with the environment variable ``MISTJAX_COLLECTIVE_MATMUL=on|off`` (``auto``, the default: off)
-or, in-process, ``with collective_matmul(True): ...`` around the first call (trace) of a step; the context wins over the
-environment. `use_collective_matmul` applies it to the platform a step is traced for.
+flag: the plan's ``tp_overlap`` knob decides it (`core.execution.Capabilities.collective_matmul`), for the
+runtime and the cost model alike. It pays only where collectives run asynchronously beside compute (XLA:GPU:
+NCCL on its own streams, ``-start`` / ``-done`` pairs the latency-hiding scheduler places GEMMs between), not
+on XLA:CPU, which runs each collective synchronously; the tuner turns it on where the cost model predicts a gain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from mistjax.core.execution import (
-    COLLECTIVE_MATMUL_ENV,
-    Capabilities,
-    collective_matmul,
-    collective_matmul_forced,
-)
 
 # Platforms (``jax.Device.platform``) whose programs get the XLA:GPU flags.
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
@@ -80,22 +70,11 @@ def compiler_options(platform: str | None, options: XlaGpuOptions = DEFAULT) -> 
     return {f.name: f.value for f in options.flags}
 
 
-def use_collective_matmul(platform: str | None) -> bool:
-    """Whether the tensor-parallel runtime runs collective matmuls for ``platform`` (None: unknown, off unless
-    forced): `core.execution.Capabilities.collective_matmul`, the rule the cost model prices too."""
-    if platform is None:
-        return bool(collective_matmul_forced())
-    return Capabilities.of_platform(platform).collective_matmul
-
-
 def describe(options: XlaGpuOptions = DEFAULT) -> str:
     """The settings as text, one per line with the reason (for docs and ``--verbose`` reports)."""
     lines = [f"--{f.name}={str(f.value).lower()}: {f.reason}" for f in options.flags]
-    forced = collective_matmul_forced()
-    lines.append(f"collective matmul: {'off (opt-in)' if forced is None else ('on' if forced else 'off')} "
-                 f"(${COLLECTIVE_MATMUL_ENV} or `collective_matmul`)")
+    lines.append("collective matmul: the plan's tp_overlap (Plan.tp_overlap), not a flag")
     return "\n".join(lines)
 
 
-__all__ = ["COLLECTIVE_MATMUL_ENV", "DEFAULT", "GPU_FLAGS", "GPU_PLATFORMS", "XlaFlag", "XlaGpuOptions",
-           "collective_matmul", "compiler_options", "describe", "use_collective_matmul"]
+__all__ = ["DEFAULT", "GPU_FLAGS", "GPU_PLATFORMS", "XlaFlag", "XlaGpuOptions", "compiler_options", "describe"]

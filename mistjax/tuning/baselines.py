@@ -146,5 +146,5 @@ def ablation_spaces() -> dict[str, SearchSpace]:
     offload = {k: getattr(SearchSpace(), k) for k in _NO_OFFLOAD}
     steps.append(steps[-1].replace(name="+offload", **offload))
     steps.append(steps[-1].replace(name="+imbalance", pareto_k=SearchSpace().pareto_k))
-    steps.append(SearchSpace.full().replace(name="+mics+policies"))
+    steps.append(SearchSpace.full().replace(name="+mics+policies", tp_overlap=False))  # no TP overlap: not Mist's
     return {s.name: s for s in steps}

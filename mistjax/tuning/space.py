@@ -97,6 +97,9 @@ class SearchSpace:
             activations) beside each 1F1B key whose micro-batches are a multiple of its stages; ``()`` turns it
             off. Every key of every schedule is searched or pruned by its bound, so a space with these contains
             the space without (`schedule_variants`).
+        tp_overlap: the winner's tensor-parallel collectives may run as collective matmuls (`Plan.tp_overlap`),
+            where collectives run asynchronously and the full prediction is faster (priced on the winner, not
+            searched per key).
     """
 
     name: str = "mistjax"
@@ -123,6 +126,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b",)
     zero_bubble: bool = True
     interleave: tuple[int, ...] = (2, 4)
+    tp_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
@@ -176,7 +180,7 @@ class SearchSpace:
     def mist(cls) -> SearchSpace:
         """Mist's own space, without our additions (no MiCS groups, full-layer recompute only)."""
         return cls(name="mist", cp_degrees=(1,), mics=False, policies=("full",), schedules=("1f1b",),
-                   zero_bubble=False, interleave=())
+                   zero_bubble=False, interleave=(), tp_overlap=False)
 
     @classmethod
     def megatron(cls) -> SearchSpace:
@@ -187,7 +191,8 @@ class SearchSpace:
         equal chunks per stage)."""
         return cls(name="megatron", cp_degrees=(1,), zero_levels=(1,), mics=False, remat="all",
                    policies=("full",), weight_offload=(0.0,), grad_offload=(0.0,), opt_offload=(0.0,),
-                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",), zero_bubble=False)
+                   act_offload=(0.0,), uniform_layers=True, pareto_k=1, schedules=("1f1b",), zero_bubble=False,
+                   tp_overlap=False)
 
     @classmethod
     def fsdp(cls) -> SearchSpace:

@@ -24,7 +24,6 @@ from typing import TypedDict
 
 import numpy as np
 
-from mistjax.core.execution import collective_matmul
 from mistjax.core.plan import Plan
 from mistjax.cost.predict import analyze
 from mistjax.cost.workload import Workload
@@ -93,10 +92,9 @@ def with_constants(cluster: ClusterSpec, values: dict[str, float]) -> ClusterSpe
 def predicted(case: Case, values: dict[str, float]) -> float:
     """Predicted seconds of what the case's run timed, with the device constants ``values``."""
     cluster = with_constants(case.cluster, values)
-    with collective_matmul(case.run.tp_overlap):  # TP collectives as the run ran them (`predict_run`)
-        step = analyze(case.workload, case.plan, cluster).step_time
-        if case.untimed_optimizer:
-            step -= optimizer_seconds(case.workload, case.plan, cluster)
+    step = analyze(case.workload, case.plan, cluster).step_time  # the plan's tp_overlap is the run's (`to_plan`)
+    if case.untimed_optimizer:
+        step -= optimizer_seconds(case.workload, case.plan, cluster)
     return step
 
 

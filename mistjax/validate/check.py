@@ -9,7 +9,7 @@ import functools
 from typing import TYPE_CHECKING, NotRequired, TypeAlias, TypedDict
 
 from mistjax.core import hlo
-from mistjax.core.execution import Capabilities, collective_matmul_runs
+from mistjax.core.execution import collective_matmul_runs
 from mistjax.core.plan import Plan, uniform_plan
 from mistjax.core.schedules import V_SHAPED
 from mistjax.core.types import Batch, State, TrainStep
@@ -229,11 +229,7 @@ def compare_cell(name: ModelName, seq: int, global_batch: int, plan: Plan, clust
     m = measured or measure_cell(name, seq, global_batch, plan)
     mem_pred = max(a.xla_cpu_peak)
     flops_pred = max(a.flops_xla)
-    # The compile ran on this process's devices: the rings are there when the rule says so for their platform.
-    import jax
-
-    rings = bool(collective_matmul_runs(Capabilities.of_platform(jax.devices()[0].platform).collective_matmul,
-                                        plan.cp))
+    rings = bool(collective_matmul_runs(plan.tp_overlap, plan.cp))  # the rings are there where the plan runs them
     tp_coll = tp_collective_bytes(wl, plan, "xla-cpu", rings=rings)
     pred_coll = {k: float(a.collective_bytes.get(k, 0.0)) + tp_coll.get(k, 0.0) for k in KINDS}
     if m["coll"] is None:  # a pipeline: its collectives are spread over its programs (not compared)

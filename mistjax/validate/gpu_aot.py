@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mistjax.core.execution import Capabilities
+from mistjax.core.execution import collective_matmul_runs
 from mistjax.core.hlo import AsyncCollective, async_collectives, collective_bytes, collectives, computation_trips
 from mistjax.core.plan import Plan, format_bytes
 from mistjax.core.types import Batch, State, TrainStep
@@ -234,7 +234,7 @@ def compile_plan(train_step: TrainStep, state: State, batch: Batch, plan: Plan, 
                      "devices have no host memory space, so XLA:GPU counts it in the device arguments")
     if cost is None:
         notes.append("XLA's HloCostAnalysis (private API) was not available")
-    if plan.tp > 1 and Capabilities.of_platform(devices[0].platform).collective_matmul:
+    if plan.tp > 1 and collective_matmul_runs(plan.tp_overlap, plan.cp):
         notes.append("tensor parallelism runs collective matmuls: the layers' all-gathers / reduce-scatters are "
                      "rings of collective-permutes (t - 1 per ring, each beside a chunk's GEMM)")
     return GpuAotReport(

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import numpy as np
 
-from mistjax.core.execution import collective_matmul
 from mistjax.core.plan import Plan, StagePlan
 from mistjax.cost.predict import Analysis, analyze
 from mistjax.cost.workload import Workload
@@ -139,7 +138,8 @@ def to_plan(run: PublishedRun) -> Plan:
                              offload_weights=s.offload_weights, offload_grads=s.offload_grads,
                              offload_opt=s.offload_opt, offload_acts=s.offload_acts) for s in par.stages)
     return Plan(stages=stages, micro_batch=par.micro_batch, grad_accum=par.grad_accum, dp=par.dp, tp=par.tp,
-                schedule=par.schedule, virtual_stages=par.virtual_stages, shard_group=par.shard_group)
+                schedule=par.schedule, virtual_stages=par.virtual_stages, shard_group=par.shard_group,
+                tp_overlap=run.tp_overlap)
 
 
 def run_config(run: PublishedRun) -> ModelConfig:
@@ -277,10 +277,9 @@ def predict_run(run: PublishedRun) -> RunPrediction:
     and its elementwise chains as the run's runtime does (`run_config`).
     A run whose timing leaves the optimizer step out is compared without it (`excludes_optimizer`). Its
     tensor-parallel collectives are priced as the run ran them: as collective matmuls where it did
-    (`PublishedRun.tp_overlap`), else serially (`core.execution.collective_matmul`).
+    (`PublishedRun.tp_overlap`, the plan's ``tp_overlap``), else serially.
     """
-    with collective_matmul(run.tp_overlap):
-        return _predict_run(run)
+    return _predict_run(run)
 
 
 def _predict_run(run: PublishedRun) -> RunPrediction:
