@@ -1,5 +1,6 @@
 """autoshard without a plan on model code as users write it (issue #55): a from-scratch NNX GPT whose learned
 position table is sliced to the sequence, Hugging Face's GPT-Neo with its alternating global / local attention,
+a step that runs at its batch's sequence length only (analysed there, with a warning naming the user's line),
 and one clear error naming the user's line when a step truly cannot be analysed.
 
 Each run is compared with `jax.jit` of the same step: the losses and the parameters after two optimizer steps.
@@ -18,7 +19,7 @@ import pytest
 from flax import nnx
 
 import mistjax
-from mistjax.analysis import DEFAULT_POINTS, StructureError, analysis_points, analyze_model
+from mistjax.analysis import DEFAULT_POINTS, FixedLengthWarning, StructureError, analysis_points, analyze_model
 from mistjax.plan import uniform_plan
 from mistjax.trace.split import trace_loss
 
@@ -127,6 +128,7 @@ def assert_matches_jit(loss_fn: Any, params: Any, batch: Any, zoo3p: Any, **auto
     step = mistjax.autoshard(train_step, jax.devices(), time_limit=20, **autoshard)
     state = step.place(zoo3p.optax_state(jax.tree.map(jnp.copy, params), TX), batch)
     losses, state = train(step, state, batch)
+    state = step.gather(state)  # a pipelined plan holds each stage's layers apart
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref_state["params"]), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
@@ -199,36 +201,53 @@ def test_gpt_neo_with_alternating_attention_autoshards(tp: int, family: Any, zoo
         assert {"q_proj", "k_proj", "v_proj", "out_proj", "c_fc", "c_proj"} <= split, split
 
 
-# ---------------------------------------------------------------------------------------------- clear errors
-def test_a_step_that_only_runs_at_its_own_length_names_the_line(zoo3p: Any, tmp_path: Path) -> None:
-    """The whole position table added to the tokens: the step cannot run at a shorter sequence, so it cannot
-    be analysed; the error names this file's line and the fix. (A cache of its own: at the batch's length the
-    program is the sliced model's, whose profile an earlier test may have cached.)"""
+# ---------------------------------------------------------------------------------------------- clear messages
+def test_a_step_that_only_runs_at_its_own_length_is_analysed_there(zoo3p: Any, tmp_path: Path) -> None:
+    """The whole position table added to the tokens: the step runs at no shorter sequence, so it is analysed at
+    the batch's length alone, with a warning naming this file's line and the fix. (A cache of its own: at the
+    batch's length the program is the sliced model's, whose profile an earlier test may have cached.)"""
     loss_fn, params = gpt(positions=SEQ, whole_table=True)
-    step = mistjax.autoshard(zoo3p.optax_step(loss_fn, TX), jax.devices(), verbose=False, cache_dir=tmp_path)
-    with pytest.raises(StructureError) as err:
-        step(zoo3p.optax_state(params, TX), batch_of())
-    message = str(err.value)
+    with pytest.warns(FixedLengthWarning) as record:
+        step = assert_matches_jit(loss_fn, params, batch_of(), zoo3p, cache_dir=tmp_path)
+    message = str(next(w.message for w in record if isinstance(w.message, FixedLengthWarning)))
     assert f"{__file__}:{_line('# <- the whole table')}" in message, message
-    assert "pos[:ids.shape[1]]" in message and "plan=" in message and "docs/errors.md" in message
+    assert "pos[:ids.shape[1]]" in message and f"sequence length {SEQ} alone" in message
+    assert step.plan.cp == 1
 
 
-def test_a_step_branching_on_the_sequence_length_names_the_line(zoo3p: Any) -> None:
-    fam = zoo3p.lax_scan()
+def branching_loss(zoo3p: Any, dim: int, above: int) -> Any:
+    """A lax.scan model that takes another path where its batch's dim ``dim`` (0: batch, 1: sequence) is above
+    ``above``."""
 
     def loss_fn(params: Any, batch: Any) -> jax.Array:
         h = params["embed"][batch["inputs"]]
-        if batch["inputs"].shape[1] > 12:
-            h = jnp.tanh(h)  # <- only at long sequences
+        if batch["inputs"].shape[dim] > above:
+            h = jnp.tanh(h)  # <- another path at some sizes
         h, _ = jax.lax.scan(lambda h, w: (h + jax.nn.gelu(h @ w["w_in"]) @ w["w_out"], None), h, params["layers"])
         return zoo3p.xent(h @ params["head"], batch["targets"])
 
-    step = mistjax.autoshard(zoo3p.optax_step(loss_fn, TX), jax.devices(), verbose=False)
+    return loss_fn
+
+
+def test_a_step_branching_on_the_sequence_length_is_analysed_at_its_own(zoo3p: Any) -> None:
+    fam = zoo3p.lax_scan()
+    with pytest.warns(FixedLengthWarning) as record:
+        assert_matches_jit(branching_loss(zoo3p, dim=1, above=12), fam.params, batch_of(), zoo3p)
+    message = str(next(w.message for w in record if isinstance(w.message, FixedLengthWarning)))
+    assert f"`tanh` (made at {__file__}:{_line('# <- another path at some sizes')}" in message, message
+    assert "branches on the batch or sequence size" in message
+
+
+def test_a_step_branching_on_the_batch_size_is_one_clear_error(zoo3p: Any) -> None:
+    """Another path at micro-batches above 3: no size set analyses (each varies the batch)."""
+    fam = zoo3p.lax_scan()
+    step = mistjax.autoshard(zoo3p.optax_step(branching_loss(zoo3p, dim=0, above=3), TX), jax.devices(), verbose=False)
     with pytest.raises(StructureError) as err:
         step(zoo3p.optax_state(fam.params, TX), batch_of())
     message = str(err.value)
-    assert f"`tanh` (made at {__file__}:{_line('# <- only at long sequences')}" in message, message
+    assert f"`tanh` (made at {__file__}:{_line('# <- another path at some sizes')}" in message, message
     assert "branches on the batch or sequence size" in message and "plan=" in message
+    assert "docs/errors.md" in message
 
 
 def test_a_step_failing_at_its_own_shapes_names_the_line(zoo3p: Any) -> None:

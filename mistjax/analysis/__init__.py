@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 # (graph, layout, tp, block) and must not pay for sympy, which `analyze`, `compiled` and `profile` need.
 _EXPORTS = {
     "DEFAULT_POINTS": "analyze", "analyze_model": "analyze", "block_tags": "analyze", "token_batch": "analyze",
-    "analysis_points": "analyze", "first_trace": "analyze",
+    "analysis_points": "analyze", "first_trace": "analyze", "FixedLengthWarning": "analyze",
     "CompiledProfile": "compiled", "compile_profile": "compiled", "part_values": "compiled",
     "FlopCount": "flops", "flop_count": "flops",
     "Graph": "graph", "StructureError": "graph", "build_graph": "graph",
@@ -30,6 +30,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from mistjax.analysis.analyze import (
         DEFAULT_POINTS,
+        FixedLengthWarning,
         analysis_points,
         analyze_model,
         block_tags,
@@ -62,6 +63,7 @@ __all__ = [
     "Collective",
     "CompiledProfile",
     "FitError",
+    "FixedLengthWarning",
     "FlopCount",
     "Graph",
     "ModelProfile",

@@ -5,6 +5,7 @@ residuals, liveness peaks, tensor-parallel collectives in b, s, t). How and what
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -475,21 +476,43 @@ def analyze_model(
 
     Raises:
       StructureError: the loss fails to trace at a point, or its traces differ in structure, at every
-        point set (the first set's error, naming the user's line and the fix).
+        point set (the first set's error, naming the user's line and the fix), and with ``seq_len`` also
+        at three batch sizes of that length alone (`fixed_length_points`; when those analyse, a
+        `FixedLengthWarning` quotes the first error instead).
     """
     sets = [tuple(tuple(p) for p in points)] if points is not None else analysis_points(seq_len)
     axes = _flat_axes(params, param_axes)
     errors: list[ValueError] = []
-    for pts in sets:
+    fixed = [fixed_length_points(seq_len)] if points is None and seq_len is not None else []
+    for pts in [*sets, *fixed]:
         try:
-            return _analyze_at(fun, params, batch_fn, pts, axes, policies, seq_len=seq_len,
-                               sequence_parallel=sequence_parallel, tensor_axes=tensor_axes, cache=cache)
+            profile = _analyze_at(fun, params, batch_fn, pts, axes, policies, seq_len=seq_len,
+                                  sequence_parallel=sequence_parallel, tensor_axes=tensor_axes, cache=cache)
         except FitError as e:
             errors.append(StructureError(f"{e}; the computation's shapes are not polynomials of the batch and "
                                          "sequence size there (docs/errors.md, StructureError)"))
+            continue
         except (StructureError, BlockSizeError) as e:
             errors.append(e)
+            continue
+        if errors:  # only the batch's own length analysed: say why, and what the profile then holds for
+            warnings.warn(f"{errors[0]} -- analysed at the batch's sequence length {seq_len} alone instead: the "
+                          f"plan's time and memory predictions hold for {seq_len} tokens per sequence, and context "
+                          "and sequence parallelism are not priced", FixedLengthWarning, stacklevel=2)
+        return profile
     raise errors[0]  # the first set's: the one closest to what the user runs
+
+
+class FixedLengthWarning(RuntimeWarning):
+    """The loss was analysed at the batch's own sequence length only (it traces at no shorter one)."""
+
+
+def fixed_length_points(seq_len: int) -> tuple[tuple[int, int], ...]:
+    """The last resort of `analyze_model`: three batch sizes at the batch's own sequence length, for a loss
+    that traces at no other length (the whole position table added to the tokens) or takes another path
+    there. Sizes are then fitted in ``b`` alone (`poly.fit_dim`); the profile holds at ``seq_len``."""
+    b = DEFAULT_POINTS[0][0]
+    return ((b, seq_len), (b + 1, seq_len), (b + 2, seq_len))
 
 
 def _analyze_at(fun: LossFn, params: PyTree, batch_fn: Callable[[int, int], tuple[PyTree, ...]],

@@ -196,7 +196,7 @@ class _Aligned:
         """The reference's elidable equation as this trace lacks it: its result is its operand here."""
         operand = ref.eqn.invars[0]
         here = self._corr.get(operand) if is_var(operand) else None
-        if here is None:
+        if not is_var(here):  # a literal or an unknown value: no stand-in
             return None
         self._corr.update((v, here) for v in ref.eqn.outvars)
         return Step(Visit.LEAF, ref.eqn.replace(invars=[here], outvars=[here]))

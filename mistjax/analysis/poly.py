@@ -246,6 +246,20 @@ def _inverse(points: tuple[tuple[int, int], ...]) -> tuple[tuple[Fraction, ...],
     return tuple(tuple(row[n:]) for row in a)
 
 
+def _fit_b(values: Sequence[int], points: Sequence[tuple[int, int]]) -> Poly:
+    """The line in ``b`` through ``values`` at points of one sequence length (a loss that traces at no other:
+    `mistjax.analysis.analyze.fixed_length_points`); the length's own terms fold into the coefficients."""
+    b0 = points[0][0]
+    j = next(k for k, (b, _) in enumerate(points) if b != b0)  # a second batch size
+    slope = Fraction(values[j] - values[0], points[j][0] - b0)
+    coefs = {(0, 0, 0): values[0] - slope * b0, (1, 0, 0): slope}
+    poly = Poly({m: (int(c) if c.denominator == 1 else c) for m, c in coefs.items()})
+    for v, (b, s) in zip(values, points):
+        if poly.exact(b, s) != v:
+            raise FitError(f"sizes {list(values)} at (b, s) = {list(points)} are not a polynomial of degree <= 1 in b")
+    return poly
+
+
 def fit_dim(values: Sequence[int], points: Sequence[tuple[int, int]]) -> Poly:
     """The polynomial in (b, s) through ``values`` at the first six ``points``.
 
@@ -257,6 +271,8 @@ def fit_dim(values: Sequence[int], points: Sequence[tuple[int, int]]) -> Poly:
         return PB
     if all(v == s for v, (_, s) in zip(values, points)):
         return PS
+    if len({s for _, s in points}) == 1:
+        return _fit_b(values, points)
     inv = _inverse(tuple(points[: len(BASIS)]))
     coefs = [sum((inv[r][c] * values[c] for c in range(len(BASIS))), Fraction(0)) for r in range(len(BASIS))]
     poly = Poly({m: (int(c) if c.denominator == 1 else c) for m, c in zip(BASIS, coefs)})
