@@ -134,3 +134,18 @@ def test_split_field_must_be_a_number():
     doc["device"]["hbm_bytes"] = "lots"
     with pytest.raises(ValueError, match="cluster.device.hbm_bytes"):
         ClusterSpec.from_dict(doc, nodes=1, per_node=8)
+
+
+@pytest.mark.parametrize("name,gbit_per_node,gpu", [("aws-p3dn", 100, "V100-SXM2-32GB"),
+                                                     ("aws-p4d", 400, "A100-SXM4-40GB"),
+                                                     ("aws-p5", 3200, "H100-SXM5-80GB")])
+def test_cloud_presets_carry_their_instances_network(name, gbit_per_node, gpu):
+    """The public-cloud presets MiCS targets (#52): eight GPUs per instance, the instance's network line rate split
+    over its GPUs, the same XLA:GPU target as the GPU's own preset where one exists."""
+    from mistjax.validate.gpu_aot_target import TARGET_SPECS
+
+    cl = ClusterSpec.preset(name, nodes=4, per_node=8)
+    assert gpu in cl.device.name
+    assert cl.collective_link(8, 4).bandwidth * 8 / 1e9 == pytest.approx(gbit_per_node)
+    assert "aws.amazon.com" in cl.source
+    assert TARGET_SPECS.get(name) == {"aws-p4d": "a100_sxm_40.txtpb", "aws-p5": "h100_sxm.txtpb"}.get(name)

@@ -365,8 +365,8 @@ class ClusterSpec:
 Cluster = ClusterSpec  # the name used in design.md
 
 # One document per name in mistjax/hardware/catalog/ (package data; the suite checks the two agree).
-PRESET_NAMES: tuple[str, ...] = ("l4", "a100-40gb", "a100-80gb", "h100", "h200", "dgx-a100", "dgx-h100", "tpu-v5e",
-                                 "tpu-v5p", "cpu")
+PRESET_NAMES: tuple[str, ...] = ("l4", "a100-40gb", "a100-80gb", "h100", "h200", "dgx-a100", "dgx-h100", "aws-p3dn",
+                                 "aws-p4d", "aws-p5", "tpu-v5e", "tpu-v5p", "cpu")
 
 
 @functools.cache

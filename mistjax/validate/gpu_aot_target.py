@@ -37,6 +37,8 @@ TARGET_SPECS: dict[str, str] = {
     "a100-80gb": "a100_sxm_80.txtpb",
     "h100": "h100_sxm.txtpb",
     "h200": "h200.txtpb",
+    "aws-p4d": "a100_sxm_40.txtpb",  # the same GPU as a100-40gb
+    "aws-p5": "h100_sxm.txtpb",  # the same GPU as h100
 }
 _SPEC_NAME = re.compile(r'^device_description_str:\s*"([^"]*)"', re.M)
 _SPEC_MEMORY = re.compile(r"device_memory_size:\s*(\d+)")
