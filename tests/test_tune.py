@@ -265,10 +265,9 @@ def test_a_time_limit_that_is_not_positive_is_a_clear_error(limit):
         tune(w, _cpu(2e6), cost=stub.COST_MODEL, time_limit=limit)
 
 
-def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
-    """Every cost-model call takes one second of a fake clock: the key bounds, the pricing and the MILPs
-    stop at the limit (give or take the few calls a key makes before its first check), instead of
-    searching the whole space. The count is exact, so nothing here depends on this machine's speed."""
+def _fake_clock(monkeypatch) -> tuple[object, list[float]]:
+    """The stub cost model on a fake clock of the tuner's modules: every stage pricing takes one second of it.
+    Returns the cost model and the clock's reading (a one-element list)."""
     from mistjax.core.strategies import CostModel
     from mistjax.tuning import inter, sweep, tuner
 
@@ -281,7 +280,14 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     clock = type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])})
     for module in (tuner, inter, sweep):
         monkeypatch.setattr(module, "time", clock)
-    cost = CostModel(stage_cost=stage_cost, predict=stub.COST_MODEL.predict)
+    return CostModel(stage_cost=stage_cost, predict=stub.COST_MODEL.predict), now
+
+
+def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
+    """Every cost-model call takes one second of a fake clock: the key bounds, the pricing and the MILPs
+    stop at the limit (give or take the few calls a key makes before its first check), instead of
+    searching the whole space. The count is exact, so nothing here depends on this machine's speed."""
+    cost, now = _fake_clock(monkeypatch)
     w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
     whole = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=1e9)
     unlimited = now[0]
@@ -306,8 +312,6 @@ def test_a_work_budget_stops_the_search_the_same_way_on_any_clock(monkeypatch):
     """A search stopped by its work budget returns the same plan and the same counts whatever the clock says
     (here: a clock that makes every cost-model call take a second, against a real one), and the plan records how
     the search ended; a complete search records that it is complete, through JSON."""
-    from mistjax.core.strategies import CostModel
-    from mistjax.tuning import inter, sweep, tuner
     from mistjax.tuning.tuner import WorkBudget
 
     w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
@@ -318,20 +322,11 @@ def test_a_work_budget_stops_the_search_the_same_way_on_any_clock(monkeypatch):
     budget = WorkBudget(strategies=whole.evaluated // 4)
     with pytest.warns(RuntimeWarning, match="cut by the work budget"):
         real_clock = search(w, _cpu(2e7), SearchSpace(), cost=stub.COST_MODEL, work_budget=budget)
-    now = [0.0]
-
-    def stage_cost(*args):
-        now[0] += 1.0
-        return stub.COST_MODEL.stage_cost(*args)
-
-    clock = type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])})
-    for module in (tuner, inter, sweep):
-        monkeypatch.setattr(module, "time", clock)
-    slow = CostModel(stage_cost=stage_cost, predict=stub.COST_MODEL.predict)
+    slow, _ = _fake_clock(monkeypatch)
     with pytest.warns(RuntimeWarning, match="cut by the work budget"):
         fake_clock = search(w, _cpu(2e7), SearchSpace(), cost=slow, work_budget=budget, time_limit=1e9)
     for r in (real_clock, fake_clock):
-        assert r.stopped_by == "work budget" and not r.complete and 0 < r.keys_cut
+        assert r.stopped_by == "work budget" and not r.complete and r.keys_cut > 0
         assert r.plan is not None and r.plan.search == r.record() and not r.plan.search.complete
     assert real_clock.plan.to_json() == fake_clock.plan.to_json()
     assert (real_clock.evaluated, real_clock.keys_cut) == (fake_clock.evaluated, fake_clock.keys_cut)
