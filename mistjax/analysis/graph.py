@@ -154,6 +154,10 @@ def _mismatch(ref: Step, other: Step, k: int, point: tuple[int, int] | None, ref
                           f"{ref_point} but {_name(other)} at {at}{BRANCH_FIX}")
 
 
+def _elidable(step: Step) -> bool:
+    return step.visit is Visit.LEAF and step.eqn.primitive.name in ELIDABLE
+
+
 class _Aligned:
     """One other trace walked in step with the reference. An `ELIDABLE` equation only one of them has (a slice
     of a table that is a no-op at one size) is stepped over in the other trace, or stands in the reference for
@@ -165,11 +169,13 @@ class _Aligned:
         self.point = point
         self._corr: dict[jex.Var, Atom] = dict(zip(ref.invars, jaxpr.invars))  # reference var -> this trace's
         self._corr.update(zip(ref.constvars, jaxpr.constvars))
+        self._alias: dict[jex.Var, Atom] = {}  # result of a stepped-over equation -> its operand
 
     def match(self, ref: Step, k: int, ref_point: tuple[int, int] | None) -> Step:
         while True:
             step = self._steps[self._pos] if self._pos < len(self._steps) else None
-            if step is not None and step.visit is ref.visit and step.eqn.primitive.name == ref.eqn.primitive.name:
+            if (step is not None and step.visit is ref.visit and step.eqn.primitive.name == ref.eqn.primitive.name
+                    and not (_elidable(step) and not self._same_operands(ref, step))):
                 self._pos += 1
                 self._pair(ref, step)
                 return step
@@ -180,9 +186,25 @@ class _Aligned:
             if step is None:
                 raise StructureError(f"the trace at (b, s) = {self.point} lacks {_name(ref)}, equation {k} of "
                                      f"the trace at (b, s) = {ref_point}{BRANCH_FIX}")
-            if not (step.visit is Visit.LEAF and step.eqn.primitive.name in ELIDABLE):
+            if not _elidable(step):
                 raise _mismatch(ref, step, k, self.point, ref_point)
             self._pos += 1
+            # Stepped over: its result stands for its operand (what the reference reads in its place).
+            self._alias.update((v, step.eqn.invars[0]) for v in step.eqn.outvars)
+
+    def _same_operands(self, ref: Step, step: Step) -> bool:
+        """Whether ``step`` reads what ``ref`` reads, as far as the walk paired their values (an elidable
+        equation of the same name but other operands is an extra one of this trace, not ``ref``'s pair)."""
+        for r, o in zip(ref.eqn.invars, step.eqn.invars):
+            here = self._corr.get(r) if is_var(r) else None
+            if is_var(here) and is_var(o) and self._resolve(here) is not self._resolve(o):
+                return False
+        return True
+
+    def _resolve(self, v: Atom) -> Atom:
+        while v in self._alias:
+            v = self._alias[v]
+        return v
 
     def _pair(self, ref: Step, step: Step) -> None:
         self._corr.update(zip(ref.eqn.outvars, step.eqn.outvars))
@@ -204,7 +226,7 @@ class _Aligned:
     def finish(self, ref_point: tuple[int, int] | None) -> None:
         """Raise unless only elidable equations are left."""
         for step in self._steps[self._pos:]:
-            if not (step.visit is Visit.LEAF and step.eqn.primitive.name in ELIDABLE):
+            if not _elidable(step):
                 raise StructureError(f"the trace at (b, s) = {self.point} has {_name(step)}, which the trace at "
                                      f"(b, s) = {ref_point} lacks{BRANCH_FIX}")
 
