@@ -367,3 +367,22 @@ def test_systems_store_the_state_as_they_run():
     assert baseline_system("megatron") is meg and baseline_system("mistjax") is SYSTEMS["mistjax"]
     with pytest.raises(ValueError, match="precision 'int8'"):
         meg.storage("int8")
+
+
+def test_every_measured_run_is_a_plan_of_its_own_systems_space(runs):
+    """Each run of the shared file, as `bench_published` prices it (`to_plan`, the record its system names), is a
+    plan of that system's search space (`space_admits`): its outer key is one of the space's keys and every stage's
+    layers, ZeRO level, remat and offload ratios are values it searches. So the grid's Megatron-LM and Mist
+    baselines can reach the plans those systems really ran."""
+    from mistjax.tuning import baseline_spaces
+    from mistjax.tuning.space import space_admits
+
+    spaces = baseline_spaces(("megatron", "mist"))
+    for r in runs.points:
+        system = r.system_record.name
+        why = space_admits(spaces[system], to_plan(r), model_config(r.model).num_layers, r.hardware.nodes,
+                           r.hardware.per_node)
+        assert not why, (r.id, system, why)
+    # and the check can fail: micro-batch 16 is outside Megatron-LM's space
+    bad = to_plan(runs.points[-1]).replace(micro_batch=16)
+    assert any("outer key" in w for w in space_admits(spaces["megatron"], bad, 32, 1, 8))

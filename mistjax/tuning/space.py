@@ -27,10 +27,12 @@ import numpy as np
 import numpy.typing as npt
 
 from mistjax.core.context import CONTEXT_FORMS
+from mistjax.core.plan import Plan, StagePlan
 from mistjax.core.schedules import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE
 
 __all__ = [
     "MIST_OFFLOAD",
+    "MIST_OPT_OFFLOAD",
     "MIST_SPARSE_OFFLOAD",
     "OuterKey",
     "RematOptions",
@@ -41,12 +43,16 @@ __all__ = [
     "remat_options",
     "schedule_variants",
     "shard_groups",
+    "space_admits",
     "stage_mesh",
     "strategy_grid",
 ]
 
 MIST_SPARSE_OFFLOAD = (0.0, 0.25, 0.375, 0.5, 0.75, 1.0)  # weights and grads (SPARSE_OFFLOADING_RATIO_CANDIDATES)
 MIST_OFFLOAD = (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # optimizer state and activations
+# Optimizer state: Mist's candidates and 0.125, which two of the artifact's tuned L4 GPT-3 7B plans use (the shared
+# published runs; `space_admits` holds each measured run's plan to its own system's space).
+MIST_OPT_OFFLOAD = (0.0, 0.125, *MIST_OFFLOAD[1:])
 REMAT_MODES = ("tune", "all", "all_or_none", "none")
 
 
@@ -103,7 +109,7 @@ class SearchSpace:
     """
 
     name: str = "mistjax"
-    micro_batches: tuple[int, ...] = (1, 2, 4)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     cp_degrees: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     cp_forms: tuple[str, ...] = CONTEXT_FORMS
@@ -117,7 +123,7 @@ class SearchSpace:
     policies: tuple[str, ...] | None = None
     weight_offload: tuple[float, ...] = MIST_SPARSE_OFFLOAD
     grad_offload: tuple[float, ...] = MIST_SPARSE_OFFLOAD
-    opt_offload: tuple[float, ...] = MIST_OFFLOAD
+    opt_offload: tuple[float, ...] = MIST_OPT_OFFLOAD
     act_offload: tuple[float, ...] = MIST_OFFLOAD
     weight_needs_grad_offload: bool = True
     uniform_layers: bool = False
@@ -185,7 +191,8 @@ class SearchSpace:
     @classmethod
     def megatron(cls) -> SearchSpace:
         """Megatron-LM: pp any divisor of the layers (`uniform_layers`, as Megatron-LM requires without its
-        uneven first / last stage option), dp whatever the devices leave, b in {1,2,4}, full recompute,
+        uneven first / last stage option), dp whatever the devices leave, b in {1,2,4,8} (the artifact's best
+        Megatron-LM configs at 1.3B run b 8), full recompute,
         distributed optimizer (the published runs: 530B tp 8, pp 35, dp 8; 1T tp 8, pp 64, dp 6; arXiv
         2104.04473 Table 1), and its interleaved 1F1B (``--num-layers-per-virtual-pipeline-stage``: 2 or 4
         equal chunks per stage)."""
@@ -429,3 +436,48 @@ def layer_options(space: SearchSpace, num_layers: int, stages: int, grad_accum: 
     if stages * max(opts) < num_layers or stages * min(opts) > num_layers:
         opts = tuple(range(max(1, num_layers // stages), -(-num_layers // stages) + 1))
     return opts
+
+
+def space_admits(space: SearchSpace, plan: Plan, num_layers: int, nodes: int, per_node: int) -> list[str]:
+    """Why ``space`` does not contain ``plan`` on ``nodes x per_node`` devices (empty: it does): its outer key is
+    one of `outer_keys` (assuming the model splits any TP and CP way), each stage's layer count one of
+    `layer_options`, and its ZeRO level, partition group, remat count and policy and offload ratios are values the
+    space searches. A published run's plan in its own system's space is what makes that baseline honest."""
+    why: list[str] = []
+    batch = plan.micro_batch * plan.dp * plan.grad_accum
+    groups = plan.device_stages
+    key = (plan.tp, groups, plan.micro_batch, plan.dp, plan.grad_accum, plan.schedule, plan.cp, plan.virtual_stages)
+    keys = {(k.tp, k.stages, k.micro_batch, k.dp, k.grad_accum, k.schedule, k.cp, k.chunks)
+            for k in outer_keys(space, num_layers, batch, nodes, per_node, lambda tp: True,
+                                lambda cp, tp: tuple(space.cp_forms) if cp > 1 else ("ring",))}
+    if key not in keys:
+        why.append(f"outer key (tp {plan.tp}, {groups} stages, micro-batch {plan.micro_batch}, dp {plan.dp}, "
+                   f"G {plan.grad_accum}, {plan.schedule}, cp {plan.cp}, {plan.virtual_stages} chunks) is not one "
+                   "of the space's")
+    options = layer_options(space, num_layers, plan.num_stages, plan.grad_accum)
+    zero_levels = set(space.zero_levels) if plan.dp > 1 else {1}
+    if plan.shard_group not in shard_groups(plan.dp, plan.tp, per_node, space.mics):
+        why.append(f"partition group {plan.shard_group} is not one the space searches")
+    for i, st in enumerate(plan.stages):
+        why += [f"stage {i}: {w}" for w in _stage_outside(space, st, options, zero_levels)]
+    return why
+
+
+def _stage_outside(space: SearchSpace, st: StagePlan, options: tuple[int, ...], zero_levels: set[int]) -> list[str]:
+    """Why one stage's knobs are not values ``space`` searches (empty: they are)."""
+    why = []
+    if st.num_layers not in options:
+        why.append(f"{st.num_layers} layers (the space tries {options})")
+    if st.zero_stage not in zero_levels:
+        why.append(f"ZeRO-{st.zero_stage} (the space tries {sorted(zero_levels)})")
+    remat_ok = {"tune": True, "all": st.remat_layers == st.num_layers, "none": st.remat_layers == 0,
+                "all_or_none": st.remat_layers in (0, st.num_layers)}[space.remat]
+    if not remat_ok:
+        why.append(f"remat_layers {st.remat_layers} of {st.num_layers} (remat mode {space.remat!r})")
+    if st.remat_layers and space.policies is not None and st.remat_policy not in space.policies:
+        why.append(f"remat policy {st.remat_policy!r} (the space tries {space.policies})")
+    for field, ratios in (("offload_weights", space.weight_offload), ("offload_grads", space.grad_offload),
+                          ("offload_opt", space.opt_offload), ("offload_acts", space.act_offload)):
+        if not any(math.isclose(getattr(st, field), r) for r in ratios):
+            why.append(f"{field} {getattr(st, field):g} (the space tries {ratios})")
+    return why
