@@ -311,8 +311,9 @@ FULL_GRID: tuple[GridCell, ...] = SMALL_GRID + (
 
 def grid_plan(name: ModelName, kwargs: PlanKwargs, devices: int = 8) -> Plan:
     """The uniform plan of a grid entry (``chunks``: `Plan.interleaved` into that many chunks per group; schedule
-    ``zb-v``: `Plan.v_shaped`)."""
-    kw = dict(kwargs)
+    ``zb-v``: `Plan.v_shaped`). An entry that does not say ``shard_opt`` shards the optimizer state (ZeRO-1), as
+    every grid cell was measured (`uniform_plan` itself no longer does unasked)."""
+    kw = {"shard_opt": True, **dict(kwargs)}
     chunks = int(kw.pop("chunks", 1))
     if kw.get("schedule") in V_SHAPED:
         return uniform_plan(grid_config(name).num_layers, devices, **{**kw, "schedule": "1f1b"}).v_shaped()
