@@ -247,11 +247,7 @@ def cmd_plan(args: PlanArgs) -> int:
     analysis = analyze(workload, plan, cluster)
     for note in analysis.notes:  # e.g. why the schedule (interleaved, zero-bubble)
         print(f"  note: {note}")
-    for line in usage_lines(config, workload, plan, cluster, analysis):
-        print(f"  {line}")
-    note = context_choice_note(workload, cluster, plan, analysis, args.time_limit)
-    if note:
-        print(f"  {note}")
+    _print_usage(config, workload, plan, cluster, analysis, args.time_limit)
     status = (verification_line(verified) if verified is not None else
               unverified_line(cluster, unverifiable or "the compile failed: see the warning above"))
     print(f"  {status}")
@@ -293,6 +289,14 @@ def usage_lines(config: ModelConfig, workload: Workload, plan: Plan, cluster: Cl
             f"activations, largest device group), device peak {format_bytes(analysis.peak_memory)}"]
 
 
+def _print_usage(config: ModelConfig, workload: Workload, plan: Plan, cluster: ClusterSpec, analysis: Analysis,
+                 time_limit: float) -> None:
+    """`usage_lines`, then at long context the `context_choice_note` (its search gets ``time_limit`` s)."""
+    note = context_choice_note(workload, cluster, plan, analysis, time_limit)
+    for line in [*usage_lines(config, workload, plan, cluster, analysis), *([note] if note else [])]:
+        print(f"  {line}")
+
+
 LONG_CONTEXT = 32768  # tokens per sequence from which `plan` / `explain` compare the plan with the other CP choice
 EXPLAIN_SEARCH_SECONDS = 60.0  # `explain`'s search for that other plan
 
@@ -321,9 +325,10 @@ def context_choice_note(workload: Workload, cluster: ClusterSpec, plan: Plan, an
     other = found.as_plan() if hasattr(found, "as_plan") else found
     theirs = analyze(workload, other, cluster)
     ours, t0, t1 = _plan_facts(plan, analysis), analysis.step_time, theirs.step_time
-    winner = "context parallelism" if with_cp else "no context parallelism"
+    choices = ("context parallelism", "no context parallelism")
+    winner, margin = (choices[not with_cp], t1 / t0 - 1) if t0 <= t1 else (choices[with_cp], t0 / t1 - 1)
     return (f"context note: this plan ({ours}) against the best plan {other_label} ({_plan_facts(other, theirs)}): "
-            f"{winner} wins by {t1 / t0 - 1:.1%} of step time (forward + backward of a micro-batch "
+            f"{winner} wins by {margin:.1%} of step time (forward + backward of a micro-batch "
             f"{_pass_seconds(analysis)} against {_pass_seconds(theirs)} s); per device and step "
             f"{format_bytes(_exchange(analysis))} against {format_bytes(_exchange(theirs))} of attention exchange")
 
@@ -453,11 +458,7 @@ def cmd_explain(args: ExplainArgs) -> int:
         raise CliError(str(e)) from e
     report = analyze(workload, plan, cluster)
     print(report.summary())  # with its notes
-    for line in usage_lines(config, workload, plan, cluster, report):
-        print(f"  {line}")
-    note = context_choice_note(workload, cluster, plan, report, EXPLAIN_SEARCH_SECONDS)
-    if note:
-        print(f"  {note}")
+    _print_usage(config, workload, plan, cluster, report, EXPLAIN_SEARCH_SECONDS)
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))
     return _verify(config, workload, plan, cluster, report) if args.verify else 0

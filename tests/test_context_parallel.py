@@ -323,7 +323,8 @@ def test_cost_model_against_the_compiled_context_parallel_step(kw):
     outlive what the model charges; priced as the ring's)."""
     from mistjax.validate.check import compare_cell, grid_plan
 
-    rec = compare_cell("llama-tiny", 64, 16, grid_plan("llama-tiny", kw), ClusterSpec.preset("cpu", 1, 8))
+    rec = compare_cell("llama-tiny", 64, 16, grid_plan("llama-tiny", {"shard_opt": True, **kw}),
+                       ClusterSpec.preset("cpu", 1, 8))
     # Ulysses exchanges with one all-to-all where `tensor` is one device, else with ppermutes.
     kind = "all-to-all" if kw.get("cp_form") == "ulysses" and kw.get("tp", 1) == 1 else "collective-permute"
     moved = rec["coll_xla"][kind]
@@ -340,7 +341,7 @@ def test_ulysses_repeated_kv_heads_are_charged_as_residuals():
     where the cells without a repeat are exact)."""
     from mistjax.validate.check import compare_cell, grid_plan
 
-    plan = grid_plan("llama-tiny", dict(micro_batch=16, cp=8, cp_form="ulysses"))
+    plan = grid_plan("llama-tiny", dict(micro_batch=16, cp=8, cp_form="ulysses", shard_opt=True))
     rec = compare_cell("llama-tiny", 64, 16, plan, ClusterSpec.preset("cpu", 1, 8))
     assert rec["coll_pred"]["all-to-all"] == pytest.approx(rec["coll_xla"]["all-to-all"], rel=0.04)
     assert abs(rec["mem_err"]) < 0.05, rec
