@@ -203,7 +203,7 @@ def _strategies(tables: StageTables, slot: np.ndarray, layers: np.ndarray, r: np
         layers=layers, remat=np.minimum(c, layers),
         policy=tables.remat.policy[r], wo=grid.wo[x], go=grid.go[x], oo=grid.oo[x], ao=grid.ao[x],
         inflight=inflight, deferred=deferred, chunks=np.asarray(key.chunks), G=np.asarray(key.grad_accum),
-        first=slot == 0,
+        tp_overlap=np.asarray(key.tp_overlap), first=slot == 0,
         last=slot == last_slot(key), stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
         per_node=np.asarray(key.per_node))
     return st, c <= layers
@@ -337,7 +337,7 @@ def _probe_peak(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, p
         layers=np.asarray(layers), remat=np.full(len(r), layers), policy=probe.remat.policy[r],
         wo=np.asarray(0.0), go=np.asarray(0.0), oo=np.asarray(0.0), ao=np.asarray(0.0),
         inflight=np.asarray(key_inflight(key)), chunks=np.asarray(key.chunks), G=np.asarray(key.grad_accum),
-        first=np.asarray(True),
+        tp_overlap=np.asarray(key.tp_overlap), first=np.asarray(True),
         last=np.asarray(key.stages == 1), stages=np.asarray(key.stages), nodes=np.asarray(key.nodes),
         per_node=np.asarray(key.per_node))
     return np.broadcast_to(np.asarray(cost.stage_cost(workload, cluster, st).peak, np.float64), (len(r),))

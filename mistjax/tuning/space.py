@@ -229,6 +229,7 @@ class OuterKey:
     cp: int = 1  # context-parallel degree (every stage's)
     cp_form: str = "ring"  # how the context-parallel attention communicates (`core.context.CONTEXT_FORMS`)
     chunks: int = 1  # layer chunks per device group (interleaved 1F1B: `stages` counts device groups)
+    tp_overlap: bool = False  # TP collectives as collective matmuls (`Plan.tp_overlap`)
 
 
 def _pow2(n: int) -> bool:
@@ -255,13 +256,16 @@ def _cp_fits(cp: int, tp: int, per_node: int) -> bool:
 
 def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: int, per_node: int,
                supports_tp: Callable[[int], bool] = lambda tp: tp == 1,
-               context_forms: Callable[[int, int], tuple[str, ...]] = lambda cp, tp: ("ring",) if cp == 1 else ()
-               ) -> list[OuterKey]:
+               context_forms: Callable[[int, int], tuple[str, ...]] = lambda cp, tp: ("ring",) if cp == 1 else (),
+               async_collectives: bool = False) -> list[OuterKey]:
     """Every (tp, cp, stages, micro-batch) point of the space on ``nodes x per_node`` devices.
 
     ``supports_tp(t)`` says whether the model splits ``t`` ways (`WorkloadLike.supports_tp`), ``context_forms(c, t)``
     which context-parallel forms split its sequence ``c`` ways with TP ``t`` (`WorkloadLike.context_forms`; each
-    in ``space.cp_forms`` is a key), with any stage count and TP degree.
+    in ``space.cp_forms`` is a key), with any stage count and TP degree. With ``space.tp_overlap`` on a cluster
+    whose collectives run asynchronously (``async_collectives``), every key with TP and no CP prices its TP
+    collectives as collective matmuls (`Plan.tp_overlap`), so its bound and its plans are those of the overlapped
+    layers (`tuner._overlap_or_not` checks the winner without them).
 
     Ordered by stage count first (one stage is evaluated without a MILP and gives an early incumbent
     for pruning), then TP, then micro-batch size.
@@ -285,6 +289,7 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
                 if (num_devices // S) % (tp * cp) or not forms or (cp > 1 and not _cp_fits(cp, tp, per_node)):
                     continue
                 dp = num_devices // S // tp // cp
+                overlap = space.tp_overlap and async_collectives and tp > 1 and cp == 1
                 for b in sorted(set(space.micro_batches)):
                     if global_batch % (b * dp):
                         continue
@@ -295,7 +300,7 @@ def outer_keys(space: SearchSpace, num_layers: int, global_batch: int, nodes: in
                     for form, (schedule, chunks) in itertools.product(forms,
                                                                       schedule_variants(space, num_layers, S, G)):
                         keys.append(OuterKey(tp, S, b, dp, G, *mesh, schedule=schedule, cp=cp, cp_form=form,
-                                             chunks=chunks))
+                                             chunks=chunks, tp_overlap=overlap))
     return keys
 
 
@@ -447,6 +452,8 @@ def space_admits(space: SearchSpace, plan: Plan, num_layers: int, nodes: int, pe
     batch = plan.micro_batch * plan.dp * plan.grad_accum
     groups = plan.device_stages
     key = (plan.tp, groups, plan.micro_batch, plan.dp, plan.grad_accum, plan.schedule, plan.cp, plan.virtual_stages)
+    if plan.tp_overlap and not space.tp_overlap:
+        why.append("tp_overlap: the space runs TP collectives serially")
     keys = {(k.tp, k.stages, k.micro_batch, k.dp, k.grad_accum, k.schedule, k.cp, k.chunks)
             for k in outer_keys(space, num_layers, batch, nodes, per_node, lambda tp: True,
                                 lambda cp, tp: tuple(space.cp_forms) if cp > 1 else ("ring",))}

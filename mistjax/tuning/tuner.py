@@ -203,7 +203,7 @@ def build_plan(tables: StageTables, choice: KeyChoice) -> Plan:
             offload_opt=float(tables.grid.oo[x]), offload_acts=float(tables.grid.ao[x])))
         start += n
     plan = Plan(stages=tuple(stages), micro_batch=key.micro_batch, grad_accum=key.grad_accum, dp=key.dp, tp=key.tp,
-                cp=key.cp, cp_form=key.cp_form, shard_group=group,
+                cp=key.cp, cp_form=key.cp_form, shard_group=group, tp_overlap=key.tp_overlap,
                 schedule="1f1b" if key.schedule in V_SHAPED else key.schedule)
     if key.schedule in V_SHAPED:
         return plan.v_shaped()
@@ -457,17 +457,17 @@ def _reschedule(job: _SearchJob, plan: Plan) -> Plan:
 _TP_OVERLAP_MIN_GAIN = 0.02
 
 
-def _with_tp_overlap(job: _SearchJob, plan: Plan) -> Plan:
-    """``plan`` with its tensor-parallel collectives as collective matmuls (`Plan.tp_overlap`) where the space
-    allows it, they apply (tp > 1, no context parallelism), the cluster runs collectives asynchronously, and the
-    full prediction fits and is `_TP_OVERLAP_MIN_GAIN` faster; else ``plan``."""
-    if not (job.space.tp_overlap and plan.tp > 1 and plan.cp == 1 and job.cluster.device.async_collectives):
+def _overlap_or_not(job: _SearchJob, plan: Plan) -> Plan:
+    """``plan``, searched with its TP collectives as collective matmuls (`OuterKey.tp_overlap`), or the same plan
+    without them where the overlapped one is not `_TP_OVERLAP_MIN_GAIN` faster under the full prediction and the
+    plain one fits (a plan searched without them is returned as it is)."""
+    if not plan.tp_overlap:
         return plan
-    cand = plan.replace(tp_overlap=True, prediction=None)
-    pred = job.cost.predict(job.workload, cand, job.cluster)
+    plain = plan.replace(tp_overlap=False, prediction=None)
+    pred = job.cost.predict(job.workload, plain, job.cluster)
     fits = pred.guarded_peak(job.cluster.device.memory_margin) <= job.cluster.memory_budget() * (1 + 1e-9)
-    gains = pred.step_time < (1 - _TP_OVERLAP_MIN_GAIN) * _predicted(plan).step_time
-    return cand.replace(prediction=pred) if fits and gains else plan
+    pays = _predicted(plan).step_time < (1 - _TP_OVERLAP_MIN_GAIN) * pred.step_time
+    return plan if pays or not fits else plain.replace(prediction=pred)
 
 
 def _predicted(plan: Plan) -> Prediction:
@@ -538,7 +538,8 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     keys = outer_keys(space, int(workload.num_layers), int(workload.global_batch), cluster.nodes,
-                      cluster.devices_per_node, workload.supports_tp, _context_forms(workload, space))
+                      cluster.devices_per_node, workload.supports_tp, _context_forms(workload, space),
+                      async_collectives=bool(cluster.device.async_collectives))
     if progress is not None:
         progress(space.name, 0, len(keys))
     with small_pages():  # the key tables (`intra.small_pages`)
@@ -551,7 +552,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
         winner = tally.found[-1] if tally.found else None
         if winner is not None:
             objective, plan, pareto = winner
-            plan = _with_tp_overlap(job, _reschedule(job, plan))
+            plan = _overlap_or_not(job, _reschedule(job, plan))
             plan = plan.replace(fingerprints=fingerprints(workload, cluster))
             winner = objective, plan, pareto
     result = tally.result(space, len(keys), time.perf_counter() - t0, winner)
