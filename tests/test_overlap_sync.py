@@ -75,5 +75,5 @@ def test_layer_grads_sync_inside_the_backward_loop(case):
 def test_deferred_layer_sync_numerics_and_placement(case, monkeypatch):
     """The deferred sync (`accumulate.sync_deferred`, what a GPU mesh gets) forced on XLA:CPU: the same
     numerics, the first layer's rows synced after the loop."""
-    monkeypatch.setattr(grads, "mesh_capabilities", lambda mesh: Capabilities(True))
+    monkeypatch.setattr(grads, "mesh_capabilities", lambda mesh, tp_overlap=False: Capabilities(True, tp_overlap))
     _check(case, deferred=True)

@@ -243,7 +243,8 @@ def test_layer_loop_double_buffers_fetches_only_where_they_overlap(monkeypatch):
         return set(bodies.values())
 
     _, single = compiled("llama-tiny", **ZERO3)  # its numerics: test_single_knob_matches_single_device
-    monkeypatch.setattr(runtime_grads, "mesh_capabilities", lambda mesh, tp_overlap=False: Capabilities(True, tp_overlap))
+    monkeypatch.setattr(runtime_grads, "mesh_capabilities", lambda mesh, tp_overlap=False:
+                        Capabilities(True, tp_overlap))
     _, double = compiled("llama-tiny", **ZERO3)
     _, metrics, ref_loss, ref_grads = run("llama-tiny", **ZERO3)
     assert_matches_reference(metrics, ref_loss, ref_grads)
