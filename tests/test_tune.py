@@ -88,7 +88,7 @@ def test_pipelined_keys_try_every_schedule():
 
 def test_megatron_keys_are_uniform_stages_and_hold_its_published_plans():
     keys = outer_keys(SearchSpace.megatron(), 24, 64, nodes=1, per_node=8)
-    assert keys and all(24 % k.stages == 0 and k.micro_batch in (1, 2, 4) for k in keys)
+    assert keys and all(24 % k.stages == 0 and k.micro_batch in (1, 2, 4, 8) for k in keys)
     assert all(k.micro_batch * k.dp * k.grad_accum == 64 for k in keys)
     # Megatron-LM takes any pp dividing the layers and whatever dp the devices leave: its published runs
     # (arXiv 2104.04473 Table 1) are inside its space: 530B (105 layers, tp 8, pp 35, dp 8 on 280 x 8 A100s,
@@ -539,7 +539,8 @@ def test_each_key_is_priced_with_its_schedules_fill_share():
 
 def test_rising_bounds_price_less_and_keep_the_plan(monkeypatch):
     """The sweep's bounds rising level by level (`sweep.Tightening`: each entry's floor follows its open points)
-    find the same plan as the bounds fixed at the start, pricing fewer points (GPT-3 2.7B on 4 L4s)."""
+    find the same plan as the bounds fixed at the start, pricing fewer points (GPT-3 2.7B on 4 L4s: 277,488
+    against 342,997 strategies, -19%, with micro-batch 8 and the 0.125 optimizer offload in the space)."""
     from mistjax.tuning import inter
 
     w = models.workload(models.get_config("gpt3-2.7b").replace(dtype="bfloat16"), 2048, 64)
@@ -550,7 +551,7 @@ def test_rising_bounds_price_less_and_keep_the_plan(monkeypatch):
     fixed = search(w, cl, SearchSpace(), time_limit=600)
     assert rising.complete and fixed.complete
     assert rising.objective == pytest.approx(fixed.objective, rel=1e-12)
-    assert rising.evaluated < 0.8 * fixed.evaluated
+    assert rising.evaluated < 0.85 * fixed.evaluated
 
 
 def test_schedules_are_keys_of_the_complete_search():
