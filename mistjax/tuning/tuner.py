@@ -569,7 +569,7 @@ def check_time_limit(seconds: float) -> None:
     """Raise a `ValueError` naming the fix unless ``seconds`` is a positive, finite time limit."""
     if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"time limit {seconds!r}: need a positive number of seconds (--time-limit SECONDS; "
-                         "60 searches every Mist-grid cell completely)")
+                         "120 searches every Mist-grid cell completely)")
 
 
 @dataclass(frozen=True)
