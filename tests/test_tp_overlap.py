@@ -228,16 +228,17 @@ def test_compiled_collectives_against_the_ring_accounting():
     assert rec["coll_tp_pred"]["collective-permute"] > 0 and rec["coll_err"] < 0.01, rec
 
 
-def test_the_tuner_turns_tp_overlap_on_where_it_pays(gpt3_7b):
-    """GPT-3 7B at tp 8 on eight H100s: the winner runs its TP collectives as collective matmuls, predicted faster
-    than the same plan without; on XLA:CPU (collectives in line) and in Megatron-LM's space it stays off."""
+def test_tp_overlap_auto_on_where_it_pays(gpt3_7b):
+    """GPT-3 7B at tp 8 on eight H100s: the tuner chooses the knob by itself: the winner runs its TP collectives as
+    collective matmuls, predicted more than 2% faster than the same plan without (the tuner's threshold); on
+    XLA:CPU (collectives in line) and in Megatron-LM's space it stays off."""
     from mistjax.tuning import SearchSpace, search
 
     space = SearchSpace(tp_degrees=(8,), pipeline=False, cp_degrees=(1,))
     gpu = search(gpt3_7b, ClusterSpec.parse("h100:1x8"), space)
     assert gpu.plan.tp == 8 and gpu.plan.tp_overlap
     off = predict(gpt3_7b, gpu.plan.replace(tp_overlap=False, prediction=None), ClusterSpec.parse("h100:1x8"))
-    assert gpu.plan.prediction.step_time < off.step_time
+    assert gpu.plan.prediction.step_time < off.step_time / 1.02
     assert not search(gpt3_7b, ClusterSpec.parse("h100:1x8"), space.replace(tp_overlap=False)).plan.tp_overlap
     cpu = search(gpt3_7b, ClusterSpec.parse("cpu:1x8").with_memory(2**40), space).plan
     assert cpu.tp == 8 and not cpu.tp_overlap
