@@ -50,7 +50,7 @@ class Args:
 
 def _row(run_id: str, before: float, after: float, loo: float | None) -> str:
     def pct(e: float | None) -> str:
-        return "-" if e is None else f"{math.exp(e):.3f}"
+        return "-" if e is None or math.isnan(e) else f"{math.exp(e):.3f}"
 
     return f"| {run_id} | {pct(before)} | {pct(after)} | {pct(loo)} |"
 
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "values": result.values, "start": result.start, "ids": list(result.ids),
            "log_errors": list(result.log_errors), "fold_of": list(result.fold_of),
            "fold_values": list(result.fold_values),
-           "loo_log_errors": None if result.loo_log_errors is None else list(result.loo_log_errors),
+           "loo_log_errors": None if result.loo_log_errors is None else [  # null: a run not cross-validated
+               None if math.isnan(e) else e for e in result.loo_log_errors],
            "start_log_errors": list(result.start_log_errors), "summary": summary, "adopted": False}
     if args.write:
         out["adopted"] = _write(args, result)

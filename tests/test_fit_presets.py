@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import sys
 from datetime import date
 from pathlib import Path
@@ -49,12 +50,30 @@ def test_cross_validation_leaves_the_held_out_fold_out_of_its_fit(monkeypatch):
     assert [v["memory_efficiency"] for v in per_fold] == [1.0, 2.0, 3.0]
 
 
-def test_a_fold_too_small_to_refit_keeps_the_start(monkeypatch):
+def test_a_fold_too_small_to_refit_is_not_cross_validated(monkeypatch):
+    """A fold whose removal leaves no more runs than constants is not refitted, and its runs are not counted as
+    out of sample (they were priced in sample before: the H200 fit's 1.3B fold); a fit with such a fold never
+    replaces a preset's constants."""
     monkeypatch.setattr(cal, "_solve", lambda *a: pytest.fail("refit with fewer runs than constants"))
     monkeypatch.setattr(cal, "log_errors", lambda chosen, values: [0.0] * len(chosen))
-    _, per_fold = cal.cross_validate(_fake_cases(["a", "b"]), ("memory_efficiency", "kernel_overhead"), (0, 1),
-                                     {"memory_efficiency": 0.5, "kernel_overhead": 1e-6}, 10)
-    assert per_fold == [{"memory_efficiency": 0.5, "kernel_overhead": 1e-6}] * 2
+    errs, per_fold = cal.cross_validate(_fake_cases(["a", "b"]), ("memory_efficiency", "kernel_overhead"), (0, 1),
+                                        {"memory_efficiency": 0.5, "kernel_overhead": 1e-6}, 10)
+    assert per_fold == [] and all(math.isnan(e) for e in errs)
+    f = _fit({"memory_efficiency": 0.9}, {"memory_efficiency": 0.8}, [0.3, -0.2, 0.1], [0.05, -0.02, 0.01],
+             (0.01, math.nan, 0.02))
+    assert f.summary()["leave_one_out"]["n"] == 2 and not f.improves()
+
+
+def test_refits_start_from_the_presets_constants_not_the_full_fit(monkeypatch):
+    starts = []
+    monkeypatch.setattr(cal, "_solve",
+                        lambda rest, fields, x0, n: starts.append(dict(x0)) or {"memory_efficiency": 0.9})
+    monkeypatch.setattr(cal, "log_errors", lambda chosen, values: [0.0] * len(chosen))
+    dev = SimpleNamespace(name="d", memory_efficiency=0.5)
+    cases = [SimpleNamespace(run=SimpleNamespace(id=i), cluster=SimpleNamespace(device=dev)) for i in "abcd"]
+    monkeypatch.setattr(cal, "fold_index", lambda cs, folds: (0, 1, 2, 3))
+    cal.fit(cases, ("memory_efficiency",), folds="run")
+    assert starts == [{"memory_efficiency": 0.5}] * 5  # the full fit, then four refits, all from the preset
 
 
 def test_cell_folds_pair_each_megatron_run_with_its_mist_run():

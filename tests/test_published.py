@@ -95,6 +95,8 @@ P6 = "points[6] ('mist-tuned-gpt7b-l4x8-flash0')"
         (lambda d: d["points"][0]["parallel"]["stages"][0].__setitem__("zero", 4), f"{P0}.parallel.stages[0].zero"),
         (lambda d: d["points"][0]["parallel"]["stages"][0].__setitem__("remat_layers", 25),
          f"{P0}.parallel.stages[0].remat_layers: expected at most the stage's 24 layers"),
+        (lambda d: d["points"][0]["parallel"]["stages"][0].__setitem__("remat_policy", "selective"),
+         f"{P0}.parallel.stages[0].remat_policy: expected one of full, dots"),
         (lambda d: d["points"][0]["parallel"]["stages"][0].__setitem__("offload_opt", 1.5),
          f"{P0}.parallel.stages[0].offload_opt"),
         (lambda d: d["points"][0]["parallel"].__setitem__("dp", 4), f"{P0}.parallel: dp 4 x tp 1 x pp 1 = 4 devices"),

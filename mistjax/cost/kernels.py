@@ -56,10 +56,24 @@ def gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     if dev.peak_flops_fp8 > 0:  # fp8 operands run on the fp8 tensor cores
         peak = np.where(ka.gemm_fp8 > 0, dev.peak_flops_fp8, peak)
     flops = 2.0 * ka.gemm_batch * ka.gemm_m * ka.gemm_n * ka.gemm_k
-    compute = flops / (peak * dev.gemm_efficiency(ka.gemm_m, ka.gemm_n, ka.gemm_k))
-    memory = ka.gemm_bytes / (dev.hbm_bandwidth * dev.memory_efficiency)
-    each = np.where(flops > 0, np.maximum(compute, memory) + dev.kernel_overhead, 0.0)
+    each = np.where(flops > 0, gemm_kernel_seconds(flops, ka.gemm_m, ka.gemm_n, ka.gemm_k, ka.gemm_bytes, dev, peak),
+                    0.0)
     return np.sum(each * ka.gemm_count, axis=-1)
+
+
+def gemm_kernel_seconds(flops: ArrayLike, m: ArrayLike, n: ArrayLike, k: ArrayLike,
+                        nbytes: ArrayLike, dev: DeviceSpec, peak: float | np.ndarray) -> np.ndarray:
+    """Seconds of one GEMM kernel (``flops`` over a batch of ``m x k`` by ``k x n`` products moving ``nbytes``):
+    the slower of the compute roofline at `DeviceSpec.gemm_efficiency` and the memory roofline, plus the
+    kernel's fixed overhead. ``scripts/bench_kernels.py`` compares it with measured GEMMs."""
+    compute = np.asarray(flops, dtype=np.float64) / (peak * dev.gemm_efficiency(m, n, k))
+    return np.maximum(compute, streaming_seconds(nbytes, dev)) + dev.kernel_overhead
+
+
+def streaming_seconds(nbytes: ArrayLike, dev: DeviceSpec) -> np.ndarray:
+    """Seconds to stream ``nbytes`` through device memory at ``hbm_bandwidth * memory_efficiency`` (the memory
+    roofline of every kernel; a memory-bound kernel adds ``kernel_overhead``)."""
+    return np.asarray(nbytes, dtype=np.float64) / (dev.hbm_bandwidth * dev.memory_efficiency)
 
 
 def weight_gemm_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
@@ -81,13 +95,13 @@ def unit_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     tile = dev.matmul_tile
     eff = 1.0 / (0.5 / float(dev.gemm_efficiency(tile, tile, d)) + 0.5 / float(dev.gemm_efficiency(tile, d, tile)))
     compute = skip * (ka.unit_matmul_flops / (peak * eff) + ka.unit_other_flops / dev.peak_flops_fp32)
-    memory = ka.unit_bytes / (dev.hbm_bandwidth * dev.memory_efficiency)
+    memory = streaming_seconds(ka.unit_bytes, dev)
     return np.where(ka.unit_count > 0, np.maximum(compute, memory) + ka.unit_count * dev.kernel_overhead, 0.0)
 
 
 def pass_seconds(ka: KernelArrays, dev: DeviceSpec, fp32: bool) -> np.ndarray:
     """Seconds of one pass's kernels at each point."""
-    fusions = ka.fusion_bytes / (dev.hbm_bandwidth * dev.memory_efficiency) + ka.fusion_count * dev.kernel_overhead
+    fusions = streaming_seconds(ka.fusion_bytes, dev) + ka.fusion_count * dev.kernel_overhead
     return gemm_seconds(ka, dev, fp32) + fusions + unit_seconds(ka, dev, fp32)
 
 

@@ -34,9 +34,8 @@ from mistjax.validate.published import (
     cluster_for,
     excludes_optimizer,
     optimizer_seconds,
-    run_config,
+    run_workload,
     to_plan,
-    zoo_workload,
 )
 
 # Constant -> (lower, upper) bound; every one is fitted in log space.
@@ -77,10 +76,8 @@ def prepare(runs: Sequence[PublishedRun]) -> list[Case]:
     for r in runs:
         if r.measured.iter_time_s is None:
             continue
-        plan = to_plan(r)
-        policies = None if any(s.offload_acts > 0 for s in plan.stages) else ("full",)
-        wl = zoo_workload(run_config(r), r.model.seq_len, r.global_batch, policies)
-        out.append(Case(r, wl, plan, cluster_for(r), excludes_optimizer(r), float(r.measured.iter_time_s)))
+        out.append(Case(r, run_workload(r), to_plan(r), cluster_for(r), excludes_optimizer(r),
+                        float(r.measured.iter_time_s)))
     return out
 
 
@@ -131,10 +128,13 @@ class Fit:
 
     @staticmethod
     def _stats(errs: Sequence[float] | None) -> dict[str, float] | None:
+        """Median / max |ln| over the finite errors (a NaN: a run its fold could not cross-validate)."""
+        errs = [e for e in errs or () if not math.isnan(e)]
         if not errs:
             return None
         a = [abs(e) for e in errs]
         return {
+            "n": len(a),
             "median_abs_log_ratio": statistics.median(a),
             "max_abs_log_ratio": max(a),
             "median_abs_rel_err": statistics.median(abs(math.exp(e) - 1) for e in errs),
@@ -163,11 +163,11 @@ class Fit:
         )
 
     def improves(self) -> bool:
-        """The out-of-sample error beats the starting constants' (median and max |ln(pred/meas)|): the test a
-        fit passes before it replaces a preset's constants (``scripts/fit_presets.py --write``)."""
+        """Every run is cross-validated and the out-of-sample error beats the starting constants' (median and max
+        |ln(pred/meas)|): the test a fit passes before it replaces a preset's constants (``--write``)."""
         s = self.summary()
         loo, before = s["leave_one_out"], s["before"]
-        if loo is None:
+        if loo is None or loo["n"] < s["n"]:  # every run must be predicted out of sample
             return False
         return (loo["median_abs_log_ratio"] < before["median_abs_log_ratio"]
                 and loo["max_abs_log_ratio"] <= before["max_abs_log_ratio"])
@@ -207,16 +207,23 @@ def cross_validate(
     max_nfev: int,
     log: Callable[[str], None] | None = None,
 ) -> tuple[list[float], list[dict[str, float]]]:
-    """Refit once per fold without it and predict its runs: ``(ln(pred / measured) per case, constants per fold)``.
+    """Refit once per fold without it, starting from ``x0`` (the preset's constants, never the fit that saw the
+    fold), and predict its runs: ``(ln(pred / measured) per case, constants per fold)``.
 
-    A fold whose removal leaves fewer runs than constants keeps the starting constants ``x0``.
+    A fold whose removal leaves no more runs than constants cannot be refitted: its runs' errors are NaN (not
+    cross-validated; `Fit.summary` counts them) and no constants are recorded for it.
     """
-    errs = [0.0] * len(cases)
+    errs = [math.nan] * len(cases)
     per_fold = []
     for f in range(max(fold_of) + 1):
         held = [i for i, g in enumerate(fold_of) if g == f]
         rest = [c for i, c in enumerate(cases) if fold_of[i] != f]
-        v = _solve(rest, fields, x0, max_nfev) if len(rest) > len(fields) else dict(x0)
+        if len(rest) <= len(fields):
+            if log:
+                log(f"  fold {f + 1}/{max(fold_of) + 1}: {len(rest)} runs left for {len(fields)} constants, "
+                    "not refitted")
+            continue
+        v = _solve(rest, fields, x0, max_nfev)
         per_fold.append(v)
         for i, e in zip(held, log_errors([cases[i] for i in held], v)):
             errs[i] = float(e)
@@ -262,7 +269,7 @@ def fit(
     values = _solve(cases, fields, start, max_nfev)
     loo_errs, per_fold = None, []
     if loo and len(cases) > len(fields) and max(fold_of) > 0:
-        loo_errs, per_fold = cross_validate(cases, fields, fold_of, values, max(max_nfev // 2, 10), log)
+        loo_errs, per_fold = cross_validate(cases, fields, fold_of, start, max(max_nfev // 2, 10), log)
     return Fit(
         values=values,
         start=start,

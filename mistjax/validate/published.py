@@ -127,14 +127,14 @@ def system_workload(system: SystemRecord, config: ModelConfig, seq_len: int, glo
 def to_plan(run: PublishedRun) -> Plan:
     """The mistjax plan equivalent to a run's parallel configuration.
 
-    Per stage: its layer range, ``remat_layers`` checkpointed with the ``full`` policy (Megatron's full
-    uniform recompute is every layer), ZeRO flags from the stage's level (Megatron's distributed
+    Per stage: its layer range, ``remat_layers`` checkpointed with its ``remat_policy`` (Megatron's full
+    uniform recompute is every layer with ``full``), ZeRO flags from the stage's level (Megatron's distributed
     optimizer is ZeRO-1) and the offload fractions; DP, TP, micro-batch, accumulation and schedule as
     given. Plain ZeRO over the data-parallel group (no MiCS partition).
     """
     par = run.parallel
     stages = tuple(StagePlan(layers=s.layers, shard_opt=s.zero >= 1, shard_grads=s.zero >= 2,
-                             shard_weights=s.zero >= 3, remat_layers=s.remat_layers, remat_policy="full",
+                             shard_weights=s.zero >= 3, remat_layers=s.remat_layers, remat_policy=s.remat_policy,
                              offload_weights=s.offload_weights, offload_grads=s.offload_grads,
                              offload_opt=s.offload_opt, offload_acts=s.offload_acts) for s in par.stages)
     return Plan(stages=stages, micro_batch=par.micro_batch, grad_accum=par.grad_accum, dp=par.dp, tp=par.tp,
@@ -186,9 +186,20 @@ def cluster_for(run: PublishedRun) -> ClusterSpec:
     return cluster if hw.card_memory_gib is None else cluster.with_memory(hw.card_memory_gib * GiB)
 
 
+def run_workload(run: PublishedRun) -> Workload:
+    """The workload a run is priced with: its model as its system runs it (`run_config`), its sequence and
+    batch, the remat policies its plan uses, and the state stored as the system stores it at the run's
+    precision (`SystemRecord.storage`). `predict_run` and the preset fit (`validate.calibration`) read it."""
+    return zoo_workload(run_config(run), run.model.seq_len, run.global_batch, _policies(to_plan(run)),
+                        run.system_record.storage(run.precision_word))
+
+
 def _policies(plan: Plan) -> tuple[str, ...] | None:
-    """Remat policies to analyse: only ``full`` unless a stage offloads activations (needs every tag policy)."""
-    return None if any(s.offload_acts > 0 for s in plan.stages) else ("full",)
+    """Remat policies to analyse: the plan's (``full`` at least) unless a stage offloads activations (needs every
+    tag policy)."""
+    if any(s.offload_acts > 0 for s in plan.stages):
+        return None
+    return tuple(sorted({"full", *(s.remat_policy for s in plan.stages)}))
 
 
 def _runtime_check(plan: Plan) -> str | None:
@@ -287,7 +298,7 @@ def _predict_run(run: PublishedRun) -> RunPrediction:
     cluster = cluster_for(run)
     system = run.system_record
     storage = system.storage(run.precision_word)
-    workload = zoo_workload(run_config(run), run.model.seq_len, run.global_batch, _policies(plan), storage)
+    workload = run_workload(run)
     a = analyze(workload, plan, cluster)
     notes = list(a.notes)
     untimed = optimizer_seconds(workload, plan, cluster) if excludes_optimizer(run) else 0.0
@@ -442,6 +453,6 @@ def point_dict(p: RunPrediction | RunFailure) -> dict[str, object]:
 
 __all__ = ["RESOURCES", "Cell", "MeasuredSpeedup", "PublishedRunsError", "RunFailure", "RunPrediction",
            "as_megatron_runs_it", "cell_key", "cluster_for", "load_published", "measured_speedups", "parse_published",
-           "point_dict", "predict_all", "predict_run", "run_config", "runtime_elementwise", "system_workload",
-           "as_system_runs_it",
+           "point_dict", "predict_all", "predict_run", "run_config", "run_workload", "runtime_elementwise",
+           "system_workload", "as_system_runs_it",
            "speedup_pairs", "summarize", "time_by_resource", "time_by_structure", "to_plan", "zoo_workload"]

@@ -12,11 +12,12 @@ from __future__ import annotations
 import enum
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 
-from mistjax.tuning.baselines import COMPUTE_DTYPES, SystemRecord, system_named
+from mistjax.core.plan import REMAT_POLICIES
+from mistjax.tuning.baselines import COMPUTE_DTYPES, SystemRecord, WeightStorage, system_named
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
@@ -70,8 +71,10 @@ class StageRecord:
     """One pipeline stage of a run."""
 
     layers: tuple[int, int]  # [start, end) of the layer stack
-    remat_layers: int  # layers checkpointed with full recompute
+    remat_layers: int  # layers checkpointed (recomputed in the backward)
     zero: int  # ZeRO stage 0-3 (Megatron's distributed optimizer = 1)
+    remat_policy: str = "full"  # what a checkpointed layer keeps (`mistjax.plan.REMAT_POLICIES`): full recompute
+    # (Megatron-LM's, Mist's) or ``dots`` (the matmul outputs kept: mistjax's selective policy)
     offload_weights: float = 0.0  # fractions kept in host memory
     offload_grads: float = 0.0
     offload_opt: float = 0.0
@@ -134,9 +137,13 @@ class PublishedRun:
     @property
     def system_record(self) -> SystemRecord:
         """The system the run is priced as (`mistjax.tuning.SYSTEMS`, read from ``system``; mistjax's record for a
-        system it has none of)."""
+        system it has none of). A ``precision`` that says ``fp32 weights`` (a 16-bit-compute run that stored
+        fp32 weights and no master copy, mistjax's default) overrides the record's weight storage."""
         s = self.system.lower()
-        return system_named(next((name for word, name in _SYSTEM_WORDS if word in s), "mistjax"))
+        record = system_named(next((name for word, name in _SYSTEM_WORDS if word in s), "mistjax"))
+        if "fp32 weights" in self.precision.lower():
+            return replace(record, weights=WeightStorage.FP32)
+        return record
 
     @property
     def fp8(self) -> bool:
@@ -370,7 +377,7 @@ def _parallel(doc: object, where: str) -> ParallelRecord:
 
 def _stage(doc: object, where: str) -> StageRecord:
     offloads = ("offload_weights", "offload_grads", "offload_opt", "offload_acts")
-    o = _Obj(doc, where, required={"layers", "remat_layers", "zero"}, optional=set(offloads))
+    o = _Obj(doc, where, required={"layers", "remat_layers", "zero"}, optional={*offloads, "remat_policy"})
     lay = o.doc["layers"]
     ints = isinstance(lay, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in lay)
     if not ints or len(lay) != 2 or not 0 <= lay[0] < lay[1]:
@@ -381,7 +388,10 @@ def _stage(doc: object, where: str) -> StageRecord:
     remat = o.integer("remat_layers", lo=0)
     if remat > lay[1] - lay[0]:
         raise o.fail("remat_layers", f"at most the stage's {lay[1] - lay[0]} layers")
-    return StageRecord(layers=(lay[0], lay[1]), remat_layers=remat, zero=zero,
+    policy = o.text("remat_policy", "full")
+    if policy not in REMAT_POLICIES:
+        raise o.fail("remat_policy", f"one of {', '.join(REMAT_POLICIES)}")
+    return StageRecord(layers=(lay[0], lay[1]), remat_layers=remat, zero=zero, remat_policy=policy,
                        **{k: o.number(k, 0.0, hi=1.0) for k in offloads})
 
 
