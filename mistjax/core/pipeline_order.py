@@ -220,80 +220,30 @@ def _stuck_groups(orders: Sequence[Sequence[Op]], num_virtual: int) -> list[int]
 
 
 def zero_bubble_orders(num_groups: int, num_microbatches: int) -> list[list[Op]]:
-    """ZB-H1 (Qi et al., ICLR'24): 1F1B's forwards and input-gradient backwards, each weight-gradient pass
-    deferred into the time its group would otherwise wait, with 1F1B's memory.
+    """ZB-H1 (Qi et al., ICLR'24): 1F1B's forwards and input-gradient backwards (B), stage ``s`` running each
+    weight-gradient pass (W) ``s`` micro-batches after its B, so every stage holds at most ``min(S, G)``
+    micro-batches (1F1B's peak, its first stage's) from F to W.
 
-    Built by simulating every group with `ZB_NOMINAL_COST` (the order, not the times, is the schedule): a
-    group runs its next 1F1B operation when its input has arrived, else its oldest pending W; a forward waits
-    for a W first when ``min(S - s, G)`` micro-batches (1F1B's in-flight count) would otherwise hold residuals.
-    The last stage keeps its fused FB (its weight gradients in it): nothing after it waits for them.
+    Stage ``s`` runs 1F1B's ``min(S - s - 1, G)`` warm-up forwards, then per micro-batch ``k`` its next forward,
+    ``B(k)`` and ``W(k - s)``, then its ``s`` remaining W's. The lag lets the input gradients run down the
+    pipeline without waiting for weight passes, and the W's the later stages hold back fill the drain: with
+    ``G >= S`` the bubble is Qi et al.'s ``(S - 1)(F + B - W)`` for any costs with ``W <= F + B``, where
+    deferring no W (1F1B) leaves ``(S - 1)(F + B + W)`` (tests/test_zero_bubble.py). A smaller lag on any stage
+    gives a larger bubble. The last stage runs F and B as one program (FB) and lags its W's by ``S - 1``.
     """
     S, G = num_groups, num_microbatches
-    queues = [[Op(OpKind.FB if s == S - 1 and kind == OpKind.F else kind, s, i) for kind, i in _classic(s, S, G)
-               if not (s == S - 1 and kind == OpKind.B)] for s in range(S)]
-    cost = dict(ZB_NOMINAL_COST)
-    cost[OpKind.FB] = cost[OpKind.F] + cost[OpKind.B]
-    finish: dict[Op, float] = {}
-    free, pos = [0.0] * S, [0] * S
-    pending: list[deque[Op]] = [deque() for _ in range(S)]
-    live = [0] * S  # micro-batches whose residuals stage s holds (F issued, W not)
-    orders: list[list[Op]] = [[] for _ in range(S)]
-
-    def op_cost(op: Op) -> float:
-        if op.stage == 0 and op.kind in (OpKind.B, OpKind.W):
-            return 0.0 if op.kind == OpKind.B else cost[OpKind.B] + cost[OpKind.W]
-        return cost[op.kind]
-
-    def choice(s: int) -> tuple[float, Op] | None:
-        """(start, operation) group s runs next, or None when it waits for an input not yet computed."""
-        nxt = queues[s][pos[s]] if pos[s] < len(queues[s]) else None
-        if nxt is not None and nxt.kind == OpKind.F and live[s] >= min(S - s, G) and pending[s]:
-            return free[s], pending[s][0]
-        if nxt is not None:
-            deps = dependencies(nxt, S)
-            if all(d in finish for d in deps):
-                ready = max([free[s], *(finish[d] for d in deps)])
-                if ready <= free[s] or not pending[s]:
-                    return ready, nxt
-            elif not pending[s]:
-                return None
-        return (free[s], pending[s][0]) if pending[s] else None
-
-    total = sum(len(q) for q in queues) + G * S
-    done = 0
-    # Each group's next (start, op); only the groups an issued operation can change are re-examined: its
-    # own and its neighbours (the only ones whose inputs it produces).
-    options: list[tuple[float, int, Op] | None] = [None] * S
-
-    def refresh(s: int) -> None:
-        c = choice(s)
-        options[s] = None if c is None else (c[0], s, c[1])
-
+    orders: list[list[Op]] = []
     for s in range(S):
-        refresh(s)
-    while done < total:
-        ready = [o for o in options if o is not None]
-        if not ready:
-            raise ScheduleError("internal: the zero-bubble simulation deadlocked")
-        start, s, op = min(ready)
-        finish[op] = start + op_cost(op)
-        free[s] = finish[op]
-        orders[s].append(op)
-        done += 1
-        if op.kind == OpKind.W:
-            pending[s].popleft()
-            live[s] -= 1
-        else:
-            pos[s] += 1
-            if op.kind == OpKind.F:
-                live[s] += 1
-            elif op.kind in (OpKind.B, OpKind.FB):
-                pending[s].append(Op(OpKind.W, s, op.mb))
-                if op.kind == OpKind.FB:
-                    live[s] += 1
-        for k in (s - 1, s, s + 1):
-            if 0 <= k < S:
-                refresh(k)
+        warm, last = min(S - s - 1, G), s == S - 1
+        ops = [Op(OpKind.F, s, i) for i in range(warm)]
+        for k in range(G):
+            if warm + k < G:
+                ops.append(Op(OpKind.FB if last else OpKind.F, s, warm + k))
+            if not last:
+                ops.append(Op(OpKind.B, s, k))
+            if k >= s:
+                ops.append(Op(OpKind.W, s, k - s))
+        orders.append(ops + [Op(OpKind.W, s, i) for i in range(max(G - s, 0), G)])
     return orders
 
 

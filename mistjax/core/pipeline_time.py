@@ -52,9 +52,11 @@ def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages:
 
     1F1B, 1F1B-eager and GPipe expose it all (c = 1, Mist's formula). Interleaved 1F1B with ``chunks`` = v
     chunks per device group fills with chunks v times shorter (c = 1/v: ``(G + (S-1)/v) T`` for equal stages,
-    Narayanan et al. 2021). ZB-H1 leaves the weight passes W to fill the drain: the executor's order, whose
-    last stage runs F and B as one program, has a bubble of ``(S-1)(F + B) - W`` (Qi et al.'s ideal is
-    ``(S-1)(F + B - W)``): c = 1 - w S / (S-1) with ``wgrad_share`` = w = W / T and ``stages`` = S.
+    Narayanan et al. 2021). ZB-H1 leaves the weight passes W to fill the drain: the executor's order
+    (`core.pipeline_order.zero_bubble_orders`, stage s lagging its W's s micro-batches) has Qi et al.'s bubble
+    ``(S-1)(F + B - W)`` for ``G >= S``: c = 1 - 2 w with ``wgrad_share`` = w = W / T, at least 0. Where
+    ``W > B`` (w > 1/3 with F = T/3) the forward's own fill ``(S-1) F`` is the bubble instead, which
+    this share, not given F, does not see; the weight passes' share on the grid and the large cells is 0.24-0.29.
     ZB-V has no closed form here: its share is the executor's order simulated for equal chunks
     (`v_fill_share`), for time on at most 8 groups, 4 micro-batches per group and the weight share rounded to
     0.02: the order's steady state leaves no bubble, so the share moves little with S and G past its fill and
@@ -64,7 +66,7 @@ def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages:
         s = min(stages, 8)
         return v_fill_share(s, min(microbatches or 4 * s, 4 * s), round(float(wgrad_share) / 0.02) * 0.02)
     if schedule in ZERO_BUBBLE:
-        return float(min(1.0, max(0.0, 1.0 - wgrad_share * stages / max(stages - 1, 1))))
+        return float(min(1.0, max(0.0, 1.0 - 2.0 * wgrad_share)))
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     return 1.0 / chunks

@@ -4,10 +4,11 @@
 (PipeDream-flush) warms up with ``min(S - s - 1, G)`` forwards and then alternates (``min(S - s, G)`` in
 flight); ``"1f1b-eager"`` puts every backward at its earliest slot (``min(2 (S - s) - 1, G)`` in flight);
 ``"zb-h1"`` splits each backward into its input-gradient and weight-gradient halves and defers the latter
-into the bubbles (Qi et al., ICLR'24), with 1F1B's micro-batches in flight; ``"zb-v"`` runs two chunks per device
-group placed in a V (group ``d`` holds virtual stages ``d`` and ``2S - 1 - d``, so the first group also computes
-the loss) with split backwards, filling the pipeline with the weight passes at about 1F1B's peak memory. The
-executor's operation order is `mistjax.core.pipeline_order`'s; trade-offs and measurements: docs/internals.md.
+into the bubbles (Qi et al., ICLR'24), with 1F1B's peak (its first stage's) on every stage; ``"zb-v"`` runs
+two chunks per device group placed in a V (group ``d`` holds virtual stages ``d`` and ``2S - 1 - d``, so the
+first group also computes the loss) with split backwards, filling the pipeline with the weight passes at about
+1F1B's peak memory. The executor's operation order is `mistjax.core.pipeline_order`'s; trade-offs and
+measurements: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def inflight_microbatches(
     """Micro-batches whose residuals stage ``stage`` (0-based) holds at its peak, vectorised, as the MPMD
     executor runs the schedule (`mistjax.core.pipeline_order.residuals_in_flight`, tested equal).
 
-    1F1B: ``min(S - stage, G)`` (warm-up forwards S - stage - 1, Mist's p, plus the current one); ZB-H1 the
-    same (a forward waits for a deferred weight-gradient pass rather than hold more).
+    1F1B: ``min(S - stage, G)`` (warm-up forwards S - stage - 1, Mist's p, plus the current one). ZB-H1:
+    ``min(S, G)`` on every stage, 1F1B's peak (its first stage's): stage s keeps a micro-batch's residuals until
+    its weight-gradient pass, which it runs s micro-batches after the input gradient (Qi et al.'s lag).
     GPipe: G (every forward finishes before the first backward).
     1F1B-eager: ``min(2 (S - stage) - 1, G)`` (backward i waits ``2 (S - stage) - 2`` ticks after forward i).
     The last stage runs each micro-batch's forward and backward in one program: one, transiently.
@@ -61,8 +63,10 @@ def inflight_microbatches(
     g = np.asarray(num_microbatches, dtype=np.int64)
     if np.any(st < 0) or np.any(st >= s):
         raise ValueError("stage must be in [0, num_stages)")
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b":
         n = np.minimum(s - st, g)
+    elif schedule == "zb-h1":
+        n = np.minimum(s, g)
     elif schedule == "gpipe":
         n = np.broadcast_to(g, np.broadcast_shapes(st.shape, s.shape, g.shape)).copy()
     elif schedule == "1f1b-eager":
@@ -78,9 +82,9 @@ def deferred_microbatches(stage: ArrayLike, num_stages: ArrayLike, num_microbatc
     values the pass reads of the input-gradient pass), vectorised, as the MPMD executor runs ZB-H1
     (`mistjax.core.pipeline_order.deferred_in_flight`, tested equal); zero for other schedules.
 
-    ZB-H1: one on a middle stage (a forward waits for it: 1F1B's in-flight count), ``min(2, G)`` on the last
-    (its next fused forward + input gradient runs before it), none on the first stage, whose deferred pass is
-    its whole backward (its residuals are counted in flight until then, and it has no stash).
+    ZB-H1: ``min(stage + 1, G)``, stage s running each weight-gradient pass s micro-batches after its input
+    gradient (the last stage ``min(S, G)``), none on the first stage, whose deferred pass is its whole backward
+    (its residuals are counted in flight until then, and it has no stash).
     """
     _one_chunk(schedule)
     st = np.asarray(stage, dtype=np.int64)
@@ -90,7 +94,7 @@ def deferred_microbatches(stage: ArrayLike, num_stages: ArrayLike, num_microbatc
         raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {SCHEDULE_NAMES}")
     if schedule != "zb-h1":
         return np.zeros(np.broadcast_shapes(st.shape, s.shape, g.shape), np.int64)
-    n = np.where(st == s - 1, np.minimum(2, g), 1)
+    n = np.minimum(st + 1, g)
     return np.where((st == 0) | (s == 1), 0, n)
 
 
