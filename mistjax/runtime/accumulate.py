@@ -25,9 +25,38 @@ from typing import TypeAlias, TypeVar
 import jax
 from jax import lax
 
+from mistjax.runtime.context_partial import spread
+
 # One layer's cotangent of a stored weight slice -> the increment of that layer's accumulator row
 # (to device, the gradient dtype, a ZeRO-2 reduce-scatter over the partition group).
 SliceGrad: TypeAlias = Callable[[jax.Array], jax.Array]
+
+
+class PartialGrad:
+    """A `SliceGrad` of a weight accumulated as per-context-rank partial sums (`runtime.context_partial`): the
+    layer reads the weight's slice in partial form (``[cp, *slice]``, `spread`), so its cotangent, and the
+    accumulator's row, are ``[cp, *row]`` partials that `runtime.grads` sums over `context` once per step."""
+
+    def __init__(self, prepare: SliceGrad, cp: int) -> None:
+        self.prepare, self.cp = prepare, cp
+
+    def __call__(self, ct: jax.Array) -> jax.Array:
+        return self.prepare(ct)
+
+    def spread(self, x: jax.Array) -> jax.Array:
+        """One layer's stored slice as the layer reads it: in partial form."""
+        return spread(x, self.cp)
+
+
+def _spread(prepare: SliceGrad | None, x: jax.Array) -> jax.Array:
+    """``x`` as the layer reads it: in partial form where its `prepare` is a `PartialGrad`."""
+    return prepare.spread(x) if isinstance(prepare, PartialGrad) else x
+
+
+def _slice_zero(g: jax.Array, prepare: SliceGrad, host: bool) -> jax.Array:
+    """The zero cotangent of a stored slice whose layer cotangent is ``g`` (in partial form: one dim more)."""
+    return _zero_like(g[0] if isinstance(prepare, PartialGrad) else g, host)
+
 
 Leaves: TypeAlias = list[jax.Array]
 """A layer's flat operands or results (its carry, its scanned slices, its outputs): one array per leaf."""
@@ -70,15 +99,15 @@ def accumulate_into(accs: list[jax.Array | None], outs: list[jax.Array | None], 
       finish: per weight, applied to the summed row before it is stored (a collective), or None.
       on_host: per weight, whether its stored slice is in host memory (its zero cotangent must be).
     """
-    del layer, prepare, finish, on_host
-    return accs, outs, xs
+    del layer, finish, on_host
+    return accs, outs, [_spread(p, x) for p, x in zip(prepare, xs)]
 
 
 def _fwd(accs: Slots, outs: Slots, xs: Leaves, layer: jax.Array, prepare: tuple[SliceGrad, ...],
          finish: tuple[SliceGrad | None, ...], on_host: tuple[bool, ...]
          ) -> tuple[tuple[Slots, Slots, Leaves], jax.Array]:
-    del prepare, finish, on_host
-    return (accs, outs, xs), layer
+    del finish, on_host
+    return (accs, outs, [_spread(p, x) for p, x in zip(prepare, xs)]), layer
 
 
 def _zero_like(g: jax.Array, host: bool) -> jax.Array:
@@ -112,7 +141,7 @@ def _bwd(prepare: tuple[SliceGrad, ...], finish: tuple[SliceGrad | None, ...], o
         else:
             outs[j] = lax.dynamic_update_slice(out_j, row[None], start)
     # Zero, and dead code: the weights themselves are not differentiated (`runtime.grads`).
-    return accs, outs, [_zero_like(g, h) for g, h in zip(ct_xs, on_host)], None
+    return accs, outs, [_slice_zero(g, p, h) for g, p, h in zip(ct_xs, prepare, on_host)], None
 
 
 def _add_rows(ct_accs: list[jax.Array], ct_rows: list[jax.Array], layer: jax.Array,
@@ -135,8 +164,7 @@ def pick_rows(accs: list[jax.Array], stacks: list[jax.Array], layer: jax.Array, 
     re-fetching function, the layer keeps the loop-invariant stack and the row index, and its backward
     reads the row again (a row computed outside would be a per-layer residual: a stacked copy).
     """
-    del prepare
-    return accs, [lax.dynamic_index_in_dim(s, layer, keepdims=False) for s in stacks]
+    return accs, [_spread(p, lax.dynamic_index_in_dim(s, layer, keepdims=False)) for p, s in zip(prepare, stacks)]
 
 
 def _pick_fwd(accs: list[jax.Array], stacks: list[jax.Array], layer: jax.Array, prepare: tuple[SliceGrad, ...]
@@ -392,5 +420,6 @@ def scan_rows(layer_fn: RowLayerFn, carry: Leaves, xs: Leaves, accs: Sequence[ja
     return carry, out, ys
 
 
-__all__ = ["LayerFn", "Leaves", "RowLayer", "RowLayerFn", "RowsIn", "SliceGrad", "Slots", "accumulate_into",
-           "flush_synced", "pick_rows", "reading_rows", "scan_accumulating", "scan_rows", "sync_deferred"]
+__all__ = ["LayerFn", "Leaves", "PartialGrad", "RowLayer", "RowLayerFn", "RowsIn", "SliceGrad", "Slots",
+           "accumulate_into", "flush_synced", "pick_rows", "reading_rows", "scan_accumulating", "scan_rows",
+           "sync_deferred"]

@@ -23,6 +23,7 @@ from mistjax.core.jaxpr import Value, bind_equation, iter_eqns, read, shaped
 from mistjax.core.layout import CONTEXT_AXIS
 from mistjax.core.plan import PlanError
 from mistjax.runtime.context_attention import context_attention
+from mistjax.runtime.context_partial import eval_partial, is_partial
 from mistjax.trace.split import BlockFn, LayerStack, TracedLoss
 
 
@@ -120,6 +121,13 @@ def _run_layer(stack: LayerStack, calls: dict[int, AttentionCall], form: Context
     jaxpr = stack.body.jaxpr
     env: dict[jex.Var, Value] = dict(zip(jaxpr.constvars, stack.body.consts))
     env.update(zip(jaxpr.invars, [*consts, *carry, *xs]))
+    cp = _partial_cp(jaxpr.invars[len(jaxpr.invars) - len(xs):], xs)
+    if cp is not None:
+        # Weights in partial form (`runtime.context_partial`): their gradients stay per-context-rank partials.
+        seq = int(jax.numpy.shape(carry[0])[1])
+        out = eval_partial(jaxpr, env, cp, seq,
+                           lambda i, vals: run_attention(calls[i], form, vals) if i in calls else None)
+        return out[: stack.num_carry], out[stack.num_carry:]
     for i, eqn in enumerate(jaxpr.eqns):
         vals = [read(env, v) for v in eqn.invars]
         call = calls.get(i)
@@ -127,6 +135,15 @@ def _run_layer(stack: LayerStack, calls: dict[int, AttentionCall], form: Context
         env.update(zip(eqn.outvars, outs))
     out = [read(env, v) for v in jaxpr.outvars]
     return out[: stack.num_carry], out[stack.num_carry:]
+
+
+def _partial_cp(invars: Sequence[jex.Var], xs: Sequence[Value]) -> int | None:
+    """The context degree of the layer's weights in partial form (`context_partial.is_partial`), or None."""
+    for v, x in zip(invars, xs):
+        shape = tuple(jax.numpy.shape(x))
+        if len(shape) == len(shaped(v).shape) + 1 and is_partial(x, v, shape[0]):
+            return shape[0]
+    return None
 
 
 __all__ = ["AttentionCall", "attention_call", "check_form", "context_parallel_block", "run_attention",

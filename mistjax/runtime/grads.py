@@ -29,10 +29,10 @@ from mistjax.core.execution import (
     is_batch_leaf,
     lower_stage,
 )
-from mistjax.core.layout import CONTEXT_AXIS, DP_AXES, PARAM, SHARD_AXES, LeafLayout
+from mistjax.core.layout import CONTEXT_AXIS, DP_AXES, PARAM, SHARD_AXES, LeafLayout, shard_split
 from mistjax.core.plan import Plan, PlanError, StagePlan
 from mistjax.core.types import LossFn, PyTree
-from mistjax.runtime.accumulate import SliceGrad
+from mistjax.runtime.accumulate import PartialGrad, SliceGrad
 from mistjax.runtime.context_block import context_parallel_block
 from mistjax.runtime.remat import Body, LayerLoop, LoopSinks, as_layer_loop
 from mistjax.runtime.tensor import per_tensor_shard, tensor_parallel_block
@@ -276,14 +276,31 @@ def _sequence_split(tp: int, cp: int = 1) -> Callable[[jax.Array], jax.Array]:
     return constrain
 
 
-def _slice_grad(spec: StageLeaf, plan: Plan) -> SliceGrad:
+def _slice_grad(spec: StageLeaf, plan: Plan, partial: bool = False) -> SliceGrad:
     """How one layer's cotangent of a stored weight slice enters the accumulator (see `_microbatch_grad`):
-    `_finish_one` on a slice (the layer dim dropped)."""
+    `_finish_one` on a slice (the layer dim dropped); with `partial`, on the slice's per-context-rank partials
+    (`accumulate.PartialGrad`: one leading dim of cp in place of the layer dim)."""
+    if partial:
+        return PartialGrad(lambda ct: _finish_one(ct, spec, plan), plan.cp)
     return lambda ct: _finish_one(ct, spec, plan, layer_slice=True)
 
 
+def partial_leaves(traced: TracedLoss, execution: StageExecution, specs: Sequence[StageLeaf], plan: Plan
+                   ) -> frozenset[int]:
+    """The leaves whose gradients are accumulated as per-context-rank partial sums and reduced over `context`
+    once per step (`runtime.context_partial`): the in-loop accumulated layer weights (G > 1) of a plan with
+    cp > 1 and no TP whose layer runs the context-parallel attention block, read in place (not fetched: a
+    ZeRO-3 gather or a host copy). Empty otherwise: GSPMD reduces those over `context` per micro-batch."""
+    if plan.cp <= 1 or plan.tp > 1 or plan.grad_accum <= 1 or traced.stack is None or traced.groups is not None:
+        return frozenset()
+    if context_parallel_block(traced, ContextForm(plan.cp_form), plan.cp) is None:
+        return frozenset()
+    return frozenset(i for i in execution.in_loop if not specs[i].fetched)
+
+
 def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: StagePlan, specs: Sequence[StageLeaf],
-                     index: Callable[[int], int], plan: Plan, *, refetch_plain: bool = True) -> LayerLoop:
+                     index: Callable[[int], int], plan: Plan, *, refetch_plain: bool = True,
+                     partial: frozenset[int] = frozenset()) -> LayerLoop:
     """The layer loop of one stage, as its `StageExecution` says: per-layer fetches, remat and activation
     offload per scan, and how each layer's weight cotangent enters its accumulator; the single-stage step and
     the pipeline's stage programs (`runtime.mpmd_stage`) both run it.
@@ -291,6 +308,7 @@ def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: Stage
     Args:
       traced: the loss, traced (its layer stack gives the scanned operands).
       specs: the stage's gradient specs; `index` maps a traced parameter index to its position in `specs`.
+      partial: the positions in `specs` accumulated as per-context-rank partials (`partial_leaves`).
     """
     st = traced.require_stack()
     stacked = traced.groups is None  # an unrolled stack's operands are its real per-layer leaves (no layer dim)
@@ -299,7 +317,8 @@ def stage_layer_loop(traced: TracedLoss, execution: StageExecution, stage: Stage
         gather=tuple(None if i is None else make_fetch(specs[index(i)], stacked) for i in st.xs_leaf),
         carry_constraint=_sp_constraint(plan.tp, plan.cp), offload_names=tuple(checkpoint_names(st.body)),
         refetch_plain=refetch_plain,
-        prepare=tuple(None if i is None or not stacked else _slice_grad(specs[index(i)], plan) for i in st.xs_leaf))
+        prepare=tuple(None if i is None or not stacked else _slice_grad(specs[index(i)], plan, index(i) in partial)
+                      for i in st.xs_leaf))
 
 
 def mesh_capabilities(mesh: Mesh | None, tp_overlap: bool = False) -> Capabilities:
@@ -400,8 +419,8 @@ def _sinks(p_local: list[jax.Array], acc: list[jax.Array] | None, execution: Sta
     return _Sinks({}, outs, {i: row_sync(specs[i], mesh) for i in execution.synced}, defer=execution.defer_sync)
 
 
-def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Sequence[StageLeaf], plan: Plan
-                       ) -> LayerLoop | None:
+def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Sequence[StageLeaf], plan: Plan,
+                       partial: frozenset[int] = frozenset()) -> LayerLoop | None:
     """The step's layer loop, entered through the sequence split under tensor parallelism; None for a loss
     without a layer stack (an error if the plan needs one)."""
     stage = plan.stages[0]
@@ -411,7 +430,7 @@ def _single_stage_loop(traced: TracedLoss, execution: StageExecution, specs: Seq
             traced.require_stack()
         return None
     plan.check_layers(traced.stack.num_layers)
-    loop = stage_layer_loop(traced, execution, stage, specs, traced.real_index, plan)
+    loop = stage_layer_loop(traced, execution, stage, specs, traced.real_index, plan, partial=partial)
     return dataclasses.replace(loop, enter=_sequence_split(plan.tp, plan.cp)) if plan.tp * plan.cp > 1 else loop
 
 
@@ -430,7 +449,7 @@ def layer_block(fun: LossFn, traced: TracedLoss, layouts: Sequence[LeafLayout], 
 
 def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequence[StageLeaf],
                      layouts: Sequence[LeafLayout], plan: Plan, is_batch: Sequence[bool],
-                     execution: StageExecution, mesh: Mesh) -> MicrobatchGrad:
+                     execution: StageExecution, mesh: Mesh, partial: frozenset[int] = frozenset()) -> MicrobatchGrad:
     """One micro-batch's loss, aux and gradients, run as the plan says.
 
     Gradients of the execution's `in_loop` leaves are added into their accumulators inside the backward layer
@@ -440,7 +459,7 @@ def _microbatch_grad(fun: LossFn, has_aux: bool, traced: TracedLoss, specs: Sequ
     there too, each in the iteration that produced it, or one iteration later (`StageExecution.defer_sync`).
     """
     tp_block = layer_block(fun, traced, layouts, plan, is_batch)
-    layer_loop = _single_stage_loop(traced, execution, specs, plan)
+    layer_loop = _single_stage_loop(traced, execution, specs, plan, partial)
     xs_leaf = traced.stack.xs_leaf if traced.stack is not None else ()
 
     def read_param(i: int, v: Operand) -> Operand:
@@ -515,17 +534,19 @@ def _finish_one(g: jax.Array, spec: StageLeaf, plan: Plan, layer_slice: bool = F
 
 
 def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Array], is_batch: Sequence[bool],
-                G: int, acc_host: Sequence[bool], in_loop: frozenset[int], sync: bool
-                ) -> tuple[list[jax.Array], jax.Array, PyTree]:
+                G: int, acc_host: Sequence[bool], in_loop: frozenset[int], sync: bool,
+                partial: frozenset[int] = frozenset(), cp: int = 1) -> tuple[list[jax.Array], jax.Array, PyTree]:
     """Sum loss, aux and gradients over the ``G`` micro-batches (a scan; offloaded accumulators on host;
-    the `in_loop` leaves' accumulators updated inside the backward). With `sync` (G == 1 only, see
+    the `in_loop` leaves' accumulators updated inside the backward; the `partial` ones as per-context-rank
+    partials, ``[layers, cp, ...]``, see `collapse_partials`). With `sync` (G == 1 only, see
     `StageExecution.synced`) the only backward also synchronises the synced leaves."""
     mb0 = [x[0] if b else x for x, b in zip(mbs, is_batch)]
     if G == 1:
         loss, aux, acc = grad(p_local, mb0, None, sync)
         return acc, loss, aux
     shapes = jax.eval_shape(grad, p_local, mb0)[2]
-    acc0 = [to_host(jnp.zeros(s.shape, s.dtype), h) for s, h in zip(shapes, acc_host)]
+    acc0 = [_partial_zeros(s.shape, s.dtype, cp) if i in partial else to_host(jnp.zeros(s.shape, s.dtype), h)
+            for i, (s, h) in enumerate(zip(shapes, acc_host))]
 
     def step(acc: list[jax.Array], i: jax.Array) -> tuple[list[jax.Array], tuple[jax.Array, PyTree]]:
         loss, aux, g = grad(p_local, [x[i] if b else x for x, b in zip(mbs, is_batch)], acc)
@@ -537,6 +558,37 @@ def _accumulate(grad: MicrobatchGrad, p_local: list[jax.Array], mbs: list[jax.Ar
     acc, (losses, auxs) = lax.scan(step, acc0, jnp.arange(G))
     acc = [to_device(a, h) for a, h in zip(acc, acc_host)]
     return acc, jnp.sum(losses), jax.tree.map(lambda a: jnp.sum(a, axis=0), auxs)
+
+
+def _partial_zeros(shape: Sequence[int], dtype: DTypeLike, cp: int) -> jax.Array:
+    """A zero accumulator of per-context-rank partials of a stacked leaf: ``[layers, cp, ...]``, split over
+    `context` on dim 1 (each device holds one leaf's bytes)."""
+    z = jnp.zeros((shape[0], cp, *shape[1:]), dtype)
+    return lax.with_sharding_constraint(z, P(None, CONTEXT_AXIS, *([None] * (len(shape) - 1))))
+
+
+def collapse_partials(acc: list[jax.Array], partial: frozenset[int], specs: Sequence[StageLeaf], plan: Plan
+                      ) -> tuple[list[jax.Array], frozenset[int]]:
+    """Reduce the per-context-rank partial accumulators (`_accumulate`) over `context`, once per step.
+
+    ZeRO-1 leaves are reduce-scattered over the partition group first (on the partials: each device moves its
+    own), then summed over `context` split along the ZeRO dim where the optimizer state is split over `context`
+    too (`core.layout.shard_split`: GSPMD reduce-scatters; else it all-reduces). ZeRO-2 leaves arrive scattered
+    (per micro-batch). Returns the gradients and the leaves whose partition-group part is done (for
+    `finish_grads`' ``synced``)."""
+    out, done = list(acc), set()
+    for i in partial:
+        g, lay = acc[i], specs[i].layout
+        if specs[i].zero == 1 and lay.shard_dim is not None:
+            g = shard_psum_scatter(g, lay.shard_dim + 1)
+            done.add(i)
+        g = jnp.sum(g, axis=1)
+        if lay.shard_dim is not None and shard_split(lay.shape, lay.axes, lay.tensor_dims, lay.stacked, plan)[1]:
+            entries: list[str | None] = [None] * g.ndim
+            entries[lay.shard_dim] = CONTEXT_AXIS
+            g = lax.with_sharding_constraint(g, P(*entries))
+        out[i] = g
+    return out, frozenset(done)
 
 
 def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tuple[PyTree, ...], *,
@@ -571,10 +623,13 @@ def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tup
                                     pipelined=False)
         if on_execution is not None:
             on_execution(ExecutionPlan((execution,), mesh_capabilities(mesh, plan.tp_overlap), tuple(is_batch)))
-        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, execution, mesh)
+        partial = partial_leaves(traced, execution, specs, plan)
+        grad = _microbatch_grad(fun, has_aux, traced, specs, layouts, plan, is_batch, execution, mesh, partial)
         acc, loss_sum, aux_sum = _accumulate(grad, p_local, mbs, is_batch, G, acc_host, execution.in_loop,
-                                             bool(execution.synced))
-        grads = [g * jnp.asarray(scale, g.dtype) for g in finish_grads(acc, specs, plan, mesh, execution.synced)]
+                                             bool(execution.synced), partial, plan.cp)
+        acc, done = collapse_partials(acc, partial, specs, plan)
+        grads = [g * jnp.asarray(scale, g.dtype)
+                 for g in finish_grads(acc, specs, plan, mesh, execution.synced | done)]
         loss = psum_live(loss_sum, DP_AXES, mesh) * scale
         aux = jax.tree.map(lambda a: psum_live(a, DP_AXES, mesh) * (scale if jnp.issubdtype(a.dtype, jnp.inexact)
                                                                    else 1), aux_sum)
