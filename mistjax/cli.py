@@ -201,8 +201,12 @@ def _model_config(args: WorkloadArgs) -> ModelConfig:
 
 def _workload(args: WorkloadArgs, config: ModelConfig) -> Workload:
     import models
+    from mistjax.core.moe import MoENotTunedError
 
-    return models.workload(config, args.seq_len, args.global_batch)
+    try:
+        return models.workload(config, args.seq_len, args.global_batch)
+    except MoENotTunedError as e:
+        raise CliError(str(e)) from e
 
 
 def cmd_plan(args: PlanArgs) -> int:
@@ -458,6 +462,10 @@ def cmd_explain(args: ExplainArgs) -> int:
         raise CliError(str(e)) from e
     report = analyze(workload, plan, cluster)
     print(report.summary())  # with its notes
+    from mistjax.cost.mics import mics_lines
+
+    for line in mics_lines(workload, plan, cluster):  # what the partition group buys (none without sharding)
+        print(line)
     _print_usage(config, workload, plan, cluster, report, EXPLAIN_SEARCH_SECONDS)
     if args.plot:
         _plots(workload, plan, cluster, Path(args.plot))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Literal, TypeAlias, cast
+from typing import Literal, NamedTuple, TypeAlias, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -375,6 +375,77 @@ def mics_node_egress_bytes(
         (r > 1) & (n > k), np.minimum(k, p) * 2 * (r - 1) / np.maximum(r, 1) * _f(grad_bytes) / p, 0.0
     )
     return _f(accum_steps) * hop1 + hop2
+
+
+class LevelBytes(NamedTuple):
+    """Result bytes per device of each phase of one hierarchical collective (the HLO instructions' result sizes)."""
+
+    inter: float  # the inter-node phase (k concurrent collectives of m participants, one per local rank)
+    intra: float  # the intra-node phase (over the k devices of a node)
+
+
+def hierarchical_level_bytes(op: str, nbytes: float, per_node: int, nodes: int) -> LevelBytes:
+    """Per-device result bytes of each level of `hierarchical_all_gather_time` / `..._reduce_scatter_time` on a
+    full buffer of ``nbytes`` over p = k x m devices, as the runtime issues them (`runtime.grads`):
+
+    * all-gather, inter-node first: m chunks of n/p -> n/k, then intra-node -> n;
+    * reduce-scatter, intra-node first: n -> n/k, then inter-node -> n/p.
+
+    The inter phase's bytes leaving each node are k x (m-1)/m x its result = `hierarchical_node_egress_bytes`."""
+    k, m = max(int(per_node), 1), max(int(nodes), 1)
+    if op == _AG:
+        return LevelBytes(inter=nbytes / k, intra=float(nbytes))
+    if op == _RS:
+        return LevelBytes(inter=nbytes / (k * m), intra=nbytes / k)
+    raise ValueError(f"hierarchical levels exist for {_AG.value} and {_RS.value}, not {op!r}")
+
+
+class ShardingTraffic(NamedTuple):
+    """Bytes leaving each node per optimizer step for a stage's ZeRO / MiCS collectives (`sharding_node_egress`)."""
+
+    gather: float  # parameter all-gathers (hop 0: ZeRO-3's per micro-batch, ZeRO-1/2's after the update)
+    reduce_scatter: float  # gradient reduce-scatters inside the partition group (hop 1)
+    replica_all_reduce: float  # the once-per-step all-reduce of the 1/p shard over the replicas (hop 2)
+
+    @property
+    def total(self) -> float:
+        return self.gather + self.reduce_scatter + self.replica_all_reduce
+
+
+def sharding_node_egress(param_bytes: float, grad_bytes: float, zero: int, group: int, dp: int, members_per_node: int,
+                         accum_steps: int) -> ShardingTraffic:
+    """Per-node network egress per step of a stage's sharding collectives with partition group ``group`` of ``dp``.
+
+    As the runtime issues them (`runtime.grads`): a group spanning m > 1 nodes gathers and reduce-scatters
+    hierarchically, (m-1)/m of the buffer leaving each node (`hierarchical_node_egress_bytes`); ZeRO-3 gathers every
+    weight twice per micro-batch (forward, backward re-fetch) and reduce-scatters every micro-batch, ZeRO-2
+    reduce-scatters every micro-batch, ZeRO-1 once per step, and ZeRO-1/2 re-gather the updated weights once;
+    with R = dp / group > 1 replicas, each node's ``min(k, group)`` replica rings all-reduce the 1/group gradient
+    shard once per step (2 (R-1)/R of it leaves the node when the ring spans nodes). ZeRO-3 reduce-scatters in
+    the parameters' dtype (the fetch's transpose), the others in the gradients'.
+
+    Args:
+        param_bytes: bytes of the stage's (TP-shard of the) weights in their stored dtype.
+        grad_bytes: bytes of their gradients in the gradient dtype.
+        zero: ZeRO level 0-3 (0: a plain all-reduce over dp, counted as the replica all-reduce with group 1).
+        group: partition group p (dp for plain ZeRO).
+        dp: data-parallel degree.
+        members_per_node: devices of one data-parallel group on each node (k).
+        accum_steps: micro-batches per step (G).
+    """
+    k = max(int(members_per_node), 1)
+    p = 1 if zero == 0 else group
+    m = max(p // k, 1)  # nodes the partition group spans
+    z3_rs = param_bytes if zero >= 3 else grad_bytes
+    gathers = 2.0 * accum_steps if zero >= 3 else (1.0 if zero >= 1 else 0.0)
+    scatters = float(accum_steps) if zero >= 2 else (1.0 if zero == 1 else 0.0)
+    gather = gathers * float(hierarchical_node_egress_bytes(param_bytes, m))
+    rs = scatters * float(hierarchical_node_egress_bytes(z3_rs, m))
+    replicas = dp // p
+    ar = 0.0
+    if replicas > 1 and dp > k:  # the replica ring leaves the node
+        ar = min(k, p) * 2.0 * (replicas - 1) / replicas * grad_bytes / p
+    return ShardingTraffic(gather, rs, ar)
 
 
 # -- rank layout (Mist): DP spreads across nodes first, TP is the inner (fastest) dimension ------

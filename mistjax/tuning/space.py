@@ -336,11 +336,14 @@ def key_layer_options(space: SearchSpace, num_layers: int, key: OuterKey) -> tup
 
 
 def shard_groups(dp: int, tp: int, per_node: int, mics: bool) -> tuple[int, ...]:
-    """MiCS partition-group sizes p for a stage: dp itself, plus (with ``mics``) powers of two that
-    divide dp and keep a group's p x tp devices inside one node (intra-node sharding collectives)."""
+    """MiCS partition-group sizes p for a stage: dp itself, plus (with ``mics``) every power of two that
+    divides dp and keeps a group's p x tp devices either inside one node (intra-node sharding collectives)
+    or on whole nodes (a group spanning nodes gathers hierarchically, MiCS section 3: the scale-aware
+    partition of a model whose states do not fit a node's memory, BloombergGPT's 128 of 512 GPUs)."""
     groups = {dp}
     if mics:
-        groups.update(p for p in (2**i for i in range(1, dp.bit_length())) if dp % p == 0 and p * tp <= per_node)
+        groups.update(p for p in (2**i for i in range(1, dp.bit_length()))
+                      if dp % p == 0 and (p * tp <= per_node or p * tp % per_node == 0))
     return tuple(sorted(groups))
 
 
