@@ -293,7 +293,7 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     searching the whole space. The count is exact, so nothing here depends on this machine's speed."""
     cost, now = _fake_clock(monkeypatch)
     w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
-    whole = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=1e9, workers=1)  # the clock of this process
+    whole = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=1e9)
     unlimited = now[0]
     limit = 10.0
     assert unlimited > 3 * limit and not whole.timed_out  # the whole search needs far more than the limit
@@ -301,7 +301,7 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     assert whole.keys_pruned + whole.keys_done == whole.keys
     now[0] = 0.0
     with pytest.warns(RuntimeWarning, match="cut by the time limit") as caught:
-        r = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=limit, workers=1)
+        r = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=limit)
     assert now[0] <= limit + 6  # one key's fixed calls (remat probe, peak probe, base, top) past the limit
     assert r.timed_out and r.keys_done < whole.keys_done and r.keys_cut > 0 and not r.complete
     assert {f["status"] for f in r.frontier} <= {"searched", "partial", "pruned", "cut"}
@@ -325,45 +325,16 @@ def test_a_work_budget_stops_the_search_the_same_way_on_any_clock(monkeypatch):
     assert mistjax.Plan.from_json(whole.plan.to_json()).search == whole.plan.search
     budget = WorkBudget(strategies=whole.evaluated // 4)
     with pytest.warns(RuntimeWarning, match="cut by the work budget"):
-        real_clock = search(w, _cpu(2e7), SearchSpace(), cost=stub.COST_MODEL, work_budget=budget, workers=1)
+        real_clock = search(w, _cpu(2e7), SearchSpace(), cost=stub.COST_MODEL, work_budget=budget)
     slow, _ = _fake_clock(monkeypatch)
     with pytest.warns(RuntimeWarning, match="cut by the work budget"):
-        fake_clock = search(w, _cpu(2e7), SearchSpace(), cost=slow, work_budget=budget, time_limit=1e9, workers=1)
+        fake_clock = search(w, _cpu(2e7), SearchSpace(), cost=slow, work_budget=budget, time_limit=1e9)
     for r in (real_clock, fake_clock):
         assert r.stopped_by == "work budget" and not r.complete and r.keys_cut > 0
         assert r.plan is not None and r.plan.search == r.record() and not r.plan.search.complete
     assert real_clock.plan.to_json() == fake_clock.plan.to_json()
     assert (real_clock.evaluated, real_clock.keys_cut) == (fake_clock.evaluated, fake_clock.keys_cut)
     assert real_clock.evaluated < whole.evaluated
-
-
-def _plan_and_record(r) -> tuple[str, str]:
-    """A search's plan without its search record, and the record with the frontier's statuses."""
-    return r.plan.replace(search=None).to_json(), repr((r.plan.search, [f["status"] for f in r.frontier]))
-
-
-@pytest.mark.parametrize("model, budget", [("falcon-small", 2e7), ("gpt3-tiny", 6e6)])
-def test_worker_processes_find_the_same_plan_and_count_the_same_work_every_time(model, budget):
-    """Two worker processes tune outer keys side by side (`tuner._search_keys`): the plan is the one-process
-    search's, and what each task knows (so the work counted and the frontier) depends on the number of workers
-    only: two runs agree exactly."""
-    w = stub.Workload.from_model(models.get_config(model), 64, 32)
-    one = search(w, _cpu(budget), SearchSpace(), cost=stub.COST_MODEL, workers=1)
-    two = [search(w, _cpu(budget), SearchSpace(), cost=stub.COST_MODEL, workers=2) for _ in range(2)]
-    assert one.complete and all(r.complete for r in two) and one.keys_done > 2
-    assert _plan_and_record(two[0]) == _plan_and_record(two[1])
-    assert _plan_and_record(two[0])[0] == _plan_and_record(one)[0]
-    assert two[0].evaluated >= one.evaluated  # a task in flight starts from an older best plan: it may price more
-
-
-def test_workers_must_be_a_positive_whole_number():
-    from mistjax.tuning.tuner import default_workers
-
-    w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="workers"):
-            search(w, _cpu(2e6), SearchSpace(), cost=stub.COST_MODEL, workers=bad)
-    assert 1 <= default_workers() <= 2
 
 
 def test_no_plan_fits_raises():
