@@ -201,12 +201,8 @@ def _model_config(args: WorkloadArgs) -> ModelConfig:
 
 def _workload(args: WorkloadArgs, config: ModelConfig) -> Workload:
     import models
-    from mistjax.core.moe import MoENotTunedError
 
-    try:
-        return models.workload(config, args.seq_len, args.global_batch)
-    except MoENotTunedError as e:
-        raise CliError(str(e)) from e
+    return models.workload(config, args.seq_len, args.global_batch)
 
 
 def cmd_plan(args: PlanArgs) -> int:
