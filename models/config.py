@@ -12,6 +12,7 @@ import numbers
 from collections.abc import Callable
 
 from models.attention import DEFAULT_BLOCK_SIZE
+from models.moe_config import MoEConfig
 
 FAMILIES = ("gpt3", "llama", "falcon")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -88,6 +89,10 @@ class ModelConfig:
     fp8: bool = False
     # The vocabulary is padded to a multiple of this (1: no padding); pad rows never score (`padded_vocab_size`).
     vocab_multiple: int = VOCAB_MULTIPLE
+    # Width of one attention head when it is not hidden_size / num_heads (Qwen3, gpt-oss); None: derived.
+    attention_head_dim: int | None = None
+    # Mixture-of-Experts blocks (models.moe; issue #51); None: every block has the dense MLP.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -100,7 +105,8 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise bad(field, f"must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_heads:
+        self._check_moe(bad)
+        if self.attention_head_dim is None and self.hidden_size % self.num_heads:
             raise bad("num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}; "
                                    "choose num_heads among the divisors of hidden_size")
         if self.num_heads % self.num_kv_heads:
@@ -138,6 +144,22 @@ class ModelConfig:
             raise bad("rope_base", f"must be a number above 1 (RoPE's theta, e.g. 10000), got {self.rope_base!r}")
         self._check_rope_scaling(bad)
 
+    def _check_moe(self, bad: Callable[[str, str], ValueError]) -> None:
+        if isinstance(self.moe, dict):  # a JSON round trip turns the nested dataclass into a dict
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None:
+            if not isinstance(self.moe, MoEConfig):
+                raise bad("moe", f"must be a models.MoEConfig or None, got {type(self.moe).__name__}")
+            if self.family != "llama":
+                raise bad("moe", f"MoE blocks are built on the llama family (RMSNorm, SwiGLU), not {self.family!r}")
+            try:
+                self.moe.check_layers(self.num_layers)
+            except ValueError as e:
+                raise bad("moe", str(e)) from None
+        dim = self.attention_head_dim
+        if dim is not None and (not isinstance(dim, numbers.Integral) or isinstance(dim, bool) or dim <= 0):
+            raise bad("attention_head_dim", f"must be a positive integer or None, got {dim!r}")
+
     def _check_rope_scaling(self, bad: Callable[[str, str], ValueError]) -> None:
         # A JSON round trip (asdict -> json -> ModelConfig(**doc)) turns the tuple into a list: take it back,
         # so that the config stays hashable (profiles are cached by config).
@@ -163,8 +185,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head (hidden_size // num_heads)."""
-        return self.hidden_size // self.num_heads
+        """Width of one attention head (``attention_head_dim``, else hidden_size // num_heads)."""
+        return self.attention_head_dim or self.hidden_size // self.num_heads
 
     @property
     def padded_vocab_size(self) -> int:
@@ -244,6 +266,11 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Total parameter count of the model built from this config (the arrays it holds: pad rows included)."""
+        if self.moe is not None:  # MoE blocks: the dense MLP replaced by router, experts and shared expert
+            moe_layers = self.moe.moe_layers(self.num_layers)
+            layers = (self.num_layers * self.params_per_layer()
+                      + moe_layers * (self.moe.mlp_params(self.hidden_size) - self.mlp_params()))
+            return self.embedding_params() + layers + self.head_params()
         return self.embedding_params() + self.num_layers * self.params_per_layer() + self.head_params()
 
 

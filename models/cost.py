@@ -5,6 +5,7 @@ from __future__ import annotations
 from flax import nnx
 
 from mistjax.analysis import ModelProfile, analyze_model
+from mistjax.core.moe import MoENotTunedError
 from mistjax.cost.workload import Workload
 from models import build
 from models.config import ModelConfig
@@ -32,7 +33,15 @@ def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: st
       grad_dtype: dtype gradients are accumulated and reduced in (None: the weights' own).
       cache: use the on-disk profile cache (`mistjax.analysis.cache`); False analyses afresh, keeping the
         analysed graphs (``profile.passes``) that the compiled-program checks of `mistjax.validate` read.
+
+    Raises:
+      MoENotTunedError: ``config.moe`` is set: the cost model and the tuner do not price MoE layers yet.
     """
+    if config.moe is not None:
+        raise MoENotTunedError(
+            f"{config.name} has Mixture-of-Experts layers (ModelConfig.moe), which the planner does not tune yet: "
+            "the cost model has no router, all-to-all or expert-parallel terms (issue #51, items 4-5). Train it "
+            "with the expert-parallel runtime (mistjax.runtime.experts, docs/moe.md) and a hand-set mesh")
     abstract = nnx.eval_shape(lambda: build(config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     loss_fn = make_loss_fn(graphdef)
@@ -50,4 +59,4 @@ def workload(config: ModelConfig, seq_len: int, global_batch: int, optimizer: st
                               master_weights=master, grad_dtype=grad_dtype, analyze=analyze)
 
 
-__all__ = ["workload"]
+__all__ = ["MoENotTunedError", "workload"]

@@ -1,0 +1,128 @@
+"""Expert parallelism: MoE dispatch and combine as all-to-all inside ``jax.shard_map`` (issue #51).
+
+The experts of every MoE layer are split over one mesh axis (``expert_axis``, EP ranks); the tokens are split
+over that axis *and* the data axes (Megatron-Core's parallel folding: the expert axis is carved out of the
+data-parallel ranks, so attention keeps its full data parallelism and each expert's weights are replicated on
+the ``data`` ranks, its expert-data-parallel group). Each rank routes its own sequences, fills padded
+per-sequence capacity buffers (`mistjax.core.moe.dispatch`: the same tokens are dropped as on one device),
+exchanges them with one all-to-all over ``expert_axis``, runs its local experts, sends the outputs back with a
+second all-to-all and combines. The dropless configuration (``capacity_factor=None``) uses buffers of the
+worst case (``seq`` slots per expert and sequence): nothing is dropped, at E/k times the dropping buffer's
+size; ``jax.lax.ragged_all_to_all`` would send only the routed rows but has no CPU lowering (docs/moe.md).
+
+Used as a dispatcher of `mistjax.core.moe.experts_dispatch` while a step is traced::
+
+    with experts_dispatch(expert_parallel(mesh, expert_axis="expert", data_axes=("data",))):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mistjax.core.moe import (
+    ExpertDispatch,
+    ExpertWeights,
+    RouterSpec,
+    Routing,
+    capacity,
+    combine,
+    dispatch,
+    swiglu_experts,
+)
+from mistjax.core.types import PyTree
+
+
+class ExpertParallelError(ValueError):
+    """A mesh, batch or model that expert parallelism cannot split; the message names the field and the fix."""
+
+
+def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Sequence[str] = ("data",)
+                    ) -> ExpertDispatch:
+    """The expert-parallel dispatcher for `mistjax.core.moe.experts_dispatch`.
+
+    Args:
+        mesh: the device mesh; it must have ``expert_axis`` and every one of ``data_axes``.
+        expert_axis: mesh axis the experts are split over (EP = its size).
+        data_axes: the other mesh axes the batch is split over (the expert-data-parallel ranks).
+
+    Returns:
+        ``fn(x [B, S, h], routing, weights, spec) -> [B, S, h]``: tokens split over
+        ``(*data_axes, expert_axis)`` on the batch, expert weights over ``expert_axis`` on their expert dim.
+
+    Raises:
+        ExpertParallelError: an axis is not in the mesh.
+    """
+    for axis in (expert_axis, *data_axes):
+        if axis not in mesh.axis_names:
+            raise ExpertParallelError(f"expert_parallel: mesh axis {axis!r} is not in the mesh {mesh.axis_names}; "
+                                      "name one of its axes as expert_axis / data_axes")
+    token_axes = (*data_axes, expert_axis)
+    ep = mesh.shape[expert_axis]
+
+    def run(x: jax.Array, routing: Routing, w: ExpertWeights, spec: RouterSpec) -> jax.Array:
+        _check_split(x.shape[0], spec.num_experts, ep, mesh, token_axes)
+        slots = capacity(x.shape[1], spec)
+
+        def local(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights) -> jax.Array:
+            return _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axis)
+
+        tokens, experts = P(token_axes), P(expert_axis)
+        in_specs = (tokens, tokens, tokens, (experts, experts, experts))  # the last: ExpertWeights' three fields
+        return jax.shard_map(lambda x, e, g, ws: local(x, e, g, ExpertWeights(*ws)), mesh=mesh, in_specs=in_specs,
+                             out_specs=tokens)(x, routing.experts, routing.weights, tuple(w))
+
+    return run
+
+
+def _exchange(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, num_experts: int,
+              slots: int, ep: int, axis: str) -> jax.Array:
+    """One rank's dispatch, all-to-all, local experts, all-to-all back and combine (inside ``shard_map``)."""
+    b, _, h = x.shape
+    local_experts = num_experts // ep
+    buffers, index, kept = dispatch(x, experts, num_experts, slots)  # [b, E*C, h]
+    # [b, E, C, h] -> [ep, E_local, b*C, h]: row r of the leading axis goes to expert rank r.
+    send = jnp.swapaxes(buffers.reshape(b, num_experts, slots, h), 0, 1).reshape(ep, local_experts, b * slots, h)
+    received = jax.lax.all_to_all(send, axis, split_axis=0, concat_axis=0)  # leading axis: source rank
+    rows = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, h)
+    out = swiglu_experts(rows, w)
+    back = jnp.swapaxes(out.reshape(local_experts, ep, b * slots, h), 0, 1)
+    returned = jax.lax.all_to_all(back, axis, split_axis=0, concat_axis=0)  # leading axis: expert rank
+    outputs = jnp.swapaxes(returned.reshape(num_experts, b, slots, h), 0, 1).reshape(b, num_experts * slots, h)
+    return combine(outputs, index, kept, weights)
+
+
+def _check_split(batch: int, num_experts: int, ep: int, mesh: Mesh, token_axes: tuple[str, ...]) -> None:
+    if num_experts % ep:
+        raise ExpertParallelError(f"expert parallelism {ep} does not divide num_experts={num_experts}; choose an "
+                                  "expert axis whose size divides the experts")
+    ranks = 1
+    for axis in token_axes:
+        ranks *= mesh.shape[axis]
+    if batch % ranks:
+        raise ExpertParallelError(f"batch {batch} is not divisible by the {ranks} token ranks of mesh axes "
+                                  f"{token_axes}; use a batch that is a multiple of {ranks}")
+
+
+def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str = "expert", name: str = "experts") -> PyTree:
+    """``NamedSharding`` per parameter: the dim named ``name`` split over ``expert_axis``, the rest replicated.
+
+    Args:
+        axes: logical axis names per parameter (tuples of names, e.g. `models.logical_axes`).
+        mesh: the device mesh.
+        expert_axis: the mesh axis of expert parallelism.
+        name: the logical name of the expert dimension.
+    """
+
+    def sharding(names: tuple[str, ...]) -> NamedSharding:
+        return NamedSharding(mesh, P(*(expert_axis if n == name else None for n in names)))
+
+    return jax.tree.map(sharding, axes, is_leaf=lambda a: isinstance(a, tuple))
+
+
+__all__ = ["ExpertParallelError", "expert_parallel", "expert_shardings"]
