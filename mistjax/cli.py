@@ -201,8 +201,12 @@ def _model_config(args: WorkloadArgs) -> ModelConfig:
 
 def _workload(args: WorkloadArgs, config: ModelConfig) -> Workload:
     import models
+    from mistjax.core.moe import MoENotTunedError
 
-    return models.workload(config, args.seq_len, args.global_batch)
+    try:
+        return models.workload(config, args.seq_len, args.global_batch)
+    except MoENotTunedError as e:
+        raise CliError(str(e)) from e
 
 
 def cmd_plan(args: PlanArgs) -> int:

@@ -188,3 +188,12 @@ def test_loss_adds_the_balancing_loss_and_the_bias_update_moves_selection():
 def test_planner_refuses_moe_naming_it():
     with pytest.raises(MoENotTunedError, match="Mixture-of-Experts"):
         models.workload(models.get_config("moe-tiny"), 16, 8)
+
+
+def test_cli_plan_refuses_moe_in_one_line(capsys):
+    from mistjax.cli import main
+
+    code = main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100:4x8", "--seq-len", "4096",
+                 "--global-batch", "256", "--no-verify"])
+    err = capsys.readouterr().err
+    assert code != 0 and "Mixture-of-Experts" in err and "not tune" in err and "Traceback" not in err
