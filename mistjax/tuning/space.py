@@ -80,7 +80,7 @@ class SearchSpace:
         zero_levels: ZeRO levels tried when dp > 1 (1: optimizer state, 2: + gradients, 3: + weights).
             With dp == 1 there is nothing to shard and level 1 is used.
         mics: also try MiCS partition groups smaller than dp (powers of two with group x tp inside a
-            node); False shards over the whole data-parallel group (plain ZeRO).
+            node or on whole nodes: `shard_groups`); False shards over the whole data-parallel group (plain ZeRO).
         remat: ``tune`` (checkpoint any 0..l layers per stage), ``all`` (every layer, Megatron's full
             uniform recompute), ``all_or_none`` or ``none``.
         policies: remat policies to try (None: every policy the workload's profile knows except
