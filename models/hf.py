@@ -1,7 +1,9 @@
 """Hugging Face ``config.json`` -> `ModelConfig`: plan a published model without writing its sizes by hand.
 
 `from_hf_config` reads the config of a Llama (2 / 3 / 3.1), Mistral, Qwen2, GPT-2, GPT-NeoX (Pythia) or
-Falcon checkpoint and maps it onto the zoo family that computes the same thing:
+Falcon checkpoint, or of the Mixture-of-Experts Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and gpt-oss
+(``ModelConfig.moe``, `models.moe`; the planner refuses them until it prices MoE, issue #51), and maps it onto the
+zoo family that computes the same thing:
 
 =========== ========= =============================================================================
 model_type  family    notes
@@ -12,6 +14,11 @@ qwen2       llama     q/k/v biases (warning), tied embeddings, sliding window fl
 gpt2        gpt3      learned positions, tied embeddings, biases (warning), dropout (warning)
 gpt_neox    falcon    parallel residual with two norms -> the zoo's one-norm block (warning)
 falcon      falcon    ``multi_query`` / ``num_kv_heads``; ``new_decoder_architecture`` two norms (warning)
+mixtral     llama+moe routed SwiGLU experts; ``router_jitter_noise`` (warning)
+qwen2_moe   llama+moe shared expert without its sigmoid gate, q/k/v biases (warnings); ``mlp_only_layers`` first
+qwen3_moe   llama+moe ``head_dim`` kept (``attention_head_dim``); per-head q/k norms (warning)
+deepseek_v3 llama+moe MLA priced as GQA of ``v_head_dim`` heads, group-limited routing, MTP, YaRN (warnings)
+gpt_oss     llama+moe expert / router / attention biases, sinks, clamped SwiGLU, sliding layers, YaRN (warnings)
 =========== ========= =============================================================================
 
 Every field is either mapped, accepted as informational (token ids, ``architectures``, ``use_cache``,
@@ -33,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import DEFAULT_ROPE_BASE, DTYPES, ROPE_SCALINGS, ModelConfig
+from models.moe_config import MoEConfig
 
 
 class HFConfigError(ValueError):
@@ -47,7 +55,9 @@ _REQUIRED = object()
 _GELUS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "GPT2LMHeadModel": "gpt2", "GPTNeoXForCausalLM": "gpt_neox", "FalconForCausalLM": "falcon",
-                  "RWForCausalLM": "falcon"}
+                  "RWForCausalLM": "falcon", "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
+                  "GptOssForCausalLM": "gpt_oss"}
 _MODEL_TYPE_ALIASES = {"RefinedWebModel": "falcon", "RefinedWeb": "falcon"}  # Falcon's first configs
 # PretrainedConfig's own attributes (generation, labels, token ids, bookkeeping): none changes the network.
 _INFORMATIONAL = frozenset({
@@ -131,11 +141,14 @@ def _activation(r: _Reader, key: str, allowed: tuple[str, ...], default: str, zo
               "no zoo family has this activation; write a models.ModelConfig JSON for the nearest one instead")
 
 
-def _head_dim(r: _Reader) -> None:
-    """Newer configs name head_dim; the zoo derives it as hidden_size / num_heads."""
+def _head_dim(r: _Reader, explicit: bool = False) -> None:
+    """Newer configs name head_dim; the zoo derives it as hidden_size / num_heads, or (``explicit``, the MoE
+    families) keeps a different one as ``attention_head_dim``."""
     head_dim = r.value("head_dim", default=None)
     derived = r.fields["hidden_size"] // r.fields["num_heads"] if _ints(r, "hidden_size", "num_heads") else None
-    if head_dim is not None and head_dim != derived:
+    if explicit and head_dim is not None and head_dim != derived:
+        r.set("attention_head_dim", "head_dim")
+    elif head_dim is not None and head_dim != derived:
         raise r.error("head_dim", f"differs from hidden_size / num_attention_heads = {derived}, the zoo's head width",
                       "the zoo cannot plan attention wider or narrower than the model")
 
@@ -180,8 +193,8 @@ def _tie(r: _Reader, default: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------ families
-def _llama_like(r: _Reader) -> None:
-    """The fields Llama, Mistral and Qwen2 share: RMSNorm, SwiGLU, RoPE, GQA."""
+def _llama_like(r: _Reader, moe: bool = False) -> None:
+    """The fields Llama, Mistral, Qwen2 and the MoE families share: RMSNorm, SwiGLU, RoPE, GQA."""
     r.fields["family"] = "llama"
     r.set("vocab_size", "vocab_size")
     r.set("hidden_size", "hidden_size")
@@ -191,9 +204,12 @@ def _llama_like(r: _Reader) -> None:
     r.set("ffn_size", "intermediate_size")
     r.set("norm_eps", "rms_norm_eps", default=1e-6)
     r.set("rotary_pct", "partial_rotary_factor", default=1.0)
-    _head_dim(r)
+    _head_dim(r, explicit=moe)
     _activation(r, "hidden_act", ("silu", "swish"), "silu", "SwiGLU with silu")
-    _rope(r, "rope_theta")
+    if moe:
+        _moe_rope(r)
+    else:
+        _rope(r, "rope_theta")
     _tie(r, default=False)
     r.drop("attention_dropout")
     r.value("pretraining_tp", default=1)  # Llama-2's sliced matmuls: the same products, informational
@@ -201,7 +217,8 @@ def _llama_like(r: _Reader) -> None:
 
 def _kv_width(r: _Reader) -> int:
     """Output width of the k and v projections together (2 x kv_heads x head_dim)."""
-    return 2 * r.fields["num_kv_heads"] * (r.fields["hidden_size"] // r.fields["num_heads"])
+    width = r.fields.get("attention_head_dim") or r.fields["hidden_size"] // r.fields["num_heads"]
+    return 2 * r.fields["num_kv_heads"] * width
 
 
 def _llama(r: _Reader) -> None:
@@ -322,8 +339,164 @@ def _falcon(r: _Reader) -> None:
                          "qkv, attention output and MLP projections (bias=true)"))
 
 
+# ------------------------------------------------------------------------------------------ MoE families
+def _moe_rope(r: _Reader) -> None:
+    """`_rope`, except that YaRN scaling (DeepSeek-V3, gpt-oss) is priced as unscaled RoPE with a warning: it
+    changes the rotary frequencies only, not the FLOPs or the bytes."""
+    scaling = r.value("rope_scaling", default=None)
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else None
+    if kind != "yarn":
+        _rope(r, "rope_theta")
+        return
+    r.fields["rope_base"], r.origin["rope_base"] = r.value("rope_theta", default=DEFAULT_ROPE_BASE), "rope_theta"
+    r.fields["rope_scaling"], r.origin["rope_scaling"] = (), "rope_scaling"
+    r.notes.append("rope_scaling yarn is not implemented: RoPE unscaled (the same cost; training on long "
+                   "sequences would differ from the checkpoint)")
+
+
+def _moe_config(r: _Reader, key: str, **fields: Any) -> None:
+    """``ModelConfig.moe`` from the mapped fields; an invalid value is told with the HF field ``key``."""
+    try:
+        r.fields["moe"], r.origin["moe"] = MoEConfig(**fields), key
+    except ValueError as e:
+        raise HFConfigError(f"{r.source}: {e} (from the config's MoE fields, e.g. {key})") from e
+
+
+def _dense_first(r: _Reader, step: int) -> int:
+    """Qwen-MoE's ``mlp_only_layers`` as the zoo's dense-first layers (a leading run of layers, or nothing)."""
+    dense = list(r.value("mlp_only_layers", default=[]) or [])
+    if dense != list(range(len(dense))) or (dense and len(dense) % step):
+        raise r.error("mlp_only_layers", f"the zoo places dense layers first only (then one MoE layer every "
+                      f"decoder_sparse_step={step})", "use a leading run of layers 0..k-1 (k a multiple of the step)")
+    return len(dense)
+
+
+def _mixtral(r: _Reader) -> None:
+    _llama_like(r, moe=True)
+    r.set("max_seq_len", "max_position_embeddings", default=4096 * 32)
+    r.window = r.value("sliding_window", default=None)
+    if r.value("router_jitter_noise", default=0.0):
+        r.notes.append(f"router_jitter_noise={r.doc['router_jitter_noise']}: no router noise in the zoo")
+    r.value("output_router_logits", default=False)
+    _moe_config(r, "num_local_experts", num_experts=r.value("num_local_experts", default=8),
+                top_k=r.value("num_experts_per_tok", default=2), expert_ffn_size=r.fields["ffn_size"],
+                aux_loss_coef=r.value("router_aux_loss_coef", default=0.001))
+
+
+def _qwen_moe(r: _Reader, shared: bool) -> None:
+    """Qwen2-MoE (a gated shared expert, q/k/v biases) and Qwen3-MoE (q/k norms, no shared expert)."""
+    _llama_like(r, moe=True)
+    r.set("max_seq_len", "max_position_embeddings", default=32768)
+    window = r.value("sliding_window", default=4096)
+    r.value("max_window_layers", default=28)
+    if r.value("use_sliding_window", default=False):
+        r.window = window
+    step = r.value("decoder_sparse_step", default=1)
+    shared_ffn = r.value("shared_expert_intermediate_size", default=0) if shared else 0
+    r.value("output_router_logits", default=False)
+    _moe_config(r, "num_experts", num_experts=r.value("num_experts", default=60 if shared else 128),
+                top_k=r.value("num_experts_per_tok", default=4 if shared else 8),
+                expert_ffn_size=r.value("moe_intermediate_size", default=1408 if shared else 768),
+                normalize=r.value("norm_topk_prob", default=not shared), shared_ffn_size=shared_ffn,
+                aux_loss_coef=r.value("router_aux_loss_coef", default=0.001), layer_freq=step,
+                first_dense_layers=_dense_first(r, step if isinstance(step, int) and step > 0 else 1))
+    h = r.fields["hidden_size"]
+    if shared and shared_ffn and isinstance(h, int):
+        r.notes.append(f"the shared expert's sigmoid gate ({h:,} parameters per MoE layer) is not in the zoo: the "
+                       "shared expert's output is added ungated")
+    if shared and _ints(r, "hidden_size", "num_heads", "num_kv_heads"):
+        r.biases.append((r.fields["num_heads"] * (r.fields.get("attention_head_dim") or h // r.fields["num_heads"])
+                         + _kv_width(r), "q/k/v projections (Qwen2-MoE always has them)"))
+    if not shared:
+        if r.value("attention_bias", default=False):
+            r.notes.append("attention_bias=true: the q/k/v/o biases are not in the zoo")
+        r.notes.append("Qwen3-MoE's per-head q / k RMSNorms are not in the zoo (2 x head_dim parameters per layer)")
+
+
+def _qwen2_moe(r: _Reader) -> None:
+    _qwen_moe(r, shared=True)
+
+
+def _qwen3_moe(r: _Reader) -> None:
+    _qwen_moe(r, shared=False)
+
+
+def _mla_params(r: _Reader) -> int:
+    """Parameters of one DeepSeek-V3 multi-head latent attention (low-rank q and kv, their norms, output)."""
+    h, n = r.fields["hidden_size"], r.fields["num_heads"]
+    nope, rope = r.value("qk_nope_head_dim", default=128), r.value("qk_rope_head_dim", default=64)
+    v, kv_rank = r.value("v_head_dim", default=128), r.value("kv_lora_rank", default=512)
+    q_rank = r.value("q_lora_rank", default=1536)
+    q = h * n * (nope + rope) if q_rank is None else h * q_rank + q_rank + q_rank * n * (nope + rope)
+    return q + h * (kv_rank + rope) + kv_rank + kv_rank * n * (nope + v) + n * v * h
+
+
+def _deepseek_v3(r: _Reader) -> None:
+    _llama_like(r, moe=True)
+    r.set("max_seq_len", "max_position_embeddings", default=4096)
+    width = r.value("v_head_dim", default=128)
+    r.fields["attention_head_dim"], r.origin["attention_head_dim"] = width, "v_head_dim"
+    rope = r.value("qk_rope_head_dim", default=64)
+    r.fields["rotary_pct"], r.origin["rotary_pct"] = min(1.0, rope / width), "qk_rope_head_dim"
+    if _ints(r, "hidden_size", "num_heads", "num_kv_heads"):
+        gqa = 2 * r.fields["hidden_size"] * width * (r.fields["num_heads"] + r.fields["num_kv_heads"])
+        r.notes.append(f"multi-head latent attention (MLA) is not implemented: mapped to GQA with "
+                       f"{r.fields['num_kv_heads']} kv heads of width {width} ({gqa:,} parameters per layer against "
+                       f"MLA's {_mla_params(r):,}; the KV activations are MHA-sized, not the compressed latent)")
+    method = r.value("topk_method", default="noaux_tc")
+    groups = r.value("n_group", default=1) or 1
+    r.value("topk_group", default=1)
+    if groups > 1 or method == "group_limited_greedy":
+        r.notes.append(f"group-limited routing (n_group={groups}) is not implemented: experts are chosen from all "
+                       "groups (the same cost; the choices differ)")
+    freq = r.value("moe_layer_freq", default=1)
+    if freq != 1:
+        raise r.error("moe_layer_freq", "DeepSeek's pattern (layer i is MoE when i % freq == 0) differs from the "
+                      "zoo's (the last layer of each period)", "set it to 1 or write a models.ModelConfig JSON")
+    if r.value("num_nextn_predict_layers", default=0):
+        r.notes.append("the multi-token-prediction layers (num_nextn_predict_layers) are not in the zoo")
+    if r.value("seq_aux", default=True) and r.value("aux_loss_alpha", default=0.001):
+        r.notes.append("the sequence-wise balancing loss (seq_aux) is computed over the global batch in the zoo")
+    r.value("ep_size", default=1)  # the checkpoint's expert-parallel degree: a runtime setting, not the model
+    r.value("rope_interleave", default=True)  # the rotary pairing: the same cost
+    ffn = r.value("moe_intermediate_size", default=2048)
+    _moe_config(r, "n_routed_experts", num_experts=r.value("n_routed_experts", default=256),
+                top_k=r.value("num_experts_per_tok", default=8), expert_ffn_size=ffn,
+                scoring=r.value("scoring_func", default="sigmoid"), normalize=r.value("norm_topk_prob", default=True),
+                routed_scale=r.value("routed_scaling_factor", default=2.5), expert_bias=method == "noaux_tc",
+                aux_loss_coef=r.value("aux_loss_alpha", default=0.001),
+                shared_ffn_size=(r.value("n_shared_experts", default=1) or 0) * ffn,
+                first_dense_layers=r.value("first_k_dense_replace", default=3))
+
+
+def _gpt_oss(r: _Reader) -> None:
+    _llama_like(r, moe=True)
+    r.set("max_seq_len", "max_position_embeddings", default=131072)
+    r.value("initial_context_length", default=4096)  # the pre-YaRN context: see the rope note
+    r.value("output_router_logits", default=False)
+    window = r.value("sliding_window", default=128)
+    if "sliding_attention" in (r.value("layer_types", default=None) or ()):
+        r.notes.append(f"the sliding-window layers (window {window}) run full causal attention in the zoo: their "
+                       "attention is priced at the full sequence")
+    experts = r.value("num_local_experts", default=128)
+    top_k = r.value("num_experts_per_tok", "experts_per_token", default=4)
+    ffn = r.fields["ffn_size"]
+    if isinstance(experts, int) and isinstance(ffn, int) and _ints(r, "hidden_size", "num_heads"):
+        h, n = r.fields["hidden_size"], r.fields["num_heads"]
+        r.notes.append(f"gpt-oss's expert and router biases ({experts * (2 * ffn + h + 1):,} parameters per layer), "
+                       f"attention sinks ({n} per layer) and clamped SwiGLU (swiglu_limit="
+                       f"{r.value('swiglu_limit', default=7.0)}) are not in the zoo: plain SwiGLU experts")
+    if r.value("attention_bias", default=True):
+        r.notes.append("attention_bias=true: the q/k/v/o biases are not in the zoo")
+    _moe_config(r, "num_local_experts", num_experts=experts, top_k=top_k, expert_ffn_size=ffn,
+                aux_loss_coef=r.value("router_aux_loss_coef", default=0.9))
+
+
 _MAPPERS: dict[str, Callable[[_Reader], None]] = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2,
-                                                  "gpt2": _gpt2, "gpt_neox": _gpt_neox, "falcon": _falcon}
+                                                  "gpt2": _gpt2, "gpt_neox": _gpt_neox, "falcon": _falcon,
+                                                  "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
+                                                  "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3,
+                                                  "gpt_oss": _gpt_oss}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_MAPPERS)
 
 

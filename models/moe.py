@@ -224,10 +224,10 @@ def _presets() -> dict[str, ModelConfig]:
     qwen3 = MoEConfig(num_experts=128, top_k=8, expert_ffn_size=768, aux_loss_coef=0.001)
     # DeepSeek-V3: GQA with 128 kv heads of width 128 in place of MLA; no group-limited routing (docs/moe.md).
     deepseek = MoEConfig(num_experts=256, top_k=8, expert_ffn_size=2048, scoring="sigmoid", routed_scale=2.5,
-                         expert_bias=True, aux_loss_coef=0.0001, shared_ffn_size=2048, first_dense_layers=3)
+                         expert_bias=True, aux_loss_coef=0.001, shared_ffn_size=2048, first_dense_layers=3)
     # gpt-oss: no expert / attention biases, plain SwiGLU (not the clamped one), full causal attention on every
     # layer (no sliding window, no sinks): docs/moe.md lists the gaps.
-    oss = MoEConfig(num_experts=128, top_k=4, expert_ffn_size=2880)
+    oss = MoEConfig(num_experts=128, top_k=4, expert_ffn_size=2880, aux_loss_coef=0.9)
     tiny = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32, shared_ffn_size=32, first_dense_layers=1,
                      aux_loss_coef=0.01)
     configs = [
