@@ -132,3 +132,14 @@ def test_explain_states_inter_node_bytes_at_the_partition_group_and_over_all_of_
     assert "partition group 16 of dp 32 (2 nodes" in lines and "over all of dp=32 (4 nodes)" in lines
     assert "the same plan sharded over all of dp: step" in lines
     assert mics_lines(workload, uniform_plan(cfg.num_layers, 32, micro_batch=2, shard_opt=False), cluster) == []
+
+
+def test_the_space_searches_whole_node_groups_under_zero3_only():
+    from mistjax.tuning.space import SearchSpace, shard_groups, strategy_grid
+
+    assert shard_groups(256, 1, 8, mics=True) == (2, 4, 8, 16, 32, 64, 128, 256)
+    assert shard_groups(256, 1, 8, mics=True, cross_node=False) == (2, 4, 8, 256)
+    assert shard_groups(32, 8, 8, mics=True, cross_node=False) == (32,)  # tp 8 fills the node: no group inside
+    grid = strategy_grid(SearchSpace.full(), dp=256, tp=1, per_node=8, pipelined=False)
+    by_level = {z: set(grid.shard_group[grid.zero == z].tolist()) for z in (1, 2, 3)}
+    assert by_level[3] == {2, 4, 8, 16, 32, 64, 128, 256} and by_level[1] == by_level[2] == {2, 4, 8, 256}

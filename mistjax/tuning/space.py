@@ -335,15 +335,20 @@ def key_layer_options(space: SearchSpace, num_layers: int, key: OuterKey) -> tup
     return tuple(n for n in opts if n >= key.chunks)
 
 
-def shard_groups(dp: int, tp: int, per_node: int, mics: bool) -> tuple[int, ...]:
+def shard_groups(dp: int, tp: int, per_node: int, mics: bool, cross_node: bool = True) -> tuple[int, ...]:
     """MiCS partition-group sizes p for a stage: dp itself, plus (with ``mics``) every power of two that
-    divides dp and keeps a group's p x tp devices either inside one node (intra-node sharding collectives)
-    or on whole nodes (a group spanning nodes gathers hierarchically, MiCS section 3: the scale-aware
-    partition of a model whose states do not fit a node's memory, BloombergGPT's 128 of 512 GPUs)."""
+    divides dp and keeps a group's p x tp devices inside one node (intra-node sharding collectives) or, with
+    ``cross_node``, on whole nodes (a group spanning nodes gathers hierarchically, MiCS section 3: the scale-aware
+    partition of a model whose states do not fit a node's memory, BloombergGPT's 128 of 512 GPUs).
+
+    `strategy_grid` asks for whole-node groups under ZeRO-3 only: there the group sets the per-micro-batch
+    gathers' scale and the weights' memory; under ZeRO-1/2 a group between one node and dp changes the optimizer
+    state's memory and a once-per-step gather, and searching it doubled the families of a large-dp key (the
+    runtime runs them all: tests/test_mics.py)."""
     groups = {dp}
     if mics:
         groups.update(p for p in (2**i for i in range(1, dp.bit_length()))
-                      if dp % p == 0 and (p * tp <= per_node or p * tp % per_node == 0))
+                      if dp % p == 0 and (p * tp <= per_node or (cross_node and p * tp % per_node == 0)))
     return tuple(sorted(groups))
 
 
@@ -371,7 +376,7 @@ def strategy_grid(space: SearchSpace, dp: int, tp: int, per_node: int, pipelined
     """The ZeRO x MiCS x offload grid of one stage (every stage of a pipeline chooses its own)."""
     zero_groups = []
     for z in sorted(set(space.zero_levels)) if dp > 1 else [1]:
-        for p in shard_groups(dp, tp, per_node, space.mics) if z > 0 and dp > 1 else [dp]:
+        for p in shard_groups(dp, tp, per_node, space.mics, cross_node=z >= 3) if z > 0 and dp > 1 else [dp]:
             zero_groups.append((z, p))
     go_vals = tuple(sorted(set(space.grad_offload)))
     ao_vals = tuple(sorted(set(space.act_offload)))
@@ -466,7 +471,8 @@ def space_admits(space: SearchSpace, plan: Plan, num_layers: int, nodes: int, pe
                    "of the space's")
     options = layer_options(space, num_layers, plan.num_stages, plan.grad_accum)
     zero_levels = set(space.zero_levels) if plan.dp > 1 else {1}
-    if plan.shard_group not in shard_groups(plan.dp, plan.tp, per_node, space.mics):
+    z3 = any(st.zero_stage >= 3 for st in plan.stages)
+    if plan.shard_group not in shard_groups(plan.dp, plan.tp, per_node, space.mics, cross_node=z3):
         why.append(f"partition group {plan.shard_group} is not one the space searches")
     for i, st in enumerate(plan.stages):
         why += [f"stage {i}: {w}" for w in _stage_outside(space, st, options, zero_levels)]
