@@ -108,20 +108,31 @@ def train_steps():
     return run
 
 
-@pytest.fixture(scope="session")
-def pretrain():
-    """scripts/pretrain.py imported as a module (its `main(argv)` runs the script in this process)."""
+def load_script(name: str):
+    """scripts/<name>.py imported as a module (once per process), its ``main(argv)`` callable in this process.
+
+    The module is registered in ``sys.modules`` under its name, as the importlib recipe says: dataclasses and
+    tyro resolve the scripts' annotations and config classes through it.
+    """
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "pretrain.py"
-    spec = importlib.util.spec_from_file_location("mistjax_pretrain_script", path)
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the importlib recipe: tyro reads the config classes' source for --help
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def pretrain():
+    """scripts/pretrain.py imported as a module (its `main(argv)` runs the script in this process)."""
+    return load_script("pretrain")
 
 
 @pytest.fixture

@@ -1,11 +1,10 @@
 """scripts/bench_kernels.py: the kernel curves bench_gpu.sh measures on a lent GPU, checked on the CPU with tiny
 shapes (the script's health and its rows' fields, not a measurement)."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import load_script
 
 from mistjax.cost.kernels import gemm_kernel_seconds, streaming_seconds
 from mistjax.hardware import ClusterSpec
@@ -14,11 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "scripts" / "bench_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = mod  # its Args dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_kernels")
 
 
 def test_smoke_rows_carry_measurement_and_the_models_price(tmp_path):

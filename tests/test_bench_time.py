@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_time.py"
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_time", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_time"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_time")
 
 
 def test_spearman_known_values():

@@ -1,14 +1,13 @@
 """scripts/fit_presets.py and mistjax.validate.calibration: cross-validation folds and writing a fitted preset."""
 
-import importlib.util
 import json
 import math
-import sys
 from datetime import date
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import load_script
 
 from mistjax.hardware import ClusterSpec
 from mistjax.hardware.presets import preset_document
@@ -16,7 +15,6 @@ from mistjax.validate import calibration as cal
 from mistjax.validate.published import load_published
 
 DATA = Path(__file__).parent / "data" / "published-runs.json"
-SCRIPT = Path(__file__).parents[1] / "scripts" / "fit_presets.py"
 
 
 def _fake_cases(ids):
@@ -126,12 +124,7 @@ def test_written_preset_round_trips_with_its_provenance():
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("fit_presets", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve the script's annotations through sys.modules
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    return load_script("fit_presets")
 
 
 def test_fit_presets_write_on_two_cells(script, tmp_path):

@@ -1,12 +1,11 @@
 """scripts/gpu_runs.py: tuned plans measured on one GPU (bench_gpu.py) as a published-runs file that the
 loader reads, priced with the plans' own remat policies and mistjax's fp32 weight storage."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from mistjax.tuning.baselines import WeightStorage
 from mistjax.validate.published import parse_published, to_plan
@@ -18,11 +17,7 @@ CONVERTED = ROOT / "tests" / "data" / "h200-runs.json"
 
 @pytest.fixture(scope="module")
 def gpu_runs():
-    spec = importlib.util.spec_from_file_location("gpu_runs", ROOT / "scripts" / "gpu_runs.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_runs"] = mod  # its Args dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu_runs")
 
 
 def test_each_distinct_plan_is_one_run_with_its_policy_and_storage(gpu_runs, tmp_path):

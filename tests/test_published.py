@@ -1,13 +1,12 @@
 """Published training runs: the loader, the equivalent plans, and scripts/bench_published.py's JSON."""
 
 import copy
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from mistjax.validate.published import (
     PublishedRunsError,
@@ -40,11 +39,7 @@ def runs():
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_published", ROOT / "scripts" / "bench_published.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_published"] = mod  # its Args dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_published")
 
 
 # ---------------------------------------------------------------------------------------------- loader

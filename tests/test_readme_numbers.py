@@ -8,7 +8,6 @@ sentence fails with the pattern to update.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -18,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -28,11 +28,7 @@ def _results(name: str) -> Any:
 
 
 def _docs_tables() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs_tables")
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,15 @@ re-gather with the forward's gather: remat raised the unrolled peak (-5%) and Ze
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_unrolled_memory.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
     """scripts/bench_unrolled_memory.py imported as a module."""
-    spec = importlib.util.spec_from_file_location("mistjax_bench_unrolled_memory", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_unrolled_memory")
 
 
 def knob_pair(bench, pair: str, knob: str, shape=None):
