@@ -60,9 +60,16 @@ def stage_traffic(workload: Workload, plan: Plan, cluster: ClusterSpec) -> list[
     return out
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _gib(t: ShardingTraffic) -> str:
-    return (f"gathers {t.gather / GiB:.2f}, reduce-scatters {t.reduce_scatter / GiB:.2f}, cross-replica all-reduce "
-            f"{t.replica_all_reduce / GiB:.2f} = {t.total / GiB:.2f} GiB")
+    return (f"gathers {_size(t.gather)}, reduce-scatters {_size(t.reduce_scatter)}, cross-replica all-reduce "
+            f"{_size(t.replica_all_reduce)} = {_size(t.total)}")
 
 
 def mics_lines(workload: Workload, plan: Plan, cluster: ClusterSpec) -> list[str]:
@@ -89,8 +96,8 @@ def mics_lines(workload: Workload, plan: Plan, cluster: ClusterSpec) -> list[str
     mine = analyze(workload, plan, cluster)
     fits = flat.prediction.guarded_peak(cluster.device.memory_margin) <= cluster.memory_budget()
     lines.append(f"  the same plan sharded over all of dp: step {flat.step_time:.4g} s vs {mine.step_time:.4g} s "
-                 f"at p={p} ({flat.step_time / mine.step_time:.3f}x), peak {flat.peak_memory / GiB:.1f} vs "
-                 f"{mine.peak_memory / GiB:.1f} GiB/device ({'fits' if fits else 'does not fit'} the budget)")
+                 f"at p={p} ({flat.step_time / mine.step_time:.3f}x), peak {_size(flat.peak_memory)} vs "
+                 f"{_size(mine.peak_memory)} per device ({'fits' if fits else 'does not fit'} the budget)")
     return lines
 
 
