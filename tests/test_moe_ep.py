@@ -49,26 +49,28 @@ def _step(graphdef, opt, dispatcher):
     return jax.jit(step)
 
 
-def _mesh(ep: int):
-    return jax.make_mesh((8 // ep, ep), ("data", "expert"), axis_types=(AxisType.Auto, AxisType.Auto))
+def _mesh(ep: int, etp: int = 1):
+    return jax.make_mesh((8 // (ep * etp), ep, etp), ("data", "expert", "tensor"), axis_types=(AxisType.Auto,) * 3)
 
 
-@pytest.mark.parametrize("ep, capacity_factor", [
-    (2, 1.0),
-    pytest.param(4, None, marks=pytest.mark.slow),  # dropless (worst-case buffers)
-    pytest.param(8, 0.5, marks=pytest.mark.slow),  # heavy dropping
+@pytest.mark.parametrize("ep, etp, capacity_factor", [
+    (2, 1, 1.0),
+    (2, 2, 1.0),  # expert tensor parallelism on top: data 2 x expert 2 x tensor 2
+    pytest.param(4, 1, None, marks=pytest.mark.slow),  # dropless (worst-case buffers)
+    pytest.param(8, 1, 0.5, marks=pytest.mark.slow),  # heavy dropping
 ])
-def test_expert_parallel_matches_single_device(ep, capacity_factor):
+def test_expert_parallel_matches_single_device(ep, etp, capacity_factor):
     cfg, graphdef, params, rest, batch = _setup(capacity_factor)
     opt = optax.sgd(0.1, momentum=0.9)
     ref_loss, ref_metrics, ref_params = _step(graphdef, opt, None)(params, rest, opt.init(params), batch)
 
-    mesh = _mesh(ep)
-    params_ep = jax.device_put(params, expert_shardings(models.logical_axes(params), mesh))
-    assert params_ep["layers"]["moe"]["mlp"]["w_gate"][...].sharding.spec == P(None, "expert", None, None)
+    mesh = _mesh(ep, etp)
+    tensor = "tensor" if etp > 1 else None
+    params_ep = jax.device_put(params, expert_shardings(models.logical_axes(params), mesh, tensor_axis=tensor))
+    assert params_ep["layers"]["moe"]["mlp"]["w_gate"][...].sharding.spec == P(None, "expert", None, tensor)
     args = (params_ep, jax.device_put(rest, NamedSharding(mesh, P())), opt.init(params_ep),
             jax.device_put(batch, NamedSharding(mesh, P(("data", "expert")))))
-    compiled = _step(graphdef, opt, expert_parallel(mesh)).lower(*args).compile()
+    compiled = _step(graphdef, opt, expert_parallel(mesh, tensor_axis=tensor)).lower(*args).compile()
     assert "all-to-all" in compiled.as_text()
     loss, metrics, new_params = compiled(*args)
 
@@ -85,7 +87,7 @@ def test_expert_parallel_matches_single_device(ep, capacity_factor):
 
 def test_expert_parallel_refuses_indivisible_experts():
     cfg, _, _, _, batch = _setup(1.0)
-    mesh = jax.make_mesh((1, 8), ("data", "expert"), axis_types=(AxisType.Auto, AxisType.Auto))
+    mesh = _mesh(8)
     cfg3 = cfg.replace(moe=dataclasses.replace(cfg.moe, num_experts=6))
     graphdef, params, rest = nnx.split(models.build(cfg3, rngs=nnx.Rngs(0)), nnx.Param, ...)
     with pytest.raises(ExpertParallelError, match="does not divide num_experts=6"), \

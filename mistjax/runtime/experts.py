@@ -42,23 +42,27 @@ class ExpertParallelError(ValueError):
     """A mesh, batch or model that expert parallelism cannot split; the message names the field and the fix."""
 
 
-def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Sequence[str] = ("data",)
-                    ) -> ExpertDispatch:
+def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Sequence[str] = ("data",),
+                    tensor_axis: str | None = None) -> ExpertDispatch:
     """The expert-parallel dispatcher for `mistjax.core.moe.experts_dispatch`.
 
     Args:
         mesh: the device mesh; it must have ``expert_axis`` and every one of ``data_axes``.
         expert_axis: mesh axis the experts are split over (EP = its size).
         data_axes: the other mesh axes the batch is split over (the expert-data-parallel ranks).
+        tensor_axis: expert tensor parallelism (ETP): each expert's inner width split over this mesh axis
+            (gate / up by columns, down by rows, the partial outputs summed over it); the tokens are the same on
+            its ranks. None: experts whole.
 
     Returns:
         ``fn(x [B, S, h], routing, weights, spec) -> [B, S, h]``: tokens split over
-        ``(*data_axes, expert_axis)`` on the batch, expert weights over ``expert_axis`` on their expert dim.
+        ``(*data_axes, expert_axis)`` on the batch, expert weights over ``expert_axis`` on their expert dim (and
+        over ``tensor_axis`` on their inner width).
 
     Raises:
         ExpertParallelError: an axis is not in the mesh.
     """
-    for axis in (expert_axis, *data_axes):
+    for axis in (expert_axis, *data_axes, *([tensor_axis] if tensor_axis else [])):
         if axis not in mesh.axis_names:
             raise ExpertParallelError(f"expert_parallel: mesh axis {axis!r} is not in the mesh {mesh.axis_names}; "
                                       "name one of its axes as expert_axis / data_axes")
@@ -70,10 +74,11 @@ def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Seque
         slots = capacity(x.shape[1], spec)
 
         def local(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights) -> jax.Array:
-            return _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axis)
+            return _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axis, tensor_axis)
 
-        tokens, experts = P(token_axes), P(expert_axis)
-        in_specs = (tokens, tokens, tokens, (experts, experts, experts))  # the last: ExpertWeights' three fields
+        tokens = P(token_axes)
+        columns, rows = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
+        in_specs = (tokens, tokens, tokens, (columns, columns, rows))  # the last: ExpertWeights' three fields
         return jax.shard_map(lambda x, e, g, ws: local(x, e, g, ExpertWeights(*ws)), mesh=mesh, in_specs=in_specs,
                              out_specs=tokens)(x, routing.experts, routing.weights, tuple(w))
 
@@ -81,7 +86,7 @@ def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Seque
 
 
 def _exchange(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, num_experts: int,
-              slots: int, ep: int, axis: str) -> jax.Array:
+              slots: int, ep: int, axis: str, tensor_axis: str | None) -> jax.Array:
     """One rank's dispatch, all-to-all, local experts, all-to-all back and combine (inside ``shard_map``)."""
     b, _, h = x.shape
     local_experts = num_experts // ep
@@ -91,6 +96,8 @@ def _exchange(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWei
     received = jax.lax.all_to_all(send, axis, split_axis=0, concat_axis=0)  # leading axis: source rank
     rows = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, h)
     out = swiglu_experts(rows, w)
+    if tensor_axis is not None:  # each tensor rank holds a slice of the inner width: sum the partial products
+        out = jax.lax.psum(out, tensor_axis)
     back = jnp.swapaxes(out.reshape(local_experts, ep, b * slots, h), 0, 1)
     returned = jax.lax.all_to_all(back, axis, split_axis=0, concat_axis=0)  # leading axis: expert rank
     outputs = jnp.swapaxes(returned.reshape(num_experts, b, slots, h), 0, 1).reshape(b, num_experts * slots, h)
@@ -109,18 +116,25 @@ def _check_split(batch: int, num_experts: int, ep: int, mesh: Mesh, token_axes: 
                                   f"{token_axes}; use a batch that is a multiple of {ranks}")
 
 
-def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str = "expert", name: str = "experts") -> PyTree:
-    """``NamedSharding`` per parameter: the dim named ``name`` split over ``expert_axis``, the rest replicated.
+def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str = "expert", name: str = "experts",
+                     tensor_axis: str | None = None, inner: str = "mlp") -> PyTree:
+    """``NamedSharding`` per parameter: the dim named ``name`` split over ``expert_axis`` and, in the leaves that
+    have it, the dim named ``inner`` over ``tensor_axis`` (expert TP); every other dim replicated.
 
     Args:
         axes: logical axis names per parameter (tuples of names, e.g. `models.logical_axes`).
         mesh: the device mesh.
         expert_axis: the mesh axis of expert parallelism.
         name: the logical name of the expert dimension.
+        tensor_axis: the mesh axis of expert tensor parallelism, or None.
+        inner: the logical name of an expert's inner width.
     """
 
     def sharding(names: tuple[str, ...]) -> NamedSharding:
-        return NamedSharding(mesh, P(*(expert_axis if n == name else None for n in names)))
+        if name not in names:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, P(*(expert_axis if n == name else tensor_axis if n == inner else None
+                                       for n in names)))
 
     return jax.tree.map(sharding, axes, is_leaf=lambda a: isinstance(a, tuple))
 
