@@ -3,8 +3,10 @@
 Usage::
 
     python scripts/fit_presets.py tests/data/published-runs.json --preset l4 [--folds cell] [--write] [--json OUT]
+    python scripts/fit_presets.py tests/data/field-runs.json tests/data/multinode-runs.json --preset dgx-h100 \
+        --folds source                     (leave-one-source-out over several files)
 
-Least squares on ``ln(predicted / measured)`` over every run of the file on the preset's device that has a
+Least squares on ``ln(predicted / measured)`` over every run of the files on the preset that has a
 measured step time (`mistjax.validate.calibration`): one set of constants for all runs, no per-case factor.
 Prints the residuals per run before and after the fit, the cross-validated (out-of-sample) error (each fold
 of runs, by default one cell: model, cluster, attention, predicted with the constants fitted without it)
@@ -34,12 +36,12 @@ import tyro  # noqa: E402
 class Args:
     """Flags of scripts/fit_presets.py."""
 
-    data: Annotated[str, tyro.conf.Positional]  # a published-runs JSON file (e.g. tests/data/published-runs.json)
+    data: Annotated[tuple[str, ...], tyro.conf.Positional]  # published-runs JSON files (tests/data/*-runs.json)
     preset: str = "l4"  # the hardware preset (mistjax/hardware/catalog/<preset>.json) whose runs are fitted
     fields: tuple[str, ...] = ("matmul_efficiency", "matmul_k_half", "memory_efficiency", "kernel_overhead")
     # constants to fit (the others keep the preset's values)
     leave_one_out: bool = True  # also refit once per fold without it (the honest error of a small fit)
-    folds: str = "cell"  # what a fold holds out: cell (model, cluster, attention) | run | model
+    folds: str = "cell"  # what a fold holds out: cell (model, cluster, attention) | run | model | source
     max_evaluations: int = 60  # residual evaluations per least-squares fit
     exclude: tuple[str, ...] = ()  # leave out runs whose id contains one of these (e.g. fp8: priced as bf16)
     write: bool = False  # store the fitted constants in the preset's catalog JSON (if out of sample improves)
@@ -82,7 +84,8 @@ def _write(args: Args, result: Any) -> bool:
     path = folder / f"{args.preset}.json"
     subset = f"{args.preset} runs with a measured step time" + (
         f", leaving out the ids containing {' / '.join(args.exclude)}" if args.exclude else "")
-    doc = update_preset_document(preset_document(args.preset), result, fitted_source(result, args.data, subset))
+    source = fitted_source(result, " + ".join(args.data), subset)
+    doc = update_preset_document(preset_document(args.preset), result, source)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote the fitted constants into {path}\n{doc['device']['source'].split(' | ')[-1]}")
     return True
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from mistjax.validate.published import PublishedRunsError, load_published
 
     try:
-        runs = load_published(args.data).points
+        runs = tuple(r for path in args.data for r in load_published(path).points)
     except PublishedRunsError as e:
         raise SystemExit(f"fit_presets: {e}") from None
     if args.preset not in PRESET_NAMES:
@@ -103,9 +106,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chosen = [r for r in runs if r.hardware.preset == args.preset and not any(x in r.id for x in args.exclude)]
     if not chosen:
         presets = sorted({r.hardware.preset for r in runs})
-        raise SystemExit(f"fit_presets: no run of {args.data} is on preset {args.preset!r}; --preset one of {presets}")
+        raise SystemExit(f"fit_presets: no run of {' + '.join(args.data)} is on preset {args.preset!r}; "
+                         f"--preset one of {presets}")
     cases = prepare(chosen)
-    print(f"fitting {', '.join(args.fields)} of {args.preset} to {len(cases)} timed runs of {args.data}")
+    print(f"fitting {', '.join(args.fields)} of {args.preset} to {len(cases)} timed runs of {' + '.join(args.data)}")
     try:
         result = fit(cases, args.fields, loo=args.leave_one_out, folds=args.folds, max_nfev=args.max_evaluations,
                      log=print)
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = result.summary()
     print("\n" + "\n".join(f"{k}: {v}" for k, v in summary.items() if k != "constants_over_folds"))
     print(_spread_table(result))
-    out = {"preset": args.preset, "data": args.data, "fields": list(args.fields), "folds": args.folds,
+    out = {"preset": args.preset, "data": list(args.data), "fields": list(args.fields), "folds": args.folds,
            "values": result.values, "start": result.start, "ids": list(result.ids),
            "log_errors": list(result.log_errors), "fold_of": list(result.fold_of),
            "fold_values": list(result.fold_values),

@@ -143,3 +143,16 @@ def test_fit_presets_write_on_two_cells(script, tmp_path):
     assert f"fitted to {data}, 4 runs" in written["device"]["source"]
     ClusterSpec.from_dict(written, nodes=1, per_node=2)
     assert json.loads((tmp_path / "fit.json").read_text())["ids"] == out["ids"]
+
+
+def test_source_folds_hold_out_each_independent_source():
+    """Leave-one-source-out: a run's fold is the ``source_id`` its file names, else the repository or paper its
+    source cites, else the run itself."""
+    def run(i, source):
+        return SimpleNamespace(run=SimpleNamespace(id=i, source=source))
+
+    cases = [run("a", {"source_id": "foundry", "repo": "x/y"}), run("b", {"repo": "x/y"}), run("c", {"paper": "P"}),
+             run("d", {"source_id": "foundry"}), run("e", None), run("f", {"repo": "x/y"})]
+    assert cal.fold_index(cases, "source") == (0, 1, 2, 0, 3, 1)
+    field = load_published(str(DATA.parent / "field-runs.json")).points
+    assert len({cal.source_key(r) for r in field}) >= 6

@@ -51,7 +51,18 @@ FOLDS: dict[str, Callable[[PublishedRun], Hashable]] = {
     "run": lambda r: r.id,
     "cell": cell_key,
     "model": lambda r: r.model.preset or (r.model.family, r.model.hidden, r.model.layers),
+    "source": lambda r: source_key(r),
 }
+
+
+def source_key(run: PublishedRun) -> str:
+    """The independent source a run comes from: its ``source.source_id`` where the file names one, else the
+    repository or paper its ``source`` cites, else its id (a source of its own)."""
+    src = run.source if isinstance(run.source, dict) else {}
+    for field in ("source_id", "repo", "paper", "url"):
+        if isinstance(src.get(field), str) and src[field]:
+            return str(src[field])
+    return run.id
 
 
 @dataclass(frozen=True)
