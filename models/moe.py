@@ -134,20 +134,32 @@ class MoEForCausalLM(CausalLM):
         # Called by CausalLM.__init__ for a placeholder stack that __init__ replaces at once.
         return Norm(config, "rmsnorm", rngs=rngs)
 
-    def run_layers_with_stats(self, hidden: jax.Array) -> tuple[jax.Array, LoadStats]:
+    def run_layers_with_stats(self, hidden: jax.Array, *, body_transform: Callable | None = None
+                              ) -> tuple[jax.Array, LoadStats]:
         """Dense-first scan, then the MoE scan; returns the hidden state and ``LoadStats`` stacked per MoE layer
-        (leading axis ``moe_layers``)."""
+        (leading axis ``moe_layers``).
+
+        Args:
+            hidden: ``[B, T, h]`` in the compute dtype.
+            body_transform: optional wrapper of both scan bodies ``(hidden, block) -> out``, e.g.
+                ``lambda f: nnx.remat(f, policy=...)``; policies may name the MoE tags ``moe_router`` (router
+                logits) and ``moe_out`` (routed experts' output) besides the dense ones.
+        """
+        wrap = body_transform or (lambda f: f)
+
+        def dense(h: jax.Array, block: nnx.Module) -> jax.Array:
+            return block(h)
+
+        def period(h: jax.Array, unit: nnx.Module) -> tuple[jax.Array, LoadStats]:
+            return unit(h)
+
         if self.dense_layers is not None:
-            hidden = nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
-                hidden, self.dense_layers)
-        return nnx.scan(lambda h, period: period(h), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(
-            hidden, self.layers)
+            hidden = nnx.scan(wrap(dense), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(hidden, self.dense_layers)
+        return nnx.scan(wrap(period), in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(hidden, self.layers)
 
     def run_layers(self, hidden: jax.Array, *, body_transform: Callable | None = None) -> jax.Array:
-        """The layer stack without its statistics (the dense models' interface; no remat transform)."""
-        if body_transform is not None:
-            raise NotImplementedError("MoE models take no body_transform yet (remat of MoE layers: issue #51)")
-        return self.run_layers_with_stats(hidden)[0]
+        """The layer stack without its statistics (the dense models' interface)."""
+        return self.run_layers_with_stats(hidden, body_transform=body_transform)[0]
 
     def forward_unrolled(self, tokens: jax.Array) -> jax.Array:
         """Not provided for MoE models (their stack is two scans)."""

@@ -197,3 +197,24 @@ def test_cli_plan_refuses_moe_in_one_line(capsys):
                  "--global-batch", "256", "--no-verify"])
     err = capsys.readouterr().err
     assert code != 0 and "Mixture-of-Experts" in err and "not tune" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("policy", [pytest.param("nothing", marks=pytest.mark.slow), "names"])
+def test_remat_of_moe_layers_keeps_the_gradients(policy):
+    """The scan bodies take a remat transform; a policy can name the MoE tags (router logits, experts' output)."""
+    cfg = models.get_config("moe-tiny")
+    graphdef, params = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, 256)
+    saveable = (jax.checkpoint_policies.nothing_saveable if policy == "nothing"
+                else jax.checkpoint_policies.save_only_these_names("moe_router", "moe_out"))
+
+    def loss(p, transform):
+        model = nnx.merge(graphdef, p)
+        return jnp.mean(model.run_layers(model.embed_tokens(tokens), body_transform=transform) ** 2)
+
+    want = jax.grad(loss)(params, None)
+    remat = jax.grad(loss)(params, lambda f: nnx.remat(f, policy=saveable))
+    for got, ref in zip(jax.tree.leaves(remat), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(lambda p: jax.grad(loss)(p, lambda f: nnx.remat(f, policy=saveable)))(params))
+    assert "remat" in jaxpr or "checkpoint" in jaxpr
