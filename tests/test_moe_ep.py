@@ -53,25 +53,32 @@ def _mesh(ep: int, etp: int = 1):
     return jax.make_mesh((8 // (ep * etp), ep, etp), ("data", "expert", "tensor"), axis_types=(AxisType.Auto,) * 3)
 
 
-@pytest.mark.parametrize("ep, etp, capacity_factor", [
-    (2, 1, 1.0),
-    (2, 2, 1.0),  # expert tensor parallelism on top: data 2 x expert 2 x tensor 2
-    pytest.param(4, 1, None, marks=pytest.mark.slow),  # dropless (worst-case buffers)
-    pytest.param(8, 1, 0.5, marks=pytest.mark.slow),  # heavy dropping
+@pytest.mark.parametrize("ep, etp, capacity_factor, zero3", [
+    (2, 1, 1.0, False),
+    (2, 2, 1.0, False),  # expert tensor parallelism on top: data 2 x expert 2 x tensor 2
+    (4, 1, 1.0, True),  # ZeRO-3: every parameter split over its data-parallel group
+    pytest.param(4, 1, None, False, marks=pytest.mark.slow),  # dropless (worst-case buffers)
+    pytest.param(8, 1, 0.5, False, marks=pytest.mark.slow),  # heavy dropping
 ])
-def test_expert_parallel_matches_single_device(ep, etp, capacity_factor):
+def test_expert_parallel_matches_single_device(ep, etp, capacity_factor, zero3):
     cfg, graphdef, params, rest, batch = _setup(capacity_factor)
     opt = optax.sgd(0.1, momentum=0.9)
     ref_loss, ref_metrics, ref_params = _step(graphdef, opt, None)(params, rest, opt.init(params), batch)
 
     mesh = _mesh(ep, etp)
     tensor = "tensor" if etp > 1 else None
-    params_ep = jax.device_put(params, expert_shardings(models.logical_axes(params), mesh, tensor_axis=tensor))
-    assert params_ep["layers"]["moe"]["mlp"]["w_gate"][...].sharding.spec == P(None, "expert", None, tensor)
+    zero = ("data",) if zero3 else ()
+    params_ep = jax.device_put(params, expert_shardings(models.logical_axes(params), mesh, tensor_axis=tensor,
+                                                        zero_axes=zero))
+    gate, wq = params_ep["layers"]["moe"]["mlp"]["w_gate"][...], params_ep["layers"]["moe"]["attn"]["wq"][...]
+    assert gate.sharding.spec == P(None, "expert", ("data",) if zero3 else None, tensor)
+    assert wq.sharding.spec == P(None, ("data", "expert") if zero3 else None, None, None)
     args = (params_ep, jax.device_put(rest, NamedSharding(mesh, P())), opt.init(params_ep),
             jax.device_put(batch, NamedSharding(mesh, P(("data", "expert")))))
     compiled = _step(graphdef, opt, expert_parallel(mesh, tensor_axis=tensor)).lower(*args).compile()
     assert "all-to-all" in compiled.as_text()
+    if zero3:  # the split parameters are gathered where used
+        assert "all-gather" in compiled.as_text()
     loss, metrics, new_params = compiled(*args)
 
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

@@ -117,9 +117,15 @@ def _check_split(batch: int, num_experts: int, ep: int, mesh: Mesh, token_axes: 
 
 
 def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str = "expert", name: str = "experts",
-                     tensor_axis: str | None = None, inner: str = "mlp") -> PyTree:
+                     tensor_axis: str | None = None, inner: str = "mlp", zero_axes: Sequence[str] = (),
+                     zero_dim: str = "embed") -> PyTree:
     """``NamedSharding`` per parameter: the dim named ``name`` split over ``expert_axis`` and, in the leaves that
-    have it, the dim named ``inner`` over ``tensor_axis`` (expert TP); every other dim replicated.
+    have it, the dim named ``inner`` over ``tensor_axis`` (expert TP); with ``zero_axes`` (ZeRO-3) the dim named
+    ``zero_dim`` is also split, over each leaf's own data-parallel group: ``zero_axes`` for the experts (their
+    expert-data-parallel ranks), ``(*zero_axes, expert_axis)`` for the dense parameters (every token rank).
+
+    The train step's compiler gathers a ZeRO-3 leaf where it is used (an expert's before the ``shard_map`` of the
+    dispatch) and reduce-scatters its gradient; the optimizer state placed like the parameters stays split.
 
     Args:
         axes: logical axis names per parameter (tuples of names, e.g. `models.logical_axes`).
@@ -128,13 +134,18 @@ def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str = "expert", n
         name: the logical name of the expert dimension.
         tensor_axis: the mesh axis of expert tensor parallelism, or None.
         inner: the logical name of an expert's inner width.
+        zero_axes: the data axes to shard parameters over (ZeRO-3); empty: parameters replicated over data.
+        zero_dim: the logical dim ZeRO-3 splits (it must divide by the group's size).
     """
+    dense_group = (*zero_axes, expert_axis) if zero_axes else ()
 
     def sharding(names: tuple[str, ...]) -> NamedSharding:
-        if name not in names:
-            return NamedSharding(mesh, P())
-        return NamedSharding(mesh, P(*(expert_axis if n == name else tensor_axis if n == inner else None
-                                       for n in names)))
+        group = tuple(zero_axes) if name in names else dense_group
+        spec: list[str | tuple[str, ...] | None] = [
+            expert_axis if n == name else tensor_axis if n == inner and name in names else None for n in names]
+        if group and zero_dim in names:
+            spec[names.index(zero_dim)] = group
+        return NamedSharding(mesh, P(*spec))
 
     return jax.tree.map(sharding, axes, is_leaf=lambda a: isinstance(a, tuple))
 
