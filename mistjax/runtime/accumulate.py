@@ -24,8 +24,12 @@ from typing import TypeAlias, TypeVar
 
 import jax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from mistjax.runtime.context_partial import spread
+
+# The checkpoint name of a weight slice in partial form (`PartialGrad`): never saved for the backward.
+PARTIAL_NAME = "mistjax_context_partial_weight"
 
 # One layer's cotangent of a stored weight slice -> the increment of that layer's accumulator row
 # (to device, the gradient dtype, a ZeRO-2 reduce-scatter over the partition group).
@@ -304,8 +308,8 @@ def scan_accumulating(layer_fn: LayerFn, carry: Leaves, xs: Leaves, accs: Sequen
         x, i = x_i
         a, o, picked = accumulate_into(a, o, [x[j] for j in idx], i, preps, fins, on_host)
         x = list(x)
-        for j, v in zip(idx, picked):
-            x[j] = v
+        for j, v in zip(idx, picked, strict=True):
+            x[j] = checkpoint_name(v, PARTIAL_NAME) if isinstance(preps[idx.index(j)], PartialGrad) else v
         c, y = layer_fn(c, x)
         return (c, a, o), y
 

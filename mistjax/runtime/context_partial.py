@@ -76,7 +76,11 @@ def is_partial(value: Value, var: Atom, cp: int) -> bool:
 
 
 def _seq_dim(shape: Sequence[int], seq: int) -> int | None:
-    """The sequence dim of an activation: its one dim of ``seq`` positions; None when it has none (or several)."""
+    """The sequence dim of an activation: dim 1 where it holds ``seq`` positions (the layer's ``[b, s, ...]``
+    values, as the runtime splits the hidden state), else its one dim of ``seq``; None when it has none (or
+    several, none of them dim 1)."""
+    if len(shape) > 1 and shape[1] == seq:
+        return 1
     dims = [d for d, n in enumerate(shape) if n == seq]
     return dims[0] if len(dims) == 1 else None
 
@@ -147,9 +151,8 @@ def _partial_equation(eqn: jex.JaxprEqn, vals: Sequence[Value], flags: Sequence[
         inner = inner_jaxpr(eqn)
         if inner is not None:
             return _inner_call(eqn, inner, vals, cp, seq), none
-    if not any(jnp.ndim(v) > 0 and not f and _seq_dim(jnp.shape(v), seq) is not None for v, f in zip(vals, flags)) \
-            and all(_seq_dim(shaped(v).shape, seq) is None for v in eqn.outvars) and inner_jaxpr(eqn) is None:
-        return _vmapped(eqn, vals, flags), [True] * len(eqn.outvars)
+    if all(f or jnp.ndim(v) == 0 for v, f in zip(vals, flags)) and inner_jaxpr(eqn) is None:
+        return _vmapped(eqn, vals, flags), [True] * len(eqn.outvars)  # on weights (and scalars) only
     local = _manual(eqn, vals, flags, seq)
     if local is not None:
         return local, none

@@ -578,17 +578,31 @@ def collapse_partials(acc: list[jax.Array], partial: frozenset[int], specs: Sequ
     `finish_grads`' ``synced``)."""
     out, done = list(acc), set()
     for i in partial:
-        g, lay = acc[i], specs[i].layout
-        if specs[i].zero == 1 and lay.shard_dim is not None:
-            g = shard_psum_scatter(g, lay.shard_dim + 1)
+        lay = specs[i].layout
+        zero1 = specs[i].zero == 1 and lay.shard_dim is not None
+        split = lay.shard_dim is not None and shard_split(lay.shape, lay.axes, lay.tensor_dims, lay.stacked, plan)[1]
+        out[i] = _sum_partials(acc[i], lay.shard_dim if zero1 else None, lay.shard_dim if split else None)
+        if zero1:
             done.add(i)
-        g = jnp.sum(g, axis=1)
-        if lay.shard_dim is not None and shard_split(lay.shape, lay.axes, lay.tensor_dims, lay.stacked, plan)[1]:
-            entries: list[str | None] = [None] * g.ndim
-            entries[lay.shard_dim] = CONTEXT_AXIS
-            g = lax.with_sharding_constraint(g, P(*entries))
-        out[i] = g
     return out, frozenset(done)
+
+
+def _sum_partials(g: jax.Array, scatter: int | None, dim: int | None) -> jax.Array:
+    """``[layers, cp, ...]`` partials (split over `context` on dim 1) reduce-scattered over the partition group onto
+    ``scatter`` of the result (ZeRO-1; None: not) and summed over `context`: reduce-scattered onto ``dim`` (then split
+    over `context` there, as the optimizer state) or all-reduced (None). Explicit, manual over `context`: left to
+    GSPMD, the partials are gathered over `context` around a collective of the partition group."""
+    def local(b: jax.Array) -> jax.Array:
+        x = b[:, 0]
+        if scatter is not None:
+            x = shard_psum_scatter(x, scatter)
+        return psum(x, CONTEXT_AXIS) if dim is None else psum_scatter(x, CONTEXT_AXIS, dim)
+
+    out: list[str | None] = [None] * (g.ndim - 1)
+    if dim is not None:
+        out[dim] = CONTEXT_AXIS
+    return jax.shard_map(local, in_specs=P(None, CONTEXT_AXIS), out_specs=P(*out), axis_names=frozenset({CONTEXT_AXIS}),
+                         check_vma=False)(g)
 
 
 def sharded_value_and_grad(fun: LossFn, has_aux: bool, params: PyTree, rest: tuple[PyTree, ...], *,
