@@ -18,7 +18,7 @@ from mistjax.core.execution import LayerScan
 from mistjax.core.policies import GATHERED, offload_policy, remat_policy
 from mistjax.core.stages import OFFLOAD, PLAIN, REMAT
 from mistjax.core.types import PyTree
-from mistjax.runtime.accumulate import SliceGrad, reading_rows, scan_accumulating, scan_rows
+from mistjax.runtime.accumulate import PartialGrad, SliceGrad, reading_rows, scan_accumulating, scan_rows
 from mistjax.runtime.residuals import Residuals, classify, restore_vjp
 from mistjax.trace.split import LayerLoop as SplitLayerLoop
 from mistjax.trace.split import unrolled_loop
@@ -278,7 +278,11 @@ class LayerLoop:
         # Several scans with in-loop accumulation: each layer reads its rows of the whole stacks
         # (`accumulate.scan_rows`), so no scan reads a copied slice of them.
         # (Not with `finish`: the G == 1 in-loop sync scans slices; the cost model charges them there.)
-        by_rows = (accs is not None and finish is None and len(self.scans) > 1 and any(a is not None for a in accs))
+        # Also for weights read in partial form (`accumulate.PartialGrad`): read inside the checkpointed layer, their
+        # broadcast is recomputed in the backward, not kept per layer.
+        partial = any(isinstance(p, PartialGrad) for p in self.prepare)
+        by_rows = (accs is not None and finish is None and (len(self.scans) > 1 or partial)
+                   and any(a is not None for a in accs))
         unrolled = any(isinstance(x, LayerSlices) for x in xs)  # an unrolled stack: its own leaves per layer
         fns = self._kinds(apply, consts, riding=False, unrolled=unrolled)
         if by_rows:
