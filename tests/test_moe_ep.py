@@ -102,3 +102,24 @@ def test_expert_parallel_refuses_indivisible_experts():
         make_moe_loss_fn(graphdef)(params, rest, batch)
     with pytest.raises(ExpertParallelError, match="mesh axis 'ep' is not in the mesh"):
         expert_parallel(mesh, expert_axis="ep")
+
+
+def test_expert_parallelism_folded_over_tensor_ranks_exceeds_data_parallelism():
+    """EP 8 on a data 2 x tensor 4 mesh: the batch is split two ways only, the experts eight ways (each tensor rank
+    dispatches its share of its group's sequences); one step equals the single-device step."""
+    cfg, graphdef, params, rest, batch = _setup(1.0)
+    opt = optax.sgd(0.1, momentum=0.9)
+    ref_loss, ref_metrics, ref_params = _step(graphdef, opt, None)(params, rest, opt.init(params), batch)
+    mesh = jax.make_mesh((2, 1, 4), ("data", "expert", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    shardings = expert_shardings(models.logical_axes(params), mesh, expert_axis=("expert", "tensor"))
+    params_ep = jax.device_put(params, shardings)
+    assert params_ep["layers"]["moe"]["mlp"]["w_up"][...].sharding.spec == P(None, ("expert", "tensor"), None, None)
+    args = (params_ep, jax.device_put(rest, NamedSharding(mesh, P())), opt.init(params_ep),
+            jax.device_put(batch, NamedSharding(mesh, P(("data", "expert")))))
+    compiled = _step(graphdef, opt, expert_parallel(mesh, fold_axes=("tensor",))).lower(*args).compile()
+    assert "all-to-all" in compiled.as_text()
+    loss, metrics, new_params = compiled(*args)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(metrics.dropped), np.asarray(ref_metrics.dropped))
+    for got, want in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)

@@ -18,6 +18,7 @@ Used as a dispatcher of `mistjax.core.moe.experts_dispatch` while a step is trac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -43,7 +44,7 @@ class ExpertParallelError(ValueError):
 
 
 def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Sequence[str] = ("data",),
-                    tensor_axis: str | None = None) -> ExpertDispatch:
+                    tensor_axis: str | None = None, fold_axes: Sequence[str] = ()) -> ExpertDispatch:
     """The expert-parallel dispatcher for `mistjax.core.moe.experts_dispatch`.
 
     Args:
@@ -53,31 +54,49 @@ def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Seque
         tensor_axis: expert tensor parallelism (ETP): each expert's inner width split over this mesh axis
             (gate / up by columns, down by rows, the partial outputs summed over it); the tokens are the same on
             its ranks. None: experts whole.
+        fold_axes: mesh axes the batch is *not* split over (e.g. the attention's tensor-parallel axis) that the
+            experts are split over too, after ``expert_axis`` (EP = the product of the sizes): EP larger than the
+            data parallelism, Megatron-Core's folding. The ranks of a fold group hold the same sequences; each
+            dispatches its share of them and the outputs are all-gathered over the group.
 
     Returns:
         ``fn(x [B, S, h], routing, weights, spec) -> [B, S, h]``: tokens split over
-        ``(*data_axes, expert_axis)`` on the batch, expert weights over ``expert_axis`` on their expert dim (and
-        over ``tensor_axis`` on their inner width).
+        ``(*data_axes, expert_axis)`` on the batch, expert weights over ``(expert_axis, *fold_axes)`` on their
+        expert dim (and over ``tensor_axis`` on their inner width).
 
     Raises:
         ExpertParallelError: an axis is not in the mesh.
     """
-    for axis in (expert_axis, *data_axes, *([tensor_axis] if tensor_axis else [])):
+    for axis in (expert_axis, *data_axes, *([tensor_axis] if tensor_axis else []), *fold_axes):
         if axis not in mesh.axis_names:
             raise ExpertParallelError(f"expert_parallel: mesh axis {axis!r} is not in the mesh {mesh.axis_names}; "
-                                      "name one of its axes as expert_axis / data_axes")
+                                      "name one of its axes as expert_axis / data_axes / tensor_axis / fold_axes")
     token_axes = (*data_axes, expert_axis)
-    ep = mesh.shape[expert_axis]
+    expert_axes = (expert_axis, *fold_axes)
+    ep = math.prod(mesh.shape[a] for a in expert_axes)
+    fold = math.prod(mesh.shape[a] for a in fold_axes)
 
     def run(x: jax.Array, routing: Routing, w: ExpertWeights, spec: RouterSpec) -> jax.Array:
-        _check_split(x.shape[0], spec.num_experts, ep, mesh, token_axes)
+        _check_split(x.shape[0], spec.num_experts, ep, mesh, token_axes, fold)
         slots = capacity(x.shape[1], spec)
 
         def local(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights) -> jax.Array:
-            return _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axis, tensor_axis)
+            if not fold_axes:
+                return _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axes, tensor_axis)
+            # This rank's share of the fold group's sequences (capacity is per sequence, so any row split
+            # drops the same choices), then the group's outputs gathered back.
+            share = x.shape[0] // fold
+            start = jax.lax.axis_index(tuple(fold_axes)) * share
+            x, experts, weights = (jax.lax.dynamic_slice_in_dim(a, start, share) for a in (x, experts, weights))
+            out = _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axes, tensor_axis)
+            # Gathered as a psum of the shares placed in zeros: the result is typed invariant over the fold
+            # group (shard_map's out_specs replicate it there), which all_gather's is not in this JAX.
+            placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((fold * share, *out.shape[1:]), out.dtype),
+                                                         out, start, 0)
+            return jax.lax.psum(placed, tuple(fold_axes))
 
         tokens = P(token_axes)
-        columns, rows = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
+        columns, rows = P(expert_axes, None, tensor_axis), P(expert_axes, tensor_axis, None)
         in_specs = (tokens, tokens, tokens, (columns, columns, rows))  # the last: ExpertWeights' three fields
         return jax.shard_map(lambda x, e, g, ws: local(x, e, g, ExpertWeights(*ws)), mesh=mesh, in_specs=in_specs,
                              out_specs=tokens)(x, routing.experts, routing.weights, tuple(w))
@@ -86,7 +105,7 @@ def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Seque
 
 
 def _exchange(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, num_experts: int,
-              slots: int, ep: int, axis: str, tensor_axis: str | None) -> jax.Array:
+              slots: int, ep: int, axis: tuple[str, ...], tensor_axis: str | None) -> jax.Array:
     """One rank's dispatch, all-to-all, local experts, all-to-all back and combine (inside ``shard_map``)."""
     b, _, h = x.shape
     local_experts = num_experts // ep
@@ -104,19 +123,21 @@ def _exchange(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWei
     return combine(outputs, index, kept, weights)
 
 
-def _check_split(batch: int, num_experts: int, ep: int, mesh: Mesh, token_axes: tuple[str, ...]) -> None:
+def _check_split(batch: int, num_experts: int, ep: int, mesh: Mesh, token_axes: tuple[str, ...], fold: int
+                 ) -> None:
     if num_experts % ep:
         raise ExpertParallelError(f"expert parallelism {ep} does not divide num_experts={num_experts}; choose an "
                                   "expert axis whose size divides the experts")
     ranks = 1
     for axis in token_axes:
         ranks *= mesh.shape[axis]
-    if batch % ranks:
+    if batch % (ranks * fold):
         raise ExpertParallelError(f"batch {batch} is not divisible by the {ranks} token ranks of mesh axes "
-                                  f"{token_axes}; use a batch that is a multiple of {ranks}")
+                                  f"{token_axes} times the fold group of {fold}; use a batch that is a multiple of "
+                                  f"{ranks * fold}")
 
 
-def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str = "expert", name: str = "experts",
+def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str | tuple[str, ...] = "expert", name: str = "experts",
                      tensor_axis: str | None = None, inner: str = "mlp", zero_axes: Sequence[str] = (),
                      zero_dim: str = "embed") -> PyTree:
     """``NamedSharding`` per parameter: the dim named ``name`` split over ``expert_axis`` and, in the leaves that
@@ -130,14 +151,15 @@ def expert_shardings(axes: PyTree, mesh: Mesh, *, expert_axis: str = "expert", n
     Args:
         axes: logical axis names per parameter (tuples of names, e.g. `models.logical_axes`).
         mesh: the device mesh.
-        expert_axis: the mesh axis of expert parallelism.
+        expert_axis: the mesh axis of expert parallelism, or the axes (``(expert_axis, *fold_axes)`` of
+            `expert_parallel`) when it is folded over axes the batch is not split over.
         name: the logical name of the expert dimension.
         tensor_axis: the mesh axis of expert tensor parallelism, or None.
         inner: the logical name of an expert's inner width.
         zero_axes: the data axes to shard parameters over (ZeRO-3); empty: parameters replicated over data.
         zero_dim: the logical dim ZeRO-3 splits (it must divide by the group's size).
     """
-    dense_group = (*zero_axes, expert_axis) if zero_axes else ()
+    dense_group = (*zero_axes, expert_axis) if zero_axes and isinstance(expert_axis, str) else tuple(zero_axes)
 
     def sharding(names: tuple[str, ...]) -> NamedSharding:
         group = tuple(zero_axes) if name in names else dense_group
