@@ -55,8 +55,9 @@ def _mesh(ep: int, etp: int = 1):
 
 @pytest.mark.parametrize("ep, etp, capacity_factor, zero3", [
     (2, 1, 1.0, False),
-    (2, 2, 1.0, False),  # expert tensor parallelism on top: data 2 x expert 2 x tensor 2
-    (4, 1, 1.0, True),  # ZeRO-3: every parameter split over its data-parallel group
+    # expert tensor parallelism on top: data 2 x expert 2 x tensor 2
+    pytest.param(2, 2, 1.0, False, marks=pytest.mark.slow),
+    pytest.param(4, 1, 1.0, True, marks=pytest.mark.slow),  # ZeRO-3: every parameter split over its data group
     pytest.param(4, 1, None, False, marks=pytest.mark.slow),  # dropless (worst-case buffers)
     pytest.param(8, 1, 0.5, False, marks=pytest.mark.slow),  # heavy dropping
 ])
