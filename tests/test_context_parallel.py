@@ -323,7 +323,7 @@ def test_cost_model_against_the_compiled_context_parallel_step(kw):
     """XLA:CPU cells with CP (`validate.check.compare_cell`, the grid's llama-tiny, 64 tokens, batch 16): the ring's
     collective-permute bytes exactly (`core.context.ring_traffic`) or Ulysses' all-to-all / permute bytes exactly
     (`core.context.ulysses_traffic`), every collective within 8%, memory within 12% and FLOPs within 10% of the
-    compiled step (measured: permutes 0.0%, collectives 5.0% / 5.8%, memory -10% / -9%, FLOPs -8% / -3%; cp 2 x tp 2:
+    compiled step (measured: permutes 0.0%, collectives 5.0% / 8.7%, memory -10% / -7.9%, FLOPs -8% / -3%; cp 2 x tp 2:
     collectives 5.4%, memory -9.3%, FLOPs -3.8%). Ulysses within 18% memory and 13% FLOPs (measured cp 4 /
     cp 2 x tp 2: exchanges 0.0%, collectives 7.5% / 6.0%, memory -15.2% / -16.6%, FLOPs -12.4% / -8.7%: at 64
     tokens its one key block computes each head's whole square under the mask, and its head-split copies
@@ -337,7 +337,10 @@ def test_cost_model_against_the_compiled_context_parallel_step(kw):
     moved = rec["coll_xla"][kind]
     assert moved > 0 and rec["coll_pred"][kind] == pytest.approx(moved, rel=1e-3)
     mem, flops = (0.18, 0.13) if kw.get("cp_form") == "ulysses" else (0.12, 0.10)
-    assert rec["coll_err"] < 0.08 and abs(rec["mem_err"]) < mem and abs(rec["flops_err"]) < flops, rec
+    # cp 2 x G 2: 8.7% since the layers' per-micro-batch context all-reduce (priced exactly) is gone (issue #54):
+    # what remains is the embedding's, which XLA gathers instead of reducing.
+    coll = 0.09 if kw.get("grad_accum", 1) > 1 else 0.08
+    assert rec["coll_err"] < coll and abs(rec["mem_err"]) < mem and abs(rec["flops_err"]) < flops, rec
 
 
 def test_ulysses_repeated_kv_heads_are_charged_as_residuals():

@@ -194,27 +194,62 @@ def _cp_layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: Profi
     return np.where(on, ag, 0.0), np.where(on, ag + rs, 0.0)
 
 
+def context_partial(workload: Workload, k: Knobs) -> np.ndarray:
+    """Whether the stage's layer weights' gradients are accumulated as per-context-rank partial sums and reduced
+    over `context` once per step (`runtime.grads.partial_leaves`): cp > 1 without TP, G > 1, one stage, the
+    layer's attention run as the context-parallel kernel, the weights read in place (no ZeRO-3, no weight
+    offload) and accumulated on the device."""
+    return ((k.cp > 1) & (k.tp == 1) & (k.G > 1) & ~k.pipelined & (k.zero < 3) & (k.wo <= 0) & (k.go <= 0)
+            & bool(workload.ring_attention))
+
+
 def _cp_grad_sync(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues) -> np.ndarray:
     """Seconds of the all-reduce over the ``cp`` group of one micro-batch's gradients: the weights are
     replicated over it and each device's gradient is a partial sum over its part of the sequence (GSPMD
-    reduces it where the gradient is formed, once per micro-batch)."""
+    reduces it where the gradient is formed, once per micro-batch), except the layer weights' where
+    `context_partial` holds (`_cp_step_sync`)."""
     nbytes = _cp_grad_bytes(workload, k, v)
     return np.where(k.cp > 1, hierarchical_all_reduce_time(nbytes, *_group_link(cluster, k.cp, k.tp, k.per_node)),
                     0.0)
 
 
+def _cp_layer_bytes(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
+    """The stage's layer weights' gradient, as the context all-reduce moves it."""
+    return v.block.weight_bytes * k.layers * workload.grad_scale
+
+
 def _cp_grad_bytes(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
-    """One micro-batch's gradient of the stage's weights, as the context all-reduce moves it."""
-    return (v.block.weight_bytes * k.layers + np.where(k.first, v.pre.weight_bytes, 0.0)
-            + np.where(k.last, v.post.weight_bytes, 0.0)) * workload.grad_scale
+    """One micro-batch's gradient reduced over `context` in that micro-batch: the pre / post weights', and the
+    layer weights' unless `context_partial`."""
+    layers = np.where(context_partial(workload, k), 0.0, _cp_layer_bytes(workload, k, v))
+    return layers + (np.where(k.first, v.pre.weight_bytes, 0.0)
+                     + np.where(k.last, v.post.weight_bytes, 0.0)) * workload.grad_scale
+
+
+def _cp_step_bytes(workload: Workload, k: Knobs, v: ProfileValues) -> np.ndarray:
+    """The layer weights' partial sums reduced over `context` once per step where `context_partial` holds (under
+    ZeRO-1 / 2 after the partition group's reduce-scatter: its 1 / p), else 0."""
+    shard = np.where((k.zero >= 1) & (k.shard_group > 1), k.shard_group, 1.0)
+    return np.where(context_partial(workload, k), _cp_layer_bytes(workload, k, v) / shard, 0.0)
+
+
+def _cp_step_sync(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileValues) -> np.ndarray:
+    """Seconds of the once-per-step reduction over `context` of the layer weights' partial sums: a reduce-scatter
+    where the optimizer state is split over `context` too (`Knobs.context_shards`), else an all-reduce."""
+    nbytes, link = _cp_step_bytes(workload, k, v), _group_link(cluster, k.cp, k.tp, k.per_node)
+    rs = _rs(nbytes, *link)
+    return np.where(k.cp > 1, np.where(k.context_shards > 1, rs, hierarchical_all_reduce_time(nbytes, *link)), 0.0)
 
 
 def _cp_comm(workload: Workload, k: Knobs, v: ProfileValues, kinds: LayerKinds) -> dict[str, np.ndarray]:
     """Collective result bytes per step of context parallelism, by kind: the ring's transfers (checkpointed
-    layers run the forward's again) or GSPMD's gathered keys / values, and the per-micro-batch gradient
-    all-reduce over ``context``."""
+    layers run the forward's again) or GSPMD's gathered keys / values, and the gradient all-reduce over
+    ``context`` (per micro-batch, and the layer weights' partials once per step: `context_partial`)."""
     on = k.cp > 1
-    ar = np.where(on, k.G * _cp_grad_bytes(workload, k, v), 0.0)
+    step = _cp_step_bytes(workload, k, v)  # reduce-scattered (result bytes: 1 / cp) where the state is split
+    scattered = k.context_shards > 1
+    ar = np.where(on, k.G * _cp_grad_bytes(workload, k, v) + np.where(scattered, 0.0, step), 0.0)
+    rs_step = np.where(on & scattered, step / k.cp, 0.0)
     if workload.ring_attention:
         f, b = context_ring_bytes(workload, k, v)
         ring = k.G * (k.layers * (f + b) + kinds.n_remat * f)
@@ -224,10 +259,10 @@ def _cp_comm(workload: Workload, k: Knobs, v: ProfileValues, kinds: LayerKinds) 
         a2a = k.G * (2.0 * k.layers + kinds.n_remat) * _ulysses_held(workload, k, v)
         direct = on & k.ulysses & (k.tp == 1)
         return {"collective-permute": np.where(on & ~direct, ring, 0.0), "all-to-all": np.where(direct, a2a, 0.0),
-                "all-reduce": ar}
+                "all-reduce": ar, "reduce-scatter": rs_step}
     kv = context_kv_bytes(workload, v)
     return {"all-gather": np.where(on, k.G * k.layers * 2.0 * kv * k.cp, 0.0),
-            "reduce-scatter": np.where(on, k.G * k.layers * kv, 0.0), "all-reduce": ar}
+            "reduce-scatter": np.where(on, k.G * k.layers * kv, 0.0) + rs_step, "all-reduce": ar}
 
 
 def synced_in_loop(workload: Workload, k: Knobs, lt: dict[str, np.ndarray]) -> np.ndarray:
@@ -511,6 +546,7 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     # A tied leaf (a tied embedding) is held by the first and the last stage: once per step, before the
     # update, each sends the other its gradient summand (`runtime.mpmd`, tied gradients).
     tied = np.where(k.pipelined & (k.first | k.last), p2p_time(lt["g_tied"], cluster.p2p_link(False)), 0.0)
+    sync = sync + _cp_step_sync(workload, cluster, k, v)  # the layer weights' partials over `context`
     delta = sync + sync_bwd + regather + update + swap + hoisted + tied
     # FLOPs outside the layers: the optimizer (elementwise) and the gradient scaling; accumulation adds.
     g_item = workload.param_itemsize * workload.grad_scale  # bytes per gradient element
@@ -542,5 +578,5 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
             "update": update, "swap": swap, "tied": tied}
 
 
-__all__ = ["acc_scale", "capabilities", "compute_time", "context_kv_bytes", "kv_repeat", "layer_times",
-           "layer_tp_times", "step_extras", "synced_in_loop", "synced_row_bytes"]
+__all__ = ["acc_scale", "capabilities", "compute_time", "context_kv_bytes", "context_partial", "kv_repeat",
+           "layer_times", "layer_tp_times", "step_extras", "synced_in_loop", "synced_row_bytes"]
