@@ -218,3 +218,22 @@ def test_remat_of_moe_layers_keeps_the_gradients(policy):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-7)
     jaxpr = str(jax.make_jaxpr(lambda p: jax.grad(loss)(p, lambda f: nnx.remat(f, policy=saveable)))(params))
     assert "remat" in jaxpr or "checkpoint" in jaxpr
+
+
+def test_analysis_refuses_an_moe_loss_by_its_tags_or_a_ragged_dot():
+    """What autoshard and mistjax.tune reach: the zoo's MoE (tagged) and a from-scratch grouped GEMM."""
+    from mistjax.analysis import analyze_model
+
+    cfg = models.get_config("moe-tiny")
+    graphdef, params = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    with pytest.raises(MoENotTunedError, match="'moe_router'"):
+        analyze_model(models.make_loss_fn(graphdef), params)
+
+    def scratch(p, batch):
+        x = p["embed"][batch["inputs"]]
+        y = jax.lax.ragged_dot(x.reshape(-1, 8), p["experts"], jnp.array([10, 22], jnp.int32))
+        return jnp.mean(y)
+
+    weights = {"embed": jnp.ones((256, 8)), "experts": jnp.ones((2, 8, 8))}
+    with pytest.raises(MoENotTunedError, match="ragged_dot"):
+        analyze_model(scratch, weights, points=[(2, 16)] * 7)
