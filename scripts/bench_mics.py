@@ -12,8 +12,8 @@ Prints and (``--json``) writes:
   assumptions name: the partition group (the smallest node-aligned group whose plan fits the card) and the
   micro-batch (the largest of 1, 2, 4 that fits) with the prediction at every other choice (sensitivity).
 * ``target``: a GPT-3-shaped 30B (h 7168, 48 layers, 56 heads, ffn 28672) on 256 aws-p4d GPUs, global batch 512,
-  sequence 2048: the best ZeRO-3 plan (the zero3-fsdp space), the best MiCS plan with 1 < shard_group < dp, and
-  the tuned plan of mistjax's full space.
+  sequence 2048: the best ZeRO-3 plan (the zero3-fsdp space), the best MiCS plan with 1 < shard_group < dp, the
+  tuned plan of mistjax's full space, and the tuned plan of the full space without MiCS groups (shard_group = dp).
 * ``sweep``: weak scaling as in the MiCS paper (4 sequences per GPU, GPT-3 13B, sequence 2048) over 16 -> 512
   A100-40GB GPUs (aws-p4d nodes) and 100 -> 3,200 Gb/s of network per node: the best ZeRO-3 plan, the best MiCS
   plan, the tuned plan (a search of ``--tuned-limit`` seconds), and MiCS's weak-scaling efficiency (throughput per
@@ -150,7 +150,7 @@ def _proper_mics(workload: Any, cluster: Any) -> dict[str, Any]:
     dp = cluster.num_devices
     try:
         for g in [g for g in original(dp, 1, cluster.devices_per_node, True) if 1 < g < dp]:
-            sp.shard_groups = lambda d, t, n, m, g=g: (g,) if d % g == 0 else (d,)  # type: ignore[misc]
+            sp.shard_groups = lambda d, t, n, m, g=g, **_: (g,) if d % g == 0 else (d,)  # type: ignore[misc]
             r = _best(workload, cluster, SearchSpace.mics_only(), 120.0)
             if r["step_s"] is not None and r.get("shard_group") == g and (
                     best["step_s"] is None or r["step_s"] < best["step_s"]):
@@ -167,10 +167,14 @@ def target(limit: float) -> dict[str, Any]:
 
     workload = models.workload(gpt3_30b(), 2048, 512)
     cluster = ClusterSpec.preset("aws-p4d", nodes=32, per_node=8)
-    out = {name: _best(workload, cluster, space, lim) for name, (space, lim) in _spaces(TARGET_LIMIT).items()}
+    spaces = _spaces(TARGET_LIMIT)
+    spaces["tuned_no_mics"] = (spaces["tuned"][0].replace(mics=False), TARGET_LIMIT)  # the same space, p = dp
+    out = {name: _best(workload, cluster, space, lim) for name, (space, lim) in spaces.items()}
     out["mics_proper"] = _proper_mics(workload, cluster)
     z, m = out["zero3"]["step_s"], out["mics_proper"]["step_s"]
     out["mics_over_zero3"] = None if not (z and m) else z / m
+    t, n = out["tuned"]["step_s"], out["tuned_no_mics"]["step_s"]
+    out["tuned_over_no_mics"] = None if not (t and n) else n / t
     return out
 
 
