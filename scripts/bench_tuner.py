@@ -6,19 +6,25 @@ dgx-a100:280x8 (2240), 1T on dgx-a100:384x8 (3072), all at sequence 2048, and a 
 dgx-h100:8x8 (1024 x 4096). Each cell is searched in mistjax's full space with ``--time-limit`` and again
 with ten times the limit; the table gives the wall time, the outer keys searched / pruned by bound / cut by
 the limit, the plan, its predicted throughput, Megatron-LM's space's throughput, and whether the longer
-search returned the same plan. Writes the rows to ``--json``.
+search returned the same plan. ``--compete`` searches each cell once more beside a competing CPU-bound process
+(one busy loop) and checks that the plan is the same (`SearchResult`'s work counts depend on ``--workers`` only,
+never on the machine's load). Writes the rows to ``--json``.
 
-Run: python scripts/bench_tuner.py [--cells grid|large|all] [--time-limit 60] [--json FILE]
+Run: python scripts/bench_tuner.py [--cells grid|large|all] [--time-limit 60] [--workers N] [--compete]
+    [--json FILE]
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +39,14 @@ from tqdm import tqdm  # noqa: E402
 
 import models  # noqa: E402
 from mistjax.hardware.presets import ClusterSpec  # noqa: E402
-from mistjax.tuning import SearchResult, SearchSpace, baseline_spaces, baseline_system, search  # noqa: E402
+from mistjax.tuning import (  # noqa: E402
+    SearchResult,
+    SearchSpace,
+    baseline_spaces,
+    baseline_system,
+    default_workers,
+    search,
+)
 from mistjax.tuning.baselines import GRID_PRECISION  # noqa: E402
 from mistjax.validate.published import system_workload  # noqa: E402
 
@@ -84,11 +97,30 @@ class Args:
     time_limit: float = 60.0  # seconds per search
     repeat_factor: float = 10.0  # the second search's limit, as a multiple of --time-limit (0: no second search)
     only: str = ""  # comma-separated cell names (e.g. gpt3-175b,llama-7b) to run a subset
+    workers: int = 0  # processes per search (0: the tuner's default, `mistjax.tuning.default_workers`)
+    compete: bool = False  # search each cell again beside one competing CPU-bound process (same plan?)
     json: Path = ROOT / "docs" / "results" / "bench_tuner.json"  # where the rows go
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def competing_process() -> Iterator[None]:
+    """One CPU-bound process (a busy loop) running while the block runs."""
+    proc = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    proc.start()
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.join()
+
+
 def _timed(cell: Cell, cluster: ClusterSpec, space: SearchSpace, limit: float, label: str,
-           megatron: bool = False) -> tuple[SearchResult, float]:
+           megatron: bool = False, workers: int = 0) -> tuple[SearchResult, float]:
     system = baseline_system("megatron" if megatron else "mistjax")  # priced as the grid prices them
     workload = system_workload(system, cell.config, cell.seq, cell.global_batch, GRID_PRECISION)
     bar = tqdm(desc=f"{cell.name} {cell.cluster} {label}", unit="key", leave=False, file=sys.stderr)
@@ -101,7 +133,7 @@ def _timed(cell: Cell, cluster: ClusterSpec, space: SearchSpace, limit: float, l
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the row reports the cut keys
-        result = search(workload, cluster, space, time_limit=limit, progress=progress)
+        result = search(workload, cluster, space, time_limit=limit, progress=progress, workers=workers or None)
     bar.close()
     return result, time.perf_counter() - t0
 
@@ -115,8 +147,9 @@ def _plan_key(r: SearchResult) -> str:
 
 def run_cell(cell: Cell, a: Args) -> dict[str, Any]:
     cluster = ClusterSpec.parse(cell.cluster)
-    mine, wall = _timed(cell, cluster, SearchSpace(), a.time_limit, f"{a.time_limit:g} s")
-    meg, _ = _timed(cell, cluster, baseline_spaces(("megatron",))["megatron"], a.time_limit, "megatron", True)
+    mine, wall = _timed(cell, cluster, SearchSpace(), a.time_limit, f"{a.time_limit:g} s", workers=a.workers)
+    meg, _ = _timed(cell, cluster, baseline_spaces(("megatron",))["megatron"], a.time_limit, "megatron", True,
+                    a.workers)
     row: dict[str, Any] = {
         "cell": cell.name, "cluster": cell.cluster, "seq": cell.seq, "global_batch": cell.global_batch,
         "gpus": cluster.nodes * cluster.devices_per_node, "time_limit": a.time_limit, "wall_s": wall,
@@ -124,14 +157,26 @@ def run_cell(cell: Cell, a: Args) -> dict[str, Any]:
         "cut": mine.keys_cut, "gap": mine.gap, "evaluated": mine.evaluated, "milps": mine.milps,
         "plan": plan_text(mine.plan), "tokens_per_s": mine.prediction.tokens_per_s if mine.plan else 0.0,
         "megatron_tokens_per_s": meg.prediction.tokens_per_s if meg.plan else 0.0,
-        "megatron_plan": plan_text(meg.plan), "megatron_complete": meg.complete,
+        "megatron_plan": plan_text(meg.plan), "megatron_complete": meg.complete, "workers": a.workers or
+        default_workers(),
     }
+    if a.compete:
+        with competing_process():
+            busy, busy_wall = _timed(cell, cluster, SearchSpace(), a.time_limit, "competing", workers=a.workers)
+        # The plan with its search record (work counted, keys pruned): the same, however busy the machine.
+        row.update(compete_wall_s=busy_wall, compete_cut=busy.keys_cut, compete_same_plan=_full_plan(busy) ==
+                   _full_plan(mine))
     if a.repeat_factor > 0:
         long, long_wall = _timed(cell, cluster, SearchSpace(), a.time_limit * a.repeat_factor,
                                  f"{a.time_limit * a.repeat_factor:g} s")
         row.update(long_wall_s=long_wall, long_cut=long.keys_cut, same_plan=_plan_key(long) == _plan_key(mine),
                    long_tokens_per_s=long.prediction.tokens_per_s if long.plan else 0.0)
     return row
+
+
+def _full_plan(r: SearchResult) -> str:
+    return "" if r.plan is None else json.dumps(
+        {k: v for k, v in r.plan.to_dict().items() if k != "fingerprints"}, sort_keys=True)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -163,6 +208,10 @@ def main(a: Args) -> list[dict[str, Any]]:
     longest = max(r["wall_s"] for r in rows)
     print(f"\n{complete} of {len(rows)} cells searched completely; longest search {longest:.1f} s; "
           f"same plan at {a.repeat_factor:g}x the limit: {same} of {len(rows)}")
+    if a.compete:
+        busy = max(r["compete_wall_s"] for r in rows)
+        print(f"beside a competing process: longest search {busy:.1f} s; the same plan (and search record) on "
+              f"{sum(r['compete_same_plan'] for r in rows)} of {len(rows)} cells")
     return rows
 
 

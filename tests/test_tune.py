@@ -136,10 +136,12 @@ def test_offload_lattice_rules_hold_on_whole_grids(real, budget):
     """What `tuning.sweep` relies on, on every (slot, layers, remat, strategy) of four keys of the project's
     cost model: times never fall as an offload ratio grows (except the gradient-accumulator ratio where rows
     sync inside the backward loop: there it does fall); where a family's most-offloaded point's
-    `offload_floor` exceeds the budget, none of the family fits. And the floor is needed: a most-offloaded
-    point that does not fit does not prove its family infeasible (a middle point can fit)."""
+    `offload_floor` exceeds the budget, none of the family fits, and where a face point's does (every ratio at
+    its largest but one, `sweep._floors_over`), no point with that ratio at or below the face's fits. And the
+    floor is needed: a most-offloaded point that does not fit does not prove its family infeasible (a middle
+    point can fit)."""
     w, cl = models.workload(models.get_config("gpt3-tiny"), 32, 16), _cpu(budget)
-    proven = top_fails_middle_fits = in_loop_falls = 0
+    proven = top_fails_middle_fits = in_loop_falls = faces_proven = 0
     keys = (OuterKey(1, 1, 1, 8, 2, 1, 8), OuterKey(2, 1, 4, 4, 1, 1, 8), OuterKey(1, 2, 1, 4, 4, 1, 4),
             OuterKey(2, 2, 1, 2, 8, 1, 4))
     for key in keys:
@@ -167,7 +169,14 @@ def test_offload_lattice_rules_hold_on_whole_grids(real, budget):
             assert not np.any(family_fits & (floor[..., top] > cl.memory_budget()))
             proven += int(np.sum(~family_fits & (floor[..., top] > cl.memory_budget())))
             top_fails_middle_fits += int(np.sum(family_fits & ~ok[..., top]))
-    assert proven > 0 and top_fails_middle_fits > 0 and in_loop_falls > 0
+            for flat, axis, index in zip(*lattice.faces()):
+                if points[flat] < 0:
+                    continue
+                under = points[(lattice.coords[:, axis] <= index) & (points >= 0)]
+                over = floor[..., points[flat]] > cl.memory_budget()
+                assert not np.any(over & ok[..., under].any(axis=-1))
+                faces_proven += int(np.sum(over & family_fits))  # proves part of a family that fits elsewhere
+    assert proven > 0 and top_fails_middle_fits > 0 and in_loop_falls > 0 and faces_proven > 0
 
 
 @pytest.mark.parametrize("budget", [pytest.param(1.2e6, marks=pytest.mark.slow), 2e6])
@@ -177,6 +186,20 @@ def test_pruned_search_equals_exhaustive_on_the_cost_model(real, budget):
     full = search(w, cl, SearchSpace(), cost=real, time_limit=600, prune=False)
     assert fast.plan is not None and fast.objective == pytest.approx(full.objective, rel=1e-12)
     assert fast.evaluated < full.evaluated / 3
+
+
+@pytest.mark.slow
+def test_memory_first_sweep_equals_exhaustive_on_the_cost_model(real, monkeypatch):
+    """Memory first from the start on the project's cost model, whose face floors skip the memory checks of
+    points they prove too big (`sweep._floors_over`): still the exhaustive search's plan."""
+    from mistjax.tuning import sweep
+
+    monkeypatch.setattr(sweep, "_PROBE_POINTS", 0)
+    monkeypatch.setattr(sweep, "_MIN_DEAD_SHARE", math.inf)
+    w, cl = models.workload(models.get_config("gpt3-tiny"), 32, 16), _cpu(2e6)
+    fast = search(w, cl, SearchSpace(), cost=real, time_limit=600, workers=1)
+    full = search(w, cl, SearchSpace(), cost=real, time_limit=600, prune=False, workers=1)
+    assert fast.plan is not None and fast.objective == pytest.approx(full.objective, rel=1e-12)
 
 
 def test_milp_through_inter_stage_layer_equals_brute_force():
@@ -293,7 +316,7 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     searching the whole space. The count is exact, so nothing here depends on this machine's speed."""
     cost, now = _fake_clock(monkeypatch)
     w = stub.Workload.from_model(models.get_config("falcon-small"), 64, 32)
-    whole = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=1e9)
+    whole = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=1e9, workers=1)  # the clock of this process
     unlimited = now[0]
     limit = 10.0
     assert unlimited > 3 * limit and not whole.timed_out  # the whole search needs far more than the limit
@@ -301,7 +324,7 @@ def test_search_stops_at_its_time_limit_on_a_fake_clock(monkeypatch):
     assert whole.keys_pruned + whole.keys_done == whole.keys
     now[0] = 0.0
     with pytest.warns(RuntimeWarning, match="cut by the time limit") as caught:
-        r = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=limit)
+        r = search(w, _cpu(2e7), SearchSpace(), cost=cost, time_limit=limit, workers=1)
     assert now[0] <= limit + 6  # one key's fixed calls (remat probe, peak probe, base, top) past the limit
     assert r.timed_out and r.keys_done < whole.keys_done and r.keys_cut > 0 and not r.complete
     assert {f["status"] for f in r.frontier} <= {"searched", "partial", "pruned", "cut"}
@@ -325,16 +348,45 @@ def test_a_work_budget_stops_the_search_the_same_way_on_any_clock(monkeypatch):
     assert mistjax.Plan.from_json(whole.plan.to_json()).search == whole.plan.search
     budget = WorkBudget(strategies=whole.evaluated // 4)
     with pytest.warns(RuntimeWarning, match="cut by the work budget"):
-        real_clock = search(w, _cpu(2e7), SearchSpace(), cost=stub.COST_MODEL, work_budget=budget)
+        real_clock = search(w, _cpu(2e7), SearchSpace(), cost=stub.COST_MODEL, work_budget=budget, workers=1)
     slow, _ = _fake_clock(monkeypatch)
     with pytest.warns(RuntimeWarning, match="cut by the work budget"):
-        fake_clock = search(w, _cpu(2e7), SearchSpace(), cost=slow, work_budget=budget, time_limit=1e9)
+        fake_clock = search(w, _cpu(2e7), SearchSpace(), cost=slow, work_budget=budget, time_limit=1e9, workers=1)
     for r in (real_clock, fake_clock):
         assert r.stopped_by == "work budget" and not r.complete and r.keys_cut > 0
         assert r.plan is not None and r.plan.search == r.record() and not r.plan.search.complete
     assert real_clock.plan.to_json() == fake_clock.plan.to_json()
     assert (real_clock.evaluated, real_clock.keys_cut) == (fake_clock.evaluated, fake_clock.keys_cut)
     assert real_clock.evaluated < whole.evaluated
+
+
+def _plan_and_record(r) -> tuple[str, str]:
+    """A search's plan without its search record, and the record with the frontier's statuses."""
+    return r.plan.replace(search=None).to_json(), repr((r.plan.search, [f["status"] for f in r.frontier]))
+
+
+@pytest.mark.parametrize("model, seq, batch, budget", [("falcon-small", 64, 32, 2e7), ("gpt3-tiny", 128, 64, 6e6)])
+def test_worker_processes_find_the_same_plan_and_count_the_same_work_every_time(model, seq, batch, budget):
+    """Two worker processes tune outer keys side by side (`tuner._search_keys`): the plan is the one-process
+    search's, and what each task knows (so the work counted and the frontier) depends on the number of workers
+    only: two runs agree exactly."""
+    w = stub.Workload.from_model(models.get_config(model), seq, batch)
+    one = search(w, _cpu(budget), SearchSpace(), cost=stub.COST_MODEL, workers=1)
+    two = [search(w, _cpu(budget), SearchSpace(), cost=stub.COST_MODEL, workers=2) for _ in range(2)]
+    assert one.complete and all(r.complete for r in two) and one.keys_done > 2
+    assert _plan_and_record(two[0]) == _plan_and_record(two[1])
+    assert _plan_and_record(two[0])[0] == _plan_and_record(one)[0]
+    assert two[0].evaluated >= one.evaluated  # a task in flight starts from an older best plan: it may price more
+
+
+def test_workers_must_be_a_positive_whole_number():
+    from mistjax.tuning.tuner import default_workers
+
+    w = stub.Workload.from_model(models.get_config("gpt3-tiny"), 32, 16)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="workers"):
+            search(w, _cpu(2e6), SearchSpace(), cost=stub.COST_MODEL, workers=bad)
+    assert 1 <= default_workers() <= 2
 
 
 def test_no_plan_fits_raises():

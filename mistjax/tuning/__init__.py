@@ -21,7 +21,16 @@ from mistjax.tuning.milp import (
 )
 from mistjax.tuning.pareto import ParetoSample, pareto_mask, sample_pareto
 from mistjax.tuning.space import OuterKey, SearchSpace
-from mistjax.tuning.tuner import DEFAULT_WORK_BUDGET, SearchResult, TunedPlan, TuneResult, WorkBudget, search, tune
+from mistjax.tuning.tuner import (
+    DEFAULT_WORK_BUDGET,
+    SearchResult,
+    TunedPlan,
+    TuneResult,
+    WorkBudget,
+    default_workers,
+    search,
+    tune,
+)
 
 __all__ = [
     "DEFAULT_WORK_BUDGET",
@@ -42,6 +51,7 @@ __all__ = [
     "baseline_system",
     "brute_force_inter_stage",
     "default_layer_options",
+    "default_workers",
     "pareto_mask",
     "pipeline_objective",
     "sample_pareto",

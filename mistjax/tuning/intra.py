@@ -32,8 +32,8 @@ from mistjax.tuning.space import (
 if TYPE_CHECKING:
     from mistjax.hardware.presets import ClusterSpec
 
-__all__ = ["EntryPrices", "SampledTables", "ScheduleMemo", "StageTables", "TableArena", "entries_fit", "key_fill",
-           "prepare_key", "price", "price_entries", "price_pairs", "sample_stage_tables", "small_pages"]
+__all__ = ["EntryPrices", "SampledTables", "ScheduleMemo", "StageTables", "TableArena", "entries_fit", "entries_floor",
+           "key_fill", "prepare_key", "price", "price_entries", "price_pairs", "sample_stage_tables", "small_pages"]
 
 # Elements per cost-model call: big enough to amortise NumPy's per-op overhead, small enough that the
 # model's few dozen float64 temporaries stay in the low hundreds of MB.
@@ -246,6 +246,17 @@ def entries_fit(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, t
     return np.broadcast_to(np.asarray(cost.stage_memory(workload, cluster, st).feasible, bool), slot.shape) & valid
 
 
+def entries_floor(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables,
+                  slot: np.ndarray, option: np.ndarray, r: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The cost model's `offload_floor` of single entries (as `entries_fit`): a lower bound of the guarded peak of
+    every strategy with no offload ratio larger than the entry's; 0 (it bounds nothing) where the cost model has no
+    ``stage_memory``."""
+    if cost.stage_memory is None:
+        return np.zeros(slot.shape)
+    st, _ = _entry_strategies(tables, slot, option, r, x)
+    return np.broadcast_to(np.asarray(cost.stage_memory(workload, cluster, st).offload_floor, np.float64), slot.shape)
+
+
 def _entry_strategies(tables: StageTables, slot: np.ndarray, option: np.ndarray, r: np.ndarray, x: np.ndarray
                       ) -> tuple[StageStrategies, np.ndarray]:
     key = tables.key
@@ -380,7 +391,7 @@ def small_pages() -> Iterator[None]:
 
     The search's tables run to GiBs of which each key writes a fraction; on a VM the first touch of a huge
     page costs far more than that of the 4 KiB pages written (3 GiB filled: 27 s the first time, then 4.2 s,
-    against 1.3 s with small pages: docs/tuning.md). A no-op where NumPy has no such switch.
+    against 1.3 s with small pages: docs/internals.md). A no-op where NumPy has no such switch.
     """
     switch = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
     if switch is None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from mistjax.core.execution import rows_synced_in_loop
 from mistjax.core.strategies import CostModel, WorkloadLike
-from mistjax.tuning.intra import StageTables, entries_fit, price_entries
+from mistjax.tuning.intra import StageTables, entries_fit, entries_floor, price_entries
 from mistjax.tuning.space import StrategyGrid
 
 if TYPE_CHECKING:
@@ -51,11 +51,13 @@ class OffloadLattice:
             e.g. a weight offload without gradient offload).
         preds: ``[P, 4]`` the flat point one step lower in each ratio (-1 at the lattice's floor).
         levels: the flat points of each rank 1, 2, ... (rank 0 is the zero-offload base).
+        coords: ``[P, 4]`` each flat point's index along each ratio.
     """
 
     strategy: np.ndarray
     preds: np.ndarray
     levels: tuple[np.ndarray, ...]
+    coords: np.ndarray
 
     @property
     def top(self) -> np.ndarray:
@@ -79,7 +81,16 @@ class OffloadLattice:
             preds[ok, axis] = np.ravel_multi_index(tuple(lower[:, ok]), shape)
         rank = every.sum(axis=0)
         levels = tuple(np.flatnonzero(rank == k) for k in range(1, int(rank.max()) + 1))
-        return cls(strategy, preds, levels)
+        return cls(strategy, preds, levels, every.T.copy())
+
+    def faces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The points with every ratio at its largest but one, at each smaller value: (flat point, ratio, index
+        along it), one entry per such point (`sweep._floors_over`)."""
+        top = self.coords.max(axis=0)
+        on_face = (self.coords == top).sum(axis=1) == 3
+        flat = np.flatnonzero(on_face)
+        axis = np.argmin(self.coords[flat] == top, axis=1)
+        return flat, axis, self.coords[flat, axis]
 
 
 PointBound = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (entry index, stable, delta) -> bound
@@ -140,6 +151,7 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
     floor = tightening.floor.copy() if tightening is not None else np.empty(0)
     found = np.full(entries.slot.size, np.inf)  # least stable time of each entry's feasible points priced
     tight = ordered.all(axis=1)  # entries whose times never fall along any ratio
+    over: np.ndarray | None = None  # `_floors_over`, once the sweep goes memory first
     for points in lattice.levels:
         if not live.any():
             return
@@ -149,9 +161,13 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
         pred = lattice.preds[points]  # [n, 4]
         below = (reached[:, np.maximum(pred, 0)] & (pred >= 0) & ordered[:, None, :]).any(axis=-1)  # [E, n]
         xs = lattice.strategy[entries.family[:, None], points[None, :]]
-        e, p = np.nonzero(live[:, None] & (xs >= 0) & ~below)
-        closes = np.zeros(e.size, bool)
         time_first = point_bound is not None and (priced < _PROBE_POINTS or dead >= _MIN_DEAD_SHARE * priced)
+        ask = live[:, None] & (xs >= 0) & ~below
+        if not time_first:  # points a face's floor proves too big are not asked (they would not fit)
+            over = _floors_over(workload, cluster, cost, tables, entries, lattice, live) if over is None else over
+            ask &= ~(lattice.coords[points][None, :, :] <= over[:, None, :]).any(axis=-1)
+        e, p = np.nonzero(ask)
+        closes = np.zeros(e.size, bool)
         stable = np.full(e.size, np.inf)
         for lo in range(0, e.size, _CHUNK):
             if lo and time.perf_counter() >= deadline:
@@ -175,6 +191,31 @@ def sweep_offloads(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel
             floor, bound_now, point_bound = _tighten(tightening, floor, found, live & tight, live, e[~closes],
                                                      stable[~closes])
         live &= bound_now < cut
+
+
+def _floors_over(workload: WorkloadLike, cluster: ClusterSpec, cost: CostModel, tables: StageTables, entries: Entries,
+                 lattice: OffloadLattice, live: np.ndarray) -> np.ndarray:
+    """``[E, 4]`` per entry and ratio the largest index v (-1: none) such that no point whose ratio is at index v or
+    below fits: the `offload_floor` of the lattice point with that ratio at v and every other ratio at its largest
+    exceeds the budget (the floor bounds the guarded peak of every point with no ratio above the point's). Only
+    the live entries are asked (the others never come back into the sweep); a face point the grid lacks proves
+    nothing.
+
+    Memory first, these points would be asked whether they fit one by one (they do not): a face's floor answers
+    for all of them with one memory call.
+    """
+    over = np.full((entries.slot.size, 4), -1, np.int64)
+    flat, axis, index = lattice.faces()
+    x = lattice.strategy[entries.family[:, None], flat[None, :]]  # [E, faces]
+    e, f = np.nonzero(live[:, None] & (x >= 0))
+    budget = cluster.memory_budget()
+    for lo in range(0, e.size, _CHUNK):
+        ee, ff = e[lo:lo + _CHUNK], f[lo:lo + _CHUNK]
+        floor = entries_floor(workload, cluster, cost, tables, entries.slot[ee], entries.option[ee],
+                              entries.remat[ee], x[ee, ff])
+        big = floor > budget
+        np.maximum.at(over, (ee[big], axis[ff[big]]), index[ff[big]])
+    return over
 
 
 def _tighten(tightening: Tightening, floor: np.ndarray, found: np.ndarray, rising: np.ndarray, live: np.ndarray,

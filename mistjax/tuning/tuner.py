@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
@@ -40,7 +43,8 @@ Record: TypeAlias = dict[str, Any]
 _Improvement: TypeAlias = tuple[float, Plan, tuple[Record, ...]]
 
 __all__ = ["DEFAULT_WORK_BUDGET", "WorkBudget", "SearchResult", "TuneResult", "TunedPlan", "build_plan",
-           "check_time_limit", "default_cost_model", "fingerprints", "search", "tune"]
+           "check_time_limit", "check_workers", "default_cost_model", "default_workers", "fingerprints", "search",
+           "tune"]
 
 
 def default_cost_model() -> CostModel:
@@ -287,8 +291,10 @@ class _SearchJob:
 class _Tally:
     """What the loop over outer keys gathered so far (the loop adds to it key by key)."""
 
-    best: KeyChoice | None = None  # the key's tables are not kept: the next key reuses their memory
-    best_time: float = math.inf  # the best plan's step time under `predict` (what later keys must beat)
+    # The best plan's search objective (its choice's; the key's tables are not kept: the next key reuses their
+    # memory) and its step time under `predict` (what later keys must beat); inf: no plan yet.
+    best_objective: float = math.inf
+    best_time: float = math.inf
     found: list[_Improvement] = field(default_factory=list)  # every improvement, best last
     frontier: list[Record] = field(default_factory=list)
     evaluated: int = 0
@@ -298,6 +304,33 @@ class _Tally:
     stopped_by: str = ""  # what stopped the search: "work budget", "time limit" or "" (nothing)
     cut_bounds: list[float] = field(default_factory=list)  # lower bounds of the keys cut by the limit
     fastest_key: float = math.inf  # seconds the quickest key searched so far took
+    stopped: bool = False  # the work budget or the clock stopped the search: the keys left are cut
+    before: tuple[int, int] = (0, 0)  # strategies and MILPs of the tasks merged before this one's seed
+
+    def seed(self) -> _Tally:
+        """A fresh tally for the next task (`_run_task`) that knows what this one knows: the best plan's objective
+        and time, whether the search stopped, and the work spent (for the work budget)."""
+        return _Tally(best_objective=self.best_objective, best_time=self.best_time, stopped_by=self.stopped_by,
+                      fastest_key=self.fastest_key, stopped=self.stopped,
+                      before=(self.before[0] + self.evaluated, self.before[1] + self.milps))
+
+    def merge(self, task: _Tally) -> None:
+        """Add a task's tally (seeded by `seed` from this one or an earlier state of it), in visit order. Its
+        improvements are kept where they beat the best merged so far, as `keep` would have kept them."""
+        for improvement in task.found:
+            t = _predicted(improvement[1]).step_time
+            if t < self.best_time:
+                self.found.append(improvement)
+                self.best_objective, self.best_time = improvement[0], t
+        self.frontier += task.frontier
+        self.evaluated += task.evaluated
+        self.milps += task.milps
+        self.done += task.done
+        self.timed_out |= task.timed_out
+        self.stopped_by = self.stopped_by or task.stopped_by
+        self.stopped |= task.stopped
+        self.cut_bounds += task.cut_bounds
+        self.fastest_key = min(self.fastest_key, task.fastest_key)
 
     def add(self, job: _SearchJob, tables: StageTables, choice: KeyChoice | None, bound: float,
             plan: Plan | None = None) -> None:
@@ -320,7 +353,7 @@ class _Tally:
         predicted time, where the search's objective was optimistic (an interleaved key assumes equal chunks); its
         objective, where that was pessimistic (ZB-H1's fill share from one strategy's weight-gradient share): a key
         whose objective is below it may still be faster under `predict`, which ranks the plans (`keep`)."""
-        return max(self.best.objective, self.best_time) if self.best is not None else math.inf
+        return max(self.best_objective, self.best_time) if math.isfinite(self.best_objective) else math.inf
 
     def count(self, tables: StageTables, choice: KeyChoice | None) -> None:
         """Add one search of a key to the strategies priced and MILPs solved."""
@@ -332,7 +365,7 @@ class _Tally:
         """Keep ``choice`` (a plan of ``tables``' key; ``plan``: it with its full prediction, None where it does not
         fit) when its predicted step time beats the best so far."""
         if choice is not None and plan is not None and _predicted(plan).step_time < self.best_time:
-            self.best, self.best_time = choice, _predicted(plan).step_time
+            self.best_objective, self.best_time = choice.objective, _predicted(plan).step_time
             self.found.append((choice.objective, plan, _pareto_data(tables, choice, job.space.pareto_k, False)))
 
     def result(self, space: SearchSpace, keys: int, seconds: float,
@@ -348,41 +381,158 @@ class _Tally:
 
 
 def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], deadline: float,
-                 best_cost: float | None, progress: Progress | None, budget: WorkBudget | None) -> _Tally:
+                 best_cost: float | None, progress: Progress | None, budget: WorkBudget | None,
+                 workers: int = 1) -> _Tally:
     """Tune the outer keys in `_visit_order`, skipping those whose bound cannot beat the best so far.
 
-    Each key may use all the time left; once ``budget`` is spent (checked before each key: deterministic) or past
-    the deadline, the keys not yet visited are cut (or pruned, where their bound already cannot beat the plan
-    found).
+    The keys go in tasks (`_tasks`: runs of keys that share prices), merged in visit order. Task i starts from
+    what the first i - workers + 1 tasks found (`_Tally.seed`), so with one worker each task knows all the
+    tasks before it (the sequential search), and with more the tasks in flight run side by side in worker
+    processes (`_TaskPool`); either way what each task knows, and so the answer and the work counted, depends
+    on the number of workers only, never on the clock or on which task finishes first.
+
+    Each key may use all the time left; once ``budget`` is spent (checked before each key, on the work of the
+    tasks merged before its task's seed and its own task's: deterministic) or past the deadline, the keys not
+    yet visited are cut (or pruned, where their bound already cannot beat the plan found).
     """
-    tally = _Tally()
-    stopped = False
-    for visited, i in enumerate(_visit_order(keys, bounds)):
-        if progress is not None and visited:
-            progress(job.space.name, visited, len(keys))
+    tasks = _tasks(keys, _visit_order(keys, bounds))
+    tally, visited = _Tally(), 0
+    args = (job, keys, bounds, deadline, best_cost, budget)
+    lag = _LAG if workers > 1 else 1
+    with _TaskPool(args, workers if len(tasks) > 1 else 1) as pool:
+        pending = [pool.submit(task, tally.seed()) for task in tasks[:lag]]
+        for i, task in enumerate(tasks):
+            tally.merge(pending[i].result())
+            if i + lag < len(tasks):
+                pending.append(pool.submit(tasks[i + lag], tally.seed()))
+            visited += len(task)
+            if progress is not None and visited < len(keys):
+                progress(job.space.name, visited, len(keys))
+    return tally
+
+
+def _tasks(keys: list[OuterKey], order: list[int]) -> list[list[int]]:
+    """``order`` cut into runs of consecutive keys that differ only in their schedule: each run shares one
+    `intra.ScheduleMemo` (one task of `_search_keys`)."""
+    tasks: list[list[int]] = []
+    last = None
+    for i in order:
+        group = dataclasses.replace(keys[i], schedule="")
+        if tasks and group == last:
+            tasks[-1].append(i)
+        else:
+            tasks.append([i])
+        last = group
+    return tasks
+
+
+_TaskArgs: TypeAlias = tuple[_SearchJob, list[OuterKey], list[float], float, "float | None", "WorkBudget | None"]
+
+
+def _run_task(args: _TaskArgs, task: list[int], tally: _Tally) -> _Tally:
+    """Visit the keys ``task`` (indices into the keys, in visit order) on a `_Tally.seed`; returns it."""
+    job, keys, bounds, deadline, best_cost, budget = args
+    memo = ScheduleMemo(job.memo.schedules)  # per task: its prices do not depend on what ran before
+    for i in task:
         key = keys[i]
-        cut = tally.cut if tally.best is not None else best_cost
+        cut = tally.cut if math.isfinite(tally.best_objective) else best_cost
         if cut is not None and math.isfinite(bounds[i]) and bounds[i] >= cut:
             tally.frontier.append(_key_record(key, None, bounds[i], "pruned"))
             continue
         now = time.perf_counter()
+        spent = (tally.before[0] + tally.evaluated, tally.before[1] + tally.milps)
+        if not tally.stopped and budget is not None and budget.spent(*spent):
+            tally.stopped, tally.stopped_by = True, tally.stopped_by or "work budget"
         # A key is not started with less time left than the quickest key so far took: its probes, base
         # prices and MILP set-up run before its first deadline check, so it would overrun the limit.
-        if not stopped and budget is not None and budget.spent(tally.evaluated, tally.milps):
-            stopped, tally.stopped_by = True, tally.stopped_by or "work budget"
-        if not stopped and (now >= deadline or (tally.done > 0 and deadline - now < tally.fastest_key)):
-            stopped, tally.stopped_by = True, tally.stopped_by or "time limit"
-        if stopped:
+        if not tally.stopped and (now >= deadline or (math.isfinite(tally.fastest_key)
+                                                      and deadline - now < tally.fastest_key)):
+            tally.stopped, tally.stopped_by = True, tally.stopped_by or "time limit"
+        if tally.stopped:
             tally.timed_out = True
             tally.cut_bounds.append(bounds[i])
             tally.frontier.append(_key_record(key, None, bounds[i], "cut"))
             continue
         tables, choice = tune_key(job.workload, job.cluster, job.cost, key, job.space, cut, deadline, job.prune,
-                                  job.memo, job.arena)
+                                  memo, job.arena)
         tally.fastest_key = min(tally.fastest_key, time.perf_counter() - now)
         tables, choice, plan = _fitting_choice(job, tables, choice, cut, deadline, tally)
         tally.add(job, tables, choice, bounds[i], plan)
     return tally
+
+
+# The search a forked worker serves: set before its `_TaskPool` forks the workers, which inherit it (a workload's
+# compiled profile is generated code that does not pickle).
+_POOL_ARGS: _TaskArgs | None = None
+# Tasks in flight with worker processes: task i starts from what tasks 0 .. i - _LAG found. More than the workers, so
+# that a long task does not hold the others up (the merge is in visit order); few, so that the tasks in flight
+# miss few of the plans found before them (measured: docs/tuning.md).
+_LAG = 4
+# Workers by default (`default_workers`): the searches measured gain little past two processes on the machines
+# benchmarked (2 cores), and each worker holds its own key tables (hundreds of MB).
+_MAX_WORKERS = 2
+
+
+def default_workers() -> int:
+    """The processes a search uses by default: the CPUs this process may run on, at most `_MAX_WORKERS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_WORKERS, cpus))
+
+
+def _pool_task(task: list[int], seed: _Tally) -> _Tally:
+    """`_run_task` in a worker process (`_TaskPool`)."""
+    assert _POOL_ARGS is not None, "a worker is forked after its search set _POOL_ARGS"
+    return _run_task(_POOL_ARGS, task, seed)
+
+
+def _needs_work(args: _TaskArgs, task: list[int], seed: _Tally) -> bool:
+    """Whether ``task`` would tune a key from ``seed`` (else it only records pruned or cut keys: done in-process)."""
+    job, keys, bounds, deadline, best_cost, budget = args
+    if seed.stopped or time.perf_counter() >= deadline or (budget is not None and budget.spent(*seed.before)):
+        return False
+    cut = seed.cut if math.isfinite(seed.best_objective) else best_cost
+    return cut is None or any(not math.isfinite(bounds[i]) or bounds[i] < cut for i in task)
+
+
+class _TaskPool:
+    """Runs `_run_task` in this process (one worker) or in ``workers`` forked processes.
+
+    Fork, not spawn: a worker starts with the search's workload, cost model and prices as they are (nothing to
+    pickle or rebuild). The workers run NumPy only (the cost model's formulas, HiGHS), never JAX, so JAX's
+    warning that a fork of its process may deadlock does not apply: it is silenced around the fork. Whatever
+    the workers build lazily on the workload (a replicated-kv analysis traces the model) was built by the
+    search's key bounds before the fork, when the search computes them.
+    """
+
+    def __init__(self, args: _TaskArgs, workers: int) -> None:
+        self.args, self.workers = args, max(1, workers)
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _TaskPool:
+        global _POOL_ARGS
+        if self.workers > 1:
+            _POOL_ARGS = self.args
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"))
+        return self
+
+    def submit(self, task: list[int], seed: _Tally) -> Future[_Tally]:
+        """``task`` run on ``seed``: in a worker where it tunes a key, else here."""
+        if self._pool is None or not _needs_work(self.args, task, seed):
+            done: Future[_Tally] = Future()
+            done.set_result(_run_task(self.args, task, seed))
+            return done
+        with warnings.catch_warnings():  # the first submit forks the workers
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            return self._pool.submit(_pool_task, task, seed)
+
+    def __exit__(self, *exc: object) -> None:
+        global _POOL_ARGS
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        _POOL_ARGS = None
 
 
 _REFITS = 3  # searches of one key again under a lower budget when its best plan did not fit under `predict`
@@ -507,7 +657,7 @@ def _context_forms(workload: WorkloadLike, space: SearchSpace) -> Callable[[int,
 def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | None = None, *,
            time_limit: float = 60.0, cost: CostModel | None = None, best_cost: float | None = None,
            prune: bool = True, progress: Progress | None = None,
-           work_budget: WorkBudget | None = DEFAULT_WORK_BUDGET) -> SearchResult:
+           work_budget: WorkBudget | None = DEFAULT_WORK_BUDGET, workers: int | None = None) -> SearchResult:
     """Search one space for the plan with the lowest predicted step time.
 
     Outer keys are visited best-bound first (`inter.key_bound`: each key's fastest strategies
@@ -530,9 +680,13 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
             outer key and as it ends (e.g. a progress bar; it does not change the search).
         work_budget: the deterministic limit (`WorkBudget`; None: none). The plan records how the search ended
             (`Plan.search`: complete, or stopped by the work budget or the time limit).
+        workers: processes that tune outer keys side by side (default `default_workers`: the CPUs, at most 2;
+            1: this process alone). The plan and the work counted depend on this number only, never on the
+            machine's speed or load (`_search_keys`).
     """
     space = space or SearchSpace()
     check_time_limit(time_limit)
+    workers = check_workers(default_workers() if workers is None else workers)
     job = _SearchJob(workload, cluster, cost or default_cost_model(), space, ScheduleMemo(_memo_schedules(space)),
                      prune)
     t0 = time.perf_counter()
@@ -545,7 +699,7 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
     with small_pages():  # the key tables (`intra.small_pages`)
         bounds = (_key_bounds(workload, cluster, job.cost, keys, space, job.memo, deadline) if prune
                   else [0.0] * len(keys))
-        tally = _search_keys(job, keys, bounds, deadline, best_cost, progress, work_budget)
+        tally = _search_keys(job, keys, bounds, deadline, best_cost, progress, work_budget, workers)
         if progress is not None:
             progress(space.name, len(keys), len(keys))
         # Every improvement kept fits under `predict` and carries its prediction (`_fitting_choice`); the last is best.
@@ -563,6 +717,14 @@ def search(workload: WorkloadLike, cluster: ClusterSpec, space: SearchSpace | No
         warnings.warn(f"space {space.name!r} stopped at {limit}: {result.completeness()}", RuntimeWarning,
                       stacklevel=2)
     return result
+
+
+def check_workers(workers: int) -> int:
+    """``workers``, or a `ValueError` naming the fix unless it is a positive whole number of processes."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers {workers!r}: need a positive whole number of processes (1: search in this "
+                         "process alone; default: the CPUs, at most 2)")
+    return workers
 
 
 def check_time_limit(seconds: float) -> None:
@@ -669,7 +831,7 @@ def no_plan_message(workload: WorkloadLike, cluster: ClusterSpec, cost: CostMode
 def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | None = None, time_limit: float = 60.0,
          baselines: tuple[str, ...] | None = None, ablations: bool = False, cost: CostModel | None = None,
          baseline_time_limit: float = 60.0, progress: Progress | None = None,
-         work_budget: WorkBudget | None = DEFAULT_WORK_BUDGET) -> TuneResult:
+         work_budget: WorkBudget | None = DEFAULT_WORK_BUDGET, workers: int | None = None) -> TuneResult:
     """Tune a plan for ``workload`` on ``cluster`` and compare it with the baselines.
 
     Every space searched here is contained in mistjax's full space, so when a baseline's plan is
@@ -687,6 +849,7 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
         baseline_time_limit: seconds for each baseline / ablation search.
         progress: passed to each `search` (mistjax's space, then the baselines and ablations).
         work_budget: each search's deterministic limit (`WorkBudget`; None: none).
+        workers: each search's processes (`search`).
 
     Raises:
         RuntimeError: no plan of the space fits in memory, or the time limit ran out before one was found.
@@ -697,14 +860,14 @@ def tune(workload: WorkloadLike, cluster: ClusterSpec, *, space: SearchSpace | N
     check_time_limit(baseline_time_limit)
     t0 = time.perf_counter()
     main = search(workload, cluster, space, time_limit=time_limit, cost=cost, progress=progress,
-                  work_budget=work_budget)
+                  work_budget=work_budget, workers=workers)
     t1 = time.perf_counter()
     base = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress,
-                         work_budget=work_budget)
+                         work_budget=work_budget, workers=workers)
             for name, sp in baseline_spaces(baselines).items()}
     t2 = time.perf_counter()
     abl = {name: search(workload, cluster, sp, time_limit=baseline_time_limit, cost=cost, progress=progress,
-                        work_budget=work_budget)
+                        work_budget=work_budget, workers=workers)
            for name, sp in ablation_spaces().items()} if ablations else {}
     t3 = time.perf_counter()
     plan, note = main.plan, ""
