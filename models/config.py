@@ -12,6 +12,7 @@ import numbers
 from collections.abc import Callable
 
 from models.attention import DEFAULT_BLOCK_SIZE
+from models.mla_config import MLAConfig
 from models.moe_config import MoEConfig
 
 FAMILIES = ("gpt3", "llama", "falcon")
@@ -93,6 +94,8 @@ class ModelConfig:
     attention_head_dim: int | None = None
     # Mixture-of-Experts blocks (models.moe; issue #51); None: every block has the dense MLP.
     moe: MoEConfig | None = None
+    # DeepSeek's multi-head latent attention in place of GQA (models.mla); only in MoE models (models.moe).
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -156,6 +159,11 @@ class ModelConfig:
                 self.moe.check_layers(self.num_layers)
             except ValueError as e:
                 raise bad("moe", str(e)) from None
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
+        if self.mla is not None and (not isinstance(self.mla, MLAConfig) or self.moe is None):
+            raise bad("mla", "multi-head latent attention is built by the MoE models only (models.moe): give a "
+                             "models.MLAConfig together with moe=MoEConfig(...), or None")
         dim = self.attention_head_dim
         if dim is not None and (not isinstance(dim, numbers.Integral) or isinstance(dim, bool) or dim <= 0):
             raise bad("attention_head_dim", f"must be a positive integer or None, got {dim!r}")
@@ -235,7 +243,9 @@ class ModelConfig:
         return self.hidden_size if self.family == "llama" else 2 * self.hidden_size
 
     def attention_params(self) -> int:
-        """Parameters of one attention sub-layer (q, k, v, out kernels; no biases)."""
+        """Parameters of one attention sub-layer (q, k, v, out kernels; no biases; MLA's own when ``mla``)."""
+        if self.mla is not None:
+            return self.mla.params(self.hidden_size, self.num_heads)
         h, d = self.hidden_size, self.head_dim
         return 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
 

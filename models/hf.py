@@ -17,7 +17,7 @@ falcon      falcon    ``multi_query`` / ``num_kv_heads``; ``new_decoder_architec
 mixtral     llama+moe routed SwiGLU experts; ``router_jitter_noise`` (warning)
 qwen2_moe   llama+moe shared expert without its sigmoid gate, q/k/v biases (warnings); ``mlp_only_layers`` first
 qwen3_moe   llama+moe ``head_dim`` kept (``attention_head_dim``); per-head q/k norms (warning)
-deepseek_v3 llama+moe MLA priced as GQA of ``v_head_dim`` heads, group-limited routing, MTP, YaRN (warnings)
+deepseek_v3 llama+moe multi-head latent attention (`models.mla`); group-limited routing, MTP, YaRN (warnings)
 gpt_oss     llama+moe expert / router / attention biases, sinks, clamped SwiGLU, sliding layers, YaRN (warnings)
 =========== ========= =============================================================================
 
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import DEFAULT_ROPE_BASE, DTYPES, ROPE_SCALINGS, ModelConfig
+from models.mla_config import MLAConfig
 from models.moe_config import MoEConfig
 
 
@@ -421,28 +422,24 @@ def _qwen3_moe(r: _Reader) -> None:
     _qwen_moe(r, shared=False)
 
 
-def _mla_params(r: _Reader) -> int:
-    """Parameters of one DeepSeek-V3 multi-head latent attention (low-rank q and kv, their norms, output)."""
-    h, n = r.fields["hidden_size"], r.fields["num_heads"]
-    nope, rope = r.value("qk_nope_head_dim", default=128), r.value("qk_rope_head_dim", default=64)
-    v, kv_rank = r.value("v_head_dim", default=128), r.value("kv_lora_rank", default=512)
-    q_rank = r.value("q_lora_rank", default=1536)
-    q = h * n * (nope + rope) if q_rank is None else h * q_rank + q_rank + q_rank * n * (nope + rope)
-    return q + h * (kv_rank + rope) + kv_rank + kv_rank * n * (nope + v) + n * v * h
+def _mla(r: _Reader) -> None:
+    """DeepSeek's multi-head latent attention (`models.mla`): the head width is the query / key width."""
+    try:
+        mla = MLAConfig(kv_rank=r.value("kv_lora_rank", default=512), q_rank=r.value("q_lora_rank", default=1536),
+                        nope_dim=r.value("qk_nope_head_dim", default=128),
+                        rope_dim=r.value("qk_rope_head_dim", default=64), v_dim=r.value("v_head_dim", default=128))
+    except ValueError as e:
+        raise HFConfigError(f"{r.source}: {e} (from kv_lora_rank / q_lora_rank / qk_*_head_dim / v_head_dim)") from e
+    r.fields["mla"], r.origin["mla"] = mla, "kv_lora_rank"
+    r.fields["attention_head_dim"], r.origin["attention_head_dim"] = mla.qk_dim, "qk_nope_head_dim"
+    r.fields["rotary_pct"], r.origin["rotary_pct"] = mla.rope_dim / mla.qk_dim, "qk_rope_head_dim"
+    r.fields["num_kv_heads"] = r.fields["num_heads"]  # MLA's keys and values are per head (no GQA grouping)
 
 
 def _deepseek_v3(r: _Reader) -> None:
     _llama_like(r, moe=True)
     r.set("max_seq_len", "max_position_embeddings", default=4096)
-    width = r.value("v_head_dim", default=128)
-    r.fields["attention_head_dim"], r.origin["attention_head_dim"] = width, "v_head_dim"
-    rope = r.value("qk_rope_head_dim", default=64)
-    r.fields["rotary_pct"], r.origin["rotary_pct"] = min(1.0, rope / width), "qk_rope_head_dim"
-    if _ints(r, "hidden_size", "num_heads", "num_kv_heads"):
-        gqa = 2 * r.fields["hidden_size"] * width * (r.fields["num_heads"] + r.fields["num_kv_heads"])
-        r.notes.append(f"multi-head latent attention (MLA) is not implemented: mapped to GQA with "
-                       f"{r.fields['num_kv_heads']} kv heads of width {width} ({gqa:,} parameters per layer against "
-                       f"MLA's {_mla_params(r):,}; the KV activations are MHA-sized, not the compressed latent)")
+    _mla(r)
     method = r.value("topk_method", default="noaux_tc")
     groups = r.value("n_group", default=1) or 1
     r.value("topk_group", default=1)

@@ -35,8 +35,9 @@ from mistjax.core.moe import (
 from models.config import ModelConfig
 from models.head_loss import linear_cross_entropy
 from models.layers import INIT_STD, Attention, Norm, SwiGLU, make_param, out_proj_std
-from models.llama import LlamaBlock
 from models.loss import token_weights
+from models.mla import MultiHeadLatentAttention
+from models.mla_config import MLAConfig
 from models.moe_config import MoEConfig
 from models.transformer import CausalLM, make_layer_stack
 
@@ -62,7 +63,7 @@ class MoEMLP(nnx.Module):
         self.w_down = make_param(rngs, nnx.initializers.normal(out_proj_std(config)), (e, f, h),
                                  ("experts", "mlp", "embed"), config)
         self.bias = ExpertBias(jnp.zeros((e,), jnp.float32)) if moe.expert_bias else None
-        shared = config.replace(ffn_size=moe.shared_ffn_size, moe=None) if moe.shared_ffn_size else None
+        shared = config.replace(ffn_size=moe.shared_ffn_size) if moe.shared_ffn_size else None
         self.shared = SwiGLU(shared, rngs=rngs) if shared is not None else None
         self.spec = moe.router_spec()
 
@@ -77,12 +78,33 @@ class MoEMLP(nnx.Module):
         return y, load_stats(routing, self.spec)
 
 
+def make_attention(config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """Multi-head latent attention when ``config.mla`` is set, else the zoo's GQA `Attention`."""
+    return MultiHeadLatentAttention(config, rngs=rngs) if config.mla is not None else Attention(config, rngs=rngs)
+
+
+class DenseBlock(nnx.Module):
+    """The dense block of an MoE model: ``x + attn(rms1(x))`` then ``x + swiglu(rms2(x))`` (Llama's, with MLA
+    where the config has it)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = Norm(config, "rmsnorm", rngs=rngs)
+        self.attn = make_attention(config, rngs)
+        self.mlp_norm = Norm(config, "rmsnorm", rngs=rngs)
+        self.mlp = SwiGLU(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = checkpoint_name(x, "layer_input")
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
 class MoEBlock(nnx.Module):
     """``x + attn(rms1(x))`` then ``x + moe(rms2(x))``; returns ``(x, LoadStats)``."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = Norm(config, "rmsnorm", rngs=rngs)
-        self.attn = Attention(config, rngs=rngs)
+        self.attn = make_attention(config, rngs)
         self.mlp_norm = Norm(config, "rmsnorm", rngs=rngs)
         self.mlp = MoEMLP(config, rngs=rngs)
 
@@ -97,8 +119,7 @@ class MoEPeriod(nnx.Module):
     """``layer_freq - 1`` dense Llama blocks, then one `MoEBlock` (the scanned unit of the MoE stack)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        dense = config.replace(moe=None)
-        self.dense = nnx.List([LlamaBlock(dense, rngs=rngs) for _ in range(_moe(config).layer_freq - 1)])
+        self.dense = nnx.List([DenseBlock(config, rngs=rngs) for _ in range(_moe(config).layer_freq - 1)])
         self.moe = MoEBlock(config, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, LoadStats]:
@@ -122,11 +143,10 @@ class MoEForCausalLM(CausalLM):
         if config.family != "llama":
             raise ValueError(f"MoE models need family='llama', got {config.family!r}")
         super().__init__(config.replace(num_layers=moe.moe_layers(config.num_layers),
-                                        moe=None), rngs=rngs)  # builds the embedding, norm and head
+                                        moe=None, mla=None), rngs=rngs)  # builds the embedding, norm and head
         self.config = config
         self.layers = make_layer_stack(lambda r: MoEPeriod(config, rngs=r), moe.moe_layers(config.num_layers), rngs)
-        dense = config.replace(moe=None)
-        self.dense_layers = (make_layer_stack(lambda r: LlamaBlock(dense, rngs=r), moe.first_dense_layers, rngs)
+        self.dense_layers = (make_layer_stack(lambda r: DenseBlock(config, rngs=r), moe.first_dense_layers, rngs)
                              if moe.first_dense_layers else None)
 
     @staticmethod
@@ -224,17 +244,20 @@ def _moe(config: ModelConfig) -> MoEConfig:
 
 # ------------------------------------------------------------------------------------------ presets
 def _llama_moe(name: str, vocab: int, h: int, layers: int, heads: int, kv: int, ffn: int, seq: int,
-               moe: MoEConfig, *, rope: float, head_dim: int | None = None) -> ModelConfig:
+               moe: MoEConfig, *, rope: float, head_dim: int | None = None, mla: MLAConfig | None = None
+               ) -> ModelConfig:
+    # With MLA the head width is the query / key width, of which the last rope_dim are rotated.
+    rotary = 1.0 if mla is None else mla.rope_dim / mla.qk_dim
     return ModelConfig(name=name, family="llama", vocab_size=vocab, hidden_size=h, num_layers=layers,
-                       num_heads=heads, num_kv_heads=kv, ffn_size=ffn, max_seq_len=seq, rotary_pct=1.0,
-                       norm_eps=1e-6 if name.startswith("qwen") else 1e-5, rope_base=rope,
-                       attention_head_dim=head_dim, moe=moe)
+                       num_heads=heads, num_kv_heads=kv, ffn_size=ffn, max_seq_len=seq, rotary_pct=rotary,
+                       norm_eps=1e-6 if name.startswith(("qwen", "deepseek")) else 1e-5, rope_base=rope,
+                       attention_head_dim=head_dim if mla is None else mla.qk_dim, moe=moe, mla=mla)
 
 
 def _presets() -> dict[str, ModelConfig]:
     mixtral = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=14336, aux_loss_coef=0.02)
     qwen3 = MoEConfig(num_experts=128, top_k=8, expert_ffn_size=768, aux_loss_coef=0.001)
-    # DeepSeek-V3: GQA with 128 kv heads of width 128 in place of MLA; no group-limited routing (docs/moe.md).
+    # DeepSeek-V3: MLA; no group-limited routing, no multi-token prediction (docs/moe.md).
     deepseek = MoEConfig(num_experts=256, top_k=8, expert_ffn_size=2048, scoring="sigmoid", routed_scale=2.5,
                          expert_bias=True, aux_loss_coef=0.001, shared_ffn_size=2048, first_dense_layers=3)
     # gpt-oss: no expert / attention biases, plain SwiGLU (not the clamped one), full causal attention on every
@@ -249,7 +272,8 @@ def _presets() -> dict[str, ModelConfig]:
         _llama_moe("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 6144, 40960, qwen3, rope=1e6, head_dim=128),
         _llama_moe("qwen3-235b-a22b", 151936, 4096, 94, 64, 4, 12288, 40960,
                    dataclasses_replace(qwen3, expert_ffn_size=1536), rope=1e6, head_dim=128),
-        _llama_moe("deepseek-v3-gqa", 129280, 7168, 61, 128, 128, 18432, 163840, deepseek, rope=1e4, head_dim=128),
+        _llama_moe("deepseek-v3", 129280, 7168, 61, 128, 128, 18432, 163840, deepseek, rope=1e4,
+                   mla=MLAConfig(kv_rank=512, q_rank=1536, nope_dim=128, rope_dim=64, v_dim=128)),
         _llama_moe("gpt-oss-120b", 201088, 2880, 36, 64, 8, 2880, 131072, oss, rope=1.5e5, head_dim=64),
         _llama_moe("gpt-oss-20b", 201088, 2880, 24, 64, 8, 2880, 131072,
                    dataclasses_replace(oss, num_experts=32), rope=1.5e5, head_dim=64),

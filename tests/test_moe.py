@@ -142,6 +142,7 @@ def test_moe_model_counts_and_layer_pattern():
 @pytest.mark.parametrize("name, total, active", [
     ("mixtral-8x7b", 46.70e9, 12.88e9), ("mixtral-8x22b", 140.63e9, 39.16e9), ("qwen3-30b-a3b", 30.53e9, 3.35e9),
     ("qwen3-235b-a22b", 235.09e9, 22.19e9), ("gpt-oss-120b", 116.79e9, 5.71e9), ("gpt-oss-20b", 20.91e9, 4.19e9),
+    ("deepseek-v3", 671.03e9, 37.55e9),
 ])
 def test_presets_match_published_sizes(name, total, active):
     """Total counts of the published checkpoints (Mixtral-8x7B: 46.70B; Qwen3-30B-A3B: 30.53B; gpt-oss-120b:
@@ -156,7 +157,7 @@ def test_presets_match_published_sizes(name, total, active):
 
 
 def test_moe_config_validation_and_json_round_trip():
-    cfg = models.get_config("deepseek-v3-gqa")
+    cfg = models.get_config("deepseek-v3")
     back = models.ModelConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
     assert back == cfg and hash(back) == hash(cfg)
     with pytest.raises(ValueError, match="MoEConfig.top_k: 9 exceeds num_experts=8"):
@@ -237,3 +238,33 @@ def test_analysis_refuses_an_moe_loss_by_its_tags_or_a_ragged_dot():
     weights = {"embed": jnp.ones((256, 8)), "experts": jnp.ones((2, 8, 8))}
     with pytest.raises(MoENotTunedError, match="ragged_dot"):
         analyze_model(scratch, weights, points=[(2, 16)] * 7)
+
+
+def _mla_tiny(attention: str = "fused") -> models.ModelConfig:
+    from models.mla_config import MLAConfig
+
+    cfg = models.get_config("moe-tiny")
+    mla = MLAConfig(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, v_dim=8)
+    return cfg.replace(mla=mla, attention_head_dim=mla.qk_dim, rotary_pct=mla.rope_dim / mla.qk_dim,
+                       attention=attention, num_kv_heads=cfg.num_heads)
+
+
+def test_mla_counts_kernels_and_causality():
+    from models.mla import MultiHeadLatentAttention
+
+    cfg = _mla_tiny()
+    model = models.build(cfg, rngs=nnx.Rngs(0))
+    assert _count(model) == cfg.num_params()
+    assert isinstance(model.layers.moe.attn, MultiHeadLatentAttention)
+    assert isinstance(model.dense_layers.attn, MultiHeadLatentAttention)  # the dense-first layers too
+    attn = nnx.merge(*nnx.split(jax.tree.map(lambda a: a[0], model.layers.moe.attn)))
+    x = jax.random.normal(jax.random.key(7), (2, 16, 32))
+    # the fused kernel (values zero-padded to the query / key width) equals the unpadded einsum reference
+    reference = MultiHeadLatentAttention(_mla_tiny("reference"), rngs=nnx.Rngs(0))
+    nnx.update(reference, nnx.state(attn))
+    np.testing.assert_allclose(attn(x), reference(x), rtol=1e-5, atol=1e-6)
+    # causal: changing the last token changes no earlier output
+    changed = attn(x.at[:, -1].set(0.0))
+    np.testing.assert_allclose(changed[:, :-1], attn(x)[:, :-1], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="mla"):
+        _mla_tiny().replace(moe=None)

@@ -111,16 +111,18 @@ def test_qwen2_moe_shared_expert_unnormalised_top_k_and_dense_first_layers():
         from_hf_config({**QWEN15_MOE_A27B, "mlp_only_layers": [3]})
 
 
-def test_deepseek_v3_is_gqa_in_place_of_mla_and_says_so():
+def test_deepseek_v3_maps_to_mla_and_671b():
     cfg, notes = mapped(DEEPSEEK_V3)
-    _same_model(cfg, "deepseek-v3-gqa")
+    _same_model(cfg, "deepseek-v3")
+    assert cfg.mla == models.get_config("deepseek-v3").mla and cfg.mla.kv_rank == 512 and cfg.mla.q_rank == 1536
+    assert cfg.num_params() == 671_026_404_352  # DeepSeek-V3's 671B without its multi-token-prediction module
     moe = cfg.moe
     assert (moe.scoring, moe.routed_scale, moe.expert_bias, moe.first_dense_layers) == ("sigmoid", 2.5, True, 3)
     assert moe.shared_ffn_size == 2048 and cfg.rotary_dims == 64
     text = " ".join(notes)
-    for said in ("multi-head latent attention (MLA) is not implemented: mapped to GQA", "group-limited routing",
-                 "multi-token-prediction", "yarn"):
+    for said in ("group-limited routing", "multi-token-prediction", "yarn"):
         assert said in text
+    assert "MLA" not in text
     with pytest.raises(HFConfigError, match="moe_layer_freq=2"):
         from_hf_config({**DEEPSEEK_V3, "moe_layer_freq": 2})
 
@@ -150,7 +152,8 @@ def test_tiny_versions_build_and_run(doc):
             "moe_intermediate_size": 32, "max_position_embeddings": 64, "shared_expert_intermediate_size": 32,
             "num_attention_heads": 8, "num_key_value_heads": 4}
     for key, value in (("num_local_experts", 8), ("num_experts", 8), ("n_routed_experts", 8), ("head_dim", 16),
-                       ("v_head_dim", 16), ("qk_rope_head_dim", 8), ("first_k_dense_replace", 1)):
+                       ("v_head_dim", 16), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 16), ("kv_lora_rank", 16),
+                       ("q_lora_rank", 24), ("first_k_dense_replace", 1)):
         if key in doc:
             tiny[key] = value
     cfg, _ = mapped(tiny, dtype="float32")
