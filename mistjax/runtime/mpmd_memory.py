@@ -90,7 +90,7 @@ def persistent(ex: MpmdStep, k: int, in_flight: int) -> Persistent:
     """Stage ``k``'s persistent bytes; host placement from the plan's layouts (not the shardings, which
     compile-only devices drop ``pinned_host`` from)."""
     pr = ex.programs[k]
-    pieces = {i: shard_bytes(ex._piece_aval(i, k)) for i in ex.held[k]}
+    pieces = {i: shard_bytes(ex.program.leaves.piece_aval(i, k)) for i in ex.held[k]}
     host = {i for i in pieces if ex.layouts[k][i].host}
     acc = sum(shard_bytes(a) for a, h in zip(pr.acc_avals(), pr.spec.acc_host) if not h)
     acc += sum(shard_bytes(a) for a in (pr.loss_acc_avals() if k == ex.K - 1 else []))

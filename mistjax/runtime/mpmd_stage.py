@@ -178,8 +178,9 @@ def _grad_acc_dtype(dtype: DTypeLike, plan: Plan) -> np.dtype:
 
 
 @dataclass
-class StagePrograms:
-    """The jitted programs of one stage (built on first use; see module docstring)."""
+class StageArrays:
+    """One stage's arrays: the layouts, shardings and avals of what its programs take and return (its
+    programs: `StagePrograms`)."""
 
     spec: StageSpec
     info: LossInfo
@@ -193,7 +194,6 @@ class StagePrograms:
         self.num_h = len(self.info.h_avals)
         self.h_float = [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in self.info.h_avals]
 
-    # ------------------------------------------------------------------ layouts
     def _param_in_specs(self) -> list[P]:
         return [g.layout.manual_spec(sharded=g.weights_sharded) for g in self.grad_specs]
 
@@ -269,6 +269,48 @@ class StagePrograms:
             return lay
         dim, context_split = shard_split(lay.shape, lay.axes, lay.tensor_dims, lay.stacked, self.spec.plan)
         return dataclasses.replace(lay, shard_dim=dim, sharded=True, context_split=True) if context_split else lay
+
+    def _shard_map(self, body: Callable[..., PyTree], in_specs: PyTree, out_specs: PyTree) -> Callable[..., PyTree]:
+        return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=MANUAL_AXES, check_vma=False)
+
+    def _jit(self, fn: Callable[..., PyTree], **kwargs: Any) -> Program:
+        """``jax.jit`` with the XLA settings of the stage's platform, as the one-stage step compiles
+        (`xla_flags.compiler_options`)."""
+        return jax.jit(fn, compiler_options=xla_flags.compiler_options(self.spec.mesh.devices.flat[0].platform),
+                       **kwargs)
+
+    def param_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """The held parameters as stored on this stage (global piece shapes, storage shardings)."""
+        out = []
+        for j, g in enumerate(self.grad_specs):
+            lay = g.layout
+            sh = NamedSharding(self.spec.mesh, lay.spec(), memory_kind="pinned_host" if lay.host else None)
+            out.append(jax.ShapeDtypeStruct(lay.shape, self._param_dtype(j), sharding=sh))
+        return out
+
+    def h_global_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """The activation entering this stage as global arrays (one device's block x DP on dim 0)."""
+        return [jax.ShapeDtypeStruct(_dp_global(a.shape, self.info.dp), a.dtype, sharding=s)
+                for a, s in zip(self.info.h_avals, self.h_shardings())]
+
+    def mb_global_avals(self) -> list[jax.ShapeDtypeStruct]:
+        """One micro-batch's rest leaves as global arrays on this stage."""
+        return [jax.ShapeDtypeStruct(_dp_global(a.shape, self.info.dp) if b else a.shape, a.dtype,
+                                     sharding=self._mb_sharding(a) if b else NamedSharding(self.spec.mesh, P()))
+                for a, b in zip(self.mb_avals, self.info.is_batch)]
+
+    def _mb_sharding(self, aval: jax.ShapeDtypeStruct) -> NamedSharding:
+        """A micro-batch's batch leaf: rows over DP, its sequence over ``context`` (`mesh.split_batch_spec`)."""
+        return NamedSharding(self.spec.mesh, split_batch_spec(aval.shape, self.info.cp))
+
+    def _h_in_specs(self) -> list[P]:
+        return [P(DP_AXES) if a.shape else P() for a in self.info.h_avals] if not self.spec.first else []
+
+
+@dataclass
+class StagePrograms(StageArrays):
+    """The jitted programs of one stage (built on first use; see module docstring)."""
 
     # ------------------------------------------------------------------ the stage function
     @property
@@ -398,40 +440,6 @@ class StagePrograms:
         """One device's accumulators of the `in_loop` parameters (the DP dim of one dropped: a bitcast)."""
         return [acc[j].reshape(acc[j].shape[1:]) for j in self.in_loop]
 
-    def _shard_map(self, body: Callable[..., PyTree], in_specs: PyTree, out_specs: PyTree) -> Callable[..., PyTree]:
-        return jax.shard_map(body, mesh=self.spec.mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names=MANUAL_AXES, check_vma=False)
-
-    def _jit(self, fn: Callable[..., PyTree], **kwargs: Any) -> Program:
-        """``jax.jit`` with the XLA settings of the stage's platform, as the one-stage step compiles
-        (`xla_flags.compiler_options`)."""
-        return jax.jit(fn, compiler_options=xla_flags.compiler_options(self.spec.mesh.devices.flat[0].platform),
-                       **kwargs)
-
-    def param_avals(self) -> list[jax.ShapeDtypeStruct]:
-        """The held parameters as stored on this stage (global piece shapes, storage shardings)."""
-        out = []
-        for j, g in enumerate(self.grad_specs):
-            lay = g.layout
-            sh = NamedSharding(self.spec.mesh, lay.spec(), memory_kind="pinned_host" if lay.host else None)
-            out.append(jax.ShapeDtypeStruct(lay.shape, self._param_dtype(j), sharding=sh))
-        return out
-
-    def h_global_avals(self) -> list[jax.ShapeDtypeStruct]:
-        """The activation entering this stage as global arrays (one device's block x DP on dim 0)."""
-        return [jax.ShapeDtypeStruct(_dp_global(a.shape, self.info.dp), a.dtype, sharding=s)
-                for a, s in zip(self.info.h_avals, self.h_shardings())]
-
-    def mb_global_avals(self) -> list[jax.ShapeDtypeStruct]:
-        """One micro-batch's rest leaves as global arrays on this stage."""
-        return [jax.ShapeDtypeStruct(_dp_global(a.shape, self.info.dp) if b else a.shape, a.dtype,
-                                     sharding=self._mb_sharding(a) if b else NamedSharding(self.spec.mesh, P()))
-                for a, b in zip(self.mb_avals, self.info.is_batch)]
-
-    def _mb_sharding(self, aval: jax.ShapeDtypeStruct) -> NamedSharding:
-        """A micro-batch's batch leaf: rows over DP, its sequence over ``context`` (`mesh.split_batch_spec`)."""
-        return NamedSharding(self.spec.mesh, split_batch_spec(aval.shape, self.info.cp))
-
     def classify(self) -> Residuals:
         """Which of the stage's vjp residual leaves `forward` keeps (traced abstractly inside the
         stage's shard_map, whose fetches and collectives need the manual axes)."""
@@ -447,9 +455,6 @@ class StagePrograms:
                            self.mb_global_avals())
             self._cache["residuals"] = box[0]
         return self._cache["residuals"]
-
-    def _h_in_specs(self) -> list[P]:
-        return [P(DP_AXES) if a.shape else P() for a in self.info.h_avals] if not self.spec.first else []
 
     # ------------------------------------------------------------------ programs
     def forward(self) -> Program:

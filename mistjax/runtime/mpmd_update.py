@@ -459,9 +459,9 @@ class Propagation:
                                           "cumlogsumexp"):
             return self._reduce(eqn, ins, plan)
         if name == "dot_general":
-            return self._dot(eqn, ins, plan)
+            return _dot(self, eqn, ins, plan)
         if name in ("concatenate", "pad", "rev", "slice") and rows:
-            out = self._along(eqn, ins, plan)
+            out = _along(self, eqn, ins, plan)
             if out is not None:
                 return out
         if name in ("transpose", "squeeze", "reshape") and parts:
@@ -579,83 +579,6 @@ class Propagation:
             return None
         return [self._whole_out(eqn, ins, plan)]
 
-    def _dot(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        lhs, rhs = ins
-        lnd, rnd = len(shaped(eqn.invars[0]).shape), len(shaped(eqn.invars[1]).shape)
-        lfree = [d for d in range(lnd) if d not in lc and d not in lb]
-        rfree = [d for d in range(rnd) if d not in rc and d not in rb]
-        if isinstance(lhs, Part) or isinstance(rhs, Part):
-            p, w = (0, 1) if isinstance(lhs, Part) else (1, 0)
-            if isinstance(ins[w], Part | Rows):
-                for j in (0, 1):
-                    self._materialize(eqn, j, plan, "a product of two distributed values")
-                return None
-            return [ins[p]]
-        if not (isinstance(lhs, Rows) or isinstance(rhs, Rows)):
-            return [self._whole_out(eqn, ins, plan)]
-        side, d = (0, lhs.dim) if isinstance(lhs, Rows) else (1, _rows(rhs).dim)
-        other = 1 - side
-        mine_c, their_c = (lc, rc) if side == 0 else (rc, lc)
-        mine_b, their_b = (lb, rb) if side == 0 else (rb, lb)
-        paired = None
-        if d in mine_b:
-            paired, kind = their_b[list(mine_b).index(d)], "batch"
-        elif d in mine_c:
-            paired, kind = their_c[list(mine_c).index(d)], "contract"
-        else:
-            kind = "free"
-        olay = ins[other]
-        if kind == "free":
-            if isinstance(olay, Rows):
-                for j in (0, 1):
-                    self._materialize(eqn, j, plan, "both operands are split by layers on unrelated dims")
-                return None
-            if olay != Whole(self.ALL):
-                self._materialize(eqn, other, plan, "it multiplies a value split by layers")
-            pos = len(lb) + (lfree.index(d) if side == 0 else len(lfree) + rfree.index(d))
-            return [Rows(pos)]
-        assert paired is not None  # a batch or contracting dim: the other operand's dim paired with it
-        if isinstance(olay, Rows) and olay.dim != paired:
-            for j in (0, 1):
-                self._materialize(eqn, j, plan, "its operands are split along unrelated dims")
-            return None
-        if isinstance(olay, Whole):
-            if olay != Whole(self.ALL):
-                self._materialize(eqn, other, plan, "it multiplies a value split by layers")
-            if isinstance(eqn.invars[other], jex.Var):
-                plan.slices[other] = paired
-        if kind == "batch":
-            return [Rows(list(mine_b).index(d))]
-        return [Part("add", self.ALL)]
-
-    def _along(self, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
-        """concatenate / pad / rev / slice that leave the layer dim alone keep the row split."""
-        name = eqn.primitive.name
-        d = next(lay.dim for lay in ins if isinstance(lay, Rows))
-        shape = shaped(eqn.invars[0]).shape
-        if name == "concatenate" and eqn.params["dimension"] == d:
-            return None
-        if name == "pad" and tuple(eqn.params["padding_config"][d]) != (0, 0, 0):
-            return None
-        if name == "rev" and d in eqn.params["dimensions"]:
-            return None
-        if name == "slice":
-            start, limit = eqn.params["start_indices"][d], eqn.params["limit_indices"][d]
-            strides = eqn.params.get("strides") or [1] * len(shape)
-            if (start, limit, strides[d]) != (0, shape[d], 1):
-                return None
-            plan.row_dim = d
-        for j, (v, lay) in enumerate(zip(eqn.invars, ins)):
-            if isinstance(lay, Rows) and lay.dim != d or isinstance(lay, Part):
-                self._materialize(eqn, j, plan, "its operands are distributed differently")
-            elif isinstance(lay, Whole) and isinstance(v, jex.Var) and shaped(v).shape and \
-                    len(shaped(v).shape) > d and shaped(v).shape[d] == self.L and (name != "pad" or j == 0):
-                if lay != Whole(self.ALL):
-                    self._materialize(eqn, j, plan, "it meets a value split by layers")
-                plan.slices[j] = d
-        return [Rows(d)]
-
     # ------------------------------------------------------------------ outputs and rounds
     def _finish(self) -> None:
         st = self.step
@@ -695,6 +618,86 @@ class Propagation:
 
     def metric_layout(self, v: Atom) -> Placement:
         return self._lay(v)
+
+
+# Rules of `Propagation._rule` for primitives that pair or keep dims (module functions: the class stays short).
+def _dot(prop: Propagation, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
+    """`Propagation`'s rule for ``dot_general``: a row split through a batch, free or contracting dim."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = ins
+    lnd, rnd = len(shaped(eqn.invars[0]).shape), len(shaped(eqn.invars[1]).shape)
+    lfree = [d for d in range(lnd) if d not in lc and d not in lb]
+    rfree = [d for d in range(rnd) if d not in rc and d not in rb]
+    if isinstance(lhs, Part) or isinstance(rhs, Part):
+        p, w = (0, 1) if isinstance(lhs, Part) else (1, 0)
+        if isinstance(ins[w], Part | Rows):
+            for j in (0, 1):
+                prop._materialize(eqn, j, plan, "a product of two distributed values")
+            return None
+        return [ins[p]]
+    if not (isinstance(lhs, Rows) or isinstance(rhs, Rows)):
+        return [prop._whole_out(eqn, ins, plan)]
+    side, d = (0, lhs.dim) if isinstance(lhs, Rows) else (1, _rows(rhs).dim)
+    other = 1 - side
+    mine_c, their_c = (lc, rc) if side == 0 else (rc, lc)
+    mine_b, their_b = (lb, rb) if side == 0 else (rb, lb)
+    paired = None
+    if d in mine_b:
+        paired, kind = their_b[list(mine_b).index(d)], "batch"
+    elif d in mine_c:
+        paired, kind = their_c[list(mine_c).index(d)], "contract"
+    else:
+        kind = "free"
+    olay = ins[other]
+    if kind == "free":
+        if isinstance(olay, Rows):
+            for j in (0, 1):
+                prop._materialize(eqn, j, plan, "both operands are split by layers on unrelated dims")
+            return None
+        if olay != Whole(prop.ALL):
+            prop._materialize(eqn, other, plan, "it multiplies a value split by layers")
+        pos = len(lb) + (lfree.index(d) if side == 0 else len(lfree) + rfree.index(d))
+        return [Rows(pos)]
+    assert paired is not None  # a batch or contracting dim: the other operand's dim paired with it
+    if isinstance(olay, Rows) and olay.dim != paired:
+        for j in (0, 1):
+            prop._materialize(eqn, j, plan, "its operands are split along unrelated dims")
+        return None
+    if isinstance(olay, Whole):
+        if olay != Whole(prop.ALL):
+            prop._materialize(eqn, other, plan, "it multiplies a value split by layers")
+        if isinstance(eqn.invars[other], jex.Var):
+            plan.slices[other] = paired
+    if kind == "batch":
+        return [Rows(list(mine_b).index(d))]
+    return [Part("add", prop.ALL)]
+
+def _along(prop: Propagation, eqn: jex.JaxprEqn, ins: list[Placement], plan: EqnPlan) -> list[Placement] | None:
+    """`Propagation`'s rule for concatenate / pad / rev / slice that leave the layer dim alone keep the row split."""
+    name = eqn.primitive.name
+    d = next(lay.dim for lay in ins if isinstance(lay, Rows))
+    shape = shaped(eqn.invars[0]).shape
+    if name == "concatenate" and eqn.params["dimension"] == d:
+        return None
+    if name == "pad" and tuple(eqn.params["padding_config"][d]) != (0, 0, 0):
+        return None
+    if name == "rev" and d in eqn.params["dimensions"]:
+        return None
+    if name == "slice":
+        start, limit = eqn.params["start_indices"][d], eqn.params["limit_indices"][d]
+        strides = eqn.params.get("strides") or [1] * len(shape)
+        if (start, limit, strides[d]) != (0, shape[d], 1):
+            return None
+        plan.row_dim = d
+    for j, (v, lay) in enumerate(zip(eqn.invars, ins)):
+        if isinstance(lay, Rows) and lay.dim != d or isinstance(lay, Part):
+            prop._materialize(eqn, j, plan, "its operands are distributed differently")
+        elif isinstance(lay, Whole) and isinstance(v, jex.Var) and shaped(v).shape and \
+                len(shaped(v).shape) > d and shaped(v).shape[d] == prop.L and (name != "pad" or j == 0):
+            if lay != Whole(prop.ALL):
+                prop._materialize(eqn, j, plan, "it meets a value split by layers")
+            plan.slices[j] = d
+    return [Rows(d)]
 
 
 def combine(layout: Layout, parts: Sequence[jax.Array]) -> jax.Array:
