@@ -265,12 +265,67 @@ def test_zb_v_order_is_valid_holds_1f1b_peak_and_beats_the_other_schedules(S, G)
                                po.op_costs("zb-h1", np.full(S, 2.0), np.full(S, 4.0), np.full(S, 2 * w)))
         work = 6 * G
         assert zbv < one and (G < S or zbv - work < 0.6 * (one - work))
-        if w == 1.0 or S >= 3:  # ZB-H1 at its ideal bubble beats this ZB-V on long steps
-            assert zbv <= h1 or G >= 4 * S
+        if w == 1.0 or S >= 3:
+            assert zbv <= h1
         if w == 1.0 and G % S == 0:
             inter = po.simulated_time(po.issue_order("1f1b", S, G, 2), S,
                                       po.op_costs("1f1b", np.ones(V), np.full(V, 2.0)))
             assert zbv <= inter
+
+
+def _zbv_share(issue, S, G, w=0.75):
+    """ZB-V's fill share of an issue order, chunks of F 1, B + W 2 (W ``w``): a group's micro-batch is 6."""
+    V = 2 * S
+    costs = po.op_costs("zb-v", np.ones(V), np.full(V, 2.0), np.full(V, w))
+    return (po.simulated_time(issue, S, costs, "zb-v") - 6 * G) / (6 * (S - 1))
+
+
+def test_zb_v_order_runs_at_every_shape_within_its_memory_cap():
+    """No deadlock, every operation after its inputs, at most 2 S chunk micro-batches per group (S whole ones,
+    1F1B's peak) from F to W, and never a larger nominal bubble nor peak than the plain greedy's (`ZBV_RULES[0]`),
+    over S 2-8 and G 1-3 S."""
+    for S in range(2, 9):
+        V = 2 * S
+        for G in range(1, 3 * S + 1):
+            issue = po.issue_order("zb-v", S, G, 2)
+            done: set = set()
+            for op in issue:
+                assert all(d in done for d in po.dependencies(op, V)), (S, G, op)
+                done.add(op)
+            assert len(issue) == 3 * V * G - G
+            assert po.group_residual_peaks(issue, S, schedule="zb-v").max() <= 2 * S
+            plain, _ = po._zbv_simulate(S, G, po.ZBV_RULES[0])
+            assert _zbv_share(issue, S, G) <= _zbv_share(plain, S, G) + 1e-9, (S, G)
+            assert po._zbv_held(issue, S) <= po._zbv_held(plain, S), (S, G)  # residuals and stashes
+
+
+def test_zb_v_fill_share_at_a_quarter_on_8_groups():
+    """S 8, G 32, W a quarter of a micro-batch (issue #54): the fill share is 0.292, from the plain greedy's 0.524
+    (Qi et al. report about 0.125; the target was 0.20: not reached, docs/schedules.md), below ZB-H1's ideal 0.5
+    and interleaved 1F1B's 0.5, with every group at most at its cap of 2 S chunk micro-batches."""
+    S, G = 8, 32
+    issue = po.issue_order("zb-v", S, G, 2)
+    assert _zbv_share(issue, S, G) <= 0.30
+    assert _zbv_share(po._zbv_simulate(S, G, po.ZBV_RULES[0])[0], S, G) > 0.5
+    assert po.group_residual_peaks(issue, S, schedule="zb-v").max() <= 2 * S
+
+
+def test_bench_schedules_prints_the_fill_shares(tmp_path):
+    """scripts/bench_schedules.py: one row per schedule at S 8, G 32, W a quarter; ZB-H1 within 5% of its ideal
+    (exactly at it), ZB-V's share the simulated one, the JSON rows as the issue asks."""
+    import json
+
+    from conftest import load_script
+
+    out = tmp_path / "schedules.json"
+    rows = load_script("bench_schedules").main(["--shapes", "8x32", "--json", str(out)])
+    by = {r["schedule"]: r for r in json.loads(out.read_text())["rows"]}
+    assert [r["schedule"] for r in rows] == ["1f1b", "interleaved", "zb-h1", "zb-v"] == list(by)
+    assert all({"schedule", "stages", "grad_accum", "fill_share"} <= set(r) for r in rows)
+    assert by["1f1b"]["fill_share"] == pytest.approx(1.0) and by["interleaved"]["fill_share"] == pytest.approx(0.5)
+    h1 = by["zb-h1"]
+    assert h1["fill_share"] <= 1.05 * h1["ideal_fill_share"] and h1["ideal_fill_share"] == 0.5
+    assert by["zb-v"]["fill_share"] <= 0.30 and by["zb-v"]["peak_inflight"] <= by["zb-v"]["cap"] == 8
 
 
 def test_zb_v_plans_place_their_chunks_in_a_v():
@@ -311,17 +366,18 @@ def test_zb_v_runs_its_split_programs_in_a_v():
 
 
 def test_zb_v_per_group_peaks_settle_within_four_micro_batches_per_group():
-    """The tuner's view of a ZB-V key simulates at most 4 S micro-batches (`_key_view_microbatches`): the
-    residuals in flight of the whole order are the same, its stashes the same at the most-loaded group and within
-    one micro-batch's on the others (the first groups' backlog of W's grows slowly with G)."""
+    """The tuner's view of a ZB-V key simulates at most 4 S micro-batches (`_key_view_microbatches`) and charges
+    the larger peaks of the orders a longer step may run (`pipeline_order._view_issues`): never less than the
+    whole order's residuals and stashes, at most one micro-batch more (the first groups' backlog of W's grows
+    slowly with G)."""
     for S in (2, 4, 8):
         for G in (4 * S + 3, 8 * S):
             issue = po.issue_order("zb-v", S, G, 2)
-            np.testing.assert_array_equal(po.group_residual_peaks(issue, S, schedule="zb-v") / 2,
-                                          po.group_in_flight("zb-v", S, G, 2))
+            whole, view = po.group_residual_peaks(issue, S, schedule="zb-v") / 2, po.group_in_flight("zb-v", S, G, 2)
+            assert np.all(view >= whole) and np.all(view - whole <= 1.0)
             stash = np.where(np.arange(2 * S) == 0, 0.0, 0.5)
             whole, view = po.group_residual_peaks(issue, S, 0.0, stash, "zb-v"), po.group_deferred("zb-v", S, G, 2)
-            assert whole.max() == view.max() and np.all(np.abs(whole - view) <= 1.0)
+            assert np.all(view >= whole) and np.all(view - whole <= 1.0)
 
 
 def test_the_tuner_picks_zb_v_where_it_wins():

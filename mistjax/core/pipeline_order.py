@@ -11,10 +11,10 @@ weight-gradient half, run later. The schedules and the reasoning: docs/pipelines
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, TypeAlias
 
@@ -260,22 +260,58 @@ def _zbv_cost(op: Op) -> float:
     return ZBV_NOMINAL_COST[op.kind]
 
 
+class ZbvRules(NamedTuple):
+    """One rule set of ZB-V's simulation (`zero_bubble_v_issue`), on top of its fixed rules (a backward first, then
+    a forward while the group holds fewer than ``2S`` chunk micro-batches, the chunk nearer the loss first).
+
+    ``lead`` / ``lead_back``: at most ``lead S + slope (S - 1 - d)`` micro-batches of group ``d``'s first chunk
+    (``0.5 d`` instead of the slope on its second) between their F and their B; None: only the ``2S`` cap. A
+    group that runs every forward it can runs far ahead of the pipeline in its fill and then sits at the cap for
+    the rest of the step, with no room left to defer W's into the drain. ``cheapest_w``: the cheapest pending W
+    first (the first group's chunk-0 W, its whole backward, kept for the drain), else the oldest. ``patience``:
+    with nothing ready, wait instead of starting a W when an input arrives within this share of the W's time.
+    """
+
+    lead: float | None = None
+    slope: float = 1.0
+    lead_back: float | None = None
+    cheapest_w: bool = False
+    patience: float = 0.0
+
+
+# The rule sets `zero_bubble_v_issue` simulates, the first the plain greedy; each is the best on some shapes of a
+# scan of S 4-16, G 2S-8S (W a quarter of a micro-batch), none on all (docs/schedules.md).
+ZBV_RULES: tuple[ZbvRules, ...] = (
+    ZbvRules(), ZbvRules(cheapest_w=True), ZbvRules(1.0, 1.0, 0.625, patience=0.5), ZbvRules(1.0, 0.5, 0.625),
+    ZbvRules(1.0, 0.5, 0.5), ZbvRules(1.0, 0.5, None, cheapest_w=True, patience=0.5),
+    ZbvRules(1.125, 0.5, None, cheapest_w=True))
+
+
 class _ZbvSimulation:
     """The state of `zero_bubble_v_issue`'s simulation: per virtual stage, the next F and B and when each
     micro-batch's F (or FB) and B (or FB) finished; per device group, when it is free, how many chunk
     micro-batches' residuals it holds and its deferred W's (oldest first)."""
 
-    def __init__(self, num_groups: int, num_microbatches: int) -> None:
+    def __init__(self, num_groups: int, num_microbatches: int, rules: ZbvRules) -> None:
         S = num_groups
-        self.S, self.G, self.V = S, num_microbatches, 2 * S
+        self.S, self.G, self.V, self.rules = S, num_microbatches, 2 * S, rules
         self.limit = 2 * S  # chunk micro-batches' residuals a group may hold: 1F1B's peak
         self.chunks = [(self.V - 1 - d, d) for d in range(S)]  # each group's stages, the one nearer the loss first
+        self.ahead = [self._ahead(k) for k in range(self.V)]
         self.next_f, self.next_b = [0] * self.V, [0] * self.V
         self.done_f: list[list[float]] = [[] for _ in range(self.V)]
         self.done_b: list[list[float]] = [[] for _ in range(self.V)]
         self.free = [0.0] * S
         self.live = [0] * S
-        self.pending: list[deque[Op]] = [deque() for _ in range(S)]
+        self.pending: list[list[Op]] = [[] for _ in range(S)]
+
+    def _ahead(self, k: int) -> int:
+        """Most micro-batches of virtual stage ``k`` between their F and their B (`ZbvRules.lead`)."""
+        r, S = self.rules, self.S
+        share = r.lead if k < S else r.lead_back
+        if share is None or k == self.V - 1:
+            return self.G
+        return max(1, int(share * S + (r.slope * (S - 1 - k) if k < S else 0.5 * (2 * S - 1 - k))))
 
     def arrival(self, op: Op) -> float | None:
         """When ``op``'s inputs (`dependencies`) are all computed, or None."""
@@ -287,29 +323,42 @@ class _ZbvSimulation:
         return self.done_f[k - 1][i] if len(self.done_f[k - 1]) > i else None
 
     def _ready(self, d: int) -> list[tuple[float, int, Op]]:
-        """(start, rank: backward 0, forward 1, W 2, op) of every operation group ``d`` could run."""
+        """(start, rank: backward 0, forward 1, op) of every F / B group ``d`` could run."""
         ready: list[tuple[float, int, Op]] = []
         for k in self.chunks[d]:
             if k != self.V - 1 and self.next_b[k] < self.next_f[k]:
                 op = Op(OpKind.B, k, self.next_b[k])
                 if (t := self.arrival(op)) is not None:
                     ready.append((max(t, self.free[d]), 0, op))
-            if self.next_f[k] < self.G and self.live[d] < self.limit:
+            if (self.next_f[k] < self.G and self.live[d] < self.limit
+                    and self.next_f[k] - self.next_b[k] < self.ahead[k]):
                 op = Op(OpKind.FB if k == self.V - 1 else OpKind.F, k, self.next_f[k])
                 if (t := self.arrival(op)) is not None:
                     ready.append((max(t, self.free[d]), 1, op))
-        if self.pending[d]:
-            ready.append((self.free[d], 2, self.pending[d][0]))
         return ready
+
+    def _weight_pass(self, d: int) -> Op:
+        pending = self.pending[d]
+        if not self.rules.cheapest_w:
+            return pending[0]
+        return min(pending, key=lambda op: (_zbv_cost(op), op.mb))  # stable: the oldest of equal ones
 
     def option(self, d: int) -> tuple[float, int, Op] | None:
         """(start, d, operation) group ``d`` runs next, or None while it waits for an input not yet computed."""
-        ready = self._ready(d)
-        if not ready:
-            return None
-        now = [r for r in ready if r[0] <= self.free[d]]
-        start, _, op = min(now or ready, key=lambda r: r[:2])  # stable: the chunk nearer the loss wins ties
-        return start, d, op
+        ready, free = self._ready(d), self.free[d]
+        now = [r for r in ready if r[0] <= free]
+        if now:
+            start, _, op = min(now, key=lambda r: r[:2])  # stable: the chunk nearer the loss wins ties
+            return start, d, op
+        if self.pending[d]:
+            w = self._weight_pass(d)
+            soon = min((r[0] for r in ready), default=math.inf)
+            if not ready or soon - free >= self.rules.patience * _zbv_cost(w):
+                return free, d, w
+        if ready:
+            start, _, op = min(ready, key=lambda r: r[:2])
+            return start, d, op
+        return (free, d, self._weight_pass(d)) if self.pending[d] else None
 
     def run(self, d: int, start: float, op: Op) -> None:
         """Group ``d`` runs ``op`` from ``start``: record its finish and what it leaves to do."""
@@ -319,7 +368,7 @@ class _ZbvSimulation:
         if op.kind in (OpKind.B, OpKind.FB):
             self.done_b[op.stage].append(self.free[d])
         if op.kind == OpKind.W:
-            self.pending[d].popleft()
+            self.pending[d].remove(op)
             self.live[d] -= 1
             return
         if op.kind == OpKind.B:
@@ -333,6 +382,55 @@ class _ZbvSimulation:
             self.pending[d].append(Op(OpKind.W, op.stage, op.mb))
 
 
+def _zbv_simulate(num_groups: int, num_microbatches: int, rules: ZbvRules) -> tuple[list[Op], float]:
+    """The start order of one ZB-V simulation under ``rules``, and its makespan at `ZBV_NOMINAL_COST` (the
+    simulation's own clock: each group runs the order as soon as its inputs arrive, as `simulated_time` does).
+
+    Raises:
+      ScheduleError: the rules deadlock at this shape (every group waits).
+    """
+    sim = _ZbvSimulation(num_groups, num_microbatches, rules)
+    S, V, G = sim.S, sim.V, sim.G
+    options = [sim.option(d) for d in range(S)]
+    issue: list[Op] = []
+    for _ in range(3 * V * G - G):  # F, B and W per micro-batch and virtual stage; FB on the last
+        ready = [o for o in options if o is not None]
+        if not ready:
+            raise ScheduleError(f"the ZB-V simulation deadlocked under {rules}")
+        start, d, op = min(ready, key=lambda o: o[:2])
+        sim.run(d, start, op)
+        issue.append(op)
+        for g in (d - 1, d, d + 1):  # only a neighbour's inputs can have arrived
+            if 0 <= g < S:
+                options[g] = sim.option(g)
+    return issue, max(sim.free)
+
+
+def _zbv_held(issue: Sequence[Op], num_groups: int) -> float:
+    """The most a device group holds at once in an order, residuals and stashes alike in chunk micro-batches (a
+    stash counted as one micro-batch's residuals, about its size: docs/pipelines.md), the first stage's none."""
+    stash = np.where(np.arange(2 * num_groups) == 0, 0.0, 1.0)
+    return float(group_residual_peaks(issue, num_groups, 1.0, stash, "zb-v").max())
+
+
+@functools.lru_cache(maxsize=64)
+def _zbv_rules(num_groups: int) -> ZbvRules:
+    """The rule set of `ZBV_RULES` whose order has the smallest nominal makespan at ``S' = min(S, 8)`` groups and
+    ``4 S'`` micro-batches (the first of equal ones), among those that do not deadlock there and hold no more
+    (`_zbv_held`) than the plain greedy. Chosen once per S and at most 8 groups (rule sets scale with S), so that
+    a step costs two simulations, not one per rule set."""
+    s = min(num_groups, 8)
+    plain, best = _zbv_simulate(s, 4 * s, ZBV_RULES[0]), (math.inf, 0)
+    for j, rules in enumerate(ZBV_RULES):
+        try:
+            issue, makespan = _zbv_simulate(s, 4 * s, rules)
+        except ScheduleError:
+            continue
+        if _zbv_held(issue, s) <= _zbv_held(plain[0], s):
+            best = min(best, (makespan, j))
+    return ZBV_RULES[best[1]]
+
+
 def zero_bubble_v_issue(num_groups: int, num_microbatches: int) -> list[Op]:
     """ZB-V (Qi et al., ICLR'24): two chunks per device group placed in a V (group ``d`` runs virtual stages ``d``
     and ``2S - 1 - d``; `core.schedules.stage_groups`), every backward split into B and W, and each group holding
@@ -340,26 +438,29 @@ def zero_bubble_v_issue(num_groups: int, num_microbatches: int) -> list[Op]:
 
     Built by simulating every group with `ZBV_NOMINAL_COST` (the order, not the times, is the schedule): a free
     group runs, of the operations whose inputs have arrived, a backward first, then a forward while it holds
-    fewer than ``2S`` chunk micro-batches' residuals, the chunk nearer the loss first in both, then its oldest
-    pending W; with nothing ready it waits for the earliest input. The last virtual stage (on the first group)
-    runs F and B as one program and defers its W like the others. Returns the operations in the order the
-    simulation starts them, the host's issue order (what `list_schedule` would make of the groups' orders).
+    fewer than ``2S`` chunk micro-batches' residuals, the chunk nearer the loss first in both, then a pending W;
+    with nothing ready it waits for the earliest input. `ZbvRules` add limits and choices to that greedy: the
+    rule set of `ZBV_RULES` best on a step of ``4 S'`` micro-batches (`_zbv_rules`) is simulated beside the plain
+    greedy, and the order with the smaller nominal makespan is kept where it holds no more residuals and stashes
+    at its peak (`_zbv_held`; deterministic, the first of equal ones; never slower than the plain greedy at these
+    costs, nor larger). The last virtual stage (on the first group) runs F and B as
+    one program and defers its W like the others. Returns the operations in the order the simulation starts them,
+    the host's issue order (what `list_schedule` would make of the groups' orders).
     """
-    sim = _ZbvSimulation(num_groups, num_microbatches)
-    S, V, G = sim.S, sim.V, sim.G
-    options = [sim.option(d) for d in range(S)]
-    issue: list[Op] = []
-    for _ in range(3 * V * G - G):  # F, B and W per micro-batch and virtual stage; FB on the last
-        ready = [o for o in options if o is not None]
-        if not ready:
-            raise ScheduleError("internal: the ZB-V simulation deadlocked")
-        start, d, op = min(ready, key=lambda o: o[:2])
-        sim.run(d, start, op)
-        issue.append(op)
-        for g in (d - 1, d, d + 1):  # only a neighbour's inputs can have arrived
-            if 0 <= g < S:
-                options[g] = sim.option(g)
-    return issue
+    plain, *others = _zbv_candidates(num_groups, num_microbatches)
+    held = _zbv_held(plain[0], num_groups)
+    return min([plain, *(c for c in others if _zbv_held(c[0], num_groups) <= held)], key=lambda c: c[1])[0]
+
+
+def _zbv_candidates(num_groups: int, num_microbatches: int) -> list[tuple[list[Op], float]]:
+    """ZB-V's orders at this shape with their nominal makespans: the plain greedy's (`ZBV_RULES[0]`), then, where
+    `_zbv_rules` picks other rules and they run here, theirs."""
+    out = [_zbv_simulate(num_groups, num_microbatches, ZBV_RULES[0])]
+    rules = _zbv_rules(num_groups)
+    if rules != ZBV_RULES[0]:
+        with contextlib.suppress(ScheduleError):  # rules that run at 4 S' micro-batches may deadlock elsewhere
+            out.append(_zbv_simulate(num_groups, num_microbatches, rules))
+    return out
 
 
 def dependencies(op: Op, num_virtual: int) -> list[Op]:
@@ -577,10 +678,21 @@ def group_in_flight(schedule: str, num_groups: int, num_microbatches: int, chunk
     """Per device group, whole-group micro-batches of residuals held at its peak when each of its ``chunks``
     chunks holds an equal share of the group's layers (`group_residual_peaks` / ``chunks``; the tuner's view of
     an interleaved key): `charged_in_flight` with one chunk. Read-only (cached)."""
-    issue = issue_order(schedule, num_groups, _key_view_microbatches(schedule, num_groups, num_microbatches), chunks)
-    out = group_residual_peaks(issue, num_groups, schedule=schedule) / chunks
+    peaks = [group_residual_peaks(issue, num_groups, schedule=schedule) / chunks
+             for issue in _view_issues(schedule, num_groups, num_microbatches, chunks)]
+    out = np.max(peaks, axis=0)
     out.flags.writeable = False
     return out
+
+
+def _view_issues(schedule: str, num_groups: int, num_microbatches: int, chunks: int) -> list[list[Op]]:
+    """The orders whose peaks give the tuner's view of a key: the issue order of its first
+    `_key_view_microbatches`; for a longer ZB-V step each order it may run (`_zbv_candidates`: which one runs
+    depends on the step's length), so that the view charges the larger of their peaks."""
+    view = _key_view_microbatches(schedule, num_groups, num_microbatches)
+    if schedule in V_SHAPED and view < num_microbatches:
+        return [issue for issue, _ in _zbv_candidates(num_groups, view)]
+    return [issue_order(schedule, num_groups, view, chunks)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -604,9 +716,9 @@ def group_deferred(schedule: str, num_groups: int, num_microbatches: int, chunks
     with one chunk. Read-only (cached)."""
     if chunks == 1:
         return charged_deferred(schedule, num_groups, num_microbatches)
-    issue = issue_order(schedule, num_groups, _key_view_microbatches(schedule, num_groups, num_microbatches), chunks)
     stash = np.where(np.arange(num_groups * chunks) == 0, 0.0, 1.0 / chunks)
-    out = group_residual_peaks(issue, num_groups, 0.0, stash, schedule)
+    out = np.max([group_residual_peaks(issue, num_groups, 0.0, stash, schedule)
+                  for issue in _view_issues(schedule, num_groups, num_microbatches, chunks)], axis=0)
     out.flags.writeable = False
     return out
 

@@ -59,8 +59,7 @@ def fill_share(schedule: str, chunks: int = 1, wgrad_share: float = 0.0, stages:
     this share, not given F, does not see; the weight passes' share on the grid and the large cells is 0.24-0.29.
     ZB-V has no closed form here: its share is the executor's order simulated for equal chunks
     (`v_fill_share`), for time on at most 8 groups, 4 micro-batches per group and the weight share rounded to
-    0.02: the order's steady state leaves no bubble, so the share moves little with S and G past its fill and
-    first memory-bound wave (0.375-0.43 from S 4 to 32 at G = 2 S and a quarter; docs/pipelines.md).
+    0.02 (0.26-0.52 from S 4 to 8 at G = 2 S to 4 S and W 0.24-0.28 of T; docs/schedules.md).
     """
     if schedule in V_SHAPED:
         s = min(stages, 8)
