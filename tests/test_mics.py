@@ -143,3 +143,47 @@ def test_the_space_searches_whole_node_groups_under_zero3_only():
     grid = strategy_grid(SearchSpace.full(), dp=256, tp=1, per_node=8, pipelined=False)
     by_level = {z: set(grid.shard_group[grid.zero == z].tolist()) for z in (1, 2, 3)}
     assert by_level[3] == {2, 4, 8, 16, 32, 64, 128, 256} and by_level[1] == by_level[2] == {2, 4, 8, 256}
+
+
+def _gpu_problem() -> str | None:
+    from mistjax.validate import gpu_aot
+
+    return gpu_aot.plugin_problem()
+
+
+@pytest.mark.skipif(_gpu_problem() is not None, reason="deviceless XLA:GPU compile unavailable (mistjax[gpu-aot])")
+def test_xla_gpu_compiles_the_hierarchy_and_two_hop_sync_with_the_models_bytes():
+    """Deviceless XLA:GPU (A100-40GB, aws-p4d 4 nodes x 4): ZeRO-3 in partition groups of 8 over 2 nodes, 2
+    replicas, 2 micro-batches. XLA:GPU combines each level's per-leaf collectives into one per program point, so
+    the sums are compared: in the layer loops (two layers per iteration where the fetches are double-buffered) the
+    inter-node gathers (groups of m = 2) return n/k of each layer, the intra-node ones (groups of k = 4) n, the
+    reduce-scatters n/k then n/p; the embedding / head as much once per micro-batch; hop 2 one all-reduce over the
+    2 replicas, once per step, of 1/p of every weight (`hierarchical_level_bytes`)."""
+    import collections
+
+    import models
+    from mistjax.hardware import ClusterSpec
+    from mistjax.plan import uniform_plan
+    from mistjax.validate import gpu_aot
+
+    cfg = models.get_config("gpt3-tiny").replace(dtype="bfloat16", param_dtype="bfloat16")
+    plan = uniform_plan(cfg.num_layers, 16, micro_batch=1, grad_accum=2, shard_group=8, **ZERO3)
+    report = gpu_aot.verify_model(cfg, 32, 32, plan, ClusterSpec.parse("aws-p4d:4x4"), breakdown=False)
+    k, m, p, layers = 4, 2, 8, cfg.num_layers
+    leaves = models.workload(cfg, 32, 32).leaves
+    layer = sum(x.size // layers * x.itemsize for x in leaves if x.stacked)
+    other = sum(x.size * x.itemsize for x in leaves if not x.stacked)
+    sums: dict[tuple[str, str, int], int] = collections.defaultdict(int)
+    for c in hlo.collectives(report.hlo_text):
+        sums[(c.computation, c.op, c.group_size)] += c.result_bytes
+    levels = lambda n: (hierarchical_level_bytes("all-gather", n, k, m), hierarchical_level_bytes("reduce-scatter", n, k, m))  # noqa: E731,E501
+    (ag, rs), (ag_o, rs_o) = levels(layer), levels(other)
+    comps = {comp for comp, _, _ in sums}
+    gathers = {(sums[(x, "all-gather", m)], sums[(x, "all-gather", k)]) for x in comps}
+    scatters = {(sums[(x, "reduce-scatter", k)], sums[(x, "reduce-scatter", m)]) for x in comps}
+    assert {(c * ag.inter, c * ag.intra) for c in (1, 2)} & gathers, gathers  # the forward layer loop
+    assert {(c * rs.intra, c * rs.inter) for c in (1, 2)} & scatters, scatters  # the backward layer loop
+    assert (ag_o.inter, ag_o.intra) in gathers and (rs_o.intra, rs_o.inter) in scatters  # embedding / head
+    hop2 = [c for c in hlo.collectives(report.hlo_text) if c.op == "all-reduce" and c.group_size == 2]
+    assert len(hop2) == 1 and hop2[0].trips == 1 and hop2[0].result_bytes == (layers * layer + other) // p
+    assert not [c for c in hlo.collectives(report.hlo_text) if c.op == "all-gather" and c.group_size > k]
