@@ -151,6 +151,7 @@ def _gpu_problem() -> str | None:
     return gpu_aot.plugin_problem()
 
 
+@pytest.mark.slow  # a minute: one deviceless XLA:GPU compile of 16 devices
 @pytest.mark.skipif(_gpu_problem() is not None, reason="deviceless XLA:GPU compile unavailable (mistjax[gpu-aot])")
 def test_xla_gpu_compiles_the_hierarchy_and_two_hop_sync_with_the_models_bytes():
     """Deviceless XLA:GPU (A100-40GB, aws-p4d 4 nodes x 4): ZeRO-3 in partition groups of 8 over 2 nodes, 2
