@@ -17,7 +17,7 @@ falcon      falcon    ``multi_query`` / ``num_kv_heads``; ``new_decoder_architec
 mixtral     llama+moe routed SwiGLU experts; ``router_jitter_noise`` (warning)
 qwen2_moe   llama+moe shared expert without its sigmoid gate, q/k/v biases (warnings); ``mlp_only_layers`` first
 qwen3_moe   llama+moe ``head_dim`` kept (``attention_head_dim``); per-head q/k norms (warning)
-deepseek_v3 llama+moe multi-head latent attention (`models.mla`); group-limited routing, MTP, YaRN (warnings)
+deepseek_v3 llama+moe multi-head latent attention (`models.mla`), group-limited routing; MTP, YaRN (warnings)
 gpt_oss     llama+moe expert / router / attention biases, sinks, clamped SwiGLU, sliding layers, YaRN (warnings)
 =========== ========= =============================================================================
 
@@ -441,11 +441,10 @@ def _deepseek_v3(r: _Reader) -> None:
     r.set("max_seq_len", "max_position_embeddings", default=4096)
     _mla(r)
     method = r.value("topk_method", default="noaux_tc")
-    groups = r.value("n_group", default=1) or 1
-    r.value("topk_group", default=1)
-    if groups > 1 or method == "group_limited_greedy":
-        r.notes.append(f"group-limited routing (n_group={groups}) is not implemented: experts are chosen from all "
-                       "groups (the same cost; the choices differ)")
+    groups, top_groups = r.value("n_group", default=1) or 1, r.value("topk_group", default=1) or 1
+    if method == "group_limited_greedy":  # DeepSeek-V2 scores a group by its best expert, V3 by its two best
+        r.notes.append("topk_method='group_limited_greedy' scores a group by its best expert; the zoo by its two "
+                       "best (DeepSeek-V3's rule): the same cost, the choices may differ")
     freq = r.value("moe_layer_freq", default=1)
     if freq != 1:
         raise r.error("moe_layer_freq", "DeepSeek's pattern (layer i is MoE when i % freq == 0) differs from the "
@@ -463,7 +462,8 @@ def _deepseek_v3(r: _Reader) -> None:
                 routed_scale=r.value("routed_scaling_factor", default=2.5), expert_bias=method == "noaux_tc",
                 aux_loss_coef=r.value("aux_loss_alpha", default=0.001),
                 shared_ffn_size=(r.value("n_shared_experts", default=1) or 0) * ffn,
-                first_dense_layers=r.value("first_k_dense_replace", default=3))
+                first_dense_layers=r.value("first_k_dense_replace", default=3), num_groups=groups,
+                top_groups=top_groups)
 
 
 def _gpt_oss(r: _Reader) -> None:

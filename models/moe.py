@@ -257,9 +257,10 @@ def _llama_moe(name: str, vocab: int, h: int, layers: int, heads: int, kv: int, 
 def _presets() -> dict[str, ModelConfig]:
     mixtral = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=14336, aux_loss_coef=0.02)
     qwen3 = MoEConfig(num_experts=128, top_k=8, expert_ffn_size=768, aux_loss_coef=0.001)
-    # DeepSeek-V3: MLA; no group-limited routing, no multi-token prediction (docs/moe.md).
+    # DeepSeek-V3: MLA, group-limited routing; no multi-token prediction (docs/moe.md).
     deepseek = MoEConfig(num_experts=256, top_k=8, expert_ffn_size=2048, scoring="sigmoid", routed_scale=2.5,
-                         expert_bias=True, aux_loss_coef=0.001, shared_ffn_size=2048, first_dense_layers=3)
+                         expert_bias=True, aux_loss_coef=0.001, shared_ffn_size=2048, first_dense_layers=3,
+                         num_groups=8, top_groups=4)
     # gpt-oss: no expert / attention biases, plain SwiGLU (not the clamped one), full causal attention on every
     # layer (no sliding window, no sinks): docs/moe.md lists the gaps.
     oss = MoEConfig(num_experts=128, top_k=4, expert_ffn_size=2880, aux_loss_coef=0.9)

@@ -38,12 +38,14 @@ class MoEConfig:
     shared_ffn_size: int = 0  # inner width of the always-on shared expert(s) together; 0: none
     first_dense_layers: int = 0  # leading dense blocks (DeepSeek-V3's first_k_dense_replace = 3)
     layer_freq: int = 1  # one MoE block per this many blocks after the dense-first ones
+    num_groups: int = 1  # group-limited routing: expert groups (DeepSeek-V3's n_group = 8) ...
+    top_groups: int = 1  # ... of which each token routes into this many (topk_group = 4)
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
             return ValueError(f"MoEConfig.{field}: {msg}")
 
-        for field in ("num_experts", "top_k", "expert_ffn_size", "layer_freq"):
+        for field in ("num_experts", "top_k", "expert_ffn_size", "layer_freq", "num_groups", "top_groups"):
             value = getattr(self, field)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
                 raise bad(field, f"must be a positive integer, got {value!r}")
@@ -53,6 +55,12 @@ class MoEConfig:
                 raise bad(field, f"must be a non-negative integer, got {value!r}")
         if self.top_k > self.num_experts:
             raise bad("top_k", f"{self.top_k} exceeds num_experts={self.num_experts}; pick at most that many")
+        if self.num_experts % self.num_groups or self.top_groups > self.num_groups:
+            raise bad("num_groups", f"{self.num_groups} groups with top_groups={self.top_groups} do not split "
+                                    f"num_experts={self.num_experts}; use a divisor and top_groups <= num_groups")
+        if self.num_groups > 1 and self.top_groups * (self.num_experts // self.num_groups) < self.top_k:
+            raise bad("top_groups", f"{self.top_groups} groups of {self.num_experts // self.num_groups} experts hold "
+                                    f"fewer than top_k={self.top_k}; raise top_groups")
         if self.scoring not in SCORINGS:
             raise bad("scoring", f"unknown scoring {self.scoring!r}; use one of {SCORINGS}")
         if self.capacity_factor is not None and not (isinstance(self.capacity_factor, numbers.Real)
@@ -68,7 +76,7 @@ class MoEConfig:
         """The routing hyper-parameters `mistjax.core.moe` reads."""
         return RouterSpec(self.num_experts, self.top_k, Scoring(self.scoring), self.normalize,
                           float(self.routed_scale), None if self.capacity_factor is None
-                          else float(self.capacity_factor))
+                          else float(self.capacity_factor), self.num_groups, self.top_groups)
 
     def check_layers(self, num_layers: int) -> None:
         """Refuses a layer pattern that does not tile ``num_layers``.

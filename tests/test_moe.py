@@ -62,6 +62,23 @@ def test_expert_bias_selects_but_does_not_weight_and_takes_no_gradient():
     assert not grad.any()
 
 
+def test_group_limited_routing_picks_only_from_the_best_groups():
+    logits = jax.random.normal(jax.random.key(8), (64, 16))
+    spec = RouterSpec(16, 4, Scoring.SIGMOID, num_groups=4, top_groups=2)
+    routing = route(logits, spec)
+    scores = np.asarray(jax.nn.sigmoid(logits))
+    for t in range(64):  # brute force: groups by the sum of their two best scores, then top-4 inside the best 2
+        groups = scores[t].reshape(4, 4)
+        best = np.argsort(-np.sort(groups, axis=1)[:, -2:].sum(1), kind="stable")[:2]
+        allowed = np.concatenate([np.arange(4 * g, 4 * g + 4) for g in best])
+        want = allowed[np.argsort(-scores[t][allowed], kind="stable")[:4]]
+        assert sorted(np.asarray(routing.experts[t]).tolist()) == sorted(want.tolist())
+    plain = route(logits, RouterSpec(16, 4, Scoring.SIGMOID))
+    assert not np.array_equal(plain.experts, routing.experts)  # the limit changed some choices
+    with pytest.raises(ValueError, match="top_groups"):
+        MoEConfig(num_experts=16, top_k=8, expert_ffn_size=4, num_groups=8, top_groups=2)
+
+
 def test_slot_positions_take_first_choices_before_second_choices():
     experts = jnp.array([[[0, 1], [1, 0], [0, 1]]])  # one sequence, 3 tokens, top-2
     pos = slot_positions(experts, 2)

@@ -120,9 +120,10 @@ def test_deepseek_v3_maps_to_mla_and_671b():
     assert (moe.scoring, moe.routed_scale, moe.expert_bias, moe.first_dense_layers) == ("sigmoid", 2.5, True, 3)
     assert moe.shared_ffn_size == 2048 and cfg.rotary_dims == 64
     text = " ".join(notes)
-    for said in ("group-limited routing", "multi-token-prediction", "yarn"):
+    for said in ("multi-token-prediction", "yarn"):
         assert said in text
-    assert "MLA" not in text
+    assert "MLA" not in text and "group" not in text
+    assert (moe.num_groups, moe.top_groups) == (8, 4)
     with pytest.raises(HFConfigError, match="moe_layer_freq=2"):
         from_hf_config({**DEEPSEEK_V3, "moe_layer_freq": 2})
 
@@ -153,7 +154,8 @@ def test_tiny_versions_build_and_run(doc):
             "num_attention_heads": 8, "num_key_value_heads": 4}
     for key, value in (("num_local_experts", 8), ("num_experts", 8), ("n_routed_experts", 8), ("head_dim", 16),
                        ("v_head_dim", 16), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 16), ("kv_lora_rank", 16),
-                       ("q_lora_rank", 24), ("first_k_dense_replace", 1)):
+                       ("q_lora_rank", 24), ("first_k_dense_replace", 1), ("n_group", 4), ("topk_group", 2),
+                       ("num_experts_per_tok", 2), ("experts_per_token", 2)):
         if key in doc:
             tiny[key] = value
     cfg, _ = mapped(tiny, dtype="float32")

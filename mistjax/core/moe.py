@@ -45,6 +45,9 @@ class RouterSpec(NamedTuple):
         scale: multiplies the combine weights (DeepSeek-V3's ``routed_scaling_factor``).
         capacity_factor: None for dropless; else slots per expert per sequence are
             ``ceil(seq * top_k * capacity_factor / num_experts)`` (`capacity`).
+        num_groups: group-limited routing (DeepSeek-V3's ``n_group``): the experts form this many equal groups ...
+        top_groups: ... and each token chooses among the experts of its ``top_groups`` best groups only, a group
+            scored by the sum of its two best (biased) scores (``topk_group``). 1 / 1: no grouping.
     """
 
     num_experts: int
@@ -53,6 +56,8 @@ class RouterSpec(NamedTuple):
     normalize: bool = True
     scale: float = 1.0
     capacity_factor: float | None = None
+    num_groups: int = 1
+    top_groups: int = 1
 
 
 class Routing(NamedTuple):
@@ -89,12 +94,23 @@ def route(logits: jax.Array, spec: RouterSpec, bias: jax.Array | None = None) ->
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if spec.scoring is Scoring.SOFTMAX else jax.nn.sigmoid(logits)
     select = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if spec.num_groups > 1:
+        select = _limit_groups(select, spec.num_groups, spec.top_groups)
     _, experts = jax.lax.top_k(select, spec.top_k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if spec.normalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     probs = scores if spec.scoring is Scoring.SOFTMAX else scores / jnp.sum(scores, axis=-1, keepdims=True)
     return Routing(experts.astype(jnp.int32), weights * spec.scale, probs)
+
+
+def _limit_groups(select: jax.Array, groups: int, top_groups: int) -> jax.Array:
+    """``select [..., E]`` with the experts outside each token's ``top_groups`` best groups set to -inf."""
+    grouped = select.reshape(*select.shape[:-1], groups, select.shape[-1] // groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)  # [..., G]
+    _, best = jax.lax.top_k(group_scores, top_groups)
+    keep = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.int32), axis=-2) > 0  # [..., G]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(select.shape)
 
 
 def load_stats(routing: Routing, spec: RouterSpec) -> LoadStats:
