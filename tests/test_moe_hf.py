@@ -163,3 +163,17 @@ def test_tiny_versions_build_and_run(doc):
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == cfg.num_params()
     logits = model(jax.random.randint(jax.random.key(1), (2, 16), 0, 256))
     assert logits.shape == (2, 16, 256) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_cli_plan_of_an_moe_hf_config_stops_naming_moe(tmp_path, capsys):
+    import json
+
+    from mistjax.cli import main
+
+    path = tmp_path / "Mixtral-8x7B-v0.1" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(MIXTRAL_8X7B))
+    code = main(["plan", "--model", str(path), "--cluster", "dgx-h100:4x8", "--seq-len", "4096",
+                 "--global-batch", "256", "--no-verify"])
+    err = capsys.readouterr().err
+    assert code != 0 and "Mixtral-8x7B-v0.1 has Mixture-of-Experts layers" in err and "Traceback" not in err
