@@ -7,7 +7,8 @@ Usage::
 
 Each block sits between ``<!-- docs_tables:NAME:begin -->`` and ``<!-- docs_tables:NAME:end -->``; NAME picks a
 function of :data:`TABLES`, which reads one results file. The reproduce_paper block is written by
-``scripts/reproduce_paper.py`` itself and is not touched here. Standard library only, so it runs in a second.
+``scripts/reproduce_paper.py`` itself and is not touched here. Standard library only (the field block reuses
+scripts/field_sources.py's grouping), so it runs in a second.
 """
 
 from __future__ import annotations
@@ -300,18 +301,55 @@ def gpu_h200() -> str:
             + f"\n\n{d['device']}; {d['date']}.\n")
 
 
+FIT_FILES = ("fit-l4.json", "fit-l4-eager.json", "fit-h200.json", "fit-dgx-h100-loso.json", "fit-dgx-a100-loso.json")
+
+
 def fits() -> str:
-    """scripts/fit_presets.py on the L4 runs: the shipped fit and the rejected refit with eager kernels."""
+    """scripts/fit_presets.py: the L4 fits (shipped, and the rejected refit with eager kernels), the H200 fold and
+    the leave-one-source-out refits of dgx-h100 / dgx-a100 on the field runs."""
     rows = []
-    for name in ("fit-l4.json", "fit-l4-eager.json"):
+    for name in FIT_FILES:
         d = load(name)
         s = d["summary"]
         vals = ", ".join(f"{k} {v:.4g}" for k, v in d["values"].items())
-        rows.append([f"`docs/results/{name}`", vals] + [
+        rows.append([f"`docs/results/{name}`", d["preset"], vals, s["n"]] + [
             f"{s[k]['median_abs_log_ratio']:.3f} / {s[k]['max_abs_log_ratio']:.3f}"
-            for k in ("before", "fitted", "leave_one_out")] + ["yes" if d.get("adopted") else "no"])
-    return table(["file", "fitted constants", "start constants: median / max \\|ln\\|", "fitted, in sample",
-                  "leave one cell out", "written by --write"], rows, left=2) + "\n"
+            for k in ("before", "fitted", "leave_one_out")] + [d["folds"], "yes" if d.get("adopted") else "no"])
+    return table(["file", "preset", "fitted constants", "runs", "start constants: median / max \\|ln\\|",
+                  "fitted, in sample", "out of sample", "one fold holds out a", "written by --write"], rows,
+                 left=3) + "\n"
+
+
+def field() -> str:
+    """scripts/bench_published.py on tests/data/field-runs.json: per source, never fitted (scripts/field_sources.py)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from field_sources import by_source
+    from field_sources import table as source_table
+
+    runs = json.loads((ROOT / "tests" / "data" / "field-runs.json").read_text())
+    bench = load("field.json")
+    s = bench["summary"]["memory"]
+    return (source_table(by_source(runs, bench))
+            + f"\n\nMemory: {s['n_ran']} runs ran; predicted to fit their card {s['n_fit']}, to pass the planning "
+              f"budget {s['n_fit_budget']}.\n")
+
+
+def mics() -> str:
+    """scripts/bench_mics.py: MiCS's published runs, the 30B aws-p4d target and the bandwidth x scale sweep."""
+    d = load("mics.json")
+    rows = [[p["id"], p["plan"], f"{p['measured_s']:.2f}", f"{p['predicted_s']:.2f}", f"{p['ratio']:.3f}"]
+            for p in d["published"]["points"]]
+    t = d["target"]
+    target = table(["space", "plan", "step s"], [[k, t[k]["plan"], f"{t[k]['step_s']:.3f}"]
+                                                 for k in ("zero3", "mics_proper", "tuned_no_mics", "tuned")], left=2)
+    sweep = [[c["gpus"], c["gbps_per_node"], f"{c['zero3']['step_s']:.2f}", f"{c['mics_proper']['step_s']:.2f}",
+              f"{c['zero3']['step_s'] / c['mics_proper']['step_s']:.2f}", c["tuned"]["plan"],
+              f"{c['tuned']['step_s']:.2f}"] for c in d["sweep"]]
+    return (table(["run", "plan priced", "measured s", "predicted s", "pred/meas"], rows, left=2)
+            + f"\n\n30B on aws-p4d:32x8 (MiCS over ZeRO-3 {t['mics_over_zero3']:.3f}x, tuned over the space without "
+              f"MiCS groups {t['tuned_over_no_mics']:.3f}x):\n\n" + target + "\n\nSweep (GPT-3 13B, weak scaling):\n\n"
+            + table(["GPUs", "Gb/s per node", "ZeRO-3 s", "MiCS s", "MiCS gain", "tuned plan", "tuned s"], sweep,
+                    left=0) + "\n")
 
 
 TABLES: dict[str, Callable[[], str]] = {
@@ -320,6 +358,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "mpmd": mpmd, "bench_time": bench_time, "zero_bubble": zero_bubble, "tp_overlap": tp_overlap,
     "unrolled_cpu": lambda: unrolled("unrolled_memory.json"),
     "unrolled_h100": lambda: unrolled("unrolled_memory_h100.json"), "gpu_h200": gpu_h200, "fits": fits,
+    "field": field, "mics": mics,
 }
 
 
