@@ -129,3 +129,44 @@ def test_the_cost_model_prices_the_once_per_step_context_sync():
     assert pred["reduce-scatter"] == pytest.approx(xla["reduce-scatter"], rel=1e-3), rec
     assert xla["all-reduce"] <= pred["all-reduce"] < 2.1 * xla["all-reduce"], rec
     assert abs(rec["mem_err"]) < 0.10, rec
+
+
+def test_zero3_weights_are_split_over_data_x_context(train_steps):
+    """ZeRO-3 under CP splits the weights over the data x context group (`core.layout.plan_layouts`), as the
+    optimizer state already was: the placed stacked weights are split over `context`, their per-device bytes fall
+    by cp at the same data-parallel degree, and the step trains as `jax.jit` does (llama-tiny cp 4 x dp 2, 2
+    micro-batches; measured losses 9e-8, parameters 1.2e-7 relative)."""
+    cfg = models.get_config("llama-tiny")
+    zero3 = dict(shard_opt=True, shard_grads=True, shard_weights=True, grad_accum=2)
+    plan = uniform_plan(cfg.num_layers, 8, cp=4, micro_batch=4, **zero3)
+    _close(*train_steps(cfg, 2, jax.devices(), plan), *train_steps(cfg, 2))
+    state = TrainState.create(models.build(cfg.replace(max_seq_len=16), rngs=nnx.Rngs(0)), optax.sgd(0.1, momentum=0.9))
+    data = SyntheticTokens(cfg.vocab_size, 16, 16, kind="random").batch(0)
+    loss_fn = make_loss_fn(state.graphdef)
+
+    def train_step(state, batch):
+        loss, grads = mistjax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    held = {}
+    for cp in (1, 4):
+        plan = uniform_plan(cfg.num_layers, 2 * cp, cp=cp, micro_batch=4, **zero3)
+        placed = mistjax.autoshard(train_step, jax.devices()[:2 * cp], plan=plan).place(state, data)
+        stacked = [x for x in jax.tree.leaves(placed.params) if np.ndim(x) >= 3]
+        held[cp] = sum(x.addressable_shards[0].data.nbytes for x in stacked)
+        if cp > 1:
+            assert all(CONTEXT_AXIS in jax.tree.leaves(tuple(x.sharding.spec)) for x in stacked)
+    assert held[4] == pytest.approx(held[1] / 4, rel=0.05), held
+
+
+def test_the_cost_model_prices_zero3_over_data_x_context():
+    """ZeRO-3 with CP against the compiled XLA:CPU step (llama-tiny cp 2 x G 2, 64 tokens): the weights' gather
+    over `context` before the partition group's per layer fetch is charged (measured: all collectives 4.0%,
+    reduce-scatters exact, memory -8.5%)."""
+    from mistjax.hardware.presets import ClusterSpec
+    from mistjax.validate.check import compare_cell, grid_plan
+
+    kw = dict(shard_opt=True, shard_grads=True, shard_weights=True, micro_batch=2, cp=2, grad_accum=2)
+    rec = compare_cell("llama-tiny", 64, 16, grid_plan("llama-tiny", kw), ClusterSpec.preset("cpu", 1, 8))
+    assert rec["coll_pred"]["reduce-scatter"] == pytest.approx(rec["coll_xla"]["reduce-scatter"], rel=1e-3), rec
+    assert rec["coll_err"] < 0.06 and abs(rec["mem_err"]) < 0.12, rec

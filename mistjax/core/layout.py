@@ -91,9 +91,9 @@ class LeafLayout:
     host: bool = False  # stored in host memory (offloaded)
     stage_split: bool = False  # the layer dim is split over `stage` (pipelined plans, even layer blocks)
     layer_slice: bool = False  # one layer's leaf of an unrolled stack (laid out as a slice of a stacked leaf)
-    # The shard dim is split over `context` too (optimizer state under context parallelism: the weights are
-    # replicated over `context`, so their optimizer state is sharded over the data x context group, as
-    # Megatron-LM's distributed optimizer does).
+    # The shard dim is split over `context` too (optimizer state under context parallelism, and ZeRO-3 weights:
+    # sharded over the data x context group, as Megatron-LM's distributed optimizer does; ZeRO-1 / 2 weights stay
+    # replicated over `context`).
     context_split: bool = False
 
     def __post_init__(self) -> None:
@@ -212,7 +212,7 @@ def plan_layouts(leaves: Sequence[Shaped], roles: Sequence[LeafRole | str], stac
         layouts.append(LeafLayout(role=role, shape=shape, axes=ax, tensor_dims=tensor_dims, shard_dim=shard_dim,
                                   stacked=stacked, sharded=sharded and shard_dim is not None,
                                   stage_split=stacked and plan.num_stages > 1 and shape[0] % plan.num_stages == 0,
-                                  context_split=context_split and role == OPT and sharded))
+                                  context_split=context_split and sharded and role in (OPT, PARAM)))
     # Offload: optimizer state by `offload_opt`, stacked (per-layer streamed) weights by `offload_weights`.
     for role, ratio, want in ((OPT, stage.offload_opt, lambda lay: True),
                               (PARAM, stage.offload_weights, lambda lay: lay.stacked)):

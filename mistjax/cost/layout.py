@@ -107,8 +107,8 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
     parts read (`held`); offload picks whole leaves among those, largest first, as the runtime does for
     a stage's own leaves. Bytes per element: parameters in their own dtype, gradients in the workload's
     gradient dtype, every optimizer-state copy (moments, master weights) in ``state_itemsize``. ``ctx``: the
-    `context` devices the optimizer state is split over too (`core.layout.context_shards`), on leaves the
-    ``p x ctx`` group divides (`core.layout.shard_split`).
+    `context` devices the optimizer state (and ZeRO-3's weights) are split over too (`core.layout.context_shards`),
+    on leaves the ``p x ctx`` group divides (`core.layout.shard_split`).
     """
     L = wl.num_layers
     n = L if layers is None else layers
@@ -131,6 +131,8 @@ def leaf_totals(wl: Workload, tp: int, p: int, zero: int, wo: float, oo: float, 
     if ctx > 1 and zero >= 1:
         both = _cached(wl, ("local", tp, p * ctx), lambda: _local_elements(wl, tp, p * ctx))[1]
         o = np.where(both, o_bytes / (p * ctx), o)
+        if zero >= 3:  # ZeRO-3 weights are split over the data x context group too (`core.layout.plan_layouts`)
+            w_sh = np.where(both, nbytes / (p * ctx), w_sh)
     o_host = opt_host.sum(axis=0)  # copies of each leaf on host
     layer, other = stacked, held_other
     fetched = w_host | (shardable & (zero >= 3))

@@ -450,6 +450,10 @@ def layer_times(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     ops = leaf_ops(workload, cluster)
     gk, gm, intra, inter = _group_link(cluster, p, k.tp * k.cp, k.per_node)
     fetch_ag = np.where((zero >= 3) & (p > 1), _ag(lt["w_layer_fetch"], gk, gm, intra, inter, ops.stacked), 0.0)
+    # ZeRO-3 under CP: the weights are split over `context` too, gathered over it first (to the group's 1 / p).
+    fetch_ag = fetch_ag + np.where((zero >= 3) & (k.context_shards > 1),
+                                   _ag(lt["w_layer_fetch"] / p, *_group_link(cluster, k.cp, k.tp, k.per_node),
+                                       ops.stacked), 0.0)
     h2d_link, d2h_link = cluster.device.host_to_device, cluster.device.device_to_host
     fetch_h2d = np.where(lt["w_layer_host"] > 0, host_copy_time(lt["w_layer_host"], h2d_link), 0.0)
     # ZeRO-3's reduce-scatter is the fetch's transpose (parameter dtype); ZeRO-2 scatters in the gradient dtype.
@@ -533,8 +537,10 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     # the partition group's shard, then (ZeRO-1 / 2) over the partition group, as XLA does it.
     ctx = k.context_shards
     regather = np.where((zero >= 1) & (zero <= 2), _ag(states.param_full, gk, gm, intra, inter, ops.total), 0.0)
-    regather = regather + np.where(ctx > 1, _ag(states.param_full / p, *_group_link(cluster, ctx, k.tp, k.per_node),
-                                                ops.total), 0.0)
+    # (ZeRO-3's weights stay split over `context`: `core.layout.plan_layouts`.)
+    regather = regather + np.where((ctx > 1) & (zero <= 2),
+                                   _ag(states.param_full / p, *_group_link(cluster, ctx, k.tp, k.per_node), ops.total),
+                                   0.0)
     copies, opt_flops, opt_trans = OPTIMIZERS[workload.optimizer]
     upd_bytes = np.where(zero >= 1, grad_shard / ctx, grad_full)  # the update runs on shards under ZeRO >= 1
     dev = cluster.device
@@ -561,7 +567,8 @@ def step_extras(workload: Workload, cluster: ClusterSpec, k: Knobs, v: ProfileVa
     # loop-invariant gather of the non-stacked weights out of the micro-batch scan.
     ag = np.where(z3, G * 2.0 * nl * fetch + other, 0.0)
     ag = ag + np.where((zero >= 1) & (zero <= 2) & (p > 1), states.param_full, 0.0)
-    ag = ag + np.where(k.context_shards > 1, states.param_full / p, 0.0)
+    ag = ag + np.where((k.context_shards > 1) & (zero <= 2), states.param_full / p, 0.0)
+    ag = ag + np.where(z3 & (k.context_shards > 1), G * 2.0 * nl * fetch / p, 0.0)  # ZeRO-3's gather over context
     rs = np.where(z3, G * (grad_shard), 0.0)
     rs = rs + np.where((z_eff == 2) & (p > 1), G * grad_shard, 0.0) + np.where((z_eff == 1) & (p > 1), grad_shard, 0.0)
     ar = np.where(z_eff == 0, grad_full, 0.0) + np.where((z_eff >= 1) & (R > 1), grad_shard, 0.0) + 4.0
