@@ -151,11 +151,13 @@ def test_zero3_weights_are_split_over_data_x_context(train_steps):
     held = {}
     for cp in (1, 4):
         plan = uniform_plan(cfg.num_layers, 2 * cp, cp=cp, micro_batch=4, **zero3)
-        placed = mistjax.autoshard(train_step, jax.devices()[:2 * cp], plan=plan).place(state, data)
+        step = mistjax.autoshard(train_step, jax.devices()[:2 * cp], plan=plan)
+        placed = step.place(state, data)
         stacked = [x for x in jax.tree.leaves(placed.params) if np.ndim(x) >= 3]
         held[cp] = sum(x.addressable_shards[0].data.nbytes for x in stacked)
         if cp > 1:
             assert all(CONTEXT_AXIS in jax.tree.leaves(tuple(x.sharding.spec)) for x in stacked)
+            assert "parameters stored sharded" in step.report() and "of them x cp over `context`)" in step.report()
     assert held[4] == pytest.approx(held[1] / 4, rel=0.05), held
 
 

@@ -147,8 +147,10 @@ def _sharding_knobs_split(params: _Pool, opts: _Pool, plan: Plan) -> list[KnobRe
                    stage.shard_grads and bool(g_sh),
                    f"{len(g_sh)} of {len(params)} gradients reduce-scattered every micro-batch"),
         KnobReport("shard_weights (ZeRO-3)", stage.shard_weights and plan.shard_group > 1, bool(w_sh),
-                   f"{len(w_sh)} of {len(params)} parameters stored sharded "
-                   f"({_frac(_total(w_sh), p_total)} of {format_bytes(p_total)}); "
+                   f"{len(w_sh)} of {len(params)} parameters stored sharded"
+                   + (f" ({w_ctx} of them x cp over `context`)" if (w_ctx := sum(lay.context_split for lay, _ in w_sh))
+                      else "")
+                   + f" ({_frac(_total(w_sh), p_total)} of {format_bytes(p_total)}); "
                    f"parameters per device {format_bytes(p_dev)}"),
         KnobReport("tp (tensor parallel)", plan.tp > 1, plan.tp > 1 and bool(t_sp),
                    f"{len(t_sp)} of {len(params)} weights split {plan.tp} ways "
