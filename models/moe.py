@@ -15,6 +15,7 @@ is MoE. The planner does not price MoE yet (`models.workload` refuses it, naming
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -269,25 +270,18 @@ def _presets() -> dict[str, ModelConfig]:
     configs = [
         _llama_moe("mixtral-8x7b", 32000, 4096, 32, 32, 8, 14336, 32768, mixtral, rope=1e6),
         _llama_moe("mixtral-8x22b", 32768, 6144, 56, 48, 8, 16384, 65536,
-                   dataclasses_replace(mixtral, expert_ffn_size=16384), rope=1e6),
+                   dataclasses.replace(mixtral, expert_ffn_size=16384), rope=1e6),
         _llama_moe("qwen3-30b-a3b", 151936, 2048, 48, 32, 4, 6144, 40960, qwen3, rope=1e6, head_dim=128),
         _llama_moe("qwen3-235b-a22b", 151936, 4096, 94, 64, 4, 12288, 40960,
-                   dataclasses_replace(qwen3, expert_ffn_size=1536), rope=1e6, head_dim=128),
+                   dataclasses.replace(qwen3, expert_ffn_size=1536), rope=1e6, head_dim=128),
         _llama_moe("deepseek-v3", 129280, 7168, 61, 128, 128, 18432, 163840, deepseek, rope=1e4,
                    mla=MLAConfig(kv_rank=512, q_rank=1536, nope_dim=128, rope_dim=64, v_dim=128)),
         _llama_moe("gpt-oss-120b", 201088, 2880, 36, 64, 8, 2880, 131072, oss, rope=1.5e5, head_dim=64),
         _llama_moe("gpt-oss-20b", 201088, 2880, 24, 64, 8, 2880, 131072,
-                   dataclasses_replace(oss, num_experts=32), rope=1.5e5, head_dim=64),
+                   dataclasses.replace(oss, num_experts=32), rope=1.5e5, head_dim=64),
         _llama_moe("moe-tiny", 256, 32, 3, 4, 2, 64, 64, tiny, rope=1e4),
     ]
     return {c.name: c for c in configs}
-
-
-def dataclasses_replace(moe: MoEConfig, **changes: Any) -> MoEConfig:
-    """A copy of ``moe`` with ``changes`` (validated again)."""
-    import dataclasses
-
-    return dataclasses.replace(moe, **changes)
 
 
 PRESETS: dict[str, ModelConfig] = _presets()
