@@ -412,12 +412,12 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
 
 
 def _tasks(keys: list[OuterKey], order: list[int]) -> list[list[int]]:
-    """``order`` cut into runs of consecutive keys that differ only in their schedule: each run shares one
-    `intra.ScheduleMemo` (one task of `_search_keys`)."""
+    """``order`` cut into runs of consecutive keys that differ only in their schedule and chunk count (siblings,
+    `_visit_order`): each run shares one `intra.ScheduleMemo` (one task of `_search_keys`)."""
     tasks: list[list[int]] = []
     last = None
     for i in order:
-        group = dataclasses.replace(keys[i], schedule="")
+        group = dataclasses.replace(keys[i], schedule="", chunks=1)
         if tasks and group == last:
             tasks[-1].append(i)
         else:
@@ -432,7 +432,9 @@ _TaskArgs: TypeAlias = tuple[_SearchJob, list[OuterKey], list[float], float, "fl
 def _run_task(args: _TaskArgs, task: list[int], tally: _Tally) -> _Tally:
     """Visit the keys ``task`` (indices into the keys, in visit order) on a `_Tally.seed`; returns it."""
     job, keys, bounds, deadline, best_cost, budget = args
-    memo = ScheduleMemo(job.memo.schedules)  # per task: its prices do not depend on what ran before
+    # In worker processes a memo per task: what a task prices then does not depend on which tasks ran before it
+    # in the same worker. In this process the search's own (the sequential search's counts, as before).
+    memo = job.memo if _POOL_ARGS is None else ScheduleMemo(job.memo.schedules)
     for i in task:
         key = keys[i]
         cut = tally.cut if math.isfinite(tally.best_objective) else best_cost
