@@ -285,3 +285,28 @@ def test_mla_counts_kernels_and_causality():
     np.testing.assert_allclose(changed[:, :-1], attn(x)[:, :-1], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="mla"):
         _mla_tiny().replace(moe=None)
+
+
+@pytest.mark.slow
+def test_autoshard_with_a_given_plan_runs_an_moe_step_data_parallel(zoo3p):
+    """Without tuning (a plan given), autoshard runs the MoE step as plain data parallelism, equal to jax.jit."""
+    import optax
+
+    import mistjax
+
+    cfg = models.get_config("moe-tiny")
+    graphdef, params = nnx.split(models.build(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+
+    def loss_fn(p, batch):
+        logits = nnx.merge(graphdef, p)(batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    tx = optax.sgd(0.1)
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    _, want = jax.jit(zoo3p.optax_step(loss_fn, tx))(zoo3p.optax_state(params, tx), batch)
+    step = mistjax.autoshard(zoo3p.optax_step(loss_fn, tx), jax.devices(), plan=mistjax.uniform_plan(2, 8),
+                             verbose=False)
+    state = step.place(zoo3p.optax_state(jax.tree.map(jnp.copy, params), tx), batch)  # the step donates it
+    _, metrics = step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(want["loss"]), rtol=1e-5)
