@@ -18,7 +18,7 @@ mixtral     llama+moe routed SwiGLU experts; ``router_jitter_noise`` (warning)
 qwen2_moe   llama+moe shared expert without its sigmoid gate, q/k/v biases (warnings); ``mlp_only_layers`` first
 qwen3_moe   llama+moe ``head_dim`` kept (``attention_head_dim``); per-head q/k norms (warning)
 deepseek_v3 llama+moe multi-head latent attention (`models.mla`), group-limited routing; MTP, YaRN (warnings)
-gpt_oss     llama+moe expert / router / attention biases, sinks, clamped SwiGLU, sliding layers, YaRN (warnings)
+gpt_oss     llama+moe clamped SwiGLU experts; expert / router / attention biases, sinks, sliding layers, YaRN (warnings)
 =========== ========= =============================================================================
 
 Every field is either mapped, accepted as informational (token ids, ``architectures``, ``use_cache``,
@@ -480,13 +480,13 @@ def _gpt_oss(r: _Reader) -> None:
     ffn = r.fields["ffn_size"]
     if isinstance(experts, int) and isinstance(ffn, int) and _ints(r, "hidden_size", "num_heads"):
         h, n = r.fields["hidden_size"], r.fields["num_heads"]
-        r.notes.append(f"gpt-oss's expert and router biases ({experts * (2 * ffn + h + 1):,} parameters per layer), "
-                       f"attention sinks ({n} per layer) and clamped SwiGLU (swiglu_limit="
-                       f"{r.value('swiglu_limit', default=7.0)}) are not in the zoo: plain SwiGLU experts")
+        r.notes.append(f"gpt-oss's expert and router biases ({experts * (2 * ffn + h + 1):,} parameters per layer) "
+                       f"and attention sinks ({n} per layer) are not in the zoo")
     if r.value("attention_bias", default=True):
         r.notes.append("attention_bias=true: the q/k/v/o biases are not in the zoo")
     _moe_config(r, "num_local_experts", num_experts=experts, top_k=top_k, expert_ffn_size=ffn,
-                aux_loss_coef=r.value("router_aux_loss_coef", default=0.9))
+                aux_loss_coef=r.value("router_aux_loss_coef", default=0.9),
+                swiglu_limit=r.value("swiglu_limit", default=7.0))
 
 
 _MAPPERS: dict[str, Callable[[_Reader], None]] = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2,

@@ -262,9 +262,9 @@ def _presets() -> dict[str, ModelConfig]:
     deepseek = MoEConfig(num_experts=256, top_k=8, expert_ffn_size=2048, scoring="sigmoid", routed_scale=2.5,
                          expert_bias=True, aux_loss_coef=0.001, shared_ffn_size=2048, first_dense_layers=3,
                          num_groups=8, top_groups=4)
-    # gpt-oss: no expert / attention biases, plain SwiGLU (not the clamped one), full causal attention on every
-    # layer (no sliding window, no sinks): docs/moe.md lists the gaps.
-    oss = MoEConfig(num_experts=128, top_k=4, expert_ffn_size=2880, aux_loss_coef=0.9)
+    # gpt-oss: clamped SwiGLU experts; no expert / router / attention biases, full causal attention on every layer
+    # (no sliding window, no sinks): docs/moe.md lists the gaps.
+    oss = MoEConfig(num_experts=128, top_k=4, expert_ffn_size=2880, aux_loss_coef=0.9, swiglu_limit=7.0)
     tiny = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32, shared_ffn_size=32, first_dense_layers=1,
                      aux_loss_coef=0.01)
     configs = [

@@ -40,6 +40,7 @@ class MoEConfig:
     layer_freq: int = 1  # one MoE block per this many blocks after the dense-first ones
     num_groups: int = 1  # group-limited routing: expert groups (DeepSeek-V3's n_group = 8) ...
     top_groups: int = 1  # ... of which each token routes into this many (topk_group = 4)
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU in the experts (7.0); None: plain SwiGLU
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -69,6 +70,9 @@ class MoEConfig:
         for field in ("routed_scale", "bias_update_rate"):
             if not isinstance(getattr(self, field), numbers.Real) or not getattr(self, field) > 0:
                 raise bad(field, f"must be a positive number, got {getattr(self, field)!r}")
+        if self.swiglu_limit is not None and not (isinstance(self.swiglu_limit, numbers.Real)
+                                                  and self.swiglu_limit > 0):
+            raise bad("swiglu_limit", f"must be a positive number or None, got {self.swiglu_limit!r}")
         if not isinstance(self.aux_loss_coef, numbers.Real) or self.aux_loss_coef < 0:
             raise bad("aux_loss_coef", f"must be a non-negative number, got {self.aux_loss_coef!r}")
 
@@ -76,7 +80,8 @@ class MoEConfig:
         """The routing hyper-parameters `mistjax.core.moe` reads."""
         return RouterSpec(self.num_experts, self.top_k, Scoring(self.scoring), self.normalize,
                           float(self.routed_scale), None if self.capacity_factor is None
-                          else float(self.capacity_factor), self.num_groups, self.top_groups)
+                          else float(self.capacity_factor), self.num_groups, self.top_groups,
+                          None if self.swiglu_limit is None else float(self.swiglu_limit))
 
     def check_layers(self, num_layers: int) -> None:
         """Refuses a layer pattern that does not tile ``num_layers``.

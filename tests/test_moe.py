@@ -21,6 +21,7 @@ from mistjax.core.moe import (
     balancing_loss,
     capacity,
     capacity_experts,
+    glu,
     load_stats,
     ragged_experts,
     route,
@@ -96,7 +97,8 @@ def _experts(e=4, h=8, f=16):
     return x, w
 
 
-def test_dropless_ragged_equals_unbounded_capacity_path_and_its_gradients():
+@pytest.mark.parametrize("limit", [None, 0.5])  # plain SwiGLU; gpt-oss's clamped one (clamping at this scale)
+def test_dropless_ragged_equals_unbounded_capacity_path_and_its_gradients(limit):
     x, w = _experts()
     spec = RouterSpec(4, 2)
     logits = jax.random.normal(jax.random.key(3), (2, 6, 4))
@@ -104,11 +106,21 @@ def test_dropless_ragged_equals_unbounded_capacity_path_and_its_gradients():
     def loss(fn, x, w):
         return jnp.sum(fn(x, route(logits, spec), w) ** 2)
 
-    ragged = jax.value_and_grad(lambda x, w: loss(ragged_experts, x, w), (0, 1))(x, w)
-    padded = jax.value_and_grad(lambda x, w: loss(lambda a, r, b: capacity_experts(a, r, b, 6), x, w), (0, 1))(x, w)
+    ragged = jax.value_and_grad(lambda x, w: loss(lambda a, r, b: ragged_experts(a, r, b, limit), x, w),
+                                (0, 1))(x, w)
+    padded = jax.value_and_grad(lambda x, w: loss(lambda a, r, b: capacity_experts(a, r, b, 6, limit), x, w),
+                                (0, 1))(x, w)
     for got, want in zip(jax.tree.leaves(ragged), jax.tree.leaves(padded)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert "ragged_dot" in str(jax.make_jaxpr(lambda x: ragged_experts(x, route(logits, spec), w))(x))
+
+
+def test_clamped_swiglu_is_gpt_oss_activation():
+    gate, up = jnp.array([-9.0, -1.0, 0.5, 3.0, 9.0]), jnp.array([-9.0, -0.5, 0.0, 2.0, 9.0])
+    g, u = np.minimum(np.asarray(gate), 7.0), np.clip(np.asarray(up), -7.0, 7.0)
+    want = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+    np.testing.assert_allclose(glu(gate, up, 7.0), want, rtol=1e-6)
+    np.testing.assert_allclose(glu(gate, up), jax.nn.silu(gate) * up)
 
 
 def test_capacity_drops_exactly_the_choices_past_capacity():

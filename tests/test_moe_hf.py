@@ -133,9 +133,10 @@ def test_gpt_oss_states_what_is_approximated():
     _same_model(cfg, "gpt-oss-120b")
     assert cfg.max_seq_len == 131072  # half the layers attend fully: no cap at the window
     text = " ".join(notes)
-    for said in ("expert and router biases", "attention sinks", "swiglu_limit=7.0", "sliding-window layers",
-                 "attention_bias=true", "yarn"):
+    for said in ("expert and router biases", "attention sinks", "sliding-window layers", "attention_bias=true",
+                 "yarn"):
         assert said in text
+    assert cfg.moe.swiglu_limit == 7.0 and "SwiGLU" not in text
     assert cfg.num_params() == pytest.approx(116.83e9, rel=2e-3)  # OpenAI's model card: 116.83B
 
 

@@ -48,6 +48,7 @@ class RouterSpec(NamedTuple):
         num_groups: group-limited routing (DeepSeek-V3's ``n_group``): the experts form this many equal groups ...
         top_groups: ... and each token chooses among the experts of its ``top_groups`` best groups only, a group
             scored by the sum of its two best (biased) scores (``topk_group``). 1 / 1: no grouping.
+        swiglu_limit: None for SwiGLU; else gpt-oss's clamped form (`glu`).
     """
 
     num_experts: int
@@ -58,6 +59,7 @@ class RouterSpec(NamedTuple):
     capacity_factor: float | None = None
     num_groups: int = 1
     top_groups: int = 1
+    swiglu_limit: float | None = None
 
 
 class Routing(NamedTuple):
@@ -199,26 +201,39 @@ def combine(outputs: jax.Array, index: jax.Array, kept: jax.Array, weights: jax.
     return jnp.einsum("bskh,bsk->bsh", picked, w)
 
 
-def swiglu_experts(x: jax.Array, w: ExpertWeights) -> jax.Array:
-    """Batched SwiGLU experts on ``x [E, n, h]`` -> ``[E, n, h]`` (expert ``e`` reads row ``e``)."""
+GPT_OSS_ALPHA = 1.702  # gpt-oss's sigmoid sharpness in its clamped SwiGLU
+
+
+def glu(gate: jax.Array, up: jax.Array, limit: float | None = None) -> jax.Array:
+    """``silu(gate) * up``; with ``limit``, gpt-oss's form: ``gate`` clamped above at ``limit``, ``up`` to
+    ``[-limit, limit]``, then ``gate * sigmoid(1.702 * gate) * (up + 1)``."""
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(GPT_OSS_ALPHA * gate) * (up + 1)
+
+
+def swiglu_experts(x: jax.Array, w: ExpertWeights, limit: float | None = None) -> jax.Array:
+    """Batched SwiGLU experts on ``x [E, n, h]`` -> ``[E, n, h]`` (expert ``e`` reads row ``e``; `glu`)."""
     dt = x.dtype
     gate = jnp.einsum("enh,ehf->enf", x, w.gate.astype(dt))
     up = jnp.einsum("enh,ehf->enf", x, w.up.astype(dt))
-    return jnp.einsum("enf,efh->enh", jax.nn.silu(gate) * up, w.down.astype(dt))
+    return jnp.einsum("enf,efh->enh", glu(gate, up, limit), w.down.astype(dt))
 
 
-def capacity_experts(x: jax.Array, routing: Routing, w: ExpertWeights, slots: int) -> jax.Array:
+def capacity_experts(x: jax.Array, routing: Routing, w: ExpertWeights, slots: int, limit: float | None = None
+                     ) -> jax.Array:
     """The padded-buffer path on one device: dispatch, batched experts, combine. ``x [B, S, h]``."""
     num_experts = w.gate.shape[0]
     buffers, index, kept = dispatch(x, routing.experts, num_experts, slots)
     b, _, h = buffers.shape
     per_expert = jnp.swapaxes(buffers.reshape(b, num_experts, slots, h), 0, 1).reshape(num_experts, b * slots, h)
-    out = swiglu_experts(per_expert, w)
+    out = swiglu_experts(per_expert, w, limit)
     out = jnp.swapaxes(out.reshape(num_experts, b, slots, h), 0, 1).reshape(b, num_experts * slots, h)
     return combine(out, index, kept, routing.weights)
 
 
-def ragged_experts(x: jax.Array, routing: Routing, w: ExpertWeights) -> jax.Array:
+def ragged_experts(x: jax.Array, routing: Routing, w: ExpertWeights, limit: float | None = None) -> jax.Array:
     """The dropless path: (token, choice) pairs sorted by expert, SwiGLU as three ``jax.lax.ragged_dot`` grouped
     GEMMs over the sorted rows (no padding, no dropping), then unsorted and combined. ``x [..., h]``."""
     h, k = x.shape[-1], routing.experts.shape[-1]
@@ -230,7 +245,7 @@ def ragged_experts(x: jax.Array, routing: Routing, w: ExpertWeights) -> jax.Arra
     dt = x.dtype
     gate = jax.lax.ragged_dot(rows, w.gate.astype(dt), sizes)
     up = jax.lax.ragged_dot(rows, w.up.astype(dt), sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.down.astype(dt), sizes)
+    out = jax.lax.ragged_dot(glu(gate, up, limit), w.down.astype(dt), sizes)
     unsorted = jnp.zeros_like(out).at[order].set(out)
     weights = routing.weights.reshape(-1, k).astype(dt)
     return jnp.einsum("nkh,nk->nh", unsorted.reshape(-1, k, h), weights).reshape(x.shape)
@@ -239,8 +254,8 @@ def ragged_experts(x: jax.Array, routing: Routing, w: ExpertWeights) -> jax.Arra
 def local_experts(x: jax.Array, routing: Routing, w: ExpertWeights, spec: RouterSpec) -> jax.Array:
     """The single-device dispatcher: padded capacity buffers when ``spec`` drops, else the ragged path."""
     if spec.capacity_factor is None:
-        return ragged_experts(x, routing, w)
-    return capacity_experts(x, routing, w, capacity(x.shape[1], spec))
+        return ragged_experts(x, routing, w, spec.swiglu_limit)
+    return capacity_experts(x, routing, w, capacity(x.shape[1], spec), spec.swiglu_limit)
 
 
 # (tokens [B, S, h], routing, expert weights, spec) -> [B, S, h]

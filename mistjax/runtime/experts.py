@@ -82,13 +82,13 @@ def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Seque
 
         def local(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights) -> jax.Array:
             if not fold_axes:
-                return _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axes, tensor_axis)
+                return _exchange(x, experts, weights, w, spec, slots, ep, expert_axes, tensor_axis)
             # This rank's share of the fold group's sequences (capacity is per sequence, so any row split
             # drops the same choices), then the group's outputs gathered back.
             share = x.shape[0] // fold
             start = jax.lax.axis_index(tuple(fold_axes)) * share
             x, experts, weights = (jax.lax.dynamic_slice_in_dim(a, start, share) for a in (x, experts, weights))
-            out = _exchange(x, experts, weights, w, spec.num_experts, slots, ep, expert_axes, tensor_axis)
+            out = _exchange(x, experts, weights, w, spec, slots, ep, expert_axes, tensor_axis)
             # Gathered as a psum of the shares placed in zeros: the result is typed invariant over the fold
             # group (shard_map's out_specs replicate it there), which all_gather's is not in this JAX.
             placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((fold * share, *out.shape[1:]), out.dtype),
@@ -104,17 +104,18 @@ def expert_parallel(mesh: Mesh, *, expert_axis: str = "expert", data_axes: Seque
     return run
 
 
-def _exchange(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, num_experts: int,
+def _exchange(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, spec: RouterSpec,
               slots: int, ep: int, axis: tuple[str, ...], tensor_axis: str | None) -> jax.Array:
     """One rank's dispatch, all-to-all, local experts, all-to-all back and combine (inside ``shard_map``)."""
     b, _, h = x.shape
+    num_experts = spec.num_experts
     local_experts = num_experts // ep
     buffers, index, kept = dispatch(x, experts, num_experts, slots)  # [b, E*C, h]
     # [b, E, C, h] -> [ep, E_local, b*C, h]: row r of the leading axis goes to expert rank r.
     send = jnp.swapaxes(buffers.reshape(b, num_experts, slots, h), 0, 1).reshape(ep, local_experts, b * slots, h)
     received = jax.lax.all_to_all(send, axis, split_axis=0, concat_axis=0)  # leading axis: source rank
     rows = jnp.swapaxes(received, 0, 1).reshape(local_experts, ep * b * slots, h)
-    out = swiglu_experts(rows, w)
+    out = swiglu_experts(rows, w, spec.swiglu_limit)
     if tensor_axis is not None:  # each tensor rank holds a slice of the inner width: sum the partial products
         out = jax.lax.psum(out, tensor_axis)
     back = jnp.swapaxes(out.reshape(local_experts, ep, b * slots, h), 0, 1)
