@@ -385,11 +385,12 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
                  workers: int = 1) -> _Tally:
     """Tune the outer keys in `_visit_order`, skipping those whose bound cannot beat the best so far.
 
-    The keys go in tasks (`_tasks`: runs of keys that share prices), merged in visit order. Task i starts from
-    what the first i - workers + 1 tasks found (`_Tally.seed`), so with one worker each task knows all the
-    tasks before it (the sequential search), and with more the tasks in flight run side by side in worker
-    processes (`_TaskPool`); either way what each task knows, and so the answer and the work counted, depends
-    on the number of workers only, never on the clock or on which task finishes first.
+    The keys go in tasks (`_tasks`: runs of keys that share prices), merged in visit order. The first task runs
+    alone (its best-bound key usually gives the plan the others must beat); then task i starts from what tasks
+    0 .. i - lag found (`_Tally.seed`): lag 1 with one worker (the sequential search), `_LAG` with more, the
+    tasks in flight running side by side in worker processes (`_TaskPool`). Either way what each task knows,
+    and so the answer and the work counted, depends on whether there are several workers only, never on the
+    clock or on which task finishes first.
 
     Each key may use all the time left; once ``budget`` is spent (checked before each key, on the work of the
     tasks merged before its task's seed and its own task's: deterministic) or past the deadline, the keys not
@@ -400,11 +401,11 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
     args = (job, keys, bounds, deadline, best_cost, budget)
     lag = _LAG if workers > 1 else 1
     with _TaskPool(args, workers if len(tasks) > 1 else 1) as pool:
-        pending = [pool.submit(task, tally.seed()) for task in tasks[:lag]]
+        pending = [pool.submit(tasks[0], tally.seed())] if tasks else []
         for i, task in enumerate(tasks):
             tally.merge(pending[i].result())
-            if i + lag < len(tasks):
-                pending.append(pool.submit(tasks[i + lag], tally.seed()))
+            while len(pending) < min(len(tasks), i + 1 + lag):  # tasks i + 1 .. i + lag in flight
+                pending.append(pool.submit(tasks[len(pending)], tally.seed()))
             visited += len(task)
             if progress is not None and visited < len(keys):
                 progress(job.space.name, visited, len(keys))
