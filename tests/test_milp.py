@@ -135,7 +135,7 @@ def test_fill_shares_of_the_schedules() -> None:
 
     assert fill_share("1f1b") == fill_share("gpipe") == 1.0
     assert fill_share("1f1b", 4) == 0.25  # interleaved: (G + (S-1)/v) T for equal stages
-    assert fill_share("zb-h1", 1, 0.25, 2) == pytest.approx(0.5)  # (S-1)(F + B) - W with W = T/4, S = 2
+    assert fill_share("zb-h1", 1, 0.25, 2) == pytest.approx(0.5)  # (S-1)(F + B - W): 1 - 2 W/T with W = T/4
     assert fill_share("zb-h1", 1, 0.7) == 0.0 and fill_share("zb-h1", 1, -1.0) == 1.0
     # equal stages: the interleaved bubble is (S-1)/v stage times
     assert float(pipeline_objective([1.0] * 4, [0.0] * 4, 8, fill_share("1f1b", 2))) == pytest.approx(8 + 3 / 2)

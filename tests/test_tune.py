@@ -610,20 +610,25 @@ def test_rising_bounds_price_less_and_keep_the_plan(monkeypatch):
 
 def test_schedules_are_keys_of_the_complete_search():
     """ZB-H1 and interleaved 1F1B keys are searched or pruned like any key: the space with them returns a plan
-    at least as fast as without, here a ZB-H1 plan found as a key (Falcon 2.7B on 4 L4s), priced by `predict`
-    as the search priced it."""
+    at least as fast as without (Falcon 2.7B on 4 L4s), priced by `predict` as the search priced it. Since
+    ZB-H1 runs at Qi et al.'s bubble it holds 1F1B's peak, S micro-batches, on every stage (docs/schedules.md):
+    its best key here (4 stages, G 32) is searched, would be faster (its bound is below the plan's time) and
+    finds no plan that fits the L4s, where the earlier order's (1F1B's count per stage) won at 16.89 s against
+    17.29 s."""
     w = models.workload(models.get_config("falcon-2.7b").replace(dtype="bfloat16"), 2048, 64)
     cl = ClusterSpec.parse("l4:1x4")
     full = search(w, cl, SearchSpace(), time_limit=600)
     without = search(w, cl, SearchSpace(zero_bubble=False, interleave=()), time_limit=600)
-    assert full.complete and without.complete and full.objective < without.objective
-    assert full.plan.schedule == "zb-h1" and full.prediction.step_time == pytest.approx(full.objective, rel=0.03)
+    assert full.complete and without.complete and full.objective <= without.objective
+    assert full.prediction.step_time == pytest.approx(full.objective, rel=0.03)
     status = {(r["schedule"], r["chunks"]): set() for r in full.frontier}
     for r in full.frontier:
         status[(r["schedule"], r["chunks"])].add(r["status"])
     assert set(status) == {("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("1f1b", 2), ("1f1b", 4)}
     assert all(s <= {"searched", "pruned"} for s in status.values())
     assert "searched" in status[("zb-h1", 1)] and "searched" in status[("1f1b", 2)]
+    zb = [r for r in full.frontier if r["schedule"] == "zb-h1" and r["stages"] == 4 and r["grad_accum"] == 32]
+    assert zb and zb[0]["status"] == "searched" and zb[0]["objective"] is None and zb[0]["bound"] < full.objective
 
 
 def test_a_plan_that_does_not_fit_under_predict_never_prunes_other_keys():
