@@ -352,13 +352,23 @@ def mics() -> str:
                     left=0) + "\n")
 
 
+def schedules() -> str:
+    """scripts/bench_schedules.py: each schedule's simulated fill share (bubble) and in-flight micro-batches."""
+    d = load("schedules.json")
+    rows = [[r["schedule"], r["chunks"], r["stages"], r["grad_accum"], f"{r['fill_share']:.3f}",
+             f"{r['model_fill_share']:.3f}", f"{r['ideal_fill_share']:.3f}" if "ideal_fill_share" in r else "-",
+             f"{r['peak_inflight']:g}", f"{r['makespan']:.2f}"] for r in d["rows"]]
+    return table(["schedule", "chunks", "stages S", "micro-batches G", "fill share (simulated)",
+                  "cost model's", "ideal (ZB-H1)", "peak in flight", "makespan (T)"], rows) + "\n"
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "published": published, "costmodel": costmodel, "tuner": tuner, "gpu_aot_tuned": gpu_aot_tuned,
     "gpu_aot": gpu_aot, "gpu_aot_pipelined": gpu_aot_pipelined,
     "mpmd": mpmd, "bench_time": bench_time, "zero_bubble": zero_bubble, "tp_overlap": tp_overlap,
     "unrolled_cpu": lambda: unrolled("unrolled_memory.json"),
     "unrolled_h100": lambda: unrolled("unrolled_memory_h100.json"), "gpu_h200": gpu_h200, "fits": fits,
-    "field": field, "mics": mics,
+    "field": field, "mics": mics, "schedules": schedules,
 }
 
 
