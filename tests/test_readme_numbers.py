@@ -127,6 +127,23 @@ def test_step_time_figures_are_bench_times(readme: str) -> None:
     assert statistics.median(abs(r - 1) for r in ratios) == pytest.approx(s["median_abs_rel_err"])
 
 
+def test_out_of_sample_figures_are_field_and_fit_jsons(readme: str) -> None:
+    t = _results("field.json")["summary"]["time"]
+    m = _match(readme, r"on (\d+) runs from six public sources never used for fitting .*? step time is within a "
+                       r"median \|ln\(pred/meas\)\| of ({N}) \(max ({N}):")
+    _printed(m[1], t["n"], "the number of field runs")
+    _printed(m[2], t["median_abs_log_ratio"], "the field runs' median |ln|")
+    _printed(m[3], t["max_abs_log_ratio"], "the field runs' max |ln|")
+    fit = _results("fit-h200.json")["summary"]
+    m = _match(readme, r"preset by script \(leave-one-model-out ({N}) from ({N})\)")
+    _printed(m[1], fit["leave_one_out"]["median_abs_log_ratio"], "the H200 fit's out-of-sample median")
+    _printed(m[2], fit["before"]["median_abs_log_ratio"], "the H200 preset's median before the fit")
+    pts = _results("mics.json")["published"]["points"]
+    m = _match(readme, r"MiCS's published runs are predicted ({N})-({N})x fast")
+    _printed(m[1], 1 / max(p["ratio"] for p in pts), "the smallest MiCS under-prediction factor")
+    _printed(m[2], 1 / min(p["ratio"] for p in pts), "the largest MiCS under-prediction factor")
+
+
 def test_benchmarks_md_tables_are_generated_from_the_results() -> None:
     module = _docs_tables()
     text = (ROOT / "docs" / "benchmarks.md").read_text()
