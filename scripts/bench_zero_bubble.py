@@ -29,6 +29,9 @@ from mistjax.cost import analyze  # noqa: E402
 from mistjax.cost.model import stage_cost  # noqa: E402
 from mistjax.cost.predict import bubble_fraction, plan_strategies  # noqa: E402
 from mistjax.plan import Plan  # noqa: E402
+from mistjax.tuning import baseline_system  # noqa: E402
+from mistjax.tuning.baselines import GRID_PRECISION  # noqa: E402
+from mistjax.validate.published import system_workload  # noqa: E402
 
 
 def cell_record(cell: dict) -> dict | None:
@@ -36,8 +39,9 @@ def cell_record(cell: dict) -> dict | None:
     if plan is None or plan.num_stages < 2 or plan.virtual_stages > 1:
         return None
     platform, gpus = cell["platform"], cell["gpus"]
-    cfg = models.get_config(f"{cell['family']}-{cell['size']}").replace(dtype="bfloat16")
-    workload = models.workload(cfg, PLATFORMS[platform], 16 * gpus)
+    # Priced as the grid priced the plan: mistjax's storage at the grid's precision (`reproduce_paper.run_cell`).
+    cfg = models.get_config(f"{cell['family']}-{cell['size']}")
+    workload = system_workload(baseline_system("mistjax"), cfg, PLATFORMS[platform], 16 * gpus, GRID_PRECISION)
     cluster = cluster_for(platform, gpus)
     one, zb_plan = plan.replace(schedule="1f1b", prediction=None), plan.replace(schedule="zb-h1", prediction=None)
     a1, az = analyze(workload, one, cluster), analyze(workload, zb_plan, cluster)
