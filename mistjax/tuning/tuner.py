@@ -406,9 +406,10 @@ def _search_keys(job: _SearchJob, keys: list[OuterKey], bounds: list[float], dea
             tally.merge(pending[i].result())
             while len(pending) < min(len(tasks), i + 1 + lag):  # tasks i + 1 .. i + lag in flight
                 pending.append(pool.submit(tasks[len(pending)], tally.seed()))
-            visited += len(task)
-            if progress is not None and visited < len(keys):
-                progress(job.space.name, visited, len(keys))
+            for _ in task:  # each key of the task, reported as its task's results merge
+                visited += 1
+                if progress is not None and visited < len(keys):
+                    progress(job.space.name, visited, len(keys))
     return tally
 
 
