@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import date
-from typing import TypedDict
+from typing import Any, TypedDict, cast
 
 import numpy as np
 
@@ -94,7 +94,7 @@ def prepare(runs: Sequence[PublishedRun]) -> list[Case]:
 
 def with_constants(cluster: ClusterSpec, values: dict[str, float]) -> ClusterSpec:
     """``cluster`` whose device has ``values`` for the fitted constants."""
-    return replace(cluster, device=replace(cluster.device, **values))
+    return replace(cluster, device=replace(cluster.device, **cast(dict[str, Any], values)))
 
 
 def predicted(case: Case, values: dict[str, float]) -> float:
@@ -178,7 +178,7 @@ class Fit:
         |ln(pred/meas)|): the test a fit passes before it replaces a preset's constants (``--write``)."""
         s = self.summary()
         loo, before = s["leave_one_out"], s["before"]
-        if loo is None or loo["n"] < s["n"]:  # every run must be predicted out of sample
+        if loo is None or before is None or loo["n"] < s["n"]:  # every run must be predicted out of sample
             return False
         return (loo["median_abs_log_ratio"] < before["median_abs_log_ratio"]
                 and loo["max_abs_log_ratio"] <= before["max_abs_log_ratio"])
@@ -278,7 +278,8 @@ def fit(
     dev = cases[0].cluster.device
     start = {f: float(getattr(dev, f)) for f in fields}
     values = _solve(cases, fields, start, max_nfev)
-    loo_errs, per_fold = None, []
+    loo_errs: list[float] | None = None
+    per_fold: list[dict[str, float]] = []
     if loo and len(cases) > len(fields) and max(fold_of) > 0:
         loo_errs, per_fold = cross_validate(cases, fields, fold_of, start, max(max_nfev // 2, 10), log)
     return Fit(
@@ -298,25 +299,26 @@ def fitted_source(result: Fit, data: str, subset: str) -> str:
     """The provenance sentence appended to a preset's ``device.source``: the file, the number of runs, the
     date and the script, the fitted constants with the values they replace, and the residuals."""
     s = result.summary()
-    loo = s["leave_one_out"]
+    loo, before, fitted = s["leave_one_out"], s["before"], s["fitted"]
+    assert before is not None and fitted is not None  # a fit has runs (`fit` refuses none)
     tail = (f", leave-one-{result.folds}-out {loo['median_abs_log_ratio']:.3f} / {loo['max_abs_log_ratio']:.3f}"
             if loo else "")
     names = ", ".join(f"{k} {v:.4g} (was {result.start[k]:.4g})" for k, v in result.values.items())
     return (
         f"fitted to {data}, {s['n']} runs ({subset}), {date.today().isoformat()}, by scripts/fit_presets.py: "
-        f"{names}; median / max |ln(pred/meas)| before {s['before']['median_abs_log_ratio']:.3f} / "
-        f"{s['before']['max_abs_log_ratio']:.3f}, fitted {s['fitted']['median_abs_log_ratio']:.3f} / "
-        f"{s['fitted']['max_abs_log_ratio']:.3f}{tail}"
+        f"{names}; median / max |ln(pred/meas)| before {before['median_abs_log_ratio']:.3f} / "
+        f"{before['max_abs_log_ratio']:.3f}, fitted {fitted['median_abs_log_ratio']:.3f} / "
+        f"{fitted['max_abs_log_ratio']:.3f}{tail}"
     )
 
 
 def update_preset_document(doc: Mapping[str, object], result: Fit, source: str) -> dict[str, object]:
     """A preset document with the fitted constants and the provenance sentence in ``device.source``."""
     out = dict(doc)
-    dev = dict(out["device"])
+    dev = dict(cast(Mapping[str, object], out["device"]))
     for k, v in result.values.items():
         dev[k] = float(f"{v:.4g}")
-    old = dev.get("source", "")
+    old = str(dev.get("source", ""))
     kept = old.split(" | fitted to ")[0]  # a previous fit's sentence is replaced, not appended to
     dev["source"] = f"{kept} | {source}" if kept else source
     out["device"] = dev
